@@ -1,0 +1,282 @@
+"""BERT in Flax NNX: embeddings, post-LayerNorm encoder, pooler, classification and MLM heads.
+
+Numerically the same model as Hugging Face's ``BertModel`` (exact-erf GELU, post-LN, pooler =
+tanh(dense(first token))). Every parameter carries logical axis names (``vocab``, ``embed``,
+``heads``, ``mlp``); ``jaxaccel.sharding`` maps them to mesh axes. Dtypes come from a
+``jaxaccel.precision.Policy``: matmuls run in ``policy.compute_dtype``, parameters are stored in
+``policy.param_dtype``, layer norms and softmax run in float32.
+
+    model = from_pretrained("path/to/hf_checkpoint", num_labels=2)
+    out = model(input_ids, attention_mask=mask)      # out.last_hidden_state, .pooler_output, .logits
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from flax import struct
+
+from jaxaccel.models.attention import ATTENTION_IMPLS, attention, check_impl
+from jaxaccel.precision import Policy, get_policy
+
+BERT_MODEL_TYPES = ("bert",)
+
+
+@dataclasses.dataclass(frozen=True)
+class BertConfig:
+    """The architecture; field names are those of transformers' ``BertConfig``."""
+
+    vocab_size: int = 30522
+    hidden_size: int = 768
+    num_hidden_layers: int = 12
+    num_attention_heads: int = 12
+    intermediate_size: int = 3072
+    hidden_act: str = "gelu"
+    hidden_dropout_prob: float = 0.1
+    attention_probs_dropout_prob: float = 0.1
+    max_position_embeddings: int = 512
+    type_vocab_size: int = 2
+    layer_norm_eps: float = 1e-12
+    pad_token_id: int = 0
+    initializer_range: float = 0.02
+
+    def __post_init__(self):
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(f"hidden_size={self.hidden_size} is not divisible by "
+                             f"num_attention_heads={self.num_attention_heads}.")
+        if self.hidden_act not in _ACTIVATIONS:
+            raise ValueError(f"hidden_act={self.hidden_act!r} is not supported; expected one of "
+                             f"{sorted(_ACTIVATIONS)}.")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], source: str = "config") -> "BertConfig":
+        """Build from a transformers config.json dict; rejects non-BERT architectures."""
+        model_type = d.get("model_type", "bert")
+        if model_type not in BERT_MODEL_TYPES:
+            raise ValueError(f"{source}: model_type={model_type!r} is not a BERT-family model; "
+                             f"this loader reads {BERT_MODEL_TYPES}.")
+        if d.get("position_embedding_type", "absolute") != "absolute":
+            raise ValueError(f"{source}: position_embedding_type="
+                             f"{d['position_embedding_type']!r} is not supported (only 'absolute').")
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+_ACTIVATIONS = {
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+    "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+    "relu": jax.nn.relu,
+}
+
+
+@struct.dataclass
+class BertOutput:
+    last_hidden_state: jax.Array
+    pooler_output: jax.Array | None = None
+    logits: jax.Array | None = None
+
+
+def _init(std: float, axes: tuple):
+    """BERT's normal(0, std) initializer, annotated with logical axis names."""
+    return nnx.with_partitioning(nnx.initializers.normal(std), axes, eager_sharding=False)
+
+
+def _const(fn, axes: tuple):
+    return nnx.with_partitioning(fn, axes, eager_sharding=False)
+
+
+def _dense(din, dout, axes, cfg: BertConfig, policy: Policy, rngs):
+    return nnx.Linear(
+        din, dout, dtype=policy.compute_dtype, param_dtype=policy.param_dtype,
+        kernel_init=_init(cfg.initializer_range, axes),
+        bias_init=_const(nnx.initializers.zeros_init(), (axes[1],)), rngs=rngs)
+
+
+def _layer_norm(cfg: BertConfig, policy: Policy, rngs):
+    return nnx.LayerNorm(
+        cfg.hidden_size, epsilon=cfg.layer_norm_eps, dtype=jnp.float32,
+        param_dtype=policy.param_dtype, use_fast_variance=False,
+        scale_init=_const(nnx.initializers.ones_init(), ("embed",)),
+        bias_init=_const(nnx.initializers.zeros_init(), ("embed",)), rngs=rngs)
+
+
+def _embed(n, cfg: BertConfig, policy: Policy, axes, rngs):
+    return nnx.Embed(n, cfg.hidden_size, dtype=jnp.float32, param_dtype=policy.param_dtype,
+                     embedding_init=_init(cfg.initializer_range, axes), rngs=rngs)
+
+
+class BertEmbeddings(nnx.Module):
+    def __init__(self, cfg: BertConfig, policy: Policy, rngs: nnx.Rngs):
+        self.word_embeddings = _embed(cfg.vocab_size, cfg, policy, ("vocab", "embed"), rngs)
+        self.position_embeddings = _embed(cfg.max_position_embeddings, cfg, policy,
+                                          (None, "embed"), rngs)
+        self.token_type_embeddings = _embed(cfg.type_vocab_size, cfg, policy, (None, "embed"), rngs)
+        self.layer_norm = _layer_norm(cfg, policy, rngs)
+        self.dropout = nnx.Dropout(cfg.hidden_dropout_prob)
+
+    def __call__(self, input_ids, token_type_ids, deterministic, rngs):
+        positions = jnp.arange(input_ids.shape[1])[None, :]
+        x = (self.word_embeddings(input_ids) + self.position_embeddings(positions)
+             + self.token_type_embeddings(token_type_ids))
+        return self.dropout(self.layer_norm(x), deterministic=deterministic, rngs=rngs)
+
+
+class BertAttention(nnx.Module):
+    """Self-attention plus its output projection, residual and post-LayerNorm."""
+
+    def __init__(self, cfg: BertConfig, policy: Policy, attention_impl: str, rngs: nnx.Rngs):
+        h = cfg.hidden_size
+        self.cfg, self.attention_impl = cfg, attention_impl
+        self.query = _dense(h, h, ("embed", "heads"), cfg, policy, rngs)
+        self.key = _dense(h, h, ("embed", "heads"), cfg, policy, rngs)
+        self.value = _dense(h, h, ("embed", "heads"), cfg, policy, rngs)
+        self.output = _dense(h, h, ("heads", "embed"), cfg, policy, rngs)
+        self.layer_norm = _layer_norm(cfg, policy, rngs)
+        self.dropout = nnx.Dropout(cfg.hidden_dropout_prob)
+
+    def __call__(self, x, attention_mask, deterministic, rngs):
+        b, s, _ = x.shape
+        split = lambda t: t.reshape(b, s, self.cfg.num_attention_heads, self.cfg.head_dim)
+        dropout_rng = None
+        if not deterministic and self.cfg.attention_probs_dropout_prob > 0:
+            dropout_rng = rngs.dropout()
+        ctx = attention(split(self.query(x)), split(self.key(x)), split(self.value(x)),
+                        attention_mask, impl=self.attention_impl,
+                        dropout_rate=self.cfg.attention_probs_dropout_prob,
+                        deterministic=deterministic, dropout_rng=dropout_rng)
+        y = self.dropout(self.output(ctx.reshape(b, s, -1)), deterministic=deterministic,
+                         rngs=rngs)
+        return self.layer_norm(y + x)
+
+
+class BertLayer(nnx.Module):
+    def __init__(self, cfg: BertConfig, policy: Policy, attention_impl: str, rngs: nnx.Rngs):
+        self.attention = BertAttention(cfg, policy, attention_impl, rngs)
+        self.intermediate = _dense(cfg.hidden_size, cfg.intermediate_size, ("embed", "mlp"),
+                                   cfg, policy, rngs)
+        self.output = _dense(cfg.intermediate_size, cfg.hidden_size, ("mlp", "embed"),
+                             cfg, policy, rngs)
+        self.layer_norm = _layer_norm(cfg, policy, rngs)
+        self.dropout = nnx.Dropout(cfg.hidden_dropout_prob)
+        self.act = _ACTIVATIONS[cfg.hidden_act]
+
+    def __call__(self, x, attention_mask, deterministic, rngs):
+        x = self.attention(x, attention_mask, deterministic, rngs)
+        y = self.output(self.act(self.intermediate(x)))
+        return self.layer_norm(self.dropout(y, deterministic=deterministic, rngs=rngs) + x)
+
+
+class BertMLMHead(nnx.Module):
+    """Masked-LM head: dense + GELU + LayerNorm, then logits tied to the word embeddings."""
+
+    def __init__(self, cfg: BertConfig, policy: Policy, rngs: nnx.Rngs):
+        self.dense = _dense(cfg.hidden_size, cfg.hidden_size, ("embed", None), cfg, policy, rngs)
+        self.layer_norm = _layer_norm(cfg, policy, rngs)
+        self.bias = nnx.Param(jnp.zeros((cfg.vocab_size,), policy.param_dtype),
+                              out_sharding=("vocab",), eager_sharding=False)
+        self.act = _ACTIVATIONS[cfg.hidden_act]
+        self.policy = policy
+
+    def __call__(self, x, word_embeddings):
+        x = self.layer_norm(self.act(self.dense(x)))
+        emb = word_embeddings.astype(self.policy.compute_dtype)
+        logits = jnp.einsum("bsh,vh->bsv", x.astype(self.policy.compute_dtype), emb,
+                            preferred_element_type=jnp.float32)
+        return logits + self.bias.value.astype(jnp.float32)
+
+
+class BertModel(nnx.Module):
+    """BERT encoder with pooler and optional heads.
+
+    Args:
+      config: the architecture.
+      num_labels: if given, a sequence-classification head (dropout + dense on the pooled output)
+        and ``logits`` [batch, num_labels] in the output.
+      mlm_head: add the masked-LM head; ``logits`` are then [batch, seq, vocab].
+      policy: precision policy name or object (default fp32).
+      attention_impl: one of ``ATTENTION_IMPLS``.
+      rngs: parameter initialisation RNGs (``nnx.Rngs(params=...)``).
+    """
+
+    def __init__(self, config: BertConfig, *, num_labels: int | None = None,
+                 mlm_head: bool = False, policy: str | Policy | None = None,
+                 attention_impl: str = "xla", rngs: nnx.Rngs | None = None):
+        if num_labels is not None and mlm_head:
+            raise ValueError("choose one head: num_labels (classification) or mlm_head=True.")
+        if num_labels is not None and num_labels < 1:
+            raise ValueError(f"num_labels={num_labels} must be a positive integer.")
+        check_impl(attention_impl, 0.0, True)
+        rngs = rngs if rngs is not None else nnx.Rngs(params=0)
+        policy = get_policy(policy)
+        self.config, self.policy, self.num_labels = config, policy, num_labels
+        self.embeddings = BertEmbeddings(config, policy, rngs)
+        self.layers = nnx.List([BertLayer(config, policy, attention_impl, rngs)
+                                for _ in range(config.num_hidden_layers)])
+        self.pooler = _dense(config.hidden_size, config.hidden_size, ("embed", None), config,
+                             policy, rngs)
+        self.classifier_dropout = nnx.Dropout(config.hidden_dropout_prob)
+        self.classifier = nnx.data(None if num_labels is None else _dense(
+            config.hidden_size, num_labels, ("embed", None), config, policy, rngs))
+        self.mlm = nnx.data(BertMLMHead(config, policy, rngs) if mlm_head else None)
+
+    def __call__(self, input_ids, attention_mask=None, token_type_ids=None, *,
+                 deterministic: bool = True, rngs: nnx.Rngs | None = None) -> BertOutput:
+        """Run the model; ``rngs`` (an ``nnx.Rngs`` with a ``dropout`` stream) when not
+        deterministic."""
+        seq = input_ids.shape[1]
+        if seq > self.config.max_position_embeddings:
+            raise ValueError(f"sequence length {seq} exceeds max_position_embeddings="
+                             f"{self.config.max_position_embeddings}; truncate the inputs.")
+        if not deterministic and rngs is None:
+            raise ValueError("deterministic=False needs rngs=nnx.Rngs(dropout=key).")
+        if token_type_ids is None:
+            token_type_ids = jnp.zeros_like(input_ids)
+        x = self.embeddings(input_ids, token_type_ids, deterministic, rngs)
+        for layer in self.layers:
+            x = layer(x, attention_mask, deterministic, rngs)
+        pooled = jnp.tanh(self.pooler(x[:, 0]).astype(jnp.float32))
+        logits = None
+        if self.classifier is not None:
+            h = self.classifier_dropout(pooled, deterministic=deterministic, rngs=rngs)
+            logits = self.policy.cast_to_output(self.classifier(h))
+        elif self.mlm is not None:
+            logits = self.mlm(x, self.embeddings.word_embeddings.embedding.value)
+        return BertOutput(last_hidden_state=self.policy.cast_to_output(x),
+                          pooler_output=self.policy.cast_to_output(pooled), logits=logits)
+
+
+PRESETS = {
+    "bert-base": BertConfig(),
+    "bert-large": BertConfig(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
+                             intermediate_size=4096),
+    "minilm-l6": BertConfig(hidden_size=384, num_hidden_layers=6, num_attention_heads=12,
+                            intermediate_size=1536),
+    "tiny": BertConfig(vocab_size=30522, hidden_size=64, num_hidden_layers=2,
+                       num_attention_heads=4, intermediate_size=128, max_position_embeddings=128),
+}
+
+
+def from_pretrained(path, num_labels: int | None = None, policy: str | Policy | None = None,
+                    *, attention_impl: str = "xla", mlm_head: bool = False,
+                    seed: int = 0, config_overrides: dict | None = None) -> BertModel:
+    """Load a Hugging Face BERT-family checkpoint directory (config.json + model.safetensors).
+
+    Heads missing from the checkpoint (e.g. a new classifier) are freshly initialised from
+    ``seed``; tensors the model does not know are an error that names them.
+    """
+    from jaxaccel.models.hf import load_checkpoint
+    return load_checkpoint(path, num_labels=num_labels, policy=policy,
+                           attention_impl=attention_impl, mlm_head=mlm_head, seed=seed,
+                           config_overrides=config_overrides)
+
+
+__all__ = ["ATTENTION_IMPLS", "BertConfig", "BertModel", "BertOutput", "PRESETS",
+           "from_pretrained"]

@@ -1,0 +1,150 @@
+"""Import Hugging Face BERT-family checkpoints (config.json + safetensors) into the NNX model.
+
+No torch needed. Reads ``model.safetensors`` or a sharded ``model.safetensors.index.json``,
+accepts the ``bert.``-prefixed layout (``BertFor*`` checkpoints) and the un-prefixed one
+(``BertModel``), and the old ``gamma``/``beta`` LayerNorm names. Tensors the model does not
+know, and missing encoder tensors, are errors that name them; heads absent from the checkpoint
+(classifier, MLM head, pooler) are initialised fresh and reported.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+
+import jax
+import numpy as np
+from flax import nnx
+
+from jaxaccel.models.bert import BertConfig, BertModel
+
+log = logging.getLogger(__name__)
+
+# Checkpoint tensors that carry no parameters of ours (buffers, NSP head, tied decoder weight).
+_IGNORED = re.compile(r"^(embeddings\.position_ids|cls\.seq_relationship\..*"
+                      r"|cls\.predictions\.decoder\.(weight|bias))$")
+_OPTIONAL_PREFIXES = ("classifier.", "cls.predictions.", "pooler.")
+
+
+def _linear(hf: str, ours: str) -> dict[str, tuple[str, bool]]:
+    return {f"{hf}.weight": (f"{ours}/kernel", True), f"{hf}.bias": (f"{ours}/bias", False)}
+
+
+def _norm(hf: str, ours: str) -> dict[str, tuple[str, bool]]:
+    return {f"{hf}.weight": (f"{ours}/scale", False), f"{hf}.bias": (f"{ours}/bias", False)}
+
+
+def key_map(config: BertConfig, num_labels: int | None, mlm_head: bool):
+    """HF tensor name -> (our '/'-joined parameter path, transpose?)."""
+    m = {f"embeddings.{n}.weight": (f"embeddings/{n}/embedding", False)
+         for n in ("word_embeddings", "position_embeddings", "token_type_embeddings")}
+    m.update(_norm("embeddings.LayerNorm", "embeddings/layer_norm"))
+    for i in range(config.num_hidden_layers):
+        hf, ours = f"encoder.layer.{i}", f"layers/{i}"
+        for n in ("query", "key", "value"):
+            m.update(_linear(f"{hf}.attention.self.{n}", f"{ours}/attention/{n}"))
+        m.update(_linear(f"{hf}.attention.output.dense", f"{ours}/attention/output"))
+        m.update(_norm(f"{hf}.attention.output.LayerNorm", f"{ours}/attention/layer_norm"))
+        m.update(_linear(f"{hf}.intermediate.dense", f"{ours}/intermediate"))
+        m.update(_linear(f"{hf}.output.dense", f"{ours}/output"))
+        m.update(_norm(f"{hf}.output.LayerNorm", f"{ours}/layer_norm"))
+    m.update(_linear("pooler.dense", "pooler"))
+    if num_labels is not None:
+        m.update(_linear("classifier", "classifier"))
+    if mlm_head:
+        m.update(_linear("cls.predictions.transform.dense", "mlm/dense"))
+        m.update(_norm("cls.predictions.transform.LayerNorm", "mlm/layer_norm"))
+        m["cls.predictions.bias"] = ("mlm/bias", False)
+    return m
+
+
+def _normalise(name: str) -> str:
+    name = name.removeprefix("bert.")
+    name = re.sub(r"LayerNorm\.gamma$", "LayerNorm.weight", name)
+    return re.sub(r"LayerNorm\.beta$", "LayerNorm.bias", name)
+
+
+def read_config(path: str) -> dict:
+    cfg_file = os.path.join(path, "config.json")
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"checkpoint directory {path!r} does not exist.")
+    if not os.path.isfile(cfg_file):
+        raise FileNotFoundError(f"{path!r} has no config.json; expected a Hugging Face "
+                                "checkpoint directory (config.json + model.safetensors).")
+    with open(cfg_file) as f:
+        return json.load(f)
+
+
+def read_tensors(path: str) -> dict[str, np.ndarray]:
+    """All tensors of a checkpoint directory, single-file or sharded safetensors."""
+    from safetensors.numpy import load_file
+    single = os.path.join(path, "model.safetensors")
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(single):
+        return load_file(single)
+    if os.path.isfile(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+        tensors = {}
+        for name in files:
+            tensors.update(load_file(os.path.join(path, name)))
+        return tensors
+    found = sorted(os.listdir(path))
+    raise FileNotFoundError(
+        f"{path!r} has no model.safetensors (or sharded index); found {found}. Convert "
+        "PyTorch .bin weights with transformers' save_pretrained(..., safe_serialization=True).")
+
+
+def load_checkpoint(path, *, num_labels=None, policy=None, attention_impl="xla",
+                    mlm_head=False, seed=0, config_overrides=None) -> BertModel:
+    """Build a ``BertModel`` from the checkpoint at ``path`` (see ``bert.from_pretrained``)."""
+    path = os.fspath(path)
+    cfg_dict = read_config(path)
+    cfg_dict.update(config_overrides or {})
+    config = BertConfig.from_dict(cfg_dict, source=os.path.join(path, "config.json"))
+    tensors = {_normalise(k): v for k, v in read_tensors(path).items()}
+    model = BertModel(config, num_labels=num_labels, mlm_head=mlm_head, policy=policy,
+                      attention_impl=attention_impl, rngs=nnx.Rngs(params=seed))
+
+    mapping = key_map(config, num_labels, mlm_head)
+    unexpected = sorted(k for k in tensors if k not in mapping and not _IGNORED.match(k)
+                        and not (k.startswith(_OPTIONAL_PREFIXES)))
+    if unexpected:
+        raise ValueError(f"{path}: the checkpoint has tensors a BERT model does not have: "
+                         f"{unexpected[:10]}{' ...' if len(unexpected) > 10 else ''}")
+    missing = sorted(k for k in mapping if k not in tensors)
+    required = [k for k in missing if not k.startswith(_OPTIONAL_PREFIXES)]
+    if required:
+        raise ValueError(f"{path}: the checkpoint lacks tensors the model needs: "
+                         f"{required[:10]}{' ...' if len(required) > 10 else ''}")
+    if missing:
+        log.info("newly initialised (absent from %s): %s", path, missing)
+
+    state = nnx.state(model, nnx.Param)
+    flat = {"/".join(map(str, p)): v for p, v in
+            jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(state))[0]
+            for p in [tuple(getattr(k, "key", getattr(k, "idx", k)) for k in p)]}
+    for hf_name, (ours, transpose) in mapping.items():
+        if hf_name not in tensors:
+            continue
+        value = tensors[hf_name].T if transpose else tensors[hf_name]
+        if value.shape != flat[ours].shape:
+            raise ValueError(f"{path}: tensor {hf_name!r} has shape {tensors[hf_name].shape}; "
+                             f"the model expects {flat[ours].shape[::-1] if transpose else flat[ours].shape}"
+                             f" (num_labels={num_labels}).")
+        flat[ours] = value.astype(flat[ours].dtype)
+    nnx.update(model, _unflatten(flat, state))
+    return model
+
+
+def _unflatten(flat: dict[str, np.ndarray], state) -> nnx.State:
+    pure = nnx.to_pure_dict(state)
+    for key, value in flat.items():
+        node = pure
+        *parents, leaf = key.split("/")
+        for p in parents:
+            node = node[int(p) if p.isdigit() and int(p) in node else p]
+        node[int(leaf) if leaf.isdigit() and int(leaf) in node else leaf] = value
+    nnx.replace_by_pure_dict(state, pure)
+    return state
