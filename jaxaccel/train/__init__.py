@@ -1,0 +1,1 @@
+"""Training: state, jitted steps, the loop, checkpoints and metrics."""

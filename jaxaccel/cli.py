@@ -1,0 +1,92 @@
+"""The ``jaxaccel`` command: train, eval and predict.
+
+    jaxaccel train --config configs/minilm_rt.py [--set train.epochs=2 ...]
+    jaxaccel eval --checkpoint runs/minilm_rt
+    jaxaccel predict --checkpoint runs/minilm_rt "a gripping, beautifully shot film"
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+
+EXIT_ERROR, EXIT_NONFINITE = 2, 3
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="jaxaccel", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    t = sub.add_parser("train", help="fine-tune a model as a config file says")
+    t.add_argument("--config", help="Python config file (configs/NAME.py)")
+    t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config value, e.g. train.epochs=3 (repeatable)")
+    e = sub.add_parser("eval", help="evaluate a run's latest checkpoint on its eval split")
+    e.add_argument("--checkpoint", required=True, help="run folder (or its checkpoints folder)")
+    e.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    r = sub.add_parser("predict", help="classify texts with a run's latest checkpoint")
+    r.add_argument("--checkpoint", required=True, help="run folder (or its checkpoints folder)")
+    r.add_argument("texts", nargs="+", help="texts to classify")
+    return p
+
+
+def _run_dir(path: str) -> str:
+    path = os.path.abspath(path)
+    if os.path.basename(path) == "checkpoints":
+        path = os.path.dirname(path)
+    if not os.path.isdir(os.path.join(path, "checkpoints")):
+        raise FileNotFoundError(f"{path!r} is not a run folder: it has no checkpoints/ "
+                                "folder. Pass the folder `jaxaccel train` printed.")
+    return path
+
+
+def cmd_train(args) -> int:
+    from jaxaccel import config
+    from jaxaccel.train.loop import train
+    cfg = config.load(args.config, args.set)
+    result = train(cfg)
+    print(json.dumps(result, indent=2))
+    if result["status"] == "nonfinite":
+        print(f"error: {result['error']}; training stopped. Last good checkpoint: step "
+              f"{result['last_good_checkpoint']} in {result['checkpoint_dir']}.", file=sys.stderr)
+        return EXIT_NONFINITE
+    if result["status"] == "preempted":
+        print(f"SIGTERM: saved step {result['step']} to {result['checkpoint_dir']}; run the "
+              "same command again to resume.", file=sys.stderr)
+        return 0
+    print(f"final test accuracy: {result['eval_accuracy']:.4f} "
+          f"({result['eval_examples']} examples)\n"
+          f"checkpoints: {result['checkpoint_dir']}\nmetrics: {result['metrics_file']}")
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from jaxaccel.train.inference import evaluate_run
+    print(json.dumps(evaluate_run(_run_dir(args.checkpoint), args.set), indent=2))
+    return 0
+
+
+def cmd_predict(args) -> int:
+    from jaxaccel.train.inference import Predictor
+    predictor = Predictor(_run_dir(args.checkpoint))
+    for text, (label, prob) in zip(args.texts, predictor(args.texts)):
+        print(f"{label}\t{prob:.4f}\t{text}")
+    return 0
+
+
+def main(argv=None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    for noisy in ("absl", "orbax", "jax._src", "tensorflow_datasets"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    args = _parser().parse_args(argv)
+    try:
+        return {"train": cmd_train, "eval": cmd_eval, "predict": cmd_predict}[args.command](args)
+    except (ValueError, KeyError, FileNotFoundError) as e:
+        msg = e.args[0] if isinstance(e, KeyError) and e.args else e
+        print(f"error: {msg}", file=sys.stderr)
+        return EXIT_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())

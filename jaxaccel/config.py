@@ -1,0 +1,216 @@
+"""Configuration: one commented base holding every knob, thin Python config files, key=value overrides.
+
+A config file (``configs/NAME.py``) defines ``get_config()`` returning a dict of overrides of
+``BASE``, nested (``{"train": {"epochs": 3}}``) or dotted (``{"train.epochs": 3}``); its
+docstring says how to run it and what it reaches. On the command line, ``--set key=value``
+overrides anything (values parsed as Python literals, else taken as strings). Unknown keys
+fail loudly and list close matches; values are type-checked against the base.
+"""
+from __future__ import annotations
+
+import ast
+import copy
+import difflib
+import importlib.util
+import os
+from typing import Any
+
+BASE: dict[str, Any] = {
+    "name": "run",                  # run name: outputs go to {workdir}/{name}
+    "workdir": "runs",              # root folder for checkpoints, metrics, TensorBoard events
+    "seed": 0,                      # parameter init, dropout and data order
+    "model": {
+        "name": "minilm-l6",        # preset: minilm-l6, bert-base, bert-large, tiny
+        "checkpoint": "",           # HF checkpoint dir; "" = the packaged MiniLM for minilm-l6,
+                                    # random init for the other presets
+        "tokenizer": "",            # tokenizer dir; "" = the checkpoint's (or the packaged
+                                    # MiniLM's uncased BERT vocab for random-init presets)
+        "num_labels": 2,
+        "attention_impl": "xla",    # xla | cudnn | pallas
+        "hidden_dropout": None,     # None = the checkpoint's value
+        "attention_dropout": None,  # None = the checkpoint's value
+        "remat": False,             # rematerialise each encoder layer in the backward pass
+    },
+    "data": {
+        "name": "rt_snippets",      # rt_snippets | imdb_reviews | synthetic
+        "data_dir": "",             # TFDS data dir ("" = TFDS default / $TFDS_DATA_DIR)
+        "manual_dir": "",           # where manually downloaded archives are (imdb_reviews)
+        "max_len": 128,             # truncate longer sequences (clamped to the model's maximum)
+        "pad_multiple": 16,         # pad each batch to its longest row, rounded up to this
+        "bucket": True,             # group similar lengths into batches (less padding)
+        "eval_split": "test",
+        "synthetic_examples": 4096, # synthetic only: examples per split
+        "synthetic_seq_len": 128,   # synthetic only
+    },
+    "train": {
+        "epochs": 1,
+        "max_steps": 0,             # > 0: stop after this many steps (overrides epochs)
+        "batch_size": 32,           # global batch, summed over all devices and processes
+        "eval_batch_size": 128,
+        "optimizer": "adamw",       # adamw | adan
+        "learning_rate": 1e-4,
+        "schedule": "linear",       # linear | cosine | constant (after warm-up)
+        "warmup_ratio": 0.1,        # fraction of the steps spent warming up linearly from 0
+        "weight_decay": 0.01,       # not applied to biases and LayerNorm parameters
+        "max_grad_norm": 1.0,       # global-norm clipping; 0 disables
+        "b1": None,                 # None = the optimizer's default (adamw 0.9, adan 0.98)
+        "b2": None,                 # adamw 0.999, adan 0.92
+        "b3": None,                 # adan only: 0.99
+        "eps": None,                # adamw 1e-8, adan 1e-8
+        "optimizer_impl": "auto",   # adan only: auto | reference | xla | pallas
+        "grad_accum": 1,            # micro-batches per optimizer step
+        "log_every": 10,            # steps between metric records
+        "checkpoint_every": 0,      # steps between checkpoints; 0 = epoch ends and the end only
+        "keep_checkpoints": 2,
+        "resume": True,             # continue from the latest checkpoint in the run folder
+        "eval_every_epoch": True,
+        "progress": True,           # progress bar on stderr
+    },
+    "precision": {
+        "policy": "fp32",           # fp32 | bf16
+    },
+    "mesh": {                       # device mesh; -1 fills the remaining devices
+        "data": -1,
+        "fsdp": 1,
+        "tensor": 1,
+    },
+}
+
+
+class Config(dict):
+    """A nested dict with attribute access (``cfg.train.epochs``)."""
+
+    def __getattr__(self, key):
+        try:
+            return self[key]
+        except KeyError:
+            raise AttributeError(key) from None
+
+    def to_dict(self) -> dict:
+        return {k: v.to_dict() if isinstance(v, Config) else v for k, v in self.items()}
+
+
+def _wrap(d: dict) -> Config:
+    return Config({k: _wrap(v) if isinstance(v, dict) else v for k, v in d.items()})
+
+
+def _all_keys(d: dict, prefix: str = "") -> list[str]:
+    out = []
+    for k, v in d.items():
+        out.append(prefix + k)
+        if isinstance(v, dict):
+            out += _all_keys(v, prefix + k + ".")
+    return out
+
+
+def _check_type(key: str, old: Any, new: Any) -> Any:
+    if old is None or new is None or isinstance(old, dict):
+        return new
+    if isinstance(old, bool):
+        if not isinstance(new, bool):
+            raise ValueError(f"config key {key!r} expects true/false (True/False), got {new!r}.")
+        return new
+    if isinstance(old, float) and isinstance(new, int) and not isinstance(new, bool):
+        return float(new)
+    if type(new) is not type(old):
+        raise ValueError(f"config key {key!r} expects a {type(old).__name__} (default "
+                         f"{old!r}), got {new!r} of type {type(new).__name__}.")
+    return new
+
+
+def set_key(cfg: dict, dotted: str, value: Any) -> None:
+    """Set ``a.b.c`` in a nested dict, failing loudly on unknown keys."""
+    node, parts = cfg, dotted.split(".")
+    for i, part in enumerate(parts):
+        if not isinstance(node, dict) or part not in node:
+            known = _all_keys(cfg)
+            close = difflib.get_close_matches(dotted, known, n=3, cutoff=0.6)
+            hint = f" Close matches: {', '.join(close)}." if close else ""
+            raise KeyError(f"unknown config key {dotted!r}.{hint}")
+        if i == len(parts) - 1:
+            if isinstance(node[part], dict) and isinstance(value, dict):
+                for k, v in value.items():
+                    set_key(cfg, f"{dotted}.{k}", v)
+            else:
+                node[part] = _check_type(dotted, node[part], value)
+        else:
+            node = node[part]
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """Parse ``key=value``; the value is a Python literal if it parses as one, else a string."""
+    if "=" not in text:
+        raise ValueError(f"override {text!r} is not of the form key=value.")
+    key, raw = text.split("=", 1)
+    lowered = {"true": True, "false": False, "none": None, "null": None}
+    if raw.lower() in lowered:
+        return key.strip(), lowered[raw.lower()]
+    try:
+        return key.strip(), ast.literal_eval(raw)
+    except (ValueError, SyntaxError):
+        return key.strip(), raw
+
+
+def load_file(path: str) -> dict:
+    """Run a config file and return the overrides its ``get_config()`` gives."""
+    if not os.path.isfile(path):
+        here = os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs")
+        known = sorted(f[:-3] for f in os.listdir(here) if f.endswith(".py")) \
+            if os.path.isdir(here) else []
+        raise FileNotFoundError(f"config file {path!r} not found. Known configs in {here}: "
+                                f"{known}")
+    spec = importlib.util.spec_from_file_location(f"jaxaccel_config_{abs(hash(path))}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if not hasattr(module, "get_config"):
+        raise ValueError(f"config file {path!r} defines no get_config() function.")
+    return module.get_config()
+
+
+def build(overrides: dict | None = None, sets: list[str] | None = None) -> Config:
+    """BASE, then a config file's overrides, then ``key=value`` strings; validated."""
+    cfg = copy.deepcopy(BASE)
+    for key, value in (overrides or {}).items():
+        set_key(cfg, key, value)
+    for text in sets or []:
+        set_key(cfg, *parse_override(text))
+    cfg = _wrap(cfg)
+    validate(cfg)
+    return cfg
+
+
+def load(path: str | None, sets: list[str] | None = None) -> Config:
+    return build(load_file(path) if path else None, sets)
+
+
+def validate(cfg: Config) -> None:
+    """Check values that are wrong whatever the hardware, before anything is built."""
+    t = cfg.train
+    positive = {"train.batch_size": t.batch_size, "train.eval_batch_size": t.eval_batch_size,
+                "train.grad_accum": t.grad_accum, "train.log_every": t.log_every,
+                "data.max_len": cfg.data.max_len, "data.pad_multiple": cfg.data.pad_multiple,
+                "model.num_labels": cfg.model.num_labels}
+    for key, value in positive.items():
+        if value < 1:
+            raise ValueError(f"{key}={value} must be >= 1.")
+    if t.epochs < 1 and t.max_steps < 1:
+        raise ValueError(f"train.epochs={t.epochs} and train.max_steps={t.max_steps}: set one "
+                         "of them >= 1.")
+    if not 0 <= t.warmup_ratio < 1:
+        raise ValueError(f"train.warmup_ratio={t.warmup_ratio} must be in [0, 1).")
+    if t.learning_rate <= 0:
+        raise ValueError(f"train.learning_rate={t.learning_rate} must be > 0.")
+    if t.batch_size % t.grad_accum:
+        raise ValueError(f"train.batch_size={t.batch_size} is not divisible by "
+                         f"train.grad_accum={t.grad_accum}.")
+    choices = {"train.schedule": (t.schedule, ("linear", "cosine", "constant")),
+               "train.optimizer": (t.optimizer, ("adamw", "adan")),
+               "model.attention_impl": (cfg.model.attention_impl, ("xla", "cudnn", "pallas"))}
+    for key, (value, allowed) in choices.items():
+        if value not in allowed:
+            raise ValueError(f"{key}={value!r} is not one of {allowed}.")
+    for axis, size in cfg.mesh.items():
+        if size == 0 or size < -1:
+            raise ValueError(f"mesh.{axis}={size}: use a positive size or -1 (fill).")
+    if sum(1 for s in cfg.mesh.values() if s == -1) > 1:
+        raise ValueError(f"mesh {dict(cfg.mesh)}: at most one axis may be -1.")

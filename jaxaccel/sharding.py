@@ -1,0 +1,124 @@
+"""Device mesh from config and the logical-axis rules that place parameters and batches on it.
+
+Models name the axes of every parameter logically (``vocab``, ``embed``, ``heads``, ``kv``,
+``mlp``); this module alone knows the mesh axes (``data``, ``fsdp``, ``tensor``). One rules
+table maps the first to the second, MaxText-style:
+
+* data parallel: batch split over ``data``; params replicated.
+* FSDP / ZeRO-3: ``embed`` dimension of every weight split over ``fsdp``; batch split over
+  ``data`` x ``fsdp``.
+* Megatron tensor parallel: ``heads`` and ``mlp`` (attention QKV/out, MLP in/out) and ``vocab``
+  split over ``tensor``: column-parallel in, row-parallel out.
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+MESH_AXES = ("data", "fsdp", "tensor")
+BATCH_AXES = ("data", "fsdp")
+
+# logical axis -> mesh axis (or tuple of mesh axes, or None for replicated)
+DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
+    ("batch", BATCH_AXES),
+    ("vocab", "tensor"),
+    ("embed", "fsdp"),
+    ("heads", "tensor"),
+    ("kv", None),
+    ("mlp", "tensor"),
+)
+
+
+def mesh_shape(sizes: dict[str, int], num_devices: int) -> tuple[int, ...]:
+    """Resolve -1 in ``{"data": -1, "fsdp": 1, "tensor": 1}`` and check the product."""
+    unknown = [a for a in sizes if a not in MESH_AXES]
+    if unknown:
+        raise ValueError(f"mesh axes {unknown} are unknown; the mesh axes are {MESH_AXES}.")
+    shape = [int(sizes.get(a, 1)) for a in MESH_AXES]
+    fixed = math.prod(s for s in shape if s != -1)
+    if -1 in shape:
+        if num_devices % fixed:
+            raise ValueError(f"mesh {dict(zip(MESH_AXES, shape))}: the fixed axes multiply to "
+                             f"{fixed}, which does not divide the {num_devices} devices.")
+        shape[shape.index(-1)] = num_devices // fixed
+    if math.prod(shape) != num_devices:
+        raise ValueError(f"mesh {dict(zip(MESH_AXES, shape))} has {math.prod(shape)} devices "
+                         f"but {num_devices} are available; make the sizes multiply to "
+                         f"{num_devices} (or use -1 for one axis).")
+    return tuple(shape)
+
+
+def make_mesh(sizes: dict[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A ('data', 'fsdp', 'tensor') mesh over ``devices`` (default: all devices of all processes)."""
+    devices = list(jax.devices() if devices is None else devices)
+    shape = mesh_shape(sizes, len(devices))
+    try:
+        from jax.experimental import mesh_utils
+        grid = mesh_utils.create_device_mesh(shape, devices)
+    except (ValueError, NotImplementedError, AssertionError):
+        grid = np.asarray(devices).reshape(shape)
+    return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def logical_to_mesh(spec: Sequence[str | None] | None, rules=DEFAULT_RULES) -> P:
+    """Map a logical PartitionSpec (tuple of logical names) to a mesh PartitionSpec."""
+    table = dict(rules)
+    if spec is None:
+        return P()
+    used, out = set(), []
+    for name in spec:
+        axes = table.get(name) if name is not None else None
+        axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+        axes = tuple(a for a in axes if a not in used)   # one mesh axis at most once per array
+        used.update(axes)
+        out.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+    return P(*out)
+
+
+def _fits(shape, spec: P, mesh: Mesh) -> P:
+    """Drop mesh axes from dimensions they do not divide (e.g. a 2-label classifier)."""
+    out = []
+    for dim, axes in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
+        names = (axes,) if isinstance(axes, str) else tuple(axes or ())
+        size = math.prod(mesh.shape[a] for a in names)
+        out.append(axes if size == 1 or dim % size == 0 else None)
+    return P(*out)
+
+
+def tree_shardings(mesh: Mesh, logical_specs, shapes, rules=DEFAULT_RULES):
+    """NamedShardings for a pytree given its logical specs (tuples of names) and shapes."""
+    def one(spec, x):
+        return NamedSharding(mesh, _fits(x.shape, logical_to_mesh(spec, rules), mesh))
+    return jax.tree_util.tree_map(one, logical_specs, shapes,
+                                  is_leaf=lambda s: s is None or isinstance(s, (tuple, P)))
+
+
+def batch_sharding(mesh: Mesh, rules=DEFAULT_RULES) -> NamedSharding:
+    """Sharding of [batch, ...] arrays: the batch dimension over the batch axes."""
+    return NamedSharding(mesh, logical_to_mesh(("batch",), rules))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
+
+def opt_state_shardings(opt_state_shapes, param_shardings, mesh: Mesh):
+    """Shardings for an optimizer state: a leaf whose key path ends with a parameter's path and
+    has its shape takes that parameter's sharding (optax's per-parameter moments); anything
+    else (counters, flat multi-tensor buffers) is replicated."""
+    by_path = {}
+    for path, s in jax.tree_util.tree_flatten_with_path(param_shardings)[0]:
+        by_path[tuple(map(str, path))] = s
+
+    def one(path, leaf):
+        keys = tuple(map(str, path))
+        for n in range(len(keys), 0, -1):
+            s = by_path.get(keys[-n:])
+            if s is not None and len(s.spec) <= len(leaf.shape):
+                return s
+        return replicated(mesh)
+    return jax.tree_util.tree_map_with_path(one, opt_state_shapes)
