@@ -190,7 +190,7 @@ class BertMLMHead(nnx.Module):
         emb = word_embeddings.astype(self.policy.compute_dtype)
         logits = jnp.einsum("bsh,vh->bsv", x.astype(self.policy.compute_dtype), emb,
                             preferred_element_type=jnp.float32)
-        return logits + self.bias.value.astype(jnp.float32)
+        return logits + self.bias[...].astype(jnp.float32)
 
 
 class BertModel(nnx.Module):
@@ -248,7 +248,7 @@ class BertModel(nnx.Module):
             h = self.classifier_dropout(pooled, deterministic=deterministic, rngs=rngs)
             logits = self.policy.cast_to_output(self.classifier(h))
         elif self.mlm is not None:
-            logits = self.mlm(x, self.embeddings.word_embeddings.embedding.value)
+            logits = self.mlm(x, self.embeddings.word_embeddings.embedding[...])
         return BertOutput(last_hidden_state=self.policy.cast_to_output(x),
                           pooler_output=self.policy.cast_to_output(pooled), logits=logits)
 

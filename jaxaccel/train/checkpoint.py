@@ -45,6 +45,16 @@ class Checkpointer:
             state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
         return out.state, out.meta
 
+    def restore_untyped(self, step: int | None = None):
+        """``(state, meta)`` with the state as saved (nested dicts, string keys), without
+        knowing the optimizer: what evaluation and prediction need."""
+        step = self.latest_step() if step is None else step
+        if step is None:
+            raise FileNotFoundError(f"no checkpoint in {self.directory}.")
+        out = self._mngr.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(), meta=ocp.args.JsonRestore()))
+        return out.state, out.meta
+
     def close(self) -> None:
         self._mngr.close()
 
@@ -53,3 +63,13 @@ def abstract_like(tree, shardings):
     """ShapeDtypeStructs of ``tree`` carrying ``shardings`` (a matching pytree)."""
     return jax.tree_util.tree_map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+
+
+def like(template, restored):
+    """Re-key ``restored`` (string keys, as Orbax gives untyped trees back) like ``template``."""
+    if isinstance(template, dict):
+        return {k: like(v, restored[str(k)]) for k, v in template.items()}
+    if restored.shape != template.shape:
+        raise ValueError(f"checkpoint tensor of shape {restored.shape} where the model has "
+                         f"{template.shape}.")
+    return restored

@@ -57,10 +57,11 @@ class Run:
     tokenizer: object
     tx: object
     architecture: dict
+    label_names: tuple
 
 
 def _data(cfg: Config, tokenizer, max_positions: int):
-    """(train, eval) BatchIterators for this process."""
+    """(train, eval) BatchIterators for this process, and the label names."""
     d, t = cfg.data, cfg.train
     if d.name == "synthetic":
         vocab = tokenizer.vocab_size if tokenizer is not None else 30522
@@ -68,6 +69,7 @@ def _data(cfg: Config, tokenizer, max_positions: int):
                                              num_examples=d.synthetic_examples, seed=seed,
                                              num_classes=cfg.model.num_labels)
         train_tok, eval_tok = make("train", cfg.seed), make("test", cfg.seed + 1)
+        label_names = tuple(str(i) for i in range(cfg.model.num_labels))
     else:
         ds = load_text_dataset(d.name, data_dir=d.data_dir or None,
                                manual_dir=d.manual_dir or None)
@@ -78,13 +80,15 @@ def _data(cfg: Config, tokenizer, max_positions: int):
                              max_positions=max_positions)
         eval_tok = tokenize(tokenizer, *ds[d.eval_split], max_len=d.max_len,
                             max_positions=max_positions)
+        label_names = ds.label_names
     common = dict(pad_multiple=d.pad_multiple, process_index=jax.process_index(),
                   process_count=jax.process_count())
     train = BatchIterator(train_tok, t.batch_size, shuffle=True, seed=cfg.seed,
                           drop_remainder=True, bucket_window=50 if d.bucket else 0, **common)
+    # Eval order does not matter: sort by length (one window over the split) to pad least.
     evals = BatchIterator(eval_tok, t.eval_batch_size, shuffle=False, drop_remainder=False,
-                          bucket_window=0, **common)
-    return train, evals
+                          bucket_window=len(eval_tok) // t.eval_batch_size + 1, **common)
+    return train, evals, label_names
 
 
 def build(cfg: Config) -> Run:
@@ -94,7 +98,8 @@ def build(cfg: Config) -> Run:
     policy = get_policy(cfg.precision.policy)
     model, tokenizer_dir = create_model(cfg.model, policy, cfg.seed)
     tokenizer = load_tokenizer(tokenizer_dir) if cfg.data.name != "synthetic" else None
-    train_data, eval_data = _data(cfg, tokenizer, model.config.max_position_embeddings)
+    train_data, eval_data, label_names = _data(cfg, tokenizer,
+                                               model.config.max_position_embeddings)
 
     t = cfg.train
     total_steps = t.max_steps if t.max_steps > 0 else t.epochs * train_data.steps_per_epoch
@@ -116,7 +121,8 @@ def build(cfg: Config) -> Run:
     state = jax.jit(lambda p: TrainState.create(p, tx, cfg.seed),
                     out_shardings=state_shardings)(params)
     return Run(cfg, run_dir, mesh, graphdef, state, state_shardings, train_data, eval_data,
-               schedule, total_steps, tokenizer, tx, dataclasses.asdict(model.config))
+               schedule, total_steps, tokenizer, tx, dataclasses.asdict(model.config),
+               label_names)
 
 
 def _global_batch(batch: dict, sharding) -> dict:
@@ -162,7 +168,7 @@ class _Preemption:
 def _record(run: Run, epoch: int, step_in_epoch: int) -> dict:
     """The JSON saved beside each checkpoint: data position and what rebuilds the model."""
     return {"epoch": epoch, "step_in_epoch": step_in_epoch, "config": run.cfg.to_dict(),
-            "architecture": run.architecture}
+            "architecture": run.architecture, "label_names": list(run.label_names)}
 
 
 def train(cfg: Config) -> dict:

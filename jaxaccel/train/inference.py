@@ -1,0 +1,69 @@
+"""Evaluation and prediction from a run folder (its latest checkpoint, config and tokenizer)."""
+from __future__ import annotations
+
+import os
+
+import jax
+import numpy as np
+from flax import nnx
+
+from jaxaccel import config as config_lib
+from jaxaccel.data import load_tokenizer
+from jaxaccel.models.bert import BertConfig, BertModel
+from jaxaccel.train.checkpoint import Checkpointer, like
+
+
+def load_run(run_dir: str):
+    """``(model, cfg, meta)``: the model of the run's latest checkpoint, rebuilt from the
+    architecture saved with it (the original HF checkpoint is not needed)."""
+    ckpt = Checkpointer(os.path.join(run_dir, "checkpoints"))
+    try:
+        state, meta = ckpt.restore_untyped()
+    finally:
+        ckpt.close()
+    cfg = config_lib.build(meta["config"])
+    model = BertModel(BertConfig(**meta["architecture"]), num_labels=cfg.model.num_labels,
+                      policy=cfg.precision.policy, attention_impl=cfg.model.attention_impl)
+    params = nnx.state(model, nnx.Param)
+    nnx.replace_by_pure_dict(params, like(nnx.to_pure_dict(params), state["params"]))
+    nnx.update(model, params)
+    return model, cfg, meta
+
+
+def evaluate_run(run_dir: str, sets: list[str] | None = None) -> dict:
+    """Accuracy and loss of the run's latest checkpoint on its eval split."""
+    from jaxaccel.train.loop import build, evaluate
+    model, cfg, meta = load_run(run_dir)
+    cfg = config_lib.build(cfg.to_dict(), sets)
+    run = build(cfg)
+    params = jax.device_put(nnx.to_pure_dict(nnx.state(model, nnx.Param)),
+                            run.state_shardings.params)
+    result = evaluate(run, params)
+    result.update(step=meta["epoch"] * run.train_data.steps_per_epoch + meta["step_in_epoch"],
+                  run_dir=run_dir)
+    return result
+
+
+class Predictor:
+    """``Predictor(run_dir)(texts) -> [(label_name, probability), ...]``."""
+
+    def __init__(self, run_dir: str):
+        model, cfg, meta = load_run(run_dir)
+        self.label_names = meta.get("label_names") or [str(i) for i in
+                                                      range(cfg.model.num_labels)]
+        self.tokenizer = load_tokenizer(os.path.join(run_dir, "tokenizer"))
+        self.max_len = min(cfg.data.max_len, model.config.max_position_embeddings)
+        graphdef, params = nnx.split(model)
+
+        @jax.jit
+        def probs(params, ids, mask):
+            m = nnx.merge(graphdef, params)
+            return jax.nn.softmax(m(ids, mask).logits, axis=-1)
+        self._probs, self._params = probs, params
+
+    def __call__(self, texts: list[str]) -> list[tuple[str, float]]:
+        enc = self.tokenizer(list(texts), truncation=True, max_length=self.max_len,
+                             padding=True, return_tensors="np")
+        p = np.asarray(self._probs(self._params, enc["input_ids"].astype(np.int32),
+                                   enc["attention_mask"].astype(np.int32)))
+        return [(self.label_names[i], float(p[r, i])) for r, i in enumerate(p.argmax(-1))]

@@ -1,0 +1,56 @@
+import glob
+import os
+
+import pytest
+
+from jaxaccel import config
+
+ROOT = os.path.dirname(os.path.dirname(__file__))
+
+
+def test_base_builds_and_attribute_access():
+    cfg = config.build()
+    assert cfg.train.epochs == 1 and cfg.model.name == "minilm-l6"
+
+
+@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(ROOT, "configs", "*.py"))))
+def test_every_config_file_loads(path):
+    cfg = config.load(path)
+    assert cfg.name == os.path.basename(path)[:-3]
+    assert config.load_file(path).__class__ is dict
+
+
+def test_unknown_key_lists_close_matches():
+    with pytest.raises(KeyError, match=r"train\.learning_rate"):
+        config.build(sets=["train.learnig_rate=1e-3"])
+
+
+def test_type_checked_overrides():
+    cfg = config.build(sets=["train.epochs=3", "train.learning_rate=1", "model.remat=true",
+                             "name=my run"])
+    assert cfg.train.epochs == 3 and cfg.train.learning_rate == 1.0
+    assert cfg.model.remat is True and cfg.name == "my run"
+    with pytest.raises(ValueError, match="train.epochs.*expects a int"):
+        config.build(sets=["train.epochs=three"])
+
+
+def test_nested_and_dotted_overrides_from_files():
+    cfg = config.build({"train": {"epochs": 4}, "data.max_len": 64})
+    assert cfg.train.epochs == 4 and cfg.data.max_len == 64
+
+
+@pytest.mark.parametrize("override,match", [
+    ("train.batch_size=0", "train.batch_size=0 must be >= 1"),
+    ("train.optimizer=sgd", "train.optimizer='sgd' is not one of"),
+    ("model.attention_impl=flash", "model.attention_impl='flash'"),
+    ("train.grad_accum=3", "not divisible by train.grad_accum=3"),
+    ("train.warmup_ratio=1.5", "warmup_ratio"),
+])
+def test_bad_values_fail_before_building(override, match):
+    with pytest.raises(ValueError, match=match):
+        config.build(sets=[override])
+
+
+def test_missing_config_file_names_known_ones():
+    with pytest.raises(FileNotFoundError, match="minilm_rt"):
+        config.load("configs/nope.py")

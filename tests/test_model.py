@@ -1,0 +1,153 @@
+"""BERT model: HF parity, checkpoint layouts, bad checkpoints, precision policies."""
+import json
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from safetensors.numpy import load_file, save_file
+
+from jaxaccel.models import bert
+
+
+def _inputs():
+    ids = np.array([[101, 2023, 3185, 2001, 6429, 1010, 2307, 3772, 102, 0, 0, 0],
+                    [101, 1037, 11771, 1998, 21425, 2143, 1012, 2009, 2001, 2204, 1012, 102]],
+                   np.int32)
+    return ids, (ids > 0).astype(np.int32)
+
+
+def _copy_checkpoint(src, dst, edit):
+    os.makedirs(dst)
+    for f in ("config.json", "vocab.txt", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(src, f), dst)
+    tensors = edit(load_file(os.path.join(src, "model.safetensors")))
+    save_file(tensors, os.path.join(dst, "model.safetensors"))
+    return dst
+
+
+def test_hf_parity_with_pytorch(minilm_dir):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    ids, mask = _inputs()
+    ours = bert.from_pretrained(minilm_dir)(jnp.asarray(ids), jnp.asarray(mask))
+    ref = transformers.BertModel.from_pretrained(minilm_dir).eval()
+    with torch.no_grad():
+        out = ref(input_ids=torch.tensor(ids).long(), attention_mask=torch.tensor(mask).long())
+    real = mask.astype(bool)
+    np.testing.assert_allclose(np.asarray(ours.last_hidden_state)[real],
+                               out.last_hidden_state.numpy()[real], atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(np.asarray(ours.pooler_output), out.pooler_output.numpy(),
+                               atol=1e-4, rtol=1e-4)
+
+
+def test_prefixed_layout_with_classifier_loads_head(minilm_dir, tmp_path):
+    rng = np.random.default_rng(0)
+    head = {"classifier.weight": rng.normal(size=(3, 384)).astype(np.float32),
+            "classifier.bias": rng.normal(size=(3,)).astype(np.float32)}
+    path = _copy_checkpoint(minilm_dir, str(tmp_path / "ckpt"),
+                            lambda t: {**{f"bert.{k}": v for k, v in t.items()}, **head})
+    model = bert.from_pretrained(path, num_labels=3)
+    np.testing.assert_array_equal(np.asarray(model.classifier.kernel[...]),
+                                  head["classifier.weight"].T)
+    plain = bert.from_pretrained(minilm_dir)
+    ids, mask = _inputs()
+    np.testing.assert_allclose(model(ids, mask).pooler_output, plain(ids, mask).pooler_output,
+                               atol=1e-6)
+    out = model(ids, mask)
+    assert out.logits.shape == (2, 3) and out.logits.dtype == jnp.float32
+
+
+def test_unexpected_tensor_is_named(minilm_dir, tmp_path):
+    path = _copy_checkpoint(minilm_dir, str(tmp_path / "ckpt"),
+                            lambda t: {**t, "encoder.layer.0.attention.self.rotary.weight":
+                                       np.zeros(3, np.float32)})
+    with pytest.raises(ValueError, match="encoder.layer.0.attention.self.rotary.weight"):
+        bert.from_pretrained(path)
+
+
+def test_missing_tensor_is_named(minilm_dir, tmp_path):
+    path = _copy_checkpoint(minilm_dir, str(tmp_path / "ckpt"),
+                            lambda t: {k: v for k, v in t.items()
+                                       if k != "encoder.layer.3.output.dense.weight"})
+    with pytest.raises(ValueError, match="encoder.layer.3.output.dense.weight"):
+        bert.from_pretrained(path)
+
+
+def test_wrong_head_shape_is_an_error(minilm_dir, tmp_path):
+    head = {"classifier.weight": np.zeros((5, 384), np.float32),
+            "classifier.bias": np.zeros((5,), np.float32)}
+    path = _copy_checkpoint(minilm_dir, str(tmp_path / "ckpt"), lambda t: {**t, **head})
+    with pytest.raises(ValueError, match="classifier.weight.*num_labels=2"):
+        bert.from_pretrained(path, num_labels=2)
+
+
+def test_non_bert_config_is_rejected(minilm_dir, tmp_path):
+    path = _copy_checkpoint(minilm_dir, str(tmp_path / "ckpt"), lambda t: t)
+    cfg = json.load(open(os.path.join(path, "config.json")))
+    cfg["model_type"] = "gpt2"
+    json.dump(cfg, open(os.path.join(path, "config.json"), "w"))
+    with pytest.raises(ValueError, match="model_type='gpt2' is not a BERT-family model"):
+        bert.from_pretrained(path)
+
+
+def test_missing_directory_and_weights(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        bert.from_pretrained(str(tmp_path / "nowhere"))
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    with pytest.raises(FileNotFoundError, match="no model.safetensors"):
+        bert.from_pretrained(str(tmp_path / "empty"))
+
+
+def test_every_parameter_has_logical_axes():
+    model = bert.BertModel(bert.PRESETS["tiny"], num_labels=2)
+    specs = nnx.get_partition_spec(nnx.state(model, nnx.Param))
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    for spec, p in zip(jax.tree_util.tree_leaves(nnx.to_pure_dict(specs),
+                                                 is_leaf=lambda x: isinstance(x, tuple)),
+                       jax.tree_util.tree_leaves(params)):
+        assert len(spec) == p.ndim
+
+
+def test_bf16_policy_is_close_to_fp32(minilm_dir):
+    ids, mask = _inputs()
+    fp32 = bert.from_pretrained(minilm_dir, num_labels=2)(ids, mask)
+    bf16_model = bert.from_pretrained(minilm_dir, num_labels=2, policy="bf16")
+    assert bf16_model.layers[0].intermediate.kernel[...].dtype == jnp.float32
+    bf16 = bf16_model(ids, mask)
+    assert bf16.last_hidden_state.dtype == jnp.float32
+    real = mask.astype(bool)
+    err = np.linalg.norm(np.asarray(bf16.last_hidden_state - fp32.last_hidden_state)[real])
+    assert err / np.linalg.norm(np.asarray(fp32.last_hidden_state)[real]) < 3e-2
+
+
+def test_mlm_head_shapes():
+    model = bert.BertModel(bert.PRESETS["tiny"], mlm_head=True)
+    out = model(jnp.ones((2, 5), jnp.int32))
+    assert out.logits.shape == (2, 5, 30522)
+
+
+def test_dropout_needs_rngs_and_is_random():
+    model = bert.BertModel(bert.PRESETS["tiny"], num_labels=2)
+    ids = jnp.ones((2, 8), jnp.int32)
+    with pytest.raises(ValueError, match="rngs"):
+        model(ids, deterministic=False)
+    a = model(ids, deterministic=False, rngs=nnx.Rngs(dropout=0)).logits
+    b = model(ids, deterministic=False, rngs=nnx.Rngs(dropout=1)).logits
+    assert not np.allclose(a, b)
+
+
+def test_too_long_sequence_is_an_error():
+    model = bert.BertModel(bert.PRESETS["tiny"])
+    with pytest.raises(ValueError, match="exceeds max_position_embeddings=128"):
+        model(jnp.ones((1, 129), jnp.int32))
+
+
+def test_fused_attention_refuses_dropout():
+    model = bert.BertModel(bert.PRESETS["tiny"], attention_impl="cudnn")
+    with pytest.raises(ValueError, match="attention_impl='xla'"):
+        model(jnp.ones((1, 8), jnp.int32), deterministic=False, rngs=nnx.Rngs(dropout=0))
