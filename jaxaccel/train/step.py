@@ -60,7 +60,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, grad_accum: int 
             zeros = jax.tree_util.tree_map(jnp.zeros_like, state.params)
             (grads, loss, correct), _ = jax.lax.scan(
                 body, (zeros, 0.0, 0.0), (jnp.arange(grad_accum), micro))
-        grad_norm = optax.global_norm(grads)
+        grad_norm = jnp.sqrt(sum(jnp.vdot(g, g) for g in jax.tree_util.tree_leaves(grads)))
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)

@@ -1,0 +1,135 @@
+"""The training loop: losses fall, resume equals an uninterrupted run, SIGTERM saves, NaN stops,
+interrupted checkpoint writes leave the previous checkpoint readable."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from jaxaccel import config
+from jaxaccel.train import loop
+from jaxaccel.train.checkpoint import Checkpointer
+from jaxaccel.train.metrics import read_metrics
+
+TINY = ["model.name=tiny", "data.name=synthetic", "data.synthetic_examples=64",
+        "data.synthetic_seq_len=16", "train.batch_size=16", "train.eval_batch_size=32",
+        "train.learning_rate=3e-3", "train.progress=false", "train.log_every=1",
+        "train.warmup_ratio=0.0"]
+
+
+def tiny_cfg(tmp_path, *sets):
+    return config.build(sets=TINY + [f"workdir={tmp_path}", *sets])
+
+
+def _losses(run_dir):
+    return {r["step"]: r["train/loss"] for r in read_metrics(run_dir) if "train/loss" in r}
+
+
+def test_training_lowers_the_loss(tmp_path):
+    result = loop.train(tiny_cfg(tmp_path, "train.epochs=6"))
+    assert result["status"] == "completed" and result["step"] == 24
+    losses = _losses(result["run_dir"])
+    first, last = np.mean([losses[s] for s in (1, 2, 3)]), np.mean([losses[s] for s in (22, 23, 24)])
+    assert last < first - 0.1, (first, last)
+    assert 0.0 <= result["eval_accuracy"] <= 1.0 and result["eval_examples"] == 64
+    assert os.path.isdir(os.path.join(result["run_dir"], "tensorboard"))
+
+
+def test_grad_accumulation_equals_one_big_batch(tmp_path):
+    a = loop.train(tiny_cfg(tmp_path, "name=a", "train.max_steps=3", "model.hidden_dropout=0.0",
+                            "model.attention_dropout=0.0"))
+    b = loop.train(tiny_cfg(tmp_path, "name=b", "train.max_steps=3", "train.grad_accum=2",
+                            "model.hidden_dropout=0.0", "model.attention_dropout=0.0"))
+    la, lb = _losses(a["run_dir"]), _losses(b["run_dir"])
+    np.testing.assert_allclose([la[s] for s in (1, 2, 3)], [lb[s] for s in (1, 2, 3)], rtol=2e-5)
+
+
+def _sigterm_at(monkeypatch, n):
+    """Deliver a real SIGTERM to this process when the n-th train batch is sent."""
+    calls = {"n": 0}
+    original = loop._global_batch
+
+    def hooked(batch, sharding):
+        if batch["weights"].shape[0] == 16:       # train batches (eval batches are 32 rows)
+            calls["n"] += 1
+            if calls["n"] == n:
+                os.kill(os.getpid(), signal.SIGTERM)
+        return original(batch, sharding)
+    monkeypatch.setattr(loop, "_global_batch", hooked)
+
+
+def test_sigterm_saves_and_resume_matches_uninterrupted(tmp_path, monkeypatch):
+    full = loop.train(tiny_cfg(tmp_path, "name=full", "train.epochs=3"))
+    with monkeypatch.context() as m:
+        _sigterm_at(m, 6)              # mid-epoch 2 (4 steps per epoch)
+        part = loop.train(tiny_cfg(tmp_path, "name=part", "train.epochs=3"))
+    assert part["status"] == "preempted" and part["step"] == 6
+    assert Checkpointer(part["checkpoint_dir"]).latest_step() == 6
+    resumed = loop.train(tiny_cfg(tmp_path, "name=part", "train.epochs=3"))
+    assert resumed["status"] == "completed" and resumed["step"] == 12
+    lf, lp = _losses(full["run_dir"]), _losses(part["run_dir"])
+    assert sorted(lp) == list(range(1, 13))
+    np.testing.assert_allclose([lp[s] for s in range(1, 13)], [lf[s] for s in range(1, 13)],
+                               rtol=1e-6)
+    assert resumed["eval_accuracy"] == pytest.approx(full["eval_accuracy"])
+
+
+def test_external_sigterm_exits_cleanly_with_a_checkpoint(tmp_path):
+    workdir = tmp_path / "w"
+    cmd = [sys.executable, "-m", "jaxaccel.cli", "train", "--config",
+           os.path.join(os.path.dirname(__file__), "..", "configs", "tiny_synthetic.py"),
+           "--set", f"workdir={workdir}", "--set", "train.epochs=2000",
+           "--set", "train.progress=false", "--set", "train.log_every=1"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = workdir / "tiny_synthetic" / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-2000:]
+    assert "SIGTERM: saved step" in err
+    step = Checkpointer(str(workdir / "tiny_synthetic" / "checkpoints")).latest_step()
+    assert step is not None and step >= 3
+
+
+def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
+    result = loop.train(tiny_cfg(tmp_path, "train.epochs=5", "train.checkpoint_every=1",
+                                 "train.learning_rate=1e38", "train.max_grad_norm=0.0",
+                                 "train.weight_decay=0.0"))
+    assert result["status"] == "nonfinite", result
+    assert "at step" in result["error"]
+    bad = int(result["error"].rsplit(" ", 1)[1])
+    good = result["last_good_checkpoint"]
+    assert good is not None and good < bad
+    assert Checkpointer(result["checkpoint_dir"]).latest_step() == good
+
+
+def test_interrupted_checkpoint_write_leaves_previous_readable(tmp_path):
+    result = loop.train(tiny_cfg(tmp_path, "train.max_steps=2"))
+    ckdir = result["checkpoint_dir"]
+    # A write killed midway leaves Orbax's temporary folder behind, never a finished step.
+    partial = os.path.join(ckdir, "7.orbax-checkpoint-tmp-1234567890")
+    os.makedirs(os.path.join(partial, "state"))
+    with open(os.path.join(partial, "state", "garbage"), "wb") as f:
+        f.write(b"\0" * 100)
+    ck = Checkpointer(ckdir)
+    assert ck.latest_step() == 2
+    state, meta = ck.restore_untyped()
+    assert int(state["step"]) == 2 and meta["epoch"] == 0
+    resumed = loop.train(tiny_cfg(tmp_path, "train.max_steps=2"))
+    assert resumed["status"] == "completed" and resumed["step"] == 2
+
+
+def test_sharded_state_follows_the_rules(tmp_path):
+    run = loop.build(tiny_cfg(tmp_path, "mesh.data=2", "mesh.fsdp=4"))
+    kernel = run.state.params["layers"][0]["intermediate"]["kernel"]
+    assert kernel.sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor")
+    assert len(kernel.addressable_shards) == 8
+    assert kernel.addressable_shards[0].data.shape == (64 // 4, 128)
