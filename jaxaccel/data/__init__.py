@@ -1,10 +1,10 @@
 """Datasets (TFDS ArrayRecord, no TensorFlow), tokenization and batching.
 
-    ds = load_text_dataset("rt_snippets")                 # built once, then cached
-    tok = load_tokenizer(checkpoint_dir)
-    train = tokenize(tok, *ds["train"], max_len=128, max_positions=512)
-    it = BatchIterator(train, 32, seed=0, bucket_window=50, process_index=i, process_count=n)
-    for batch in it.batches(epoch, start_step=step): ...
+ds = load_text_dataset("rt_snippets")                 # built once, then cached
+tok = load_tokenizer(checkpoint_dir)
+train = tokenize(tok, *ds["train"], max_len=128, max_positions=512)
+it = BatchIterator(train, 32, seed=0, bucket_window=50, process_index=i, process_count=n)
+for batch in it.batches(epoch, start_step=step): ...
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import numpy as np
 # dataset but only declare that backport for Python < 3.9 (tensorflow/datasets#11212);
 # the stdlib module has the same `abc.Traversable`.
 if importlib.util.find_spec("importlib_resources") is None:
-  sys.modules["importlib_resources"] = importlib.resources
+    sys.modules["importlib_resources"] = importlib.resources
 
 from jaxaccel.data import imdb, rt_snippets
 from jaxaccel.data.pipeline import BatchIterator, Tokenized, load_tokenizer, tokenize
@@ -34,53 +34,71 @@ DATASETS = ("rt_snippets", "imdb_reviews")
 
 @dataclasses.dataclass(frozen=True)
 class TextDataset:
-  """Split name -> (texts, int32 labels), plus the label names."""
+    """Split name -> (texts, int32 labels), plus the label names."""
 
-  name: str
-  splits: dict[str, tuple[list[str], np.ndarray]]
-  label_names: tuple[str, ...]
+    name: str
+    splits: dict[str, tuple[list[str], np.ndarray]]
+    label_names: tuple[str, ...]
 
-  @property
-  def num_classes(self) -> int:
-    return len(self.label_names)
+    @property
+    def num_classes(self) -> int:
+        return len(self.label_names)
 
-  def __getitem__(self, split: str) -> tuple[list[str], np.ndarray]:
-    if split not in self.splits:
-      raise ValueError(f"{self.name} has no split {split!r}; known: {sorted(self.splits)}.")
-    return self.splits[split]
+    def __getitem__(self, split: str) -> tuple[list[str], np.ndarray]:
+        if split not in self.splits:
+            raise ValueError(f"{self.name} has no split {split!r}; known: {sorted(self.splits)}.")
+        return self.splits[split]
 
 
 def _read_split(builder, split: str) -> tuple[list[str], np.ndarray]:
-  source = builder.as_data_source(split)
-  records = source.__getitems__(range(len(source)))
-  if not records:
-    raise ValueError(f"{builder.name} split {split!r} in {builder.data_dir} is empty; delete "
-                     "that folder and load again to rebuild it.")
-  return ([r["text"].decode("utf-8") for r in records],
-          np.asarray([r["label"] for r in records], np.int32))
+    source = builder.as_data_source(split)
+    records = source.__getitems__(range(len(source)))
+    if not records:
+        raise ValueError(
+            f"{builder.name} split {split!r} in {builder.data_dir} is empty; delete "
+            "that folder and load again to rebuild it."
+        )
+    return (
+        [r["text"].decode("utf-8") for r in records],
+        np.asarray([r["label"] for r in records], np.int32),
+    )
 
 
-def load_text_dataset(name: str, *, data_dir: str | None = None,
-                      manual_dir: str | os.PathLike | None = None,
-                      source: str | os.PathLike | None = None) -> TextDataset:
-  """Loads `train` and `test` of a DATASETS entry, building its TFDS cache on first use.
+def load_text_dataset(
+    name: str,
+    *,
+    data_dir: str | None = None,
+    manual_dir: str | os.PathLike | None = None,
+    source: str | os.PathLike | None = None,
+) -> TextDataset:
+    """Loads `train` and `test` of a DATASETS entry, building its TFDS cache on first use.
 
-  data_dir: TFDS data dir (default $TFDS_DATA_DIR or ~/tensorflow_datasets).
-  manual_dir: imdb_reviews only, the folder holding aclImdb_v1.tar.gz.
-  source: rt_snippets only, a local vaderSentiment sdist or ground-truth .txt
-    (default $JAXACCEL_RT_SOURCE, else pip download).
-  """
-  if name == "rt_snippets":
-    builder, labels = rt_snippets.prepare(data_dir, source), rt_snippets.LABEL_NAMES
-  elif name == "imdb_reviews":
-    builder, labels = imdb.prepare(data_dir, manual_dir), imdb.LABEL_NAMES
-  else:
-    close = difflib.get_close_matches(name, DATASETS + ("synthetic",), n=2, cutoff=0.5)
-    hint = f" Did you mean {' or '.join(map(repr, close))}?" if close else ""
-    raise ValueError(f"Unknown dataset {name!r}; known: {', '.join(DATASETS)} "
-                     f"(and `synthetic(...)` for token ids).{hint}")
-  return TextDataset(name, {s: _read_split(builder, s) for s in ("train", "test")}, labels)
+    data_dir: TFDS data dir (default $TFDS_DATA_DIR or ~/tensorflow_datasets).
+    manual_dir: imdb_reviews only, the folder holding aclImdb_v1.tar.gz.
+    source: rt_snippets only, a local vaderSentiment sdist or ground-truth .txt
+      (default $JAXACCEL_RT_SOURCE, else pip download).
+    """
+    if name == "rt_snippets":
+        builder, labels = rt_snippets.prepare(data_dir, source), rt_snippets.LABEL_NAMES
+    elif name == "imdb_reviews":
+        builder, labels = imdb.prepare(data_dir, manual_dir), imdb.LABEL_NAMES
+    else:
+        close = difflib.get_close_matches(name, DATASETS + ("synthetic",), n=2, cutoff=0.5)
+        hint = f" Did you mean {' or '.join(map(repr, close))}?" if close else ""
+        raise ValueError(
+            f"Unknown dataset {name!r}; known: {', '.join(DATASETS)} "
+            f"(and `synthetic(...)` for token ids).{hint}"
+        )
+    return TextDataset(name, {s: _read_split(builder, s) for s in ("train", "test")}, labels)
 
 
-__all__ = ["DATASETS", "BatchIterator", "TextDataset", "Tokenized", "load_text_dataset",
-           "load_tokenizer", "synthetic", "tokenize"]
+__all__ = [
+    "DATASETS",
+    "BatchIterator",
+    "TextDataset",
+    "Tokenized",
+    "load_text_dataset",
+    "load_tokenizer",
+    "synthetic",
+    "tokenize",
+]

@@ -31,46 +31,54 @@ LABEL_NAMES = ("neg", "pos")
 
 
 def _iter_tar(path):
-  with tarfile.open(path, "r|gz") as tar:
-    for member in tar:
-      if member.isfile():
-        yield os.path.normpath(member.name), tar.extractfile(member)
+    with tarfile.open(path, "r|gz") as tar:
+        for member in tar:
+            if member.isfile():
+                yield os.path.normpath(member.name), tar.extractfile(member)
 
 
 class ImdbReviews(upstream.Builder, skip_registration=True):
-  """Upstream `imdb_reviews` with a TensorFlow-free archive reader."""
+    """Upstream `imdb_reviews` with a TensorFlow-free archive reader."""
 
-  name = "imdb_reviews"
-  pkg_dir_path = upstream.Builder.code_path.parent  # Upstream README and citation.
+    name = "imdb_reviews"
+    pkg_dir_path = upstream.Builder.code_path.parent  # Upstream README and citation.
 
-  @tfds.core.utils.classproperty
-  @classmethod
-  def code_path(cls) -> epath.Path:
-    return upstream.Builder.code_path  # Upstream checksums.tsv validates the archive.
+    @tfds.core.utils.classproperty
+    @classmethod
+    def code_path(cls) -> epath.Path:
+        return upstream.Builder.code_path  # Upstream checksums.tsv validates the archive.
 
-  def _split_generators(self, dl_manager):
-    path = dl_manager.download(URL)
-    return [
-        tfds.core.SplitGenerator(name=split, gen_kwargs={
-            "archive": _iter_tar(path), "directory": os.path.join("aclImdb", folder),
-            "labeled": split != "unsupervised"})
-        for split, folder in (("train", "train"), ("test", "test"), ("unsupervised", "train"))
-    ]
+    def _split_generators(self, dl_manager):
+        path = dl_manager.download(URL)
+        return [
+            tfds.core.SplitGenerator(
+                name=split,
+                gen_kwargs={
+                    "archive": _iter_tar(path),
+                    "directory": os.path.join("aclImdb", folder),
+                    "labeled": split != "unsupervised",
+                },
+            )
+            for split, folder in (("train", "train"), ("test", "test"), ("unsupervised", "train"))
+        ]
 
 
-def prepare(data_dir: str | None = None,
-            manual_dir: str | os.PathLike | None = None) -> ImdbReviews:
-  """The builder, built into `data_dir` from `<manual_dir>/aclImdb_v1.tar.gz` on first use."""
-  builder = ImdbReviews(config="plain_text", data_dir=data_dir, file_format="array_record")
-  if builder.is_prepared():
+def prepare(
+    data_dir: str | None = None, manual_dir: str | os.PathLike | None = None
+) -> ImdbReviews:
+    """The builder, built into `data_dir` from `<manual_dir>/aclImdb_v1.tar.gz` on first use."""
+    builder = ImdbReviews(config="plain_text", data_dir=data_dir, file_format="array_record")
+    if builder.is_prepared():
+        return builder
+    manual_dir = epath.Path(manual_dir or builder.data_dir_root / "downloads" / "manual")
+    archive = manual_dir / ARCHIVE
+    if not archive.exists():
+        raise FileNotFoundError(
+            f"IMDb archive not found at {archive}. Download {URL} ({ARCHIVE_SIZE:,} bytes, "
+            f"sha256 {ARCHIVE_SHA256}) on a machine with internet access and copy it to "
+            f"{archive} keeping the name {ARCHIVE!r}, or pass manual_dir=<folder holding it>."
+        )
+    builder.download_and_prepare(
+        download_config=tfds.download.DownloadConfig(manual_dir=os.fspath(manual_dir))
+    )
     return builder
-  manual_dir = epath.Path(manual_dir or builder.data_dir_root / "downloads" / "manual")
-  archive = manual_dir / ARCHIVE
-  if not archive.exists():
-    raise FileNotFoundError(
-        f"IMDb archive not found at {archive}. Download {URL} ({ARCHIVE_SIZE:,} bytes, "
-        f"sha256 {ARCHIVE_SHA256}) on a machine with internet access and copy it to "
-        f"{archive} keeping the name {ARCHIVE!r}, or pass manual_dir=<folder holding it>.")
-  builder.download_and_prepare(
-      download_config=tfds.download.DownloadConfig(manual_dir=os.fspath(manual_dir)))
-  return builder

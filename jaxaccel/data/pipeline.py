@@ -26,137 +26,181 @@ import numpy as np
 
 @dataclasses.dataclass(frozen=True)
 class Tokenized:
-  """Token ids of every example (int32, variable length <= max_len) and their labels."""
+    """Token ids of every example (int32, variable length <= max_len) and their labels."""
 
-  input_ids: list[np.ndarray]
-  labels: np.ndarray
-  max_len: int
-  pad_id: int = 0
+    input_ids: list[np.ndarray]
+    labels: np.ndarray
+    max_len: int
+    pad_id: int = 0
 
-  def __post_init__(self):
-    if len(self.input_ids) != len(self.labels):
-      raise ValueError(f"Tokenized: {len(self.input_ids)} id rows but {len(self.labels)} "
-                       "labels; expected one label per row.")
+    def __post_init__(self):
+        if len(self.input_ids) != len(self.labels):
+            raise ValueError(
+                f"Tokenized: {len(self.input_ids)} id rows but {len(self.labels)} "
+                "labels; expected one label per row."
+            )
 
-  def __len__(self) -> int:
-    return len(self.labels)
+    def __len__(self) -> int:
+        return len(self.labels)
 
 
 def load_tokenizer(path: str | os.PathLike):
-  """A Hugging Face (fast) tokenizer from a local checkpoint folder, never the network."""
-  from transformers import AutoTokenizer  # Heavy import, only needed for text datasets.
+    """A Hugging Face (fast) tokenizer from a local checkpoint folder, never the network."""
+    from transformers import AutoTokenizer  # Heavy import, only needed for text datasets.
 
-  if not os.path.isdir(path):
-    raise FileNotFoundError(
-        f"Tokenizer folder {os.fspath(path)!r} does not exist; expected a local Hugging Face "
-        "checkpoint folder (tokenizer.json or vocab.txt, tokenizer_config.json). Fix the path.")
-  try:
-    return AutoTokenizer.from_pretrained(os.fspath(path), local_files_only=True)
-  except (OSError, ValueError) as e:
-    raise FileNotFoundError(
-        f"Could not load a tokenizer from {os.fspath(path)!r} without the network: {e}. "
-        "The folder needs tokenizer.json or vocab.txt plus tokenizer_config.json.") from e
+    if not os.path.isdir(path):
+        raise FileNotFoundError(
+            f"Tokenizer folder {os.fspath(path)!r} does not exist; expected a local Hugging Face "
+            "checkpoint folder (tokenizer.json or vocab.txt, tokenizer_config.json). Fix the path."
+        )
+    try:
+        return AutoTokenizer.from_pretrained(os.fspath(path), local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise FileNotFoundError(
+            f"Could not load a tokenizer from {os.fspath(path)!r} without the network: {e}. "
+            "The folder needs tokenizer.json or vocab.txt plus tokenizer_config.json."
+        ) from e
 
 
-def tokenize(tokenizer, texts: Sequence[str], labels: Sequence[int], *, max_len: int,
-             max_positions: int | None = None) -> Tokenized:
-  """Tokenizes all texts in one batched call, truncating to max_len.
+def tokenize(
+    tokenizer,
+    texts: Sequence[str],
+    labels: Sequence[int],
+    *,
+    max_len: int,
+    max_positions: int | None = None,
+) -> Tokenized:
+    """Tokenizes all texts in one batched call, truncating to max_len.
 
-  max_positions is the model's number of position embeddings; a larger max_len warns
-  once and is clamped to it.
-  """
-  if len(texts) == 0:
-    raise ValueError("tokenize: no texts; expected a non-empty split.")
-  if max_positions is not None and max_len > max_positions:
-    warnings.warn(f"max_len={max_len} exceeds the model's max_positions={max_positions}; "
-                  f"truncating to {max_positions}.", stacklevel=2)
-    max_len = max_positions
-  enc = tokenizer(list(texts), truncation=True, max_length=max_len,
-                  return_attention_mask=False, return_token_type_ids=False)
-  ids = [np.asarray(row, np.int32) for row in enc["input_ids"]]
-  return Tokenized(ids, np.asarray(labels, np.int32), max_len, tokenizer.pad_token_id or 0)
+    max_positions is the model's number of position embeddings; a larger max_len warns
+    once and is clamped to it.
+    """
+    if len(texts) == 0:
+        raise ValueError("tokenize: no texts; expected a non-empty split.")
+    if max_positions is not None and max_len > max_positions:
+        warnings.warn(
+            f"max_len={max_len} exceeds the model's max_positions={max_positions}; "
+            f"truncating to {max_positions}.",
+            stacklevel=2,
+        )
+        max_len = max_positions
+    enc = tokenizer(
+        list(texts),
+        truncation=True,
+        max_length=max_len,
+        return_attention_mask=False,
+        return_token_type_ids=False,
+    )
+    ids = [np.asarray(row, np.int32) for row in enc["input_ids"]]
+    return Tokenized(ids, np.asarray(labels, np.int32), max_len, tokenizer.pad_token_id or 0)
 
 
 class BatchIterator:
-  """Epochs of dict batches: input_ids, attention_mask, token_type_ids, labels (int32
-  [b, L] / [b]) and weights (float32 [b], 0 for filler rows); b = global_batch_size /
-  process_count."""
+    """Epochs of dict batches: input_ids, attention_mask, token_type_ids, labels (int32
+    [b, L] / [b]) and weights (float32 [b], 0 for filler rows); b = global_batch_size /
+    process_count."""
 
-  def __init__(self, data: Tokenized, global_batch_size: int, *, shuffle: bool = True,
-               seed: int = 0, drop_remainder: bool = True, pad_multiple: int = 16,
-               bucket_window: int = 0, process_index: int = 0, process_count: int = 1):
-    if len(data) == 0:
-      raise ValueError("BatchIterator: empty dataset; expected at least one example.")
-    if global_batch_size < 1 or pad_multiple < 1 or bucket_window < 0:
-      raise ValueError(f"BatchIterator: global_batch_size={global_batch_size}, pad_multiple="
-                       f"{pad_multiple}, bucket_window={bucket_window}; expected >= 1, >= 1, >= 0.")
-    if process_count < 1 or not 0 <= process_index < process_count:
-      raise ValueError(f"BatchIterator: process_index={process_index}, process_count="
-                       f"{process_count}; expected 0 <= process_index < process_count.")
-    if global_batch_size % process_count:
-      raise ValueError(f"BatchIterator: global_batch_size={global_batch_size} does not divide "
-                       f"by process_count={process_count}; use a multiple of {process_count}.")
-    if drop_remainder and len(data) < global_batch_size:
-      raise ValueError(f"BatchIterator: {len(data)} examples < global_batch_size="
-                       f"{global_batch_size} with drop_remainder=True gives no batch; use a "
-                       "smaller batch or drop_remainder=False.")
-    self.data = data
-    self.global_batch_size = global_batch_size
-    self.local_batch_size = global_batch_size // process_count
-    self.shuffle, self.seed, self.drop_remainder = shuffle, seed, drop_remainder
-    self.pad_multiple, self.bucket_window = pad_multiple, bucket_window
-    self.process_index = process_index
-    self.lengths = np.fromiter(map(len, data.input_ids), np.int64, len(data))
-    if self.lengths.max() > data.max_len:
-      raise ValueError(f"BatchIterator: a row has {self.lengths.max()} ids > max_len="
-                       f"{data.max_len}; truncate rows to max_len when building Tokenized.")
+    def __init__(
+        self,
+        data: Tokenized,
+        global_batch_size: int,
+        *,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_remainder: bool = True,
+        pad_multiple: int = 16,
+        bucket_window: int = 0,
+        process_index: int = 0,
+        process_count: int = 1,
+    ):
+        if len(data) == 0:
+            raise ValueError("BatchIterator: empty dataset; expected at least one example.")
+        if global_batch_size < 1 or pad_multiple < 1 or bucket_window < 0:
+            raise ValueError(
+                f"BatchIterator: global_batch_size={global_batch_size}, pad_multiple="
+                f"{pad_multiple}, bucket_window={bucket_window}; expected >= 1, >= 1, >= 0."
+            )
+        if process_count < 1 or not 0 <= process_index < process_count:
+            raise ValueError(
+                f"BatchIterator: process_index={process_index}, process_count="
+                f"{process_count}; expected 0 <= process_index < process_count."
+            )
+        if global_batch_size % process_count:
+            raise ValueError(
+                f"BatchIterator: global_batch_size={global_batch_size} does not divide "
+                f"by process_count={process_count}; use a multiple of {process_count}."
+            )
+        if drop_remainder and len(data) < global_batch_size:
+            raise ValueError(
+                f"BatchIterator: {len(data)} examples < global_batch_size="
+                f"{global_batch_size} with drop_remainder=True gives no batch; use a "
+                "smaller batch or drop_remainder=False."
+            )
+        self.data = data
+        self.global_batch_size = global_batch_size
+        self.local_batch_size = global_batch_size // process_count
+        self.shuffle, self.seed, self.drop_remainder = shuffle, seed, drop_remainder
+        self.pad_multiple, self.bucket_window = pad_multiple, bucket_window
+        self.process_index = process_index
+        self.lengths = np.fromiter(map(len, data.input_ids), np.int64, len(data))
+        if self.lengths.max() > data.max_len:
+            raise ValueError(
+                f"BatchIterator: a row has {self.lengths.max()} ids > max_len="
+                f"{data.max_len}; truncate rows to max_len when building Tokenized."
+            )
 
-  @property
-  def steps_per_epoch(self) -> int:
-    n, b = len(self.data), self.global_batch_size
-    return n // b if self.drop_remainder else -(-n // b)
+    @property
+    def steps_per_epoch(self) -> int:
+        n, b = len(self.data), self.global_batch_size
+        return n // b if self.drop_remainder else -(-n // b)
 
-  def plan(self, epoch: int) -> list[np.ndarray]:
-    """Example indices of each global batch of `epoch` (last one may be short)."""
-    if epoch < 0:
-      raise ValueError(f"epoch={epoch}; expected >= 0.")
-    b = self.global_batch_size
-    rng = np.random.default_rng((self.seed, epoch))
-    order = rng.permutation(len(self.data)) if self.shuffle else np.arange(len(self.data))
-    order = order[:self.steps_per_epoch * b] if self.drop_remainder else order
-    if self.bucket_window:
-      w = self.bucket_window * b
-      order = np.concatenate([
-          chunk[np.argsort(self.lengths[chunk], kind="stable")]
-          for chunk in (order[i:i + w] for i in range(0, len(order), w))])
-    batches = [order[i:i + b] for i in range(0, len(order), b)]
-    if self.bucket_window and self.shuffle:
-      num_full = len(order) // b
-      batches = [batches[i] for i in rng.permutation(num_full)] + batches[num_full:]
-    return batches
+    def plan(self, epoch: int) -> list[np.ndarray]:
+        """Example indices of each global batch of `epoch` (last one may be short)."""
+        if epoch < 0:
+            raise ValueError(f"epoch={epoch}; expected >= 0.")
+        b = self.global_batch_size
+        rng = np.random.default_rng((self.seed, epoch))
+        order = rng.permutation(len(self.data)) if self.shuffle else np.arange(len(self.data))
+        order = order[: self.steps_per_epoch * b] if self.drop_remainder else order
+        if self.bucket_window:
+            w = self.bucket_window * b
+            order = np.concatenate(
+                [
+                    chunk[np.argsort(self.lengths[chunk], kind="stable")]
+                    for chunk in (order[i : i + w] for i in range(0, len(order), w))
+                ]
+            )
+        batches = [order[i : i + b] for i in range(0, len(order), b)]
+        if self.bucket_window and self.shuffle:
+            num_full = len(order) // b
+            batches = [batches[i] for i in rng.permutation(num_full)] + batches[num_full:]
+        return batches
 
-  def batches(self, epoch: int, start_step: int = 0) -> Iterator[dict[str, np.ndarray]]:
-    """This process's rows of each batch of `epoch`, from `start_step` on."""
-    if not 0 <= start_step <= self.steps_per_epoch:
-      raise ValueError(f"start_step={start_step}; expected 0..{self.steps_per_epoch}.")
-    for idx in self.plan(epoch)[start_step:]:
-      yield self._assemble(idx)
+    def batches(self, epoch: int, start_step: int = 0) -> Iterator[dict[str, np.ndarray]]:
+        """This process's rows of each batch of `epoch`, from `start_step` on."""
+        if not 0 <= start_step <= self.steps_per_epoch:
+            raise ValueError(f"start_step={start_step}; expected 0..{self.steps_per_epoch}.")
+        for idx in self.plan(epoch)[start_step:]:
+            yield self._assemble(idx)
 
-  def _assemble(self, idx: np.ndarray) -> dict[str, np.ndarray]:
-    m = self.pad_multiple
-    length = min(-(-max(int(self.lengths[idx].max()), 1) // m) * m, self.data.max_len)
-    real = len(idx)
-    idx = np.concatenate([idx, np.full(self.global_batch_size - real, idx[0])])
-    weights = (np.arange(self.global_batch_size) < real).astype(np.float32)
-    lo = self.process_index * self.local_batch_size
-    rows = slice(lo, lo + self.local_batch_size)
-    input_ids = np.full((self.local_batch_size, length), self.data.pad_id, np.int32)
-    mask = np.zeros((self.local_batch_size, length), np.int32)
-    for r, i in enumerate(idx[rows]):
-      ids = self.data.input_ids[i]
-      input_ids[r, :len(ids)] = ids
-      mask[r, :len(ids)] = 1
-    return {"input_ids": input_ids, "attention_mask": mask,
+    def _assemble(self, idx: np.ndarray) -> dict[str, np.ndarray]:
+        m = self.pad_multiple
+        length = min(-(-max(int(self.lengths[idx].max()), 1) // m) * m, self.data.max_len)
+        real = len(idx)
+        idx = np.concatenate([idx, np.full(self.global_batch_size - real, idx[0])])
+        weights = (np.arange(self.global_batch_size) < real).astype(np.float32)
+        lo = self.process_index * self.local_batch_size
+        rows = slice(lo, lo + self.local_batch_size)
+        input_ids = np.full((self.local_batch_size, length), self.data.pad_id, np.int32)
+        mask = np.zeros((self.local_batch_size, length), np.int32)
+        for r, i in enumerate(idx[rows]):
+            ids = self.data.input_ids[i]
+            input_ids[r, : len(ids)] = ids
+            mask[r, : len(ids)] = 1
+        return {
+            "input_ids": input_ids,
+            "attention_mask": mask,
             "token_type_ids": np.zeros_like(input_ids),
             "labels": self.data.labels[idx[rows]].astype(np.int32),
-            "weights": weights[rows]}
+            "weights": weights[rows],
+        }

