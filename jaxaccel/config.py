@@ -27,6 +27,8 @@ BASE: dict[str, Any] = {
                                     # MiniLM's uncased BERT vocab for random-init presets)
         "num_labels": 2,
         "attention_impl": "xla",    # xla | cudnn | pallas
+        "pooling": "cls",           # what the classifier reads: cls (BERT pooler) | mean
+                                    # (masked mean of the last hidden states)
         "hidden_dropout": None,     # None = the checkpoint's value
         "attention_dropout": None,  # None = the checkpoint's value
         "remat": False,             # rematerialise each encoder layer in the backward pass

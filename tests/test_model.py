@@ -151,3 +151,16 @@ def test_fused_attention_refuses_dropout():
     model = bert.BertModel(bert.PRESETS["tiny"], attention_impl="cudnn")
     with pytest.raises(ValueError, match="attention_impl='xla'"):
         model(jnp.ones((1, 8), jnp.int32), deterministic=False, rngs=nnx.Rngs(dropout=0))
+
+
+def test_mean_pooling_head_reads_masked_mean():
+    model = bert.BertModel(bert.PRESETS["tiny"], num_labels=2, classifier_pooling="mean")
+    ids, mask = _inputs()
+    out = model(ids, mask)
+    x = np.asarray(out.last_hidden_state)
+    w = mask[..., None].astype(np.float32)
+    mean = (x * w).sum(1) / w.sum(1)
+    expected = mean @ np.asarray(model.classifier.kernel[...]) + np.asarray(model.classifier.bias[...])
+    np.testing.assert_allclose(np.asarray(out.logits), expected, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="classifier_pooling='max'"):
+        bert.BertModel(bert.PRESETS["tiny"], num_labels=2, classifier_pooling="max")

@@ -45,12 +45,14 @@ def create_model(model_cfg, policy, seed: int):
     checkpoint = model_cfg.checkpoint or (packaged_minilm_dir() if name == "minilm-l6" else "")
     if checkpoint:
         model = from_pretrained(checkpoint, num_labels=model_cfg.num_labels, policy=policy,
-                                attention_impl=model_cfg.attention_impl, seed=seed,
+                                attention_impl=model_cfg.attention_impl,
+                                classifier_pooling=model_cfg.pooling, seed=seed,
                                 config_overrides=overrides)
         return model, model_cfg.tokenizer or checkpoint
     config = dataclasses.replace(PRESETS[name], **overrides)
     model = BertModel(config, num_labels=model_cfg.num_labels, policy=policy,
-                      attention_impl=model_cfg.attention_impl, rngs=nnx.Rngs(params=seed))
+                      attention_impl=model_cfg.attention_impl,
+                      classifier_pooling=model_cfg.pooling, rngs=nnx.Rngs(params=seed))
     return model, model_cfg.tokenizer or packaged_minilm_dir()
 
 

@@ -23,6 +23,7 @@ from jaxaccel.models.attention import ATTENTION_IMPLS, attention, check_impl
 from jaxaccel.precision import Policy, get_policy
 
 BERT_MODEL_TYPES = ("bert",)
+POOLINGS = ("cls", "mean")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,6 +194,14 @@ class BertMLMHead(nnx.Module):
         return logits + self.bias[...].astype(jnp.float32)
 
 
+def _masked_mean(x, attention_mask):
+    x = x.astype(jnp.float32)
+    if attention_mask is None:
+        return x.mean(axis=1)
+    w = attention_mask.astype(jnp.float32)[..., None]
+    return (x * w).sum(axis=1) / jnp.maximum(w.sum(axis=1), 1.0)
+
+
 class BertModel(nnx.Module):
     """BERT encoder with pooler and optional heads.
 
@@ -203,12 +212,20 @@ class BertModel(nnx.Module):
       mlm_head: add the masked-LM head; ``logits`` are then [batch, seq, vocab].
       policy: precision policy name or object (default fp32).
       attention_impl: one of ``ATTENTION_IMPLS``.
+      classifier_pooling: what the classification head reads: ``"cls"`` (BERT's pooler output,
+        as transformers' ``BertForSequenceClassification``) or ``"mean"`` (the mask-weighted
+        mean of the last hidden states, for checkpoints trained with mean pooling such as
+        sentence-transformers models).
       rngs: parameter initialisation RNGs (``nnx.Rngs(params=...)``).
     """
 
     def __init__(self, config: BertConfig, *, num_labels: int | None = None,
                  mlm_head: bool = False, policy: str | Policy | None = None,
-                 attention_impl: str = "xla", rngs: nnx.Rngs | None = None):
+                 attention_impl: str = "xla", classifier_pooling: str = "cls",
+                 rngs: nnx.Rngs | None = None):
+        if classifier_pooling not in POOLINGS:
+            raise ValueError(f"classifier_pooling={classifier_pooling!r} is not one of "
+                             f"{POOLINGS}.")
         if num_labels is not None and mlm_head:
             raise ValueError("choose one head: num_labels (classification) or mlm_head=True.")
         if num_labels is not None and num_labels < 1:
@@ -217,6 +234,7 @@ class BertModel(nnx.Module):
         rngs = rngs if rngs is not None else nnx.Rngs(params=0)
         policy = get_policy(policy)
         self.config, self.policy, self.num_labels = config, policy, num_labels
+        self.classifier_pooling = classifier_pooling
         self.embeddings = BertEmbeddings(config, policy, rngs)
         self.layers = nnx.List([BertLayer(config, policy, attention_impl, rngs)
                                 for _ in range(config.num_hidden_layers)])
@@ -245,7 +263,8 @@ class BertModel(nnx.Module):
         pooled = jnp.tanh(self.pooler(x[:, 0]).astype(jnp.float32))
         logits = None
         if self.classifier is not None:
-            h = self.classifier_dropout(pooled, deterministic=deterministic, rngs=rngs)
+            h = pooled if self.classifier_pooling == "cls" else _masked_mean(x, attention_mask)
+            h = self.classifier_dropout(h, deterministic=deterministic, rngs=rngs)
             logits = self.policy.cast_to_output(self.classifier(h))
         elif self.mlm is not None:
             logits = self.mlm(x, self.embeddings.word_embeddings.embedding[...])
@@ -266,7 +285,8 @@ PRESETS = {
 
 def from_pretrained(path, num_labels: int | None = None, policy: str | Policy | None = None,
                     *, attention_impl: str = "xla", mlm_head: bool = False,
-                    seed: int = 0, config_overrides: dict | None = None) -> BertModel:
+                    classifier_pooling: str = "cls", seed: int = 0,
+                    config_overrides: dict | None = None) -> BertModel:
     """Load a Hugging Face BERT-family checkpoint directory (config.json + model.safetensors).
 
     Heads missing from the checkpoint (e.g. a new classifier) are freshly initialised from
@@ -274,7 +294,8 @@ def from_pretrained(path, num_labels: int | None = None, policy: str | Policy | 
     """
     from jaxaccel.models.hf import load_checkpoint
     return load_checkpoint(path, num_labels=num_labels, policy=policy,
-                           attention_impl=attention_impl, mlm_head=mlm_head, seed=seed,
+                           attention_impl=attention_impl, mlm_head=mlm_head,
+                           classifier_pooling=classifier_pooling, seed=seed,
                            config_overrides=config_overrides)
 
 

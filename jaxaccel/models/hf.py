@@ -97,7 +97,8 @@ def read_tensors(path: str) -> dict[str, np.ndarray]:
 
 
 def load_checkpoint(path, *, num_labels=None, policy=None, attention_impl="xla",
-                    mlm_head=False, seed=0, config_overrides=None) -> BertModel:
+                    mlm_head=False, classifier_pooling="cls", seed=0,
+                    config_overrides=None) -> BertModel:
     """Build a ``BertModel`` from the checkpoint at ``path`` (see ``bert.from_pretrained``)."""
     path = os.fspath(path)
     cfg_dict = read_config(path)
@@ -105,7 +106,8 @@ def load_checkpoint(path, *, num_labels=None, policy=None, attention_impl="xla",
     config = BertConfig.from_dict(cfg_dict, source=os.path.join(path, "config.json"))
     tensors = {_normalise(k): v for k, v in read_tensors(path).items()}
     model = BertModel(config, num_labels=num_labels, mlm_head=mlm_head, policy=policy,
-                      attention_impl=attention_impl, rngs=nnx.Rngs(params=seed))
+                      attention_impl=attention_impl, classifier_pooling=classifier_pooling,
+                      rngs=nnx.Rngs(params=seed))
 
     mapping = key_map(config, num_labels, mlm_head)
     unexpected = sorted(k for k in tensors if k not in mapping and not _IGNORED.match(k)

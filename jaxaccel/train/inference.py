@@ -23,7 +23,8 @@ def load_run(run_dir: str):
         ckpt.close()
     cfg = config_lib.build(meta["config"])
     model = BertModel(BertConfig(**meta["architecture"]), num_labels=cfg.model.num_labels,
-                      policy=cfg.precision.policy, attention_impl=cfg.model.attention_impl)
+                      policy=cfg.precision.policy, attention_impl=cfg.model.attention_impl,
+                      classifier_pooling=cfg.model.pooling)
     params = nnx.state(model, nnx.Param)
     nnx.replace_by_pure_dict(params, like(nnx.to_pure_dict(params), state["params"]))
     nnx.update(model, params)

@@ -1,0 +1,66 @@
+"""The jaxaccel command: clear errors for bad input, and train -> eval -> predict on a run."""
+import os
+
+import pytest
+
+from jaxaccel import cli
+
+CONFIGS = os.path.join(os.path.dirname(__file__), "..", "configs")
+
+
+def run(capsys, *argv):
+    code = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_unknown_config_key_lists_close_matches(capsys):
+    code, _, err = run(capsys, "train", "--config", f"{CONFIGS}/minilm_rt.py",
+                       "--set", "train.epoch=2")
+    assert code == cli.EXIT_ERROR
+    assert "unknown config key 'train.epoch'" in err and "train.epochs" in err
+
+
+@pytest.mark.parametrize("override,message", [
+    ("model.name=bert-huge", "model.name='bert-huge' is unknown"),
+    ("data.name=imbd_reviews", "Did you mean 'imdb_reviews'"),
+    ("model.checkpoint=/nonexistent/ckpt", "does not exist"),
+])
+def test_unknown_model_dataset_checkpoint(capsys, tmp_path, override, message):
+    code, _, err = run(capsys, "train", "--config", f"{CONFIGS}/tiny_synthetic.py",
+                       "--set", f"workdir={tmp_path}", "--set", override,
+                       "--set", "data.name=synthetic" if override.startswith("model") else
+                       "model.name=tiny")
+    assert code == cli.EXIT_ERROR and message in err, err
+
+
+def test_mesh_not_dividing_devices_is_named(capsys, tmp_path):
+    code, _, err = run(capsys, "train", "--config", f"{CONFIGS}/tiny_synthetic.py",
+                       "--set", f"workdir={tmp_path}", "--set", "mesh.tensor=3")
+    assert code == cli.EXIT_ERROR and "does not divide the 8 devices" in err
+
+
+def test_predict_on_missing_run(capsys, tmp_path):
+    code, _, err = run(capsys, "predict", "--checkpoint", str(tmp_path), "great film")
+    assert code == cli.EXIT_ERROR and "not a run folder" in err
+
+
+def test_train_eval_predict_round_trip(capsys, tmp_path):
+    code, out, err = run(capsys, "train", "--config", f"{CONFIGS}/minilm_rt.py",
+                         "--set", f"workdir={tmp_path}", "--set", "model.name=tiny",
+                         "--set", "train.max_steps=3", "--set", "train.batch_size=16",
+                         "--set", "train.progress=false")
+    assert code == 0, err
+    assert "final test accuracy" in out and "checkpoints:" in out and "metrics:" in out
+    run_dir = os.path.join(tmp_path, "minilm_rt")
+    code, out, err = run(capsys, "eval", "--checkpoint", run_dir)
+    assert code == 0, err
+    assert '"accuracy"' in out and '"step": 3' in out
+    code, out, err = run(capsys, "predict", "--checkpoint", run_dir,
+                         "a gripping, beautifully shot film", "dull and lifeless")
+    assert code == 0, err
+    lines = out.strip().splitlines()
+    assert len(lines) == 2
+    label, prob, text = lines[0].split("\t")
+    assert label in ("neg", "pos") and 0.5 <= float(prob) <= 1.0
+    assert text == "a gripping, beautifully shot film"
