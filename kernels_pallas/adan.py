@@ -1,0 +1,157 @@
+"""Fused multi-tensor Adan update: reference math, the Pallas kernel, and a backend dispatch.
+
+The update of one element (official Adan, sail-sg/Adan; t is the step, g the clipped gradient):
+
+    d    = g - prev                       (0 on the first step)
+    m    = b1 m + (1 - b1) g
+    v    = b2 v + (1 - b2) d
+    n    = b3 n + (1 - b3) (g + b2 d)^2
+    den  = sqrt(n) / sqrt(1 - b3^t) + eps
+    step = lr / (1 - b1^t) m / den + lr b2 / (1 - b2^t) v / den
+    no_prox:  p' = p (1 - lr wd) - step
+    prox:     p' = (p - step) / (1 + lr wd)
+
+The kernel works on flat, lane-dense buffers of shape [rows, 128] (many parameter tensors
+packed into one: "multi-tensor apply"), one grid step per block of rows. It reads every buffer
+once and writes every output once; math is float32 in registers whatever the storage dtype;
+the hyperparameters arrive as a float32 vector at run time (``scalars``), so a new learning
+rate never recompiles; the state outputs alias the state inputs (updated in place when the
+caller donates them). It returns the *update* ``p' - p`` (optax's contract) and the new state.
+
+``scalars`` layout: see ``SCALARS`` (``make_scalars`` builds it).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from kernels_pallas import _backend
+
+LANES = 128
+ROW_ALIGN = 1024   # flat buffers have a multiple of this many rows: every block size divides it
+SCALARS = ("lr", "b1", "b2", "b3", "eps", "wd", "bc1", "bc2", "bc3_sqrt", "clip", "first")
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """Rows of a [rows, 128] buffer that one kernel instance updates."""
+
+    rows: int
+
+    def __post_init__(self):
+        if ROW_ALIGN % self.rows:
+            raise ValueError(f"block rows {self.rows} must divide ROW_ALIGN={ROW_ALIGN}.")
+
+
+# Per backend: TPU blocks fill VMEM tiles (11 buffers x 512 x 128 x 4 B = 2.9 MB, double
+# buffered); GPU blocks keep each Triton program at 16 elements per thread and buffer.
+BLOCK_SIZES = {"tpu": BlockSizes(512), "gpu": BlockSizes(16), "interpret": BlockSizes(256)}
+
+
+def make_scalars(*, lr, b1, b2, b3, eps, weight_decay, count, clip):
+    """The float32 hyperparameter vector for step ``count + 1`` (``count`` steps done)."""
+    t = jnp.asarray(count, jnp.float32) + 1.0
+    f = lambda x: jnp.asarray(x, jnp.float32)
+    values = dict(lr=f(lr), b1=f(b1), b2=f(b2), b3=f(b3), eps=f(eps), wd=f(weight_decay),
+                  bc1=1.0 / (1.0 - f(b1) ** t), bc2=1.0 / (1.0 - f(b2) ** t),
+                  bc3_sqrt=1.0 / jnp.sqrt(1.0 - f(b3) ** t), clip=f(clip),
+                  first=(t == 1.0).astype(jnp.float32))
+    return jnp.stack([values[k] for k in SCALARS])
+
+
+def adan_math(s, g, m, v, n, prev, p=None, *, no_prox: bool):
+    """One Adan step on arrays (any shape), float32 math. ``s`` indexes like ``SCALARS``.
+
+    Returns ``(update, m, v, n, prev)`` in float32; ``p=None`` means weight decay is 0."""
+    lr, b1, b2, b3, eps, wd, bc1, bc2, bc3_sqrt, clip, first = (s[i] for i in range(len(SCALARS)))
+    g = g.astype(jnp.float32) * clip
+    d = (g - prev.astype(jnp.float32)) * (1.0 - first)
+    m = b1 * m.astype(jnp.float32) + (1.0 - b1) * g
+    v = b2 * v.astype(jnp.float32) + (1.0 - b2) * d
+    u = g + b2 * d
+    n = b3 * n.astype(jnp.float32) + (1.0 - b3) * u * u
+    den = jnp.sqrt(n) * bc3_sqrt + eps
+    step = (lr * bc1 * m + lr * b2 * bc2 * v) / den
+    if p is None:
+        update = -step
+    else:
+        p = p.astype(jnp.float32)
+        update = -lr * wd * p - step if no_prox else (p - step) / (1.0 + lr * wd) - p
+    return update, m, v, n, g
+
+
+def adan_reference(scalars, g, m, v, n, prev, p=None, *, no_prox: bool):
+    """The plain-XLA path: ``adan_math`` cast back to the storage dtypes."""
+    update, m2, v2, n2, prev2 = adan_math(scalars, g, m, v, n, prev, p, no_prox=no_prox)
+    return (update.astype(g.dtype), m2.astype(m.dtype), v2.astype(v.dtype), n2.astype(n.dtype),
+            prev2.astype(prev.dtype))
+
+
+def _kernel(s_ref, *refs, no_prox: bool, with_params: bool):
+    if with_params:
+        p_ref, g_ref, m_ref, v_ref, n_ref, prev_ref, u_out, m_out, v_out, n_out, prev_out = refs
+        p = p_ref[...]
+    else:
+        g_ref, m_ref, v_ref, n_ref, prev_ref, u_out, m_out, v_out, n_out, prev_out = refs
+        p = None
+    s = [s_ref[i] for i in range(len(SCALARS))]
+    update, m, v, n, prev = adan_math(s, g_ref[...], m_ref[...], v_ref[...], n_ref[...],
+                                      prev_ref[...], p, no_prox=no_prox)
+    u_out[...] = update.astype(u_out.dtype)
+    m_out[...] = m.astype(m_out.dtype)
+    v_out[...] = v.astype(v_out.dtype)
+    n_out[...] = n.astype(n_out.dtype)
+    prev_out[...] = prev.astype(prev_out.dtype)
+
+
+def _pallas(scalars, g, m, v, n, prev, p, *, no_prox, backend, block_sizes):
+    rows = g.shape[0]
+    if g.ndim != 2 or g.shape[1] != LANES or rows % block_sizes.rows:
+        raise ValueError(f"flat Adan buffers must be [rows, {LANES}] with rows a multiple of "
+                         f"{block_sizes.rows}; got {g.shape}.")
+    with_params = p is not None
+    block = pl.BlockSpec((block_sizes.rows, LANES), lambda i: (i, 0))
+    if backend == "tpu":
+        from jax.experimental.pallas import tpu as pltpu
+        scalar_spec = pl.BlockSpec(memory_space=pltpu.SMEM)
+        params = pltpu.CompilerParams(dimension_semantics=("parallel",))
+    else:
+        scalar_spec = pl.BlockSpec((len(SCALARS),), lambda i: (0,))
+        params = None
+        if backend == "gpu":
+            from jax.experimental.pallas import triton as pltr
+            params = pltr.CompilerParams(num_warps=4, num_stages=1)
+    tensors = ([p] if with_params else []) + [g, m, v, n, prev]
+    first_state = 1 + len(tensors) - 4           # m's operand index (scalars are operand 0)
+    out_shape = [jax.ShapeDtypeStruct(g.shape, g.dtype)] + [
+        jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (m, v, n, prev)]
+    return pl.pallas_call(
+        functools.partial(_kernel, no_prox=no_prox, with_params=with_params),
+        out_shape=out_shape,
+        grid=(rows // block_sizes.rows,),
+        in_specs=[scalar_spec] + [block] * len(tensors),
+        out_specs=[block] * 5,
+        input_output_aliases={first_state + k: 1 + k for k in range(4)},
+        interpret=_backend.interpret(backend),
+        compiler_params=params,
+        name="adan_update",
+    )(scalars, *tensors)
+
+
+def adan_update(scalars, g, m, v, n, prev, p=None, *, no_prox: bool = False,
+                backend: str = "auto", block_sizes: BlockSizes | None = None):
+    """Fused Adan over flat [rows, 128] buffers: ``(update, m, v, n, prev)``.
+
+    ``g`` (and ``p``, needed only for weight decay) may be any float dtype; the state buffers
+    keep their own dtypes; ``update`` has ``g``'s dtype. ``backend``: auto | xla | interpret |
+    tpu | gpu (naming a platform lets a CPU machine lower that platform's kernel).
+    """
+    backend = _backend.resolve(backend)
+    if backend == "xla":
+        return adan_reference(scalars, g, m, v, n, prev, p, no_prox=no_prox)
+    return tuple(_pallas(scalars, g, m, v, n, prev, p, no_prox=no_prox, backend=backend,
+                         block_sizes=block_sizes or BLOCK_SIZES[backend]))

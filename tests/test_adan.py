@@ -1,0 +1,295 @@
+"""Adan: every impl against an independent float64 re-implementation of the official rule,
+against each other on a BERT-shaped tree, optax composition, and kernel lowering."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from jaxaccel.optim import decay_mask
+from jaxaccel.optim.adan import AdanState, adan, restart
+from kernels_pallas.adan import LANES, ROW_ALIGN, adan_update, make_scalars
+
+IMPLS = ("reference", "xla", "pallas")
+
+
+class Float64Adan:
+    """The official rule, written out again in float64 numpy, one leaf list at a time."""
+
+    def __init__(self, lr, b1=0.98, b2=0.92, b3=0.99, eps=1e-8, wd=0.0, no_prox=False,
+                 max_grad_norm=0.0, decay=None):
+        self.__dict__.update(lr=lr, b1=b1, b2=b2, b3=b3, eps=eps, wd=wd, no_prox=no_prox,
+                             max_grad_norm=max_grad_norm, decay=decay)
+        self.t = 0
+        self.state = None
+
+    def step(self, params, grads):
+        if self.state is None:
+            self.state = [[np.zeros_like(p) for p in params] for _ in range(3)] + [None]
+        self.t += 1
+        t, b1, b2, b3 = self.t, self.b1, self.b2, self.b3
+        lr = self.lr(t - 1) if callable(self.lr) else self.lr
+        clip = 1.0
+        if self.max_grad_norm > 0:
+            norm = np.sqrt(sum(np.sum(g * g) for g in grads))
+            clip = min(self.max_grad_norm / (norm + self.eps), 1.0)
+        m, v, n, prev = self.state
+        gs = [clip * g for g in grads]
+        if prev is None or t == 1:
+            prev = gs
+        out = []
+        for i, (p, g) in enumerate(zip(params, gs)):
+            d = g - prev[i]
+            m[i] = b1 * m[i] + (1 - b1) * g
+            v[i] = b2 * v[i] + (1 - b2) * d
+            n[i] = b3 * n[i] + (1 - b3) * (g + b2 * d) ** 2
+            den = np.sqrt(n[i]) / np.sqrt(1 - b3 ** t) + self.eps
+            step = lr / (1 - b1 ** t) * m[i] / den + lr * b2 / (1 - b2 ** t) * v[i] / den
+            wd = self.wd if (self.decay is None or self.decay[i]) else 0.0
+            if self.no_prox:
+                out.append(p * (1 - lr * wd) - step)
+            else:
+                out.append((p - step) / (1 + lr * wd))
+        self.state = [m, v, n, gs]
+        return out
+
+    def restart(self):
+        self.t = 0
+        self.state = [[np.zeros_like(x) for x in self.state[0]] for _ in range(3)] + \
+            [self.state[3]]
+
+
+def small_tree(seed=0):
+    rng = np.random.default_rng(seed)
+    shapes = {"w": (7, 13), "bias": (13,), "deep": {"k": (3, 5, 2), "scale": (5,)}}
+    return jax.tree_util.tree_map(lambda s: rng.normal(size=s).astype(np.float32), shapes,
+                                  is_leaf=lambda x: isinstance(x, tuple))
+
+
+def bert_tree(hidden=64, layers=2, vocab=1000, mlp=96, labels=3):
+    """BERT-shaped parameters (odd sizes), the structure the trainer hands the optimizer."""
+    rng = np.random.default_rng(1)
+    n = lambda *s: rng.normal(size=s).astype(np.float32) * 0.1
+    ln = lambda: {"scale": 1 + n(hidden), "bias": n(hidden)}
+    lin = lambda a, b: {"kernel": n(a, b), "bias": n(b)}
+    layer = lambda: {"attention": {"query": lin(hidden, hidden), "key": lin(hidden, hidden),
+                                   "value": lin(hidden, hidden), "output": lin(hidden, hidden),
+                                   "layer_norm": ln()},
+                     "intermediate": lin(hidden, mlp), "output": lin(mlp, hidden),
+                     "layer_norm": ln()}
+    return {"embeddings": {"word_embeddings": {"embedding": n(vocab, hidden)},
+                           "position_embeddings": {"embedding": n(128, hidden)},
+                           "layer_norm": ln()},
+            "layers": {i: layer() for i in range(layers)},
+            "pooler": lin(hidden, hidden), "classifier": lin(hidden, labels)}
+
+
+def grads_at(step, params):
+    leaves, treedef = jax.tree_util.tree_flatten(params)
+    rng = np.random.default_rng(100 + step)
+    return treedef.unflatten([rng.normal(size=x.shape).astype(np.float32) for x in leaves])
+
+
+def run(tx, params, steps, after=None):
+    state = tx.init(params)
+    update = jax.jit(tx.update)
+    history = []
+    for t in range(steps):
+        updates, state = update(grads_at(t, params), state, params)
+        params = optax.apply_updates(params, updates)
+        history.append(params)
+        if after is not None:
+            state = after(t, state)
+    return params, state, history
+
+
+def rel(a, b):
+    a, b = np.concatenate([np.ravel(x) for x in jax.tree_util.tree_leaves(a)]), \
+        np.concatenate([np.ravel(x) for x in jax.tree_util.tree_leaves(b)])
+    return np.linalg.norm(a.astype(np.float64) - b) / np.linalg.norm(b)
+
+
+CASES = {
+    "prox": dict(wd=0.05),
+    "no_prox": dict(wd=0.05, no_prox=True),
+    "clipped": dict(wd=0.02, max_grad_norm=1.0),
+    "schedule": dict(wd=0.0, lr=optax.linear_schedule(1e-2, 1e-3, 60)),
+}
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_matches_float64_rule_over_100_steps(impl, case):
+    kw = dict(lr=3e-3)
+    kw.update(CASES[case])
+    params = small_tree()
+    tx = adan(kw["lr"], weight_decay=kw["wd"], no_prox=kw.get("no_prox", False),
+              max_grad_norm=kw.get("max_grad_norm", 0.0), impl=impl)
+    ref = Float64Adan(kw["lr"], wd=kw["wd"], no_prox=kw.get("no_prox", False),
+                      max_grad_norm=kw.get("max_grad_norm", 0.0))
+    leaves, treedef = jax.tree_util.tree_flatten(params)
+    p64 = [x.astype(np.float64) for x in leaves]
+    ours, _, _ = run(tx, params, 100 if impl != "pallas" else 30)
+    for t in range(100 if impl != "pallas" else 30):
+        p64 = ref.step(p64, [g.astype(np.float64) for g in
+                             treedef.flatten_up_to(grads_at(t, params))])
+    assert rel(ours, treedef.unflatten(p64)) < 1e-5
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_restart_matches_official_restart_opt(impl):
+    params = small_tree()
+    tx = adan(3e-3, weight_decay=0.01, impl=impl)
+    ref = Float64Adan(3e-3, wd=0.01)
+    leaves, treedef = jax.tree_util.tree_flatten(params)
+    p64 = [x.astype(np.float64) for x in leaves]
+    ours, state, _ = run(tx, params, 12, after=lambda t, s: restart(s) if t == 5 else s)
+    for t in range(12):
+        p64 = ref.step(p64, [g.astype(np.float64) for g in
+                             treedef.flatten_up_to(grads_at(t, params))])
+        if t == 5:
+            ref.restart()
+    assert int(state.count) == 6
+    assert rel(ours, treedef.unflatten(p64)) < 1e-5
+
+
+@pytest.mark.parametrize("no_prox,clip", [(False, 0.0), (True, 1.0)])
+def test_impls_agree_on_a_bert_tree(no_prox, clip):
+    params = bert_tree()
+    results = {}
+    for impl in IMPLS:
+        tx = adan(1e-3, weight_decay=0.01, no_prox=no_prox, max_grad_norm=clip,
+                  mask=decay_mask, impl=impl)
+        results[impl], _, _ = run(tx, params, 4)
+    assert rel(results["xla"], results["reference"]) < 1e-5
+    assert rel(results["pallas"], results["reference"]) < 1e-5
+
+
+def test_mask_keeps_biases_and_layer_norms_undecayed():
+    params = small_tree()
+    leaves, treedef = jax.tree_util.tree_flatten(params)
+    flags = treedef.flatten_up_to(decay_mask(params))
+    assert flags.count(False) == 2          # "bias" and "scale"
+    tx = adan(3e-3, weight_decay=0.5, mask=decay_mask, impl="xla")
+    ref = Float64Adan(3e-3, wd=0.5, decay=flags)
+    ours, _, _ = run(tx, params, 20)
+    p64 = [x.astype(np.float64) for x in leaves]
+    for t in range(20):
+        p64 = ref.step(p64, [g.astype(np.float64) for g in
+                             treedef.flatten_up_to(grads_at(t, params))])
+    assert rel(ours, treedef.unflatten(p64)) < 1e-5
+
+
+def test_differs_from_optax_adan_which_weights_the_difference_by_one_minus_b2():
+    """optax.adan's n-update uses (g + (1 - b2) d)^2; the official code uses (g + b2 d)^2."""
+    params = small_tree()
+    ours, _, _ = run(adan(1e-2, impl="xla"), params, 10)
+    theirs, _, _ = run(optax.adan(1e-2, b1=0.02, b2=0.08, b3=0.01, eps=1e-8), params, 10)
+    assert rel(theirs, ours) > 1e-3
+    leaves, treedef = jax.tree_util.tree_flatten(params)
+    ref = Float64Adan(1e-2)
+    p64 = [x.astype(np.float64) for x in leaves]
+    for t in range(10):
+        p64 = ref.step(p64, [g.astype(np.float64) for g in
+                             treedef.flatten_up_to(grads_at(t, params))])
+    assert rel(ours, treedef.unflatten(p64)) < 1e-5 < rel(theirs, treedef.unflatten(p64))
+
+
+def test_composes_with_inject_hyperparams_chain_and_apply_if_finite():
+    params = small_tree()
+    tx = optax.chain(optax.identity(),
+                     optax.inject_hyperparams(adan)(learning_rate=3e-3, weight_decay=0.01))
+    tx = optax.apply_if_finite(tx, max_consecutive_errors=2)
+    state = tx.init(params)
+    update = jax.jit(tx.update)
+    u1, state = update(grads_at(0, params), state, params)
+    u1, state = update(grads_at(0, params), state, params)    # state now as the update makes it
+    compiled = update._cache_size()
+    # A new learning rate is a runtime value: the same compiled update serves it.
+    state.inner_state[1].hyperparams["learning_rate"] = jnp.asarray(6e-3, jnp.float32)
+    bad = jax.tree_util.tree_map(lambda g: g * np.nan, grads_at(1, params))
+    u_bad, state = update(bad, state, params)
+    assert all(float(jnp.abs(x).max()) == 0 for x in jax.tree_util.tree_leaves(u_bad))
+    assert int(state.notfinite_count) == 1
+    u2, state = update(grads_at(1, params), state, params)
+    assert update._cache_size() == compiled
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree_util.tree_leaves(u2))
+
+
+def test_state_structure_is_fixed_under_scan():
+    params = small_tree()
+    tx = adan(1e-3, impl="xla")
+
+    def body(carry, g):
+        p, s = carry
+        u, s = tx.update(g, s, p)
+        return (optax.apply_updates(p, u), s), None
+    grads = jax.tree_util.tree_map(lambda x: jnp.stack([x] * 3), grads_at(0, params))
+    (_, state), _ = jax.lax.scan(body, (params, tx.init(params)), grads)
+    assert isinstance(state, AdanState) and int(state.count) == 3
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_low_precision_params_state_and_odd_leaves(impl):
+    params = {"w": jnp.asarray(small_tree()["w"], jnp.bfloat16), "steps": jnp.arange(3),
+              "empty": jnp.zeros((0, 4), jnp.float32)}
+    tx = adan(1e-2, weight_decay=0.1, state_dtype=jnp.bfloat16, impl=impl)
+    state = tx.init(params)
+    grads = {"w": jnp.ones((7, 13), jnp.bfloat16), "steps": jnp.zeros(3, jnp.int32),
+             "empty": jnp.zeros((0, 4), jnp.float32)}
+    updates, state = jax.jit(tx.update)(grads, state, params)
+    assert updates["w"].dtype == jnp.bfloat16 and updates["steps"].dtype == jnp.int32
+    np.testing.assert_array_equal(updates["steps"], 0)
+    assert updates["empty"].shape == (0, 4)
+    # First step: d = 0, m = (1-b1) g, n = (1-b3) g^2, so step = lr g/|g| = lr; prox update.
+    p = np.asarray(params["w"], np.float32)
+    expected = (p - 1e-2) / (1 + 1e-3) - p
+    np.testing.assert_allclose(np.asarray(updates["w"], np.float32), expected, atol=2e-2 * 0.05)
+
+
+def test_empty_tree_is_a_noop():
+    tx = adan(1e-3, impl="xla")
+    state = tx.init({})
+    updates, state = tx.update({}, state, {})
+    assert updates == {} and int(state.count) == 1
+
+
+def test_weight_decay_needs_params():
+    tx = adan(1e-3, weight_decay=0.1)
+    params = small_tree()
+    with pytest.raises(ValueError, match="needs params"):
+        tx.update(grads_at(0, params), tx.init(params))
+
+
+def _flat_args(rows, dtype=jnp.float32):
+    k = jax.random.split(jax.random.PRNGKey(0), 6)
+    g, m, v, prev, p = [jax.random.normal(kk, (rows, LANES), dtype) for kk in k[:5]]
+    n = jnp.abs(jax.random.normal(k[5], (rows, LANES)))
+    s = make_scalars(lr=1e-3, b1=0.98, b2=0.92, b3=0.99, eps=1e-8, weight_decay=0.02,
+                     count=3, clip=0.7)
+    return s, g, m, v, n, prev, p
+
+
+@pytest.mark.parametrize("no_prox", [False, True])
+def test_kernel_interpret_matches_reference(no_prox):
+    s, g, m, v, n, prev, p = _flat_args(ROW_ALIGN, jnp.bfloat16)
+    a = adan_update(s, g, m, v, n, prev, p, no_prox=no_prox, backend="xla")
+    b = adan_update(s, g, m, v, n, prev, p, no_prox=no_prox, backend="interpret")
+    for x, y in zip(a, b):
+        assert x.dtype == y.dtype
+        # float32 math in both; storing to bfloat16 may round the other way: one bf16 ulp.
+        tol = 2.0 ** -7 if x.dtype == jnp.bfloat16 else 1e-6
+        np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32),
+                                   rtol=tol, atol=1e-6)
+
+
+@pytest.mark.parametrize("platform,backend", [("tpu", "tpu"), ("cuda", "gpu")])
+def test_kernel_lowers_for_tpu_and_gpu(platform, backend):
+    """A 1,000,003-parameter group (not a multiple of the chunk): pad and lower."""
+    rows = -(-1_000_003 // (ROW_ALIGN * LANES)) * ROW_ALIGN
+    args = _flat_args(rows)
+    f = jax.jit(lambda *a: adan_update(*a, backend=backend), donate_argnums=(2, 3, 4, 5))
+    text = f.trace(*args).lower(lowering_platforms=(platform,)).as_text()
+    assert "adan_update" in text
+    assert ("tpu_custom_call" if platform == "tpu" else "__gpu$xla.gpu.triton") in text
+
