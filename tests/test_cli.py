@@ -64,3 +64,15 @@ def test_train_eval_predict_round_trip(capsys, tmp_path):
     label, prob, text = lines[0].split("\t")
     assert label in ("neg", "pos") and 0.5 <= float(prob) <= 1.0
     assert text == "a gripping, beautifully shot film"
+
+
+def test_training_with_adan_through_the_cli_lowers_the_loss(capsys, tmp_path):
+    from jaxaccel.train.metrics import read_metrics
+    code, out, err = run(capsys, "train", "--config", f"{CONFIGS}/tiny_synthetic.py",
+                         "--set", f"workdir={tmp_path}", "--set", "train.optimizer=adan",
+                         "--set", "train.epochs=6", "--set", "train.log_every=4",
+                         "--set", "train.progress=false")
+    assert code == 0, err
+    losses = [r["train/loss"] for r in read_metrics(os.path.join(tmp_path, "tiny_synthetic"))
+              if "train/loss" in r]
+    assert losses[-1] < losses[0] - 0.1, losses
