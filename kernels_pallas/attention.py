@@ -1,0 +1,557 @@
+"""Fused (flash) attention, forward and backward: reference math, Pallas kernels, a dispatch.
+
+For one batch row and query head (``P`` the attention weights, ``M`` the mask)::
+
+    S   = scale * Q K^T                     masked entries of S are -inf
+    P   = softmax(S) row-wise               a row with no unmasked key gives P = 0, O = 0
+    O   = P V
+    lse = logsumexp(S) row-wise             (the only residual besides O and the inputs)
+    dV  = P^T dO
+    dP  = dO V^T
+    dS  = P * (dP - delta),  delta = rowsum(dO * O)
+    dQ  = scale * dS K,      dK = scale * dS^T Q
+
+The mask ``M[i, j]`` is the conjunction of: ``j < key_lengths[b]`` (padding), ``q_seg[i] ==
+kv_seg[j]`` (packed sequences) and ``j <= i`` (causal, aligned at the start).
+
+The kernels never build S for a whole row: the forward kernel (one program per query block)
+walks the key blocks with an online softmax (running max ``m``, running sum ``l``, rescaled
+accumulator), in base 2 (``exp2``, the scale premultiplied by log2 e) and fp32 whatever the
+input dtype. The backward pass is two kernels: dQ (one program per query block, walking key
+blocks) and dK/dV (one program per key block, walking query blocks); ``delta`` is one fused
+XLA reduction. Key blocks past a row's key length, and blocks above the causal diagonal, are
+skipped, not masked. A program holds the whole key (or query) sequence of one head in fast
+memory and slices blocks from it, so the same kernel body runs on every backend; the backends
+differ only in array layout and block specs (``_Layout``):
+
+* GPU (Triton) and interpret: [B, S, H, D] as given; per-row statistics as [rows, 1];
+* TPU (Mosaic): [B, H, S, D] (the last two block dims must tile (8, 128)); per-row statistics
+  and query segment ids replicated over 128 lanes, key segment ids over 8 sublanes, as in
+  ``jax.experimental.pallas.ops.tpu.flash_attention``.
+
+Grouped-query attention (Hq = G * Hkv): query head h reads key/value head h // G; dK/dV are
+computed per query head and summed over each group in XLA.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+
+from kernels_pallas import _backend
+
+MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)   # finite: exp2(MASK - MASK) is not NaN
+LOG2E = math.log2(math.e)
+TPU_LANES, TPU_SUBLANES = 128, 8
+_NT = (((1,), (1,)), ((), ()))                         # x @ y^T
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """Rows of queries / keys per block for each kernel (powers of two; shrunk to the sequence
+    for short inputs). ``num_warps`` / ``num_stages`` are Triton launch parameters (GPU only)."""
+
+    block_q: int
+    block_k: int
+    block_q_dkv: int
+    block_k_dkv: int
+    block_q_dq: int
+    block_k_dq: int
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self):
+        for f in ("block_q", "block_k", "block_q_dkv", "block_k_dkv", "block_q_dq", "block_k_dq"):
+            b = getattr(self, f)
+            if b < 8 or b & (b - 1):
+                raise ValueError(f"BlockSizes.{f}={b} must be a power of two >= 8.")
+
+
+# Per backend. TPU: 128-multiples for the MXU and lane-replicated statistics (not tuned: no
+# TPU was available). GPU: picked on an H100 from a sweep over BERT-base and the long causal
+# shape (bench/attention.py shapes; 3 pipeline stages gave BERT-base fwd 147 vs 107 TFLOP/s,
+# fwd+bwd 173 vs 158; 8 warps or 128-row backward blocks were slower). Interpret: large
+# blocks, because the interpreter's cost grows with grid steps and loop iterations.
+BLOCK_SIZES = {
+    "tpu": BlockSizes(256, 512, 256, 256, 256, 512),
+    "gpu": BlockSizes(128, 64, 64, 64, 64, 64, num_warps=4, num_stages=3),
+    "interpret": BlockSizes(128, 128, 128, 128, 128, 128),
+}
+_MIN_BLOCK = {"tpu": (8, TPU_LANES), "gpu": (16, 16), "interpret": (8, 8)}  # (q rows, k rows)
+
+
+# ----------------------------------------------------------------------------- reference
+
+
+def _segments(segment_ids, sq, sk):
+    """(q_seg [B, Sq], kv_seg [B, Sk]) or None, from an array (Sq == Sk) or a pair."""
+    if segment_ids is None:
+        return None
+    if isinstance(segment_ids, (tuple, list)):
+        q_seg, kv_seg = segment_ids
+    else:
+        if sq != sk:
+            raise ValueError(f"segment_ids as one [B, S] array needs Sq == Sk; got Sq={sq}, "
+                             f"Sk={sk}. Pass a (q_segment_ids, kv_segment_ids) pair.")
+        q_seg = kv_seg = segment_ids
+    return jnp.asarray(q_seg, jnp.int32), jnp.asarray(kv_seg, jnp.int32)
+
+
+def attention_reference(q, k, v, *, key_lengths=None, segment_ids=None, causal=False,
+                        scale=None):
+    """Plain-XLA attention with the kernels' semantics (fully masked rows give zeros).
+
+    Matmul inputs stay in the input dtype with fp32 accumulation; softmax is fp32."""
+    b, sq, hq, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    qg = q.reshape(b, sq, hkv, hq // hkv, d)
+    s = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k, preferred_element_type=jnp.float32) * scale
+    mask = jnp.ones((b, 1, 1, sq, sk), bool)
+    if key_lengths is not None:
+        lengths = jnp.asarray(key_lengths, jnp.int32)
+        mask &= (jnp.arange(sk)[None, :] < lengths[:, None])[:, None, None, None, :]
+    segs = _segments(segment_ids, sq, sk)
+    if segs is not None:
+        mask &= (segs[0][:, :, None] == segs[1][:, None, :])[:, None, None]
+    if causal:
+        mask &= jnp.arange(sq)[:, None] >= jnp.arange(sk)[None, :]
+    s = jnp.where(mask, s, -jnp.inf)
+    m = lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
+    p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0))
+    l = jnp.sum(p, axis=-1, keepdims=True)
+    p = p / jnp.where(l == 0.0, 1.0, l)
+    o = jnp.einsum("bhgqk,bkhd->bqhgd", p.astype(v.dtype), v,
+                   preferred_element_type=jnp.float32)
+    return o.reshape(b, sq, hq, d).astype(q.dtype)
+
+
+# ----------------------------------------------------------------------------- kernels
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """Everything static about one call: backend, shapes after padding, blocks, mask kinds."""
+
+    backend: str
+    causal: bool
+    scale: float
+    has_len: bool          # some key index is >= its row's length (key_lengths or padding)
+    has_seg: bool
+    groups: int            # Hq // Hkv
+    sq: int                # padded lengths
+    sk: int
+    blocks: BlockSizes     # fitted to the sequences
+    precision: lax.Precision | None
+
+
+def _widen(x, n):
+    """Per-row statistics [rows, W] (W = 1, or 128 lane-replicated on TPU) -> broadcastable
+    against [rows, n]."""
+    w = x.shape[1]
+    if w == 1:
+        return x
+    if n % w == 0:
+        return jnp.tile(x, (1, n // w))
+    return x[:, :n]
+
+
+def _q_seg(ref, rows):
+    return ref[rows][:, None] if ref.ndim == 1 else ref[rows, :]
+
+
+def _kv_seg(ref, cols):
+    return ref[cols][None, :] if ref.ndim == 1 else ref[:1, cols]
+
+
+def _kv_len(ref, plan):
+    """This batch row's key length: from the whole [B] vector (TPU SMEM) or a (1,) block."""
+    return ref[pl.program_id(0)] if plan.backend == "tpu" else ref[0]
+
+
+def _dot(x, y, plan, dims=None):
+    if dims is None:
+        return lax.dot(x, y, precision=plan.precision, preferred_element_type=jnp.float32)
+    return lax.dot_general(x, y, dims, precision=plan.precision,
+                           preferred_element_type=jnp.float32)
+
+
+def _logits(q, k, row0, col0, kv_len, q_seg, kv_seg, plan):
+    """Masked logits in base-2 units, [rows, cols]; masked entries are MASK_VALUE."""
+    s = _dot(q, k, plan, _NT) * (plan.scale * LOG2E)
+    mask = None
+    if plan.causal or plan.has_len:
+        col = lax.broadcasted_iota(jnp.int32, s.shape, 1) + col0
+        if plan.causal:
+            mask = col <= lax.broadcasted_iota(jnp.int32, s.shape, 0) + row0
+        if plan.has_len:
+            in_len = col < kv_len
+            mask = in_len if mask is None else mask & in_len
+    if plan.has_seg:
+        same = _widen(q_seg, s.shape[1]) == kv_seg
+        mask = same if mask is None else mask & same
+    return s if mask is None else jnp.where(mask, s, MASK_VALUE)
+
+
+def _kv_blocks(q_block, rows, kv_len, block_k, plan):
+    """Key blocks that query block ``q_block`` (of ``rows`` rows) must visit."""
+    n = kv_len
+    if plan.causal:
+        n = jnp.minimum(n, (q_block + 1) * rows)
+    return lax.div(n + block_k - 1, block_k)
+
+
+def _split(refs, plan, n_out):
+    segs = refs[:2] if plan.has_seg else (None, None)
+    return segs, refs[-n_out:]
+
+
+def _fwd_kernel(kv_len_ref, q_ref, k_ref, v_ref, *refs, plan):
+    (q_seg_ref, kv_seg_ref), (o_ref, lse_ref) = _split(refs, plan, 2)
+    bq, bk = plan.blocks.block_q, plan.blocks.block_k
+    i = pl.program_id(2)
+    kv_len = _kv_len(kv_len_ref, plan)
+    q = q_ref[...]
+    q_seg = _q_seg(q_seg_ref, slice(None)) if plan.has_seg else None
+    w = lse_ref.shape[-1]
+
+    def body(j, carry):
+        acc, m, l = carry
+        cols = pl.ds(pl.multiple_of(j * bk, bk), bk)
+        kv_seg = _kv_seg(kv_seg_ref, cols) if plan.has_seg else None
+        s = _logits(q, k_ref[cols, :], i * bq, j * bk, kv_len, q_seg, kv_seg, plan)
+        m_next = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
+        alpha = jnp.exp2(m - m_next)
+        p = jnp.exp2(s - _widen(m_next, bk))
+        l = alpha * l + jnp.sum(p, axis=1, keepdims=True)
+        v = v_ref[cols, :]
+        acc = acc * _widen(alpha, acc.shape[1]) + _dot(p.astype(v.dtype), v, plan)
+        return acc, m_next, l
+
+    init = (jnp.zeros(q.shape, jnp.float32), jnp.full((bq, w), MASK_VALUE, jnp.float32),
+            jnp.zeros((bq, w), jnp.float32))
+    acc, m, l = lax.fori_loop(0, _kv_blocks(i, bq, kv_len, bk, plan), body, init)
+    alive = m > 0.5 * MASK_VALUE          # the row saw at least one unmasked key
+    l_safe = jnp.where(alive, l, 1.0)
+    o_ref[...] = (acc * _widen(jnp.where(alive, 1.0 / l_safe, 0.0), acc.shape[1])
+                  ).astype(o_ref.dtype)
+    lse_ref[...] = jnp.where(alive, m + jnp.log(l_safe) * LOG2E, jnp.inf)
+
+
+def _dq_kernel(kv_len_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, plan):
+    (q_seg_ref, kv_seg_ref), (dq_ref,) = _split(refs, plan, 1)
+    bq, bk = plan.blocks.block_q_dq, plan.blocks.block_k_dq
+    i = pl.program_id(2)
+    kv_len = _kv_len(kv_len_ref, plan)
+    q, do = q_ref[...], do_ref[...]
+    lse, delta = _widen(lse_ref[...], bk), _widen(delta_ref[...], bk)
+    q_seg = _q_seg(q_seg_ref, slice(None)) if plan.has_seg else None
+
+    def body(j, dq):
+        cols = pl.ds(pl.multiple_of(j * bk, bk), bk)
+        kv_seg = _kv_seg(kv_seg_ref, cols) if plan.has_seg else None
+        k = k_ref[cols, :]
+        p = jnp.exp2(_logits(q, k, i * bq, j * bk, kv_len, q_seg, kv_seg, plan) - lse)
+        ds = p * (_dot(do, v_ref[cols, :], plan, _NT) - delta)
+        return dq + _dot(ds.astype(k.dtype), k, plan)
+
+    dq = lax.fori_loop(0, _kv_blocks(i, bq, kv_len, bk, plan), body,
+                       jnp.zeros(q.shape, jnp.float32))
+    dq_ref[...] = (dq * plan.scale).astype(dq_ref.dtype)
+
+
+def _dkv_kernel(kv_len_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, plan):
+    (q_seg_ref, kv_seg_ref), (dk_ref, dv_ref) = _split(refs, plan, 2)
+    bq, bk = plan.blocks.block_q_dkv, plan.blocks.block_k_dkv
+    j = pl.program_id(2)
+    kv_len = _kv_len(kv_len_ref, plan)
+    k, v = k_ref[...], v_ref[...]
+    kv_seg = _kv_seg(kv_seg_ref, slice(None)) if plan.has_seg else None
+
+    def body(i, carry):
+        dk, dv = carry
+        rows = pl.ds(pl.multiple_of(i * bq, bq), bq)
+        q, do = q_ref[rows, :], do_ref[rows, :]
+        q_seg = _q_seg(q_seg_ref, rows) if plan.has_seg else None
+        s = _logits(q, k, i * bq, j * bk, kv_len, q_seg, kv_seg, plan)
+        p = jnp.exp2(s - _widen(lse_ref[rows, :], bk))
+        dv = dv + _dot(p.astype(do.dtype).T, do, plan)
+        ds = p * (_dot(do, v, plan, _NT) - _widen(delta_ref[rows, :], bk))
+        dk = dk + _dot(ds.astype(q.dtype).T, q, plan)
+        return dk, dv
+
+    first = lax.div(j * bk, bq) if plan.causal else 0
+    # A key block past the length visits no query block. (Integer arithmetic, not a select:
+    # Pallas Triton lowers a select of two constants to an i1 loop bound.)
+    active = (j * bk < kv_len).astype(jnp.int32)
+    last = first + active * (plan.sq // bq - first)
+    zeros = jnp.zeros(k.shape, jnp.float32)
+    dk, dv = lax.fori_loop(first, last, body, (zeros, zeros))
+    dk_ref[...] = (dk * plan.scale).astype(dk_ref.dtype)
+    dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+# ----------------------------------------------------------------------------- layouts
+
+
+class _Layout:
+    """Block specs for one backend; the grid is always (batch, query head, sequence block)."""
+
+    def __init__(self, plan: _Plan, head_dim: int):
+        self.plan, self.d = plan, head_dim
+        self.tpu = plan.backend == "tpu"
+        self.stat_width = TPU_LANES if self.tpu else 1
+
+    def seq(self, rows, block_index, kv=False):
+        """A [rows, D] window of a [B, S, H, D] (or TPU [B, H, S, D]) tensor."""
+        g = self.plan.groups if kv else 1
+        head = (lambda h: lax.div(h, g)) if g > 1 else (lambda h: h)   # `//` lowers via sign
+        if self.tpu:
+            return pl.BlockSpec((None, None, rows, self.d),
+                                lambda b, h, n: (b, head(h), block_index(n), 0))
+        return pl.BlockSpec((None, rows, None, self.d),
+                            lambda b, h, n: (b, block_index(n), head(h), 0))
+
+    def stats(self, rows, block_index):
+        return pl.BlockSpec((None, None, rows, self.stat_width),
+                            lambda b, h, n: (b, h, block_index(n), 0))
+
+    def q_seg(self, rows, block_index):
+        if self.tpu:
+            return pl.BlockSpec((None, rows, TPU_LANES), lambda b, h, n: (b, block_index(n), 0))
+        return pl.BlockSpec((None, rows), lambda b, h, n: (b, block_index(n)))
+
+    def kv_seg(self, cols, block_index):
+        if self.tpu:
+            return pl.BlockSpec((None, TPU_SUBLANES, cols),
+                                lambda b, h, n: (b, 0, block_index(n)))
+        return pl.BlockSpec((None, cols), lambda b, h, n: (b, block_index(n)))
+
+    def kv_len(self):
+        if self.tpu:
+            from jax.experimental.pallas import tpu as pltpu
+            return pl.BlockSpec(memory_space=pltpu.SMEM)
+        return pl.BlockSpec((1,), lambda b, h, n: (b,))
+
+    def segments(self, q_seg, kv_seg):
+        """Segment-id arrays in this layout's shapes."""
+        if not self.tpu:
+            return q_seg, kv_seg
+        b, sq = q_seg.shape
+        sk = kv_seg.shape[1]
+        return (jnp.broadcast_to(q_seg[:, :, None], (b, sq, TPU_LANES)),
+                jnp.broadcast_to(kv_seg[:, None, :], (b, TPU_SUBLANES, sk)))
+
+    def compiler_params(self):
+        if self.plan.backend == "tpu":
+            from jax.experimental.pallas import tpu as pltpu
+            return pltpu.CompilerParams(dimension_semantics=("parallel",) * 3)
+        if self.plan.backend == "gpu":
+            from jax.experimental.pallas import triton as plgpu
+            return plgpu.CompilerParams(num_warps=self.plan.blocks.num_warps,
+                                        num_stages=self.plan.blocks.num_stages)
+        return None
+
+
+def _seg_inputs(plan, lay, segs, q_spec, kv_spec):
+    if not plan.has_seg:
+        return [], []
+    return list(lay.segments(*segs)), [q_spec, kv_spec]
+
+
+def _call(kernel, plan, lay, grid, in_specs, out_specs, out_shape, args, name):
+    return pl.pallas_call(
+        functools.partial(kernel, plan=plan), grid=grid, in_specs=in_specs,
+        out_specs=out_specs, out_shape=out_shape, compiler_params=lay.compiler_params(),
+        interpret=_backend.interpret(plan.backend), name=name)(*args)
+
+
+def _heads_seq(plan, x):
+    """(batch, heads, seq) of a tensor in the plan's layout."""
+    return (x.shape[0], x.shape[1], x.shape[2]) if plan.backend == "tpu" else \
+        (x.shape[0], x.shape[2], x.shape[1])
+
+
+def _forward(plan, q, k, v, kv_len, segs):
+    lay = _Layout(plan, q.shape[-1])
+    b, hq, sq = _heads_seq(plan, q)
+    bq = plan.blocks.block_q
+    seg_args, seg_specs = _seg_inputs(plan, lay, segs, lay.q_seg(bq, lambda n: n),
+                                      lay.kv_seg(plan.sk, lambda n: 0))
+    o, lse = _call(
+        _fwd_kernel, plan, lay, (b, hq, sq // bq),
+        [lay.kv_len(), lay.seq(bq, lambda n: n), lay.seq(plan.sk, lambda n: 0, kv=True),
+         lay.seq(plan.sk, lambda n: 0, kv=True)] + seg_specs,
+        [lay.seq(bq, lambda n: n), lay.stats(bq, lambda n: n)],
+        [jax.ShapeDtypeStruct(q.shape, q.dtype),
+         jax.ShapeDtypeStruct((b, hq, sq, lay.stat_width), jnp.float32)],
+        [kv_len, q, k, v] + seg_args, "flash_attention_fwd")
+    return o, lse[..., 0]
+
+
+def _backward(plan, q, k, v, kv_len, segs, o, lse, do):
+    lay = _Layout(plan, q.shape[-1])
+    b, hq, sq = _heads_seq(plan, q)
+    _, hkv, sk = _heads_seq(plan, k)
+    delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)
+    if plan.backend != "tpu":
+        delta = delta.transpose(0, 2, 1)                       # [B, H, Sq]
+    shape = (b, hq, sq, lay.stat_width)
+    lse, delta = (jnp.broadcast_to(x[..., None], shape) for x in (lse, delta))
+    common = [kv_len, q, k, v, do, lse, delta]
+
+    bs = plan.blocks
+    bq, bk = bs.block_q_dq, bs.block_k_dq
+    seg_args, seg_specs = _seg_inputs(plan, lay, segs, lay.q_seg(bq, lambda n: n),
+                                      lay.kv_seg(plan.sk, lambda n: 0))
+    dq = _call(
+        _dq_kernel, plan, lay, (b, hq, sq // bq),
+        [lay.kv_len(), lay.seq(bq, lambda n: n), lay.seq(sk, lambda n: 0, kv=True),
+         lay.seq(sk, lambda n: 0, kv=True), lay.seq(bq, lambda n: n),
+         lay.stats(bq, lambda n: n), lay.stats(bq, lambda n: n)] + seg_specs,
+        lay.seq(bq, lambda n: n), jax.ShapeDtypeStruct(q.shape, q.dtype),
+        common + seg_args, "flash_attention_dq")
+
+    bq, bk = bs.block_q_dkv, bs.block_k_dkv
+    seg_args, seg_specs = _seg_inputs(plan, lay, segs, lay.q_seg(sq, lambda n: 0),
+                                      lay.kv_seg(bk, lambda n: n))
+    # Per query head; a group of G query heads shares one key/value head (summed below).
+    kv_shape = (b, hq, sk, q.shape[-1]) if plan.backend == "tpu" else (b, sk, hq, q.shape[-1])
+    kv_dtype = k.dtype if plan.groups == 1 else jnp.float32
+    dk, dv = _call(
+        _dkv_kernel, plan, lay, (b, hq, sk // bk),
+        [lay.kv_len(), lay.seq(sq, lambda n: 0), lay.seq(bk, lambda n: n, kv=True),
+         lay.seq(bk, lambda n: n, kv=True), lay.seq(sq, lambda n: 0),
+         lay.stats(sq, lambda n: 0), lay.stats(sq, lambda n: 0)] + seg_specs,
+        [lay.seq(bk, lambda n: n)] * 2, [jax.ShapeDtypeStruct(kv_shape, kv_dtype)] * 2,
+        common + seg_args, "flash_attention_dkv")
+    if plan.groups > 1:
+        axis = 1 if plan.backend == "tpu" else 2
+        split = kv_shape[:axis] + (hkv, plan.groups) + kv_shape[axis + 1:]
+        dk, dv = (x.reshape(split).sum(axis + 1).astype(k.dtype) for x in (dk, dv))
+    return dq, dk, dv
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _flash(plan, q, k, v, kv_len, segs):
+    return _forward(plan, q, k, v, kv_len, segs)[0]
+
+
+def _flash_fwd(plan, q, k, v, kv_len, segs):
+    o, lse = _forward(plan, q, k, v, kv_len, segs)
+    return o, (q, k, v, kv_len, segs, o, lse)
+
+
+def _flash_bwd(plan, res, do):
+    q, k, v, kv_len, segs, o, lse = res
+    dq, dk, dv = _backward(plan, q, k, v, kv_len, segs, o, lse, do)
+    return dq, dk, dv, None, None
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+# ----------------------------------------------------------------------------- public
+
+
+def _next_pow2(n):
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def _fit(block, n, minimum):
+    return min(block, max(minimum, _next_pow2(n)))
+
+
+def _round_up(n, m):
+    return -(-n // m) * m
+
+
+def _check(q, k, v, key_lengths, segment_ids, scale):
+    if q.ndim != 4 or k.ndim != 4 or v.shape != k.shape:
+        raise ValueError(f"flash_attention expects q [B, Sq, Hq, D] and k, v [B, Sk, Hkv, D] of "
+                         f"one shape; got q {q.shape}, k {k.shape}, v {v.shape}.")
+    b, sq, hq, d = q.shape
+    if k.shape[0] != b or k.shape[3] != d:
+        raise ValueError(f"q {q.shape} and k {k.shape} must share batch and head_dim.")
+    if hq % k.shape[2]:
+        raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads "
+                         f"({k.shape[2]}) for grouped-query attention.")
+    if not all(jnp.issubdtype(x.dtype, jnp.floating) for x in (q, k, v)):
+        raise ValueError(f"q, k, v must be floating point; got {q.dtype}, {k.dtype}, {v.dtype}.")
+    if key_lengths is not None and jnp.shape(key_lengths) != (b,):
+        raise ValueError(f"key_lengths must have shape [B]=({b},); got {jnp.shape(key_lengths)}.")
+    segs = _segments(segment_ids, sq, k.shape[1])
+    if segs is not None and (segs[0].shape != (b, sq) or segs[1].shape != (b, k.shape[1])):
+        raise ValueError(f"segment ids must be [B, Sq]=({b}, {sq}) and [B, Sk]=({b}, "
+                         f"{k.shape[1]}); got {segs[0].shape} and {segs[1].shape}.")
+    if scale is not None and not isinstance(scale, (int, float)):
+        raise ValueError(f"scale must be a Python number (it is compiled in); got {scale!r}.")
+    return segs
+
+
+def flash_attention(q, k, v, *, key_lengths=None, segment_ids=None, causal: bool = False,
+                    scale: float | None = None, block_sizes: BlockSizes | None = None,
+                    backend: str = "auto"):
+    """Fused multi-head attention, differentiable (Pallas backward kernels).
+
+    Args:
+      q: [B, Sq, Hq, D]; k, v: [B, Sk, Hkv, D] with Hkv dividing Hq (grouped-query
+        attention). Any float dtype; math is fp32. Any sequence lengths (padded internally).
+      key_lengths: optional [B] ints; key j of row b is masked when j >= key_lengths[b].
+      segment_ids: optional [B, S] ints (Sq == Sk) or a (q [B, Sq], kv [B, Sk]) pair; a query
+        attends only to keys of its own segment (packed sequences).
+      causal: query i attends only to keys j <= i (aligned at the start).
+      scale: logits multiplier, default 1/sqrt(D).
+      block_sizes: override ``BLOCK_SIZES[backend]``.
+      backend: auto | xla | interpret | tpu | gpu (see ``kernels_pallas._backend``).
+
+    Returns:
+      [B, Sq, Hq, D] in q's dtype. A query with no unmasked key gets zeros (and no gradient).
+    """
+    segs = _check(q, k, v, key_lengths, segment_ids, scale)
+    backend = _backend.resolve(backend)
+    b, sq, hq, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    if backend == "xla":
+        return attention_reference(q, k, v, key_lengths=key_lengths, segment_ids=segs,
+                                   causal=causal, scale=scale)
+
+    bs = block_sizes or BLOCK_SIZES[backend]
+    min_q, min_k = _MIN_BLOCK[backend]
+    fit_q = lambda x: _fit(x, sq, min_q)
+    fit_k = lambda x: _fit(x, sk, min_k)
+    bs = dataclasses.replace(bs, block_q=fit_q(bs.block_q), block_k=fit_k(bs.block_k),
+                             block_q_dkv=fit_q(bs.block_q_dkv), block_k_dkv=fit_k(bs.block_k_dkv),
+                             block_q_dq=fit_q(bs.block_q_dq), block_k_dq=fit_k(bs.block_k_dq))
+    sq_pad = _round_up(sq, max(bs.block_q, bs.block_q_dkv, bs.block_q_dq))
+    sk_pad = _round_up(sk, max(bs.block_k, bs.block_k_dkv, bs.block_k_dq))
+    # Head dim: Triton blocks need a power of two; TPU blocks a multiple of 128 above 128.
+    if backend == "tpu":
+        d_pad = d if d <= TPU_LANES else _round_up(d, TPU_LANES)
+    else:
+        d_pad = max(16, _next_pow2(d)) if backend == "gpu" else d
+    plan = _Plan(backend=backend, causal=causal, scale=scale,
+                 has_len=key_lengths is not None or sk_pad != sk, has_seg=segs is not None,
+                 groups=hq // hkv, sq=sq_pad, sk=sk_pad, blocks=bs,
+                 precision=lax.Precision.HIGHEST if q.dtype == jnp.float32 else None)
+
+    def prep(x, s_pad):
+        x = jnp.pad(x, ((0, 0), (0, s_pad - x.shape[1]), (0, 0), (0, d_pad - d)))
+        return x.transpose(0, 2, 1, 3) if backend == "tpu" else x
+
+    kv_len = (jnp.full((b,), sk, jnp.int32) if key_lengths is None
+              else jnp.clip(jnp.asarray(key_lengths, jnp.int32), 0, sk))
+    if segs is not None:
+        segs = (jnp.pad(segs[0], ((0, 0), (0, sq_pad - sq))),
+                jnp.pad(segs[1], ((0, 0), (0, sk_pad - sk))))
+    o = _flash(plan, prep(q, sq_pad), prep(k, sk_pad), prep(v, sk_pad), kv_len, segs)
+    if backend == "tpu":
+        o = o.transpose(0, 2, 1, 3)
+    return o[:, :sq, :, :d]
