@@ -1,0 +1,224 @@
+"""Flash attention: interpret-mode kernels (output, dq, dk, dv) against the reference over a
+covering grid (each axis swept with the others small, plus combined cases), masking edge
+cases, input validation, lowering for TPU and GPU, and real GPU runs when a GPU is present."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels_pallas.attention import (BLOCK_SIZES, BlockSizes, attention_reference,
+                                      flash_attention)
+
+SMALL = BlockSizes(16, 32, 32, 16, 16, 32)   # uneven fwd/dq/dkv blocks: padding, multi-block
+TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2, jnp.float16: 2e-2}
+
+
+def rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
+
+
+def inputs(b, sq, sk, hq, hkv, d, dtype, seed=0):
+    ks = jax.random.split(jax.random.PRNGKey(seed), 4)
+    q = jax.random.normal(ks[0], (b, sq, hq, d), jnp.float32)
+    k = jax.random.normal(ks[1], (b, sk, hkv, d), jnp.float32)
+    v = jax.random.normal(ks[2], (b, sk, hkv, d), jnp.float32)
+    do = jax.random.normal(ks[3], (b, sq, hq, d), jnp.float32)
+    return tuple(x.astype(dtype) for x in (q, k, v, do))
+
+
+def out_and_grads(attn, q, k, v, do):
+    @jax.jit
+    def run(q, k, v, do):
+        o, vjp = jax.vjp(attn, q, k, v)
+        return (o, *vjp(do))
+    return run(q, k, v, do)
+
+
+def check(b=1, sq=77, sk=None, hq=2, hkv=None, d=64, dtype=jnp.float32, causal=False,
+          key_lengths=None, segment_ids=None, block_sizes=SMALL, backend="interpret", tol=None):
+    sk = sq if sk is None else sk
+    q, k, v, do = inputs(b, sq, sk, hq, hkv or hq, d, dtype)
+    kw = dict(key_lengths=key_lengths, segment_ids=segment_ids, causal=causal)
+    got = out_and_grads(lambda q, k, v: flash_attention(
+        q, k, v, block_sizes=block_sizes, backend=backend, **kw), q, k, v, do)
+    f32 = [x.astype(jnp.float32) for x in (q, k, v, do)]
+    want = out_and_grads(lambda q, k, v: attention_reference(q, k, v, **kw), *f32)
+    tol = tol or TOL[dtype]
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+        assert g.dtype == dtype and g.shape == w.shape, name
+        assert np.isfinite(np.asarray(g, np.float32)).all(), name
+        assert rel(g, w) < tol, f"{name}: rel err {rel(g, w):.2e} >= {tol}"
+    return got
+
+
+# --- one axis at a time, the others small -------------------------------------------------
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seq", [1, 7, 77, 128, 300, 513])
+def test_sequence_lengths(seq, causal):
+    blocks = SMALL if seq < 300 else BlockSizes(64, 64, 64, 64, 64, 64)
+    check(sq=seq, hq=1, causal=causal, block_sizes=blocks)
+
+
+def test_batch_3_with_key_lengths_zero_partial_full():
+    o, dq, dk, dv = check(b=3, sq=50, key_lengths=jnp.array([0, 23, 50]))
+    assert not np.asarray(o[0]).any() and not np.asarray(dq[0]).any()   # no key: 0, no grad
+    assert not np.asarray(dk[0]).any() and not np.asarray(dv[0]).any()
+    assert not np.asarray(dk[1, 23:]).any() and not np.asarray(dv[1, 23:]).any()
+
+
+@pytest.mark.parametrize("hq,hkv", [(12, 12), (12, 4), (4, 1)])
+def test_heads_and_grouped_query(hq, hkv):
+    check(sq=40, hq=hq, hkv=hkv, d=32, causal=hkv == 4)
+
+
+def test_head_dim_128():
+    check(sq=40, d=128, causal=True)
+
+
+@pytest.mark.parametrize("sq,sk", [(20, 77), (77, 20)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_cross_lengths(sq, sk, causal):
+    check(sq=sq, sk=sk, causal=causal, key_lengths=jnp.array([sk - 3]))
+
+
+def test_causal_rows_before_first_key_are_zero():
+    """Sq > Sk causal with key_lengths: query 0 sees key 0 only, which length 0 masks."""
+    o, dq, _, _ = check(b=2, sq=30, sk=10, causal=True, key_lengths=jnp.array([0, 10]))
+    assert not np.asarray(o[0]).any() and not np.asarray(dq[0]).any()
+
+
+def test_segment_ids_packed():
+    seg = jnp.array([[0] * 30 + [1] * 25 + [2] * 22, [5] * 77])
+    check(b=2, sq=77, segment_ids=seg, causal=True)
+
+
+def test_segment_ids_pair_with_padding():
+    q_seg = jnp.array([[0] * 20 + [1] * 13, [1] * 33])
+    kv_seg = jnp.array([[0] * 10 + [1] * 40, [0] * 25 + [1] * 25])
+    check(b=2, sq=33, sk=50, segment_ids=(q_seg, kv_seg), key_lengths=jnp.array([45, 30]))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_half_precision(dtype):
+    check(b=2, sq=77, hq=2, dtype=dtype, key_lengths=jnp.array([77, 40]))
+
+
+# --- combined cases ---------------------------------------------------------------------
+
+def test_bert_like_bf16():
+    check(b=3, sq=128, hq=12, d=64, dtype=jnp.bfloat16, key_lengths=jnp.array([0, 77, 128]),
+          block_sizes=BlockSizes(32, 64, 64, 32, 32, 64))
+
+
+def test_decoder_like_gqa_segments():
+    seg = jnp.concatenate([jnp.zeros((1, 100), jnp.int32), jnp.ones((1, 200), jnp.int32)], 1)
+    check(sq=300, hq=4, hkv=2, d=128, causal=True, segment_ids=seg,
+          block_sizes=BlockSizes(64, 64, 64, 64, 64, 64))
+
+
+def test_default_block_sizes_shrink_to_short_sequences():
+    check(b=2, sq=7, sk=9, block_sizes=None, key_lengths=jnp.array([9, 4]))
+
+
+def test_auto_is_xla_on_cpu_and_matches_interpret():
+    q, k, v, _ = inputs(2, 20, 20, 2, 2, 32, jnp.float32)
+    auto = flash_attention(q, k, v, causal=True)
+    np.testing.assert_array_equal(auto, attention_reference(q, k, v, causal=True))
+    assert rel(flash_attention(q, k, v, causal=True, backend="interpret"), auto) < 1e-5
+
+
+def test_scale_argument():
+    q, k, v, _ = inputs(1, 20, 20, 2, 2, 32, jnp.float32)
+    got = flash_attention(q, k, v, scale=0.3, backend="interpret", block_sizes=SMALL)
+    assert rel(got, attention_reference(q, k, v, scale=0.3)) < 1e-5
+
+
+@pytest.mark.parametrize("case", [
+    dict(b=2, sq=200, sk=300, hq=4, hkv=2, d=64, causal=True, key_lengths=jnp.array([0, 295])),
+    dict(b=2, sq=130, hq=2, hkv=1, d=192, causal=True, key_lengths=jnp.array([100, 130]),
+         segment_ids=jnp.tile(jnp.arange(130) // 70, (2, 1))),
+])
+def test_tpu_layout_in_tpu_interpreter(case, monkeypatch):
+    """The TPU variant (transposed layout, lane-replicated statistics and segment ids, key
+    lengths in SMEM, head_dim padded to 256) run by the Pallas TPU interpreter, which
+    simulates Mosaic's memory semantics on CPU."""
+    from jax.experimental.pallas import tpu as pltpu
+    from kernels_pallas import _backend
+    plain = _backend.interpret
+    monkeypatch.setattr(_backend, "interpret",
+                        lambda b: pltpu.InterpretParams() if b == "tpu" else plain(b))
+    check(**case, backend="tpu", block_sizes=BlockSizes(128, 128, 128, 128, 128, 128))
+
+
+# --- validation ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs,shapes,match", [
+    ({}, ((1, 8, 3, 32), (1, 8, 2, 32)), "multiple of key/value heads"),
+    ({}, ((1, 8, 2, 32), (1, 8, 2, 16)), "share batch and head_dim"),
+    ({"key_lengths": jnp.array([1, 2])}, ((1, 8, 2, 32), (1, 8, 2, 32)), "key_lengths"),
+    ({"segment_ids": jnp.zeros((1, 8), jnp.int32)}, ((1, 8, 2, 32), (1, 9, 2, 32)), "Sq == Sk"),
+    ({"backend": "cuda"}, ((1, 8, 2, 32), (1, 8, 2, 32)), "backend="),
+])
+def test_rejects_bad_inputs(kwargs, shapes, match):
+    q, k = jnp.zeros(shapes[0]), jnp.zeros(shapes[1])
+    with pytest.raises(ValueError, match=match):
+        flash_attention(q, k, k, **kwargs)
+
+
+def test_block_sizes_must_be_powers_of_two():
+    with pytest.raises(ValueError, match="power of two"):
+        BlockSizes(48, 64, 64, 64, 64, 64)
+
+
+# --- lowering for TPU (Mosaic) and GPU (Triton) from this CPU machine ---------------------
+
+LOWER_CASES = {
+    "bert_base": dict(shape=(2, 512, 12, 12, 64), causal=False, lengths=True, segments=False),
+    "long_causal": dict(shape=(1, 4096, 16, 16, 128), causal=True, lengths=False,
+                        segments=False),
+    "gqa_segments_d256": dict(shape=(2, 300, 8, 2, 256), causal=True, lengths=True,
+                              segments=True),
+    "d96": dict(shape=(1, 200, 4, 4, 96), causal=False, lengths=True, segments=False),
+}
+
+
+@pytest.mark.parametrize("case", list(LOWER_CASES))
+@pytest.mark.parametrize("platform,backend,marker", [("tpu", "tpu", "tpu_custom_call"),
+                                                     ("cuda", "gpu", "__gpu$xla.gpu.triton")])
+def test_lowers(case, platform, backend, marker):
+    c = LOWER_CASES[case]
+    b, s, hq, hkv, d = c["shape"]
+    q = jax.ShapeDtypeStruct((b, s, hq, d), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((b, s, hkv, d), jnp.bfloat16)
+    extra = jax.ShapeDtypeStruct((b,), jnp.int32), jax.ShapeDtypeStruct((b, s), jnp.int32)
+
+    def fwd(q, k, v, lengths, seg):
+        return flash_attention(q, k, v, key_lengths=lengths if c["lengths"] else None,
+                               segment_ids=seg if c["segments"] else None, causal=c["causal"],
+                               backend=backend)
+
+    def fwd_bwd(q, k, v, lengths, seg):
+        return jax.grad(lambda *x: fwd(*x, lengths, seg).astype(jnp.float32).sum(),
+                        argnums=(0, 1, 2))(q, k, v)
+
+    for fn, kernels in ((fwd, 1), (fwd_bwd, 3)):
+        text = jax.jit(fn).trace(q, kv, kv, *extra).lower(
+            lowering_platforms=(platform,)).as_text()
+        assert text.count(marker) == kernels, (fn.__name__, text.count(marker))
+
+
+# --- real runs on a GPU (skipped elsewhere) -----------------------------------------------
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("case", [
+    dict(b=3, sq=513, hq=12, d=64, key_lengths=jnp.array([0, 200, 513])),
+    dict(b=1, sq=300, sk=700, hq=8, hkv=2, d=128, causal=True),
+    dict(b=2, sq=77, hq=4, d=96, segment_ids=jnp.array([[0] * 40 + [1] * 37] * 2)),
+])
+def test_gpu_matches_reference(case, dtype):
+    # fp32: the kernel's matmuls are IEEE fp32; keep the reference's off TF32 too.
+    with jax.default_matmul_precision("highest"):
+        check(**case, dtype=dtype, block_sizes=BLOCK_SIZES["gpu"], backend="gpu")
