@@ -1,0 +1,103 @@
+"""Attention benchmark: TFLOP/s of the XLA reference, our Pallas flash attention and cuDNN.
+
+    python bench/attention.py            # BERT-base (B=32, S=512, H=12, D=64, padded keys)
+                                         # and long causal (B=2, S=4096, H=16, D=128), bf16
+    python bench/attention.py --small    # small shapes: a one-minute CPU run (XLA rows only)
+
+Rows per shape and implementation: forward, and forward + backward (one jitted vjp, the
+forward inside the timed region). FLOPs are the dense count: 4 B H Sq Sk D forward, 2.5x that
+for the backward, halved when causal; padded keys count (the kernels skip them, XLA does not).
+``rel_err`` is ||out - ref|| / ||ref|| of the forward output against the XLA reference in fp32.
+On CPU only XLA is timed: the Pallas interpreter is a functional check, not a speed.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.common import PEAK_BF16_FLOPS, device_kind, markdown, time_fn, write_results  # noqa: E402
+from kernels_pallas.attention import attention_reference, flash_attention  # noqa: E402
+
+SHAPES = {  # name: (B, S, H, D, causal, padded)
+    "bert_base": (32, 512, 12, 64, False, True),
+    "long_causal": (2, 4096, 16, 128, True, False),
+}
+SMALL_SHAPES = {
+    "bert_base_small": (4, 128, 4, 64, False, True),
+    "long_causal_small": (1, 1024, 4, 128, True, False),
+}
+
+
+def make_inputs(b, s, h, d, padded, dtype, seed=0):
+    ks = jax.random.split(jax.random.PRNGKey(seed), 5)
+    q, k, v, do = (jax.random.normal(key, (b, s, h, d), dtype) for key in ks[:4])
+    # BERT-like padding: key lengths uniform in [S/4, S].
+    lengths = jax.random.randint(ks[4], (b,), s // 4, s + 1) if padded else None
+    return q, k, v, do, lengths
+
+
+def implementations(platform):
+    impls = {"xla": lambda q, k, v, lengths, causal: attention_reference(
+        q, k, v, key_lengths=lengths, causal=causal)}
+    if platform in ("gpu", "tpu"):
+        impls["pallas"] = lambda q, k, v, lengths, causal: flash_attention(
+            q, k, v, key_lengths=lengths, causal=causal, backend=platform)
+    if platform == "gpu":
+        impls["cudnn"] = lambda q, k, v, lengths, causal: jax.nn.dot_product_attention(
+            q, k, v, is_causal=causal, key_value_seq_lengths=lengths, implementation="cudnn")
+    return impls
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--small", action="store_true", help="small shapes for a CPU run")
+    ap.add_argument("-n", type=int, default=20, help="timed repetitions")
+    args = ap.parse_args(argv)
+
+    platform = "gpu" if jax.default_backend() in ("gpu", "cuda", "rocm") else jax.default_backend()
+    peak = PEAK_BF16_FLOPS.get(device_kind())
+    rows = []
+    for shape_name, (b, s, h, d, causal, padded) in (SMALL_SHAPES if args.small
+                                                       else SHAPES).items():
+        q, k, v, do, lengths = make_inputs(b, s, h, d, padded, jnp.bfloat16)
+        ref = attention_reference(*(x.astype(jnp.float32) for x in (q, k, v)),
+                                  key_lengths=lengths, causal=causal)
+        flops_fwd = 4 * b * h * s * s * d / (2 if causal else 1)
+        for impl_name, impl in implementations(platform).items():
+            attn = functools.partial(impl, lengths=lengths, causal=causal)
+            fwd = jax.jit(attn)
+            fwd_bwd = jax.jit(lambda q, k, v, do: jax.vjp(attn, q, k, v)[1](do))
+            out = fwd(q, k, v).astype(jnp.float32)
+            rel_err = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
+            for mode, fn, fn_args, flops in (("fwd", fwd, (q, k, v), flops_fwd),
+                                             ("fwd+bwd", fwd_bwd, (q, k, v, do), 3.5 * flops_fwd)):
+                t = time_fn(fn, *fn_args, n=args.n)
+                tflops = flops / t["median_s"] / 1e12
+                rows.append({"name": f"{shape_name}/{impl_name}/{mode}", "shape": shape_name,
+                             "impl": impl_name, "mode": mode, **t, "tflops": tflops,
+                             "mfu": tflops * 1e12 / peak if peak else None, "rel_err": rel_err,
+                             "B": b, "S": s, "H": h, "D": d, "causal": causal,
+                             "dtype": "bfloat16"})
+                print(rows[-1]["name"], f"{t['median_s'] * 1e3:.3f} ms", f"{tflops:.2f} TFLOP/s",
+                      flush=True)
+    note = ("CPU run: only the XLA reference is timed (Pallas interpret mode is not a speed); "
+            "absolute CPU times are not results." if platform == "cpu" else None)
+    extra = {"small": args.small, "note": note}
+    if os.environ.get("JAXACCEL_SHA"):   # a copy of the tree without .git (a device machine)
+        extra["jaxaccel"] = os.environ["JAXACCEL_SHA"]
+    path = write_results("attention", rows, extra)
+    print(markdown(rows, ["name", "median_s", "min_s", "max_s", "n", "tflops", "mfu",
+                          "rel_err"]))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
