@@ -23,7 +23,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import PEAK_BF16_FLOPS, device_kind, markdown, time_fn, write_results  # noqa: E402
+from bench.common import (PEAK_BF16_FLOPS, device_kind, markdown, time_fn,  # noqa: E402
+                          write_results)
 from kernels_pallas.attention import attention_reference, flash_attention  # noqa: E402
 
 SHAPES = {  # name: (B, S, H, D, causal, padded)

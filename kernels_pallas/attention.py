@@ -407,7 +407,7 @@ def _backward(plan, q, k, v, kv_len, segs, o, lse, do):
     common = [kv_len, q, k, v, do, lse, delta]
 
     bs = plan.blocks
-    bq, bk = bs.block_q_dq, bs.block_k_dq
+    bq = bs.block_q_dq
     seg_args, seg_specs = _seg_inputs(plan, lay, segs, lay.q_seg(bq, lambda n: n),
                                       lay.kv_seg(plan.sk, lambda n: 0))
     dq = _call(
