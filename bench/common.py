@@ -42,6 +42,9 @@ def time_fn(fn, *args, warmup: int = 3, n: int = 20) -> dict:
 
 
 def git_sha() -> str:
+    """The checkout's commit (``JAXACCEL_SHA`` where the copy has no .git, e.g. a device)."""
+    if os.environ.get("JAXACCEL_SHA"):
+        return os.environ["JAXACCEL_SHA"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                               text=True, cwd=os.path.dirname(__file__)).stdout.strip()

@@ -111,18 +111,23 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("-n", type=int, default=20)
+    ap.add_argument("--policies", help="comma-separated subset of fp32,bf16")
+    ap.add_argument("--optimizers", default="adamw,adan")
+    ap.add_argument("--attention", help="comma-separated subset of xla,cudnn,pallas")
     args = ap.parse_args(argv)
     config = PRESETS["bert-base"] if not args.small else BertConfig(
         hidden_size=256, num_hidden_layers=4, num_attention_heads=4, intermediate_size=1024)
     backend = jax.default_backend()
     attentions = {"gpu": ["xla", "cudnn", "pallas"], "tpu": ["xla", "pallas"]}.get(backend,
                                                                                     ["xla"])
+    attentions = args.attention.split(",") if args.attention else attentions
     policies = ["fp32", "bf16"] if backend != "cpu" else ["fp32"]
+    policies = args.policies.split(",") if args.policies else policies
     flops = model_flops(config, args.batch, args.seq)
     peak = PEAK_BF16_FLOPS.get(device_kind())
     rows = []
     for policy in policies:
-        for optimizer in ("adamw", "adan"):
+        for optimizer in args.optimizers.split(","):
             for attention in attentions:
                 if attention == "cudnn" and policy == "fp32":
                     continue          # cuDNN flash attention takes fp16/bf16 only
