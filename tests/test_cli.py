@@ -76,3 +76,15 @@ def test_training_with_adan_through_the_cli_lowers_the_loss(capsys, tmp_path):
     losses = [r["train/loss"] for r in read_metrics(os.path.join(tmp_path, "tiny_synthetic"))
               if "train/loss" in r]
     assert losses[-1] < losses[0] - 0.1, losses
+
+
+def test_training_with_pallas_attention(capsys, tmp_path):
+    code, out, err = run(capsys, "train", "--config", f"{CONFIGS}/tiny_synthetic.py",
+                         "--set", f"workdir={tmp_path}", "--set", "model.attention_impl=pallas",
+                         "--set", "train.max_steps=2", "--set", "train.progress=false")
+    assert code == cli.EXIT_ERROR and "attention_impl='xla'" in err   # dropout 0.1 refused
+    code, out, err = run(capsys, "train", "--config", f"{CONFIGS}/tiny_synthetic.py",
+                         "--set", f"workdir={tmp_path}", "--set", "model.attention_impl=pallas",
+                         "--set", "model.attention_dropout=0.0", "--set", "train.max_steps=2",
+                         "--set", "train.progress=false")
+    assert code == 0, err

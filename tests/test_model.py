@@ -164,3 +164,15 @@ def test_mean_pooling_head_reads_masked_mean():
     np.testing.assert_allclose(np.asarray(out.logits), expected, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="classifier_pooling='max'"):
         bert.BertModel(bert.PRESETS["tiny"], num_labels=2, classifier_pooling="max")
+
+
+def test_pallas_attention_matches_xla(minilm_dir):
+    """attention_impl="pallas" (the flash kernel, interpreted on CPU) vs the XLA path."""
+    ids, mask = _inputs()
+    xla = bert.from_pretrained(minilm_dir)(ids, mask)
+    pallas = bert.from_pretrained(minilm_dir, attention_impl="pallas")(ids, mask)
+    real = mask.astype(bool)
+    a = np.asarray(pallas.last_hidden_state)[real]
+    b = np.asarray(xla.last_hidden_state)[real]
+    assert np.linalg.norm(a - b) / np.linalg.norm(b) < 1e-5
+    np.testing.assert_allclose(pallas.pooler_output, xla.pooler_output, rtol=1e-5, atol=1e-5)
