@@ -64,6 +64,16 @@ def make_mesh(sizes: dict[str, int], devices: Sequence[jax.Device] | None = None
     return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
+def check_model_fits(config, mesh: Mesh) -> None:
+    """Tensor parallelism splits whole heads and the MLP hidden size: they must divide."""
+    t = mesh.shape["tensor"]
+    for name in ("num_attention_heads", "intermediate_size"):
+        value = getattr(config, name)
+        if value % t:
+            raise ValueError(f"mesh.tensor={t} does not divide the model's {name}={value}; "
+                             f"use a tensor size that divides {value}.")
+
+
 def logical_to_mesh(spec: Sequence[str | None] | None, rules=DEFAULT_RULES) -> P:
     """Map a logical PartitionSpec (tuple of logical names) to a mesh PartitionSpec."""
     table = dict(rules)

@@ -46,13 +46,15 @@ def create_model(model_cfg, policy, seed: int):
     if checkpoint:
         model = from_pretrained(checkpoint, num_labels=model_cfg.num_labels, policy=policy,
                                 attention_impl=model_cfg.attention_impl,
-                                classifier_pooling=model_cfg.pooling, seed=seed,
+                                classifier_pooling=model_cfg.pooling, remat=model_cfg.remat,
+                                seed=seed,
                                 config_overrides=overrides)
         return model, model_cfg.tokenizer or checkpoint
     config = dataclasses.replace(PRESETS[name], **overrides)
     model = BertModel(config, num_labels=model_cfg.num_labels, policy=policy,
                       attention_impl=model_cfg.attention_impl,
-                      classifier_pooling=model_cfg.pooling, rngs=nnx.Rngs(params=seed))
+                      classifier_pooling=model_cfg.pooling, remat=model_cfg.remat,
+                      rngs=nnx.Rngs(params=seed))
     return model, model_cfg.tokenizer or packaged_minilm_dir()
 
 

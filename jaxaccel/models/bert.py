@@ -194,6 +194,11 @@ class BertMLMHead(nnx.Module):
         return logits + self.bias[...].astype(jnp.float32)
 
 
+@nnx.remat(static_argnums=(4,))
+def _remat_layer(layer, x, attention_mask, rngs, deterministic):
+    return layer(x, attention_mask, deterministic, rngs)
+
+
 def _masked_mean(x, attention_mask):
     x = x.astype(jnp.float32)
     if attention_mask is None:
@@ -216,13 +221,15 @@ class BertModel(nnx.Module):
         as transformers' ``BertForSequenceClassification``) or ``"mean"`` (the mask-weighted
         mean of the last hidden states, for checkpoints trained with mean pooling such as
         sentence-transformers models).
+      remat: rematerialise each encoder layer's activations in the backward pass (memory for
+        compute).
       rngs: parameter initialisation RNGs (``nnx.Rngs(params=...)``).
     """
 
     def __init__(self, config: BertConfig, *, num_labels: int | None = None,
                  mlm_head: bool = False, policy: str | Policy | None = None,
                  attention_impl: str = "xla", classifier_pooling: str = "cls",
-                 rngs: nnx.Rngs | None = None):
+                 remat: bool = False, rngs: nnx.Rngs | None = None):
         if classifier_pooling not in POOLINGS:
             raise ValueError(f"classifier_pooling={classifier_pooling!r} is not one of "
                              f"{POOLINGS}.")
@@ -234,7 +241,7 @@ class BertModel(nnx.Module):
         rngs = rngs if rngs is not None else nnx.Rngs(params=0)
         policy = get_policy(policy)
         self.config, self.policy, self.num_labels = config, policy, num_labels
-        self.classifier_pooling = classifier_pooling
+        self.classifier_pooling, self.remat = classifier_pooling, remat
         self.embeddings = BertEmbeddings(config, policy, rngs)
         self.layers = nnx.List([BertLayer(config, policy, attention_impl, rngs)
                                 for _ in range(config.num_hidden_layers)])
@@ -259,7 +266,10 @@ class BertModel(nnx.Module):
             token_type_ids = jnp.zeros_like(input_ids)
         x = self.embeddings(input_ids, token_type_ids, deterministic, rngs)
         for layer in self.layers:
-            x = layer(x, attention_mask, deterministic, rngs)
+            if self.remat:
+                x = _remat_layer(layer, x, attention_mask, rngs, deterministic=deterministic)
+            else:
+                x = layer(x, attention_mask, deterministic, rngs)
         pooled = jnp.tanh(self.pooler(x[:, 0]).astype(jnp.float32))
         logits = None
         if self.classifier is not None:
@@ -285,7 +295,7 @@ PRESETS = {
 
 def from_pretrained(path, num_labels: int | None = None, policy: str | Policy | None = None,
                     *, attention_impl: str = "xla", mlm_head: bool = False,
-                    classifier_pooling: str = "cls", seed: int = 0,
+                    classifier_pooling: str = "cls", remat: bool = False, seed: int = 0,
                     config_overrides: dict | None = None) -> BertModel:
     """Load a Hugging Face BERT-family checkpoint directory (config.json + model.safetensors).
 
@@ -295,7 +305,7 @@ def from_pretrained(path, num_labels: int | None = None, policy: str | Policy | 
     from jaxaccel.models.hf import load_checkpoint
     return load_checkpoint(path, num_labels=num_labels, policy=policy,
                            attention_impl=attention_impl, mlm_head=mlm_head,
-                           classifier_pooling=classifier_pooling, seed=seed,
+                           classifier_pooling=classifier_pooling, remat=remat, seed=seed,
                            config_overrides=config_overrides)
 
 

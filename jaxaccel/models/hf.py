@@ -97,7 +97,7 @@ def read_tensors(path: str) -> dict[str, np.ndarray]:
 
 
 def load_checkpoint(path, *, num_labels=None, policy=None, attention_impl="xla",
-                    mlm_head=False, classifier_pooling="cls", seed=0,
+                    mlm_head=False, classifier_pooling="cls", remat=False, seed=0,
                     config_overrides=None) -> BertModel:
     """Build a ``BertModel`` from the checkpoint at ``path`` (see ``bert.from_pretrained``)."""
     path = os.fspath(path)
@@ -107,6 +107,7 @@ def load_checkpoint(path, *, num_labels=None, policy=None, attention_impl="xla",
     tensors = {_normalise(k): v for k, v in read_tensors(path).items()}
     model = BertModel(config, num_labels=num_labels, mlm_head=mlm_head, policy=policy,
                       attention_impl=attention_impl, classifier_pooling=classifier_pooling,
+                      remat=remat,
                       rngs=nnx.Rngs(params=seed))
 
     mapping = key_map(config, num_labels, mlm_head)

@@ -91,12 +91,13 @@ def _data(cfg: Config, tokenizer, max_positions: int):
     return train, evals, label_names
 
 
-def build(cfg: Config) -> Run:
-    """Build mesh, model, optimizer, sharded state and data from ``cfg``."""
+def build(cfg: Config, devices=None) -> Run:
+    """Build mesh (over ``devices``, default all), model, optimizer, sharded state and data."""
     run_dir = os.path.join(cfg.workdir, cfg.name)
-    mesh = shd.make_mesh(dict(cfg.mesh))
+    mesh = shd.make_mesh(dict(cfg.mesh), devices)
     policy = get_policy(cfg.precision.policy)
     model, tokenizer_dir = create_model(cfg.model, policy, cfg.seed)
+    shd.check_model_fits(model.config, mesh)
     tokenizer = load_tokenizer(tokenizer_dir) if cfg.data.name != "synthetic" else None
     train_data, eval_data, label_names = _data(cfg, tokenizer,
                                                model.config.max_position_embeddings)
