@@ -81,6 +81,8 @@ def main(argv=None) -> int:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     args = _parser().parse_args(argv)
     try:
+        from jaxaccel.distributed import initialize_from_env
+        initialize_from_env()
         return {"train": cmd_train, "eval": cmd_eval, "predict": cmd_predict}[args.command](args)
     except (ValueError, KeyError, FileNotFoundError) as e:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e

@@ -148,3 +148,41 @@ def test_remat_keeps_the_numbers(tmp_path, unsharded):
     run = build(tmp_path, (2, 2, 2), 8, "model.remat=true")
     losses, _ = train_steps(run)
     np.testing.assert_allclose(losses, unsharded[0], rtol=1e-5)
+
+
+def test_two_processes_on_localhost_match_one_process(tmp_path):
+    """Two real processes (4 CPU devices each, gloo collectives) == one process, 8 devices."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from jaxaccel.train.metrics import read_metrics
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    cfg_file = os.path.join(os.path.dirname(__file__), "..", "configs", "tiny_synthetic.py")
+
+    def cmd(workdir):
+        return [sys.executable, "-m", "jaxaccel.cli", "train", "--config", cfg_file,
+                "--set", f"workdir={workdir}", "--set", "train.max_steps=4",
+                "--set", "train.log_every=1", "--set", "train.progress=false"]
+    procs = []
+    for i in range(2):
+        env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+                   JAX_PLATFORMS="cpu", JAXACCEL_COORDINATOR=f"localhost:{port}",
+                   JAXACCEL_NUM_PROCESSES="2", JAXACCEL_PROCESS_ID=str(i))
+        procs.append(subprocess.Popen(cmd(tmp_path / "two"), env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    one = subprocess.run(cmd(tmp_path / "one"), env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert one.returncode == 0, one.stderr[-2000:]
+    for p in procs:
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err[-2000:]
+    losses = {name: [r["train/loss"] for r in read_metrics(str(tmp_path / name /
+                                                               "tiny_synthetic"))
+                     if "train/loss" in r] for name in ("one", "two")}
+    assert len(losses["two"]) == 4        # metrics written once, by process 0
+    np.testing.assert_allclose(losses["two"], losses["one"], rtol=1e-5)
