@@ -72,9 +72,13 @@ BASE: dict[str, Any] = {
         "policy": "fp32",           # fp32 | bf16
     },
     "mesh": {                       # device mesh; -1 fills the remaining devices
-        "data": -1,
-        "fsdp": 1,
-        "tensor": 1,
+        "data": -1,                 # pure data parallel: batch split, params replicated
+        "fsdp": 1,                  # FSDP / ZeRO-3: params, grads, optimizer state split
+        "tensor": 1,                # Megatron tensor parallel: heads and MLP hidden split
+    },
+    "sharding": {
+        "zero1": False,             # ZeRO-1: also split the optimizer state over the batch
+                                    # axes (data x fsdp) while params stay as the rules say
     },
 }
 

@@ -132,3 +132,30 @@ def opt_state_shardings(opt_state_shapes, param_shardings, mesh: Mesh):
                 return s
         return replicated(mesh)
     return jax.tree_util.tree_map_with_path(one, opt_state_shapes)
+
+
+def _drop_trivial(axes, mesh: Mesh):
+    """A PartitionSpec entry without the mesh axes of size 1."""
+    names = tuple(a for a in ((axes,) if isinstance(axes, str) else (axes or ()))
+                  if mesh.shape[a] > 1)
+    return None if not names else names[0] if len(names) == 1 else names
+
+
+def zero1_shardings(opt_state_shapes, base_shardings, mesh: Mesh):
+    """ZeRO-1: split each optimizer-state array over the batch axes along its first dimension
+    that they divide (on top of ``base_shardings``); arrays no dimension of which fits keep
+    their base sharding. XLA then reduce-scatters into the update and all-gathers out of it."""
+    n = math.prod(mesh.shape[a] for a in BATCH_AXES)
+
+    def one(leaf, base):
+        spec = [_drop_trivial(s, mesh) for s in base.spec]
+        spec += [None] * (len(leaf.shape) - len(spec))
+        used = {a for s in spec if s for a in ((s,) if isinstance(s, str) else s)}
+        if n == 1 or used & set(BATCH_AXES):
+            return base
+        for i, dim in enumerate(leaf.shape):
+            if spec[i] is None and dim % n == 0:
+                spec[i] = BATCH_AXES
+                return NamedSharding(mesh, P(*spec))
+        return base
+    return jax.tree_util.tree_map(one, opt_state_shapes, base_shardings)

@@ -71,6 +71,17 @@ def test_sharded_steps_equal_unsharded(tmp_path, unsharded, mesh, devices):
     assert np.linalg.norm(flat(ours) - flat(ref)) <= 1e-5 * np.linalg.norm(flat(ref))
 
 
+def test_zero1_shards_only_the_optimizer_state(tmp_path, unsharded):
+    run = build(tmp_path, (8, 1, 1), 8, "sharding.zero1=true")
+    kernel = run.state.params["layers"][0]["intermediate"]["kernel"]
+    mu = run.state.opt_state[1][0].mu["layers"][0]["intermediate"]["kernel"]
+    assert kernel.sharding.is_fully_replicated
+    assert mu.addressable_shards[0].data.shape == (64 // 8, 128)
+    losses, state = train_steps(run)
+    np.testing.assert_allclose(losses, unsharded[0], rtol=1e-5)
+    assert state.params["layers"][0]["intermediate"]["kernel"].sharding.is_fully_replicated
+
+
 def test_parameter_shardings_follow_the_rules(tmp_path):
     run = build(tmp_path, (2, 2, 2))
     p = run.state.params

@@ -114,10 +114,11 @@ def build(cfg: Config, devices=None) -> Run:
     logical = nnx.to_pure_dict(nnx.get_partition_spec(params_state))
     param_shardings = shd.tree_shardings(mesh, logical, params)
     abstract = jax.eval_shape(lambda p: TrainState.create(p, tx, cfg.seed), params)
-    state_shardings = TrainState(
-        step=shd.replicated(mesh), params=param_shardings,
-        opt_state=shd.opt_state_shardings(abstract.opt_state, param_shardings, mesh),
-        rng=shd.replicated(mesh))
+    opt_shardings = shd.opt_state_shardings(abstract.opt_state, param_shardings, mesh)
+    if cfg.sharding.zero1:
+        opt_shardings = shd.zero1_shardings(abstract.opt_state, opt_shardings, mesh)
+    state_shardings = TrainState(step=shd.replicated(mesh), params=param_shardings,
+                                 opt_state=opt_shardings, rng=shd.replicated(mesh))
     params = jax.device_put(params, param_shardings)
     state = jax.jit(lambda p: TrainState.create(p, tx, cfg.seed),
                     out_shardings=state_shardings)(params)
