@@ -159,3 +159,18 @@ def zero1_shardings(opt_state_shapes, base_shardings, mesh: Mesh):
                 return NamedSharding(mesh, P(*spec))
         return base
     return jax.tree_util.tree_map(one, opt_state_shapes, base_shardings)
+
+
+def map_over_mesh(fn, in_logical, out_logical, rules=DEFAULT_RULES):
+    """``fn`` run per shard over the mesh of the enclosing ``jax.set_mesh`` (identity when
+    there is none), with in/out specs given in *logical* axis names. For kernels that XLA
+    cannot partition (Pallas calls): each device runs them on its own shard instead of XLA
+    gathering the whole operand first."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or all(size == 1 for size in mesh.shape.values()):
+        return fn
+
+    def spec(logical):
+        return P(*(_drop_trivial(a, mesh) for a in logical_to_mesh(logical, rules)))
+    return jax.shard_map(fn, mesh=mesh, in_specs=tuple(spec(s) for s in in_logical),
+                         out_specs=spec(out_logical), check_vma=False)

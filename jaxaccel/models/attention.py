@@ -8,7 +8,9 @@
 * ``"pallas"``: ``kernels_pallas.attention.flash_attention`` (Mosaic on TPU, Pallas on GPU,
   interpreter on CPU).
 
-The fused implementations take padding as key lengths (``attention_mask.sum(-1)``): that is
+Under a mesh (``jax.set_mesh``) the Pallas kernel runs per shard (batch and heads split as the
+sharding rules say) rather than on gathered operands. The fused implementations take padding as
+key lengths (``attention_mask.sum(-1)``): that is
 exact for right-padded batches, which is what the BERT tokenizers produce. They have no
 attention dropout; asking for it is an error rather than a silent change of the model.
 """
@@ -61,5 +63,12 @@ def attention(q, k, v, attention_mask=None, *, impl: str = "xla", dropout_rate: 
         return jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=lengths,
                                             implementation="cudnn")
     from kernels_pallas.attention import flash_attention
+    from jaxaccel.sharding import map_over_mesh
     backend = "interpret" if jax.default_backend() == "cpu" else "auto"
-    return flash_attention(q, k, v, key_lengths=lengths, backend=backend)
+    if lengths is None:
+        lengths = jnp.full((q.shape[0],), k.shape[1], jnp.int32)
+    qkv = ("batch", None, "heads", None)
+    local = map_over_mesh(
+        lambda q, k, v, n: flash_attention(q, k, v, key_lengths=n, backend=backend),
+        (qkv, qkv, qkv, ("batch",)), qkv)
+    return local(q, k, v, lengths)

@@ -137,7 +137,8 @@ def evaluate(run: Run, params, eval_step=None) -> dict:
     bsh = shd.batch_sharding(run.mesh)
     totals = {"loss_sum": 0.0, "correct": 0.0, "count": 0.0}
     for batch in run.eval_data.batches(0):
-        sums, _ = eval_step(params, _global_batch(batch, bsh))
+        with jax.set_mesh(run.mesh):
+            sums, _ = eval_step(params, _global_batch(batch, bsh))
         for k, v in jax.device_get(sums).items():
             totals[k] += float(v)
     n = max(totals["count"], 1.0)
@@ -239,7 +240,8 @@ def train(cfg: Config) -> dict:
             while step < run.total_steps and not preempt.requested:
                 for batch in run.train_data.batches(epoch, step - epoch * steps_per_epoch):
                     rows = batch["weights"].shape[0] * jax.process_count()
-                    state, metrics = train_step(state, _global_batch(batch, bsh))
+                    with jax.set_mesh(run.mesh):
+                        state, metrics = train_step(state, _global_batch(batch, bsh))
                     step += 1
                     if pending is not None:
                         drain(pending)
