@@ -3,6 +3,7 @@
 Every kernel's public function takes ``backend`` in ``BACKENDS``:
 
 * ``"auto"``: the Pallas kernel on GPU/TPU, the plain XLA reference on CPU;
+* ``"pallas"``: the Pallas kernel wherever it runs: GPU/TPU, or the interpreter on CPU;
 * ``"xla"``: the plain jnp/XLA reference, any platform;
 * ``"interpret"``: the Pallas kernel run by the Pallas interpreter (CPU tests);
 * ``"tpu"`` / ``"gpu"``: the Pallas kernel lowered for that platform. Naming the
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import jax
 
-BACKENDS = ("auto", "xla", "interpret", "tpu", "gpu")
+BACKENDS = ("auto", "pallas", "xla", "interpret", "tpu", "gpu")
 PALLAS_BACKENDS = ("interpret", "tpu", "gpu")
 
 
@@ -30,10 +31,12 @@ def resolve(backend: str) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not one of {BACKENDS}; pick one of them "
                          "('auto' chooses Pallas on GPU/TPU and XLA on CPU).")
-    if backend != "auto":
+    if backend not in ("auto", "pallas"):
         return backend
     p = platform()
-    return p if p in ("tpu", "gpu") else "xla"
+    if p in ("tpu", "gpu"):
+        return p
+    return "xla" if backend == "auto" else "interpret"
 
 
 def interpret(backend: str) -> bool:

@@ -147,8 +147,8 @@ def adan_update(scalars, g, m, v, n, prev, p=None, *, no_prox: bool = False,
     """Fused Adan over flat [rows, 128] buffers: ``(update, m, v, n, prev)``.
 
     ``g`` (and ``p``, needed only for weight decay) may be any float dtype; the state buffers
-    keep their own dtypes; ``update`` has ``g``'s dtype. ``backend``: auto | xla | interpret |
-    tpu | gpu (naming a platform lets a CPU machine lower that platform's kernel).
+    keep their own dtypes; ``update`` has ``g``'s dtype. ``backend``: auto | pallas | xla |
+    interpret | tpu | gpu (naming a platform lets a CPU machine lower that platform's kernel).
     """
     backend = _backend.resolve(backend)
     if backend == "xla":

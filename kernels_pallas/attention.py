@@ -509,7 +509,7 @@ def flash_attention(q, k, v, *, key_lengths=None, segment_ids=None, causal: bool
       causal: query i attends only to keys j <= i (aligned at the start).
       scale: logits multiplier, default 1/sqrt(D).
       block_sizes: override ``BLOCK_SIZES[backend]``.
-      backend: auto | xla | interpret | tpu | gpu (see ``kernels_pallas._backend``).
+      backend: auto | pallas | xla | interpret | tpu | gpu (see ``kernels_pallas._backend``).
 
     Returns:
       [B, Sq, Hq, D] in q's dtype. A query with no unmasked key gets zeros (and no gradient).

@@ -1,6 +1,7 @@
 """SPMD sharding on 8 fake CPU devices: sharded steps equal the unsharded step, parameters are
-placed as the rules say, FSDP saves memory, the step lowers for TPU/GPU, checkpoints restore
-onto another mesh, bad meshes fail before compiling."""
+placed as the rules say, FSDP saves memory, the Pallas kernels run per shard under every
+strategy, the step lowers for TPU/GPU, checkpoints restore onto another mesh, bad meshes fail
+before compiling."""
 import itertools
 
 import jax
@@ -11,8 +12,9 @@ from jax.sharding import PartitionSpec as P
 from jaxaccel import config
 from jaxaccel import sharding as shd
 from jaxaccel.train import loop
-from jaxaccel.train.checkpoint import Checkpointer, abstract_like
+from jaxaccel.train.checkpoint import Checkpointer, abstract_like, on_disk, restore_state
 from jaxaccel.train.step import make_train_step
+from kernels_pallas import _backend
 
 TINY = ["model.name=tiny", "data.name=synthetic", "data.synthetic_examples=64",
         "data.synthetic_seq_len=16", "train.batch_size=16", "train.eval_batch_size=32",
@@ -22,6 +24,8 @@ TINY = ["model.name=tiny", "data.name=synthetic", "data.synthetic_examples=64",
         # bias's gradient is mathematically zero; rare embedding rows) into lr-sized steps with
         # eps=1e-8; eps=1e-3 keeps the comparison about sharding, not about rounding.
         "train.eps=1e-3"]
+# Multi-tensor Adan through the fused Pallas kernel (interpreted on CPU).
+ADAN = ("train.optimizer=adan", "train.optimizer_impl=pallas")
 
 
 def build(tmp_path, mesh, num_devices=8, *sets):
@@ -57,19 +61,72 @@ def unsharded(tmp_path_factory):
     return losses, jax.device_get(state.params)
 
 
-@pytest.mark.parametrize("mesh,devices", [((8, 1, 1), 8), ((1, 8, 1), 8), ((1, 1, 4), 4),
-                                          ((2, 2, 2), 8)])
-def test_sharded_steps_equal_unsharded(tmp_path, unsharded, mesh, devices):
-    run = build(tmp_path, mesh, devices)
+@pytest.fixture(scope="module")
+def unsharded_adan(tmp_path_factory):
+    run = build(tmp_path_factory.mktemp("one_adan"), (1, 1, 1), 1, *ADAN)
     losses, state = train_steps(run)
-    np.testing.assert_allclose(losses, unsharded[0], rtol=1e-5)
+    return losses, jax.device_get(state.params)
+
+
+def assert_same_training(run, reference):
+    """3 steps on ``run``'s mesh give the reference losses and parameters (fp32, 1e-5)."""
+    losses, state = train_steps(run)
+    np.testing.assert_allclose(losses, reference[0], rtol=1e-5)
     # Elementwise within 1e-5 absolute, and the whole set norm-wise within 1e-5 relative.
     ours = jax.tree_util.tree_leaves(jax.device_get(state.params))
-    ref = jax.tree_util.tree_leaves(unsharded[1])
+    ref = jax.tree_util.tree_leaves(reference[1])
     for a, b in zip(ours, ref):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
     flat = lambda xs: np.concatenate([x.ravel() for x in xs])
     assert np.linalg.norm(flat(ours) - flat(ref)) <= 1e-5 * np.linalg.norm(flat(ref))
+    return state
+
+
+@pytest.mark.parametrize("mesh,devices", [((8, 1, 1), 8), ((1, 8, 1), 8), ((1, 1, 4), 4),
+                                          ((2, 2, 2), 8)])
+def test_sharded_steps_equal_unsharded(tmp_path, unsharded, mesh, devices):
+    assert_same_training(build(tmp_path, mesh, devices), unsharded)
+
+
+def adan_buffers(state):
+    adan_state = state.opt_state
+    return adan_state.m + adan_state.v + adan_state.n + adan_state.prev
+
+
+@pytest.mark.parametrize("mesh,devices,sets,blocks", [
+    ((8, 1, 1), 8, ["sharding.zero1=true"], 8),      # data parallel + ZeRO-1
+    ((1, 8, 1), 8, [], 8),                           # FSDP
+    ((1, 1, 4), 4, [], 4),                           # Megatron tensor parallel
+    ((2, 2, 2), 8, ["sharding.zero1=true"], 8),      # all three, ZeRO-1 over data
+])
+def test_fused_adan_under_every_strategy_equals_one_device(tmp_path, unsharded_adan, mesh,
+                                                          devices, sets, blocks):
+    """The Pallas Adan kernel runs on each device's own shards: the flat state is split over
+    the devices (``blocks`` distinct pieces, none replicated), and training equals 1 device."""
+    run = build(tmp_path, mesh, devices, *ADAN, *sets)
+    for buf in adan_buffers(run.state):
+        pieces = {s.index[0].start for s in buf.addressable_shards}
+        assert len(pieces) == blocks, (buf.sharding, pieces)
+    state = assert_same_training(run, unsharded_adan)
+    assert adan_buffers(state)[0].sharding == adan_buffers(run.state)[0].sharding
+
+
+@pytest.mark.parametrize("mesh,devices", [((1, 8, 1), 8), ((1, 1, 4), 4), ((2, 2, 2), 8)])
+def test_fused_adan_update_gathers_nothing(tmp_path, mesh, devices):
+    """Under FSDP / tensor parallelism the optimizer update is local: its compiled program has
+    no all-gather (only the gradient norm's all-reduce), and each device holds 1/(fsdp x tensor)
+    of the state (replicated over data, like the parameters)."""
+    run = build(tmp_path, mesh, devices, *ADAN)
+    p_sh = run.state_shardings.params
+    update = jax.jit(run.tx.update, in_shardings=(p_sh, run.state_shardings.opt_state, p_sh))
+    hlo = update.lower(run.state.params, run.state.opt_state, run.state.params).compile() \
+        .as_text()
+    assert "all-gather" not in hlo
+    assert "all-reduce" in hlo            # the global gradient norm (max_grad_norm=1)
+    assert "shard_map" in str(jax.make_jaxpr(run.tx.update)(
+        run.state.params, run.state.opt_state, run.state.params))
+    for buf in adan_buffers(run.state):
+        assert buf.addressable_shards[0].data.shape[0] * mesh[1] * mesh[2] == buf.shape[0]
 
 
 def test_zero1_shards_only_the_optimizer_state(tmp_path, unsharded):
@@ -117,33 +174,73 @@ def test_fsdp_lowers_memory_per_device(tmp_path):
     assert sizes[(1, 8, 1)] < sizes[(8, 1, 1)] / 4, sizes
 
 
-@pytest.mark.parametrize("platform", ["tpu", "cuda"])
-def test_train_step_lowers_for_accelerators_on_a_2x2x2_mesh(tmp_path, platform):
-    run = build(tmp_path, (2, 2, 2))
+@pytest.mark.parametrize("platform,backend,kernel", [
+    ("tpu", "tpu", "tpu_custom_call"), ("cuda", "gpu", "__gpu$xla.gpu.triton")])
+def test_train_step_lowers_for_accelerators_on_a_2x2x2_mesh(tmp_path, monkeypatch, platform,
+                                                           backend, kernel):
+    """The whole step with both Pallas kernels (flash attention, fused Adan with ZeRO-1) on a
+    2x2x2 mesh, lowered for TPU (Mosaic) and GPU (Triton) from this CPU machine."""
+    run = build(tmp_path, (2, 2, 2), 8, *ADAN, "sharding.zero1=true",
+                "model.attention_impl=pallas")
     step, bsh = jitted_step(run)
     batch = loop._global_batch(next(run.train_data.batches(0)), bsh)
     abstract = abstract_like(run.state, run.state_shardings)
-    text = step.trace(abstract, batch).lower(lowering_platforms=(platform,)).as_text()
+    monkeypatch.setattr(_backend, "platform", lambda: backend)   # kernels as on that platform
+    with jax.set_mesh(run.mesh):
+        text = step.trace(abstract, batch).lower(lowering_platforms=(platform,)).as_text()
     assert "mhlo.sharding" in text or "sdy.sharding" in text
+    assert kernel in text and "adan_update" in text and "flash" in text
+    # Both kernels sit inside manual (per-shard) regions, not on gathered operands.
+    assert "sdy.manual_computation" in text or "SPMDFullToShardShape" in text
 
 
-def test_checkpoint_restores_onto_another_mesh(tmp_path):
-    run = build(tmp_path, (8, 1, 1))
+@pytest.mark.parametrize("sets,source", [((), (8, 1, 1)), (ADAN, (1, 8, 1))])
+def test_checkpoint_restores_onto_another_mesh(tmp_path, sets, source):
+    """Parameters and optimizer state (for the flat Adan state: its per-parameter form) come
+    back identical on other meshes and device counts, laid out for the target mesh."""
+    run = build(tmp_path, source, 8, *sets)
     _, state = train_steps(run, 2)
     ckpt = Checkpointer(str(tmp_path / "ck"))
-    ckpt.save(2, state, {"epoch": 0})
-    saved = jax.device_get(state.params)
-    for mesh, devices in (((2, 2, 2), 8), ((1, 4, 1), 4)):
-        target = build(tmp_path, mesh, devices)
-        restored, meta = ckpt.restore(abstract_like(target.state, target.state_shardings))
+    ckpt.save(2, on_disk(state), {"epoch": 0})
+    saved = jax.device_get(on_disk(state))
+    for mesh, devices in (((2, 2, 2), 8), ((1, 1, 4), 4)):
+        target = build(tmp_path, mesh, devices, *sets)
+        restored, meta = restore_state(ckpt, target.state, target.state_shardings)
         kernel = restored.params["layers"][0]["intermediate"]["kernel"]
         assert kernel.sharding == target.state_shardings.params["layers"][0]["intermediate"][
             "kernel"]
         assert len(kernel.sharding.device_set) == devices
-        for a, b in zip(jax.tree_util.tree_leaves(jax.device_get(restored.params)),
+        assert jax.tree_util.tree_structure(restored) == \
+            jax.tree_util.tree_structure(target.state)
+        for a, b in zip(jax.tree_util.tree_leaves(restored), jax.tree_util.tree_leaves(
+                target.state_shardings)):
+            assert a.sharding == b
+        for a, b in zip(jax.tree_util.tree_leaves(jax.device_get(on_disk(restored))),
                         jax.tree_util.tree_leaves(saved)):
             np.testing.assert_array_equal(a, b)
         assert int(restored.step) == 2 and meta["epoch"] == 0
+
+
+def test_resume_on_another_mesh_continues_the_run(tmp_path):
+    """Fused-Adan training stopped after 2 steps on 8 FSDP devices and resumed on a 2x2x2 mesh
+    gives the losses of the uninterrupted run."""
+    from jaxaccel.train.metrics import read_metrics
+
+    def train(name, mesh, steps):
+        d, f, t = mesh
+        cfg = config.build(sets=TINY + [*ADAN, f"workdir={tmp_path}", f"name={name}",
+                                        "train.schedule=constant", "train.warmup_ratio=0.0",
+                                        "train.log_every=1", f"train.max_steps={steps}",
+                                        f"mesh.data={d}", f"mesh.fsdp={f}", f"mesh.tensor={t}"])
+        result = loop.train(cfg)
+        return {r["step"]: r["train/loss"] for r in read_metrics(result["run_dir"])
+                if "train/loss" in r}
+    full = train("full", (1, 8, 1), 4)
+    train("part", (1, 8, 1), 2)
+    part = train("part", (2, 2, 2), 4)
+    assert sorted(part) == [1, 2, 3, 4]
+    np.testing.assert_allclose([part[s] for s in (1, 2, 3, 4)], [full[s] for s in (1, 2, 3, 4)],
+                               rtol=1e-5)
 
 
 @pytest.mark.parametrize("mesh,message", [

@@ -64,11 +64,10 @@ def attention(q, k, v, attention_mask=None, *, impl: str = "xla", dropout_rate: 
                                             implementation="cudnn")
     from kernels_pallas.attention import flash_attention
     from jaxaccel.sharding import map_over_mesh
-    backend = "interpret" if jax.default_backend() == "cpu" else "auto"
     if lengths is None:
         lengths = jnp.full((q.shape[0],), k.shape[1], jnp.int32)
     qkv = ("batch", None, "heads", None)
     local = map_over_mesh(
-        lambda q, k, v, n: flash_attention(q, k, v, key_lengths=n, backend=backend),
+        lambda q, k, v, n: flash_attention(q, k, v, key_lengths=n, backend="pallas"),
         (qkv, qkv, qkv, ("batch",)), qkv)
     return local(q, k, v, lengths)

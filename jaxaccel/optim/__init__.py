@@ -3,11 +3,19 @@
 ``make_optimizer`` builds what the trainer uses: global-norm clipping, the optimizer with
 decoupled weight decay masked off biases and LayerNorm parameters, and a warm-up schedule.
 Adan (``jaxaccel.optim.adan``) follows the official algorithm and has fused implementations.
+``state_shardings`` places an optimizer state on the mesh; ``portable_state`` /
+``restore_layout`` turn it into the mesh-independent form checkpoints hold and back.
 """
 from __future__ import annotations
 
 import jax
 import optax
+
+from jaxaccel import sharding as shd
+from jaxaccel.optim.adan import AdanState, adan, portable_state, restore_layout
+
+__all__ = ["OPTIMIZERS", "decay_mask", "make_optimizer", "make_schedule", "portable_state",
+           "restore_layout", "state_shardings"]
 
 OPTIMIZERS = ("adamw", "adan")
 
@@ -39,16 +47,38 @@ def decay_mask(params):
 
 def make_optimizer(name: str, learning_rate, *, weight_decay: float = 0.0,
                    max_grad_norm: float = 0.0, b1=None, b2=None, b3=None, eps=None,
-                   impl: str = "auto") -> optax.GradientTransformation:
-    """The optimizer ``name`` with clipping and masked weight decay; ``None`` = its default."""
+                   impl: str = "auto", shardings=None,
+                   zero_axes: tuple[str, ...] = ()) -> optax.GradientTransformation:
+    """The optimizer ``name`` with clipping and masked weight decay; ``None`` = its default.
+
+    ``shardings`` (the parameters' NamedShardings) and ``zero_axes`` (ZeRO-1) matter to the
+    multi-tensor Adan, whose flat state is laid out per device; per-leaf optimizers are placed
+    by ``state_shardings`` alone."""
     if name == "adamw":
         tx = optax.adamw(learning_rate, b1=0.9 if b1 is None else b1,
                          b2=0.999 if b2 is None else b2, eps=1e-8 if eps is None else eps,
                          weight_decay=weight_decay, mask=decay_mask)
         return optax.chain(optax.clip_by_global_norm(max_grad_norm), tx) if max_grad_norm > 0 else tx
     if name == "adan":
-        from jaxaccel.optim.adan import adan
         kw = {k: v for k, v in dict(b1=b1, b2=b2, b3=b3, eps=eps).items() if v is not None}
         return adan(learning_rate, weight_decay=weight_decay, max_grad_norm=max_grad_norm,
-                    mask=decay_mask, impl=impl, **kw)
+                    mask=decay_mask, impl=impl, shardings=shardings, zero_axes=zero_axes, **kw)
     raise ValueError(f"optimizer {name!r} is unknown; expected one of {OPTIMIZERS}.")
+
+
+def state_shardings(opt_state_shapes, param_shardings, mesh, *, zero1: bool = False):
+    """Shardings for an optimizer state (or its ``jax.eval_shape``): per-parameter leaves take
+    their parameter's sharding (ZeRO-1: also split over the batch axes), flat multi-tensor Adan
+    buffers the placement of their layout, anything else is replicated."""
+    base = shd.opt_state_shardings(opt_state_shapes, param_shardings, mesh)
+    if zero1:
+        base = shd.zero1_shardings(opt_state_shapes, base, mesh)
+
+    def flat(state, given):
+        if not (isinstance(state, AdanState) and state.layout is not None):
+            return given
+        place = state.layout.buffer_sharding or shd.replicated(mesh)
+        return given.replace(**{k: tuple(place for _ in getattr(state, k))
+                                for k in ("m", "v", "n", "prev")})
+    return jax.tree_util.tree_map(flat, opt_state_shapes, base,
+                                  is_leaf=lambda x: isinstance(x, AdanState))

@@ -5,6 +5,10 @@ interrupted write leaves the previous checkpoint as the latest readable one (unf
 temporary folders are ignored and cleaned up). Saving is synchronous here, so that a SIGTERM
 handler or a NaN stop can rely on what is on disk. Restores go straight to the shardings of
 the abstract state given, so a checkpoint saved on one mesh restores onto another.
+
+A train state is saved as ``on_disk(state)``: its optimizer state in the per-parameter form
+(``jaxaccel.optim.portable_state``), which no mesh, device count or optimizer impl shapes;
+``restore_state`` reads it back into the layout and shardings of a target state.
 """
 from __future__ import annotations
 
@@ -12,6 +16,8 @@ import os
 
 import jax
 import orbax.checkpoint as ocp
+
+from jaxaccel.optim import portable_state, restore_layout, state_shardings
 
 
 class Checkpointer:
@@ -73,3 +79,25 @@ def like(template, restored):
         raise ValueError(f"checkpoint tensor of shape {restored.shape} where the model has "
                          f"{template.shape}.")
     return restored
+
+
+def on_disk(state):
+    """What a checkpoint holds: the train state with a mesh-independent optimizer state (only
+    flat multi-tensor states are converted; the rest is saved as it is, without a copy)."""
+    return state.replace(opt_state=portable_state(state.opt_state))
+
+
+def restore_state(ckpt: Checkpointer, state, shardings, *, zero1: bool = False,
+                  step: int | None = None):
+    """``(state, meta)`` of checkpoint ``step`` (default latest) laid out and placed like
+    ``state`` with ``shardings`` (the target run's train state and its shardings), whatever mesh
+    it was saved from; ``None`` if there is no checkpoint."""
+    saved = jax.eval_shape(on_disk, state)
+    mesh = shardings.step.mesh
+    disk = shardings.replace(opt_state=state_shardings(saved.opt_state, shardings.params, mesh,
+                                                        zero1=zero1))
+    out = ckpt.restore(abstract_like(saved, disk), step)
+    if out is None:
+        return None
+    restored, meta = out
+    return restored.replace(opt_state=restore_layout(restored.opt_state, state.opt_state)), meta

@@ -26,9 +26,9 @@ from jaxaccel import sharding as shd
 from jaxaccel.config import Config
 from jaxaccel.data import BatchIterator, load_text_dataset, load_tokenizer, synthetic, tokenize
 from jaxaccel.models import create_model
-from jaxaccel.optim import make_optimizer, make_schedule
+from jaxaccel.optim import make_optimizer, make_schedule, state_shardings
 from jaxaccel.precision import get_policy
-from jaxaccel.train.checkpoint import Checkpointer, abstract_like
+from jaxaccel.train.checkpoint import Checkpointer, on_disk, restore_state
 from jaxaccel.train.metrics import MetricsWriter
 from jaxaccel.train.state import TrainState
 from jaxaccel.train.step import make_eval_step, make_train_step
@@ -106,23 +106,23 @@ def build(cfg: Config, devices=None) -> Run:
     total_steps = t.max_steps if t.max_steps > 0 else t.epochs * train_data.steps_per_epoch
     schedule = make_schedule(t.schedule, t.learning_rate, total_steps,
                              int(t.warmup_ratio * total_steps))
-    tx = make_optimizer(t.optimizer, schedule, weight_decay=t.weight_decay,
-                        max_grad_norm=t.max_grad_norm, b1=t.b1, b2=t.b2, b3=t.b3, eps=t.eps,
-                        impl=t.optimizer_impl)
     graphdef, params_state = nnx.split(model, nnx.Param)
     params = nnx.to_pure_dict(params_state)
     logical = nnx.to_pure_dict(nnx.get_partition_spec(params_state))
     param_shardings = shd.tree_shardings(mesh, logical, params)
+    tx = make_optimizer(t.optimizer, schedule, weight_decay=t.weight_decay,
+                        max_grad_norm=t.max_grad_norm, b1=t.b1, b2=t.b2, b3=t.b3, eps=t.eps,
+                        impl=t.optimizer_impl, shardings=param_shardings,
+                        zero_axes=shd.BATCH_AXES if cfg.sharding.zero1 else ())
     abstract = jax.eval_shape(lambda p: TrainState.create(p, tx, cfg.seed), params)
-    opt_shardings = shd.opt_state_shardings(abstract.opt_state, param_shardings, mesh)
-    if cfg.sharding.zero1:
-        opt_shardings = shd.zero1_shardings(abstract.opt_state, opt_shardings, mesh)
-    state_shardings = TrainState(step=shd.replicated(mesh), params=param_shardings,
-                                 opt_state=opt_shardings, rng=shd.replicated(mesh))
+    opt_shardings = state_shardings(abstract.opt_state, param_shardings, mesh,
+                                    zero1=cfg.sharding.zero1)
+    shardings = TrainState(step=shd.replicated(mesh), params=param_shardings,
+                           opt_state=opt_shardings, rng=shd.replicated(mesh))
     params = jax.device_put(params, param_shardings)
     state = jax.jit(lambda p: TrainState.create(p, tx, cfg.seed),
-                    out_shardings=state_shardings)(params)
-    return Run(cfg, run_dir, mesh, graphdef, state, state_shardings, train_data, eval_data,
+                    out_shardings=shardings)(params)
+    return Run(cfg, run_dir, mesh, graphdef, state, shardings, train_data, eval_data,
                schedule, total_steps, tokenizer, tx, dataclasses.asdict(model.config),
                label_names)
 
@@ -190,8 +190,7 @@ def train(cfg: Config) -> dict:
 
     state = run.state
     if t.resume and ckpt.latest_step() is not None:
-        restored, _ = ckpt.restore(abstract_like(state, run.state_shardings))
-        state = restored
+        state, _ = restore_state(ckpt, state, run.state_shardings, zero1=cfg.sharding.zero1)
         log.info("resumed from %s at step %d", ckpt.directory, int(state.step))
     start = int(jax.device_get(state.step))
     steps_per_epoch = run.train_data.steps_per_epoch
@@ -204,7 +203,7 @@ def train(cfg: Config) -> dict:
 
     def save(step):
         e, s = divmod(step, steps_per_epoch)
-        ckpt.save(step, state, _record(run, e, s))
+        ckpt.save(step, on_disk(state), _record(run, e, s))
 
     result = {"status": "completed", "run_dir": run.run_dir,
               "checkpoint_dir": ckpt.directory, "metrics_file": writer.path}
