@@ -37,7 +37,7 @@ def build(tmp_path, mesh, num_devices=8, *sets):
 
 def jitted_step(run):
     bsh = shd.batch_sharding(run.mesh)
-    step = jax.jit(make_train_step(run.graphdef, run.tx),
+    step = jax.jit(make_train_step(run.graphdef, run.tx, run.cfg.train.grad_accum),
                    in_shardings=(run.state_shardings, bsh),
                    out_shardings=(run.state_shardings, shd.replicated(run.mesh)),
                    donate_argnums=0)
@@ -257,6 +257,18 @@ def test_remat_keeps_the_numbers(tmp_path, unsharded):
     run = build(tmp_path, (2, 2, 2), 8, "model.remat=true")
     losses, _ = train_steps(run)
     np.testing.assert_allclose(losses, unsharded[0], rtol=1e-5)
+
+
+def test_grad_accumulation_keeps_the_batch_sharded(tmp_path, unsharded):
+    """Micro-batches are cut without moving rows between devices: the only collective of a
+    data-parallel step is the gradient all-reduce; the losses are the one-device ones."""
+    run = build(tmp_path, (8, 1, 1), 8, "train.grad_accum=2")
+    step, bsh = jitted_step(run)
+    batch = loop._global_batch(next(run.train_data.batches(0)), bsh)
+    hlo = step.lower(run.state, batch).compile().as_text()
+    for collective in ("all-gather", "all-to-all", "collective-permute"):
+        assert collective not in hlo
+    assert_same_training(run, unsharded)
 
 
 def test_two_processes_on_localhost_match_one_process(tmp_path):

@@ -3,7 +3,7 @@
 The loss is the weighted mean cross entropy (float32) over the rows of the global batch
 (``weights`` is 0 for padding rows); with gradient accumulation the batch is cut into
 micro-batches and the per-row sums are accumulated, so the gradient equals the one-batch
-gradient exactly.
+gradient (up to summation order).
 """
 from __future__ import annotations
 
@@ -48,8 +48,11 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, grad_accum: int 
         if grad_accum == 1:
             (loss, correct), grads = grad_fn(state.params, batch, rng, denom)
         else:
+            # Strided micro-batches (rows i, i + k, i + 2k, ...): every device's contiguous
+            # block of the batch holds rows of each, so the split moves no data between them.
             micro = jax.tree_util.tree_map(
-                lambda x: x.reshape(grad_accum, x.shape[0] // grad_accum, *x.shape[1:]), batch)
+                lambda x: x.reshape(x.shape[0] // grad_accum, grad_accum, *x.shape[1:])
+                .swapaxes(0, 1), batch)
 
             def body(carry, xs):
                 i, mb = xs
