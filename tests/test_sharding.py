@@ -272,7 +272,10 @@ def test_grad_accumulation_keeps_the_batch_sharded(tmp_path, unsharded):
 
 
 def test_two_processes_on_localhost_match_one_process(tmp_path):
-    """Two real processes (4 CPU devices each, gloo collectives) == one process, 8 devices."""
+    """Two real processes (4 CPU devices each, gloo collectives) == one process, 8 devices, with
+    FSDP over both processes and the fused Adan state split across them; the checkpoint they
+    write together evaluates on one device to the accuracy the one-process run reached."""
+    import json
     import os
     import socket
     import subprocess
@@ -287,7 +290,8 @@ def test_two_processes_on_localhost_match_one_process(tmp_path):
     def cmd(workdir):
         return [sys.executable, "-m", "jaxaccel.cli", "train", "--config", cfg_file,
                 "--set", f"workdir={workdir}", "--set", "train.max_steps=4",
-                "--set", "train.log_every=1", "--set", "train.progress=false"]
+                "--set", "train.log_every=1", "--set", "train.progress=false",
+                "--set", "mesh.fsdp=2", *(f"--set={x}" for x in ADAN)]
     procs = []
     for i in range(2):
         env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
@@ -307,6 +311,14 @@ def test_two_processes_on_localhost_match_one_process(tmp_path):
                      if "train/loss" in r] for name in ("one", "two")}
     assert len(losses["two"]) == 4        # metrics written once, by process 0
     np.testing.assert_allclose(losses["two"], losses["one"], rtol=1e-5)
+    final = [r["eval/accuracy"] for r in read_metrics(str(tmp_path / "one" / "tiny_synthetic"))
+             if "eval/accuracy" in r][-1]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}      # one device
+    ev = subprocess.run([sys.executable, "-m", "jaxaccel.cli", "eval", "--checkpoint",
+                         str(tmp_path / "two" / "tiny_synthetic")], env=env,
+                        capture_output=True, text=True, timeout=300)
+    assert ev.returncode == 0, ev.stderr[-2000:]
+    assert json.loads(ev.stdout)["accuracy"] == pytest.approx(final, abs=1e-6)
 
 
 def test_pallas_attention_runs_per_shard(tmp_path, unsharded):

@@ -26,8 +26,10 @@ class Checkpointer:
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
                                                enable_async_checkpointing=False,
                                                cleanup_tmp_directories=True)
-        self._mngr = ocp.CheckpointManager(self.directory, options=options,
-                                           item_names=("state", "meta"))
+        self._mngr = ocp.CheckpointManager(
+            self.directory, options=options,
+            item_handlers={"state": ocp.StandardCheckpointHandler(),
+                           "meta": ocp.JsonCheckpointHandler()})
 
     def latest_step(self) -> int | None:
         return self._mngr.latest_step()
@@ -51,15 +53,24 @@ class Checkpointer:
             state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
         return out.state, out.meta
 
-    def restore_untyped(self, step: int | None = None):
-        """``(state, meta)`` with the state as saved (nested dicts, string keys), without
-        knowing the optimizer: what evaluation and prediction need."""
+    def restore_params(self, step: int | None = None):
+        """``(params, meta)``: only the parameters of checkpoint ``step`` (default latest), as
+        nested dicts with string keys on this process's first device, whatever mesh and
+        device count wrote them: what evaluation and prediction need."""
         step = self.latest_step() if step is None else step
         if step is None:
             raise FileNotFoundError(f"no checkpoint in {self.directory}.")
-        out = self._mngr.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(), meta=ocp.args.JsonRestore()))
-        return out.state, out.meta
+        device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        saved = self._mngr.item_metadata(step)["state"]["params"]
+        target = {"params": jax.tree_util.tree_map(
+            lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), saved)}
+        restore_args = jax.tree_util.tree_map(lambda _: ocp.ArrayRestoreArgs(sharding=device),
+                                              target)
+        state = ocp.PyTreeCheckpointer().restore(
+            os.path.join(self.directory, str(step), "state"),
+            args=ocp.args.PyTreeRestore(target, restore_args=restore_args, partial_restore=True))
+        meta = self._mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+        return state["params"], meta.meta
 
     def close(self) -> None:
         self._mngr.close()

@@ -18,7 +18,7 @@ def load_run(run_dir: str):
     architecture saved with it (the original HF checkpoint is not needed)."""
     ckpt = Checkpointer(os.path.join(run_dir, "checkpoints"))
     try:
-        state, meta = ckpt.restore_untyped()
+        saved, meta = ckpt.restore_params()
     finally:
         ckpt.close()
     cfg = config_lib.build(meta["config"])
@@ -26,16 +26,18 @@ def load_run(run_dir: str):
                       policy=cfg.precision.policy, attention_impl=cfg.model.attention_impl,
                       classifier_pooling=cfg.model.pooling)
     params = nnx.state(model, nnx.Param)
-    nnx.replace_by_pure_dict(params, like(nnx.to_pure_dict(params), state["params"]))
+    nnx.replace_by_pure_dict(params, like(nnx.to_pure_dict(params), saved))
     nnx.update(model, params)
     return model, cfg, meta
 
 
 def evaluate_run(run_dir: str, sets: list[str] | None = None) -> dict:
-    """Accuracy and loss of the run's latest checkpoint on its eval split."""
+    """Accuracy and loss of the run's latest checkpoint on its eval split, data parallel over
+    the devices at hand (not the training mesh, which may need more) unless ``sets`` say."""
     from jaxaccel.train.loop import build, evaluate
     model, cfg, meta = load_run(run_dir)
-    cfg = config_lib.build(cfg.to_dict(), sets)
+    cfg = config_lib.build(cfg.to_dict(), ["mesh.data=-1", "mesh.fsdp=1", "mesh.tensor=1",
+                                           *(sets or [])])
     run = build(cfg)
     params = jax.device_put(nnx.to_pure_dict(nnx.state(model, nnx.Param)),
                             run.state_shardings.params)
