@@ -74,6 +74,11 @@ def check_model_fits(config, mesh: Mesh) -> None:
                              f"use a tensor size that divides {value}.")
 
 
+def entry_axes(entry) -> tuple[str, ...]:
+    """The mesh axes one PartitionSpec entry names (None, an axis or a tuple of axes)."""
+    return (entry,) if isinstance(entry, str) else tuple(entry or ())
+
+
 def logical_to_mesh(spec: Sequence[str | None] | None, rules=DEFAULT_RULES) -> P:
     """Map a logical PartitionSpec (tuple of logical names) to a mesh PartitionSpec."""
     table = dict(rules)
@@ -81,9 +86,8 @@ def logical_to_mesh(spec: Sequence[str | None] | None, rules=DEFAULT_RULES) -> P
         return P()
     used, out = set(), []
     for name in spec:
-        axes = table.get(name) if name is not None else None
-        axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
-        axes = tuple(a for a in axes if a not in used)   # one mesh axis at most once per array
+        # one mesh axis at most once per array
+        axes = tuple(a for a in entry_axes(table.get(name)) if a not in used)
         used.update(axes)
         out.append(None if not axes else axes[0] if len(axes) == 1 else axes)
     return P(*out)
@@ -93,7 +97,7 @@ def _fits(shape, spec: P, mesh: Mesh) -> P:
     """Drop mesh axes from dimensions they do not divide (e.g. a 2-label classifier)."""
     out = []
     for dim, axes in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
-        names = (axes,) if isinstance(axes, str) else tuple(axes or ())
+        names = entry_axes(axes)
         size = math.prod(mesh.shape[a] for a in names)
         out.append(axes if size == 1 or dim % size == 0 else None)
     return P(*out)
@@ -134,10 +138,9 @@ def opt_state_shardings(opt_state_shapes, param_shardings, mesh: Mesh):
     return jax.tree_util.tree_map_with_path(one, opt_state_shapes)
 
 
-def _drop_trivial(axes, mesh: Mesh):
+def drop_trivial(axes, mesh: Mesh):
     """A PartitionSpec entry without the mesh axes of size 1."""
-    names = tuple(a for a in ((axes,) if isinstance(axes, str) else (axes or ()))
-                  if mesh.shape[a] > 1)
+    names = tuple(a for a in entry_axes(axes) if mesh.shape[a] > 1)
     return None if not names else names[0] if len(names) == 1 else names
 
 
@@ -148,9 +151,9 @@ def zero1_shardings(opt_state_shapes, base_shardings, mesh: Mesh):
     n = math.prod(mesh.shape[a] for a in BATCH_AXES)
 
     def one(leaf, base):
-        spec = [_drop_trivial(s, mesh) for s in base.spec]
+        spec = [drop_trivial(s, mesh) for s in base.spec]
         spec += [None] * (len(leaf.shape) - len(spec))
-        used = {a for s in spec if s for a in ((s,) if isinstance(s, str) else s)}
+        used = {a for s in spec for a in entry_axes(s)}
         if n == 1 or used & set(BATCH_AXES):
             return base
         for i, dim in enumerate(leaf.shape):
@@ -171,6 +174,6 @@ def map_over_mesh(fn, in_logical, out_logical, rules=DEFAULT_RULES):
         return fn
 
     def spec(logical):
-        return P(*(_drop_trivial(a, mesh) for a in logical_to_mesh(logical, rules)))
+        return P(*(drop_trivial(a, mesh) for a in logical_to_mesh(logical, rules)))
     return jax.shard_map(fn, mesh=mesh, in_specs=tuple(spec(s) for s in in_logical),
                          out_specs=spec(out_logical), check_vma=False)

@@ -49,6 +49,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jaxaccel.sharding import drop_trivial, entry_axes
 from kernels_pallas import _backend
 from kernels_pallas.adan import LANES, ROW_ALIGN, adan_reference, adan_update, make_scalars
 
@@ -61,11 +62,6 @@ class _Group:
     leaves: tuple          # leaf indices
     offsets: tuple         # start of each leaf in a device's flat buffer
     rows: int              # rows of one device's flat buffer (before a ZeRO-1 split)
-
-
-def _axes(entry) -> tuple:
-    """The mesh axes of one PartitionSpec entry."""
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,7 +96,7 @@ class Layout:
         if self.mesh is None:
             return self.shapes[i]
         spec = tuple(self.specs[i]) + (None,) * (len(self.shapes[i]) - len(self.specs[i]))
-        return tuple(d // math.prod(self.mesh.shape[a] for a in _axes(e))
+        return tuple(d // math.prod(self.mesh.shape[a] for a in entry_axes(e))
                      for d, e in zip(self.shapes[i], spec))
 
     @property
@@ -233,19 +229,16 @@ def make_layout(leaves, treedef, decay_flags, dtype, shardings=None, zero_axes=(
         if not isinstance(s, NamedSharding):
             specs.append(P())
             continue
-        entries = []
-        for e in s.spec:
-            kept = tuple(a for a in _axes(e) if mesh.shape[a] > 1)
-            entries.append(None if not kept else kept[0] if len(kept) == 1 else kept)
+        entries = [drop_trivial(e, mesh) for e in s.spec]
         specs.append(P(*entries))
         for d, e in zip(shape, entries):
-            k = math.prod(mesh.shape[a] for a in _axes(e))
+            k = math.prod(mesh.shape[a] for a in entry_axes(e))
             if d % k:
                 raise ValueError(f"adan: a parameter of shape {shape} is sharded {s.spec}, which "
                                  f"splits its dimension {d} into {k} uneven parts; the "
                                  "multi-tensor impls need even shards (impl='reference' "
                                  "does not).")
-    used = {a for spec in specs for e in spec for a in _axes(e)}
+    used = {a for spec in specs for e in spec for a in entry_axes(e)}
     shard_axes = tuple(a for a in mesh.axis_names if a in used)
     zero = tuple(a for a in mesh.axis_names
                  if a in zero_axes and a not in used and mesh.shape[a] > 1)
