@@ -64,10 +64,11 @@ def attention(q, k, v, attention_mask=None, *, impl: str = "xla", dropout_rate: 
                                             implementation="cudnn")
     from kernels_pallas.attention import flash_attention
     from jaxaccel.sharding import map_over_mesh
-    if lengths is None:
-        lengths = jnp.full((q.shape[0],), k.shape[1], jnp.int32)
     qkv = ("batch", None, "heads", None)
+    args, specs = (q, k, v), (qkv, qkv, qkv)
+    if lengths is not None:
+        args, specs = args + (lengths,), specs + (("batch",),)
     local = map_over_mesh(
-        lambda q, k, v, n: flash_attention(q, k, v, key_lengths=n, backend="pallas"),
-        (qkv, qkv, qkv, ("batch",)), qkv)
-    return local(q, k, v, lengths)
+        lambda q, k, v, n=None: flash_attention(q, k, v, key_lengths=n, backend="pallas"),
+        specs, qkv)
+    return local(*args)

@@ -14,8 +14,8 @@ import optax
 from jaxaccel import sharding as shd
 from jaxaccel.optim.adan import AdanState, adan, portable_state, restore_layout
 
-__all__ = ["OPTIMIZERS", "decay_mask", "make_optimizer", "make_schedule", "portable_state",
-           "restore_layout", "state_shardings"]
+__all__ = ["OPTIMIZERS", "AdanState", "decay_mask", "make_optimizer", "make_schedule",
+           "portable_state", "restore_layout", "state_shardings"]
 
 OPTIMIZERS = ("adamw", "adan")
 

@@ -17,7 +17,7 @@ import os
 import jax
 import orbax.checkpoint as ocp
 
-from jaxaccel.optim import portable_state, restore_layout, state_shardings
+from jaxaccel.optim import AdanState, portable_state, restore_layout, state_shardings
 
 
 class Checkpointer:
@@ -98,15 +98,21 @@ def on_disk(state):
     return state.replace(opt_state=portable_state(state.opt_state))
 
 
-def restore_state(ckpt: Checkpointer, state, shardings, *, zero1: bool = False,
-                  step: int | None = None):
+def restore_state(ckpt: Checkpointer, state, shardings, step: int | None = None):
     """``(state, meta)`` of checkpoint ``step`` (default latest) laid out and placed like
     ``state`` with ``shardings`` (the target run's train state and its shardings), whatever mesh
     it was saved from; ``None`` if there is no checkpoint."""
     saved = jax.eval_shape(on_disk, state)
-    mesh = shardings.step.mesh
-    disk = shardings.replace(opt_state=state_shardings(saved.opt_state, shardings.params, mesh,
-                                                        zero1=zero1))
+
+    def placed(target, target_shardings, on_disk_form):
+        """Converted (flat Adan) states come back sharded like the parameters; the rest is
+        saved as it is in memory and placed like the target."""
+        if isinstance(target, AdanState) and target.layout is not None:
+            return state_shardings(on_disk_form, shardings.params, shardings.step.mesh)
+        return target_shardings
+    disk = shardings.replace(opt_state=jax.tree_util.tree_map(
+        placed, state.opt_state, shardings.opt_state, saved.opt_state,
+        is_leaf=lambda x: isinstance(x, AdanState)))
     out = ckpt.restore(abstract_like(saved, disk), step)
     if out is None:
         return None

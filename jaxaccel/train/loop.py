@@ -190,7 +190,7 @@ def train(cfg: Config) -> dict:
 
     state = run.state
     if t.resume and ckpt.latest_step() is not None:
-        state, _ = restore_state(ckpt, state, run.state_shardings, zero1=cfg.sharding.zero1)
+        state, _ = restore_state(ckpt, state, run.state_shardings)
         log.info("resumed from %s at step %d", ckpt.directory, int(state.step))
     start = int(jax.device_get(state.step))
     steps_per_epoch = run.train_data.steps_per_epoch
