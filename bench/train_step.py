@@ -1,15 +1,25 @@
 """Training-step benchmark: the thesis's main table (time, tokens/s, MFU per configuration).
 
-    python bench/train_step.py                 # BERT-base, batch 32 x 128 tokens
-    python bench/train_step.py --small         # hidden 256, 4 layers: a quick CPU run
-    python bench/train_step.py --torch         # add Hugging Face PyTorch rows (same machine)
+    python bench/train_step.py                       # BERT-base, batch 32 x 128 tokens
+    python bench/train_step.py --small               # hidden 256, 4 layers: a quick CPU run
+    python bench/train_step.py --batch 32,256 --torch           # ours and PyTorch, two batches
+    python bench/train_step.py --policies bf16 --profile --profile-dir /tmp/prof
 
 One full optimizer step (forward, loss, backward, clipping, update) on a fixed synthetic batch,
-jitted with the state donated, median of >= 20 after warm-up. Rows cross precision policy (fp32,
-bf16), optimizer (adamw, adan) and attention implementation (xla; pallas and cudnn on GPU,
-pallas on TPU). With ``--torch``, transformers' PyTorch BertForSequenceClassification with
-torch.optim.AdamW (fp32, and AMP bf16 on CUDA) runs the same shapes in the same process, so the
-ratio ours/PyTorch is measured on one machine.
+jitted with the state donated, median of >= 20 after warm-up. Rows cross batch size, precision
+policy (fp32, bf16), optimizer (adamw, adan) and attention implementation (xla; pallas and cudnn
+on GPU, pallas on TPU); fused attention implementations run without attention dropout.
+
+``--torch`` adds the strongest PyTorch setup a user has, in the same process: transformers'
+BertForSequenceClassification with SDPA attention, bf16 autocast (CUDA; fp32 on a CPU), fused
+AdamW and foreach clipping, eager and ``torch.compile``; with attention dropout as configured
+and, when a fused JAX attention row is present, also at attention dropout 0. Every JAX row's
+``speedup_vs_torch_compile`` is against the compiled PyTorch row of the same batch and
+attention dropout (eager where compile was not run).
+
+``--profile`` reads a profiler trace of each JAX row back per HLO op (bench/hlo_profile.py) and
+prints device time per category (matmul, attention, scatter, reduction, elementwise, ...);
+``--profile-dir`` keeps the traces and the optimized HLO.
 
 Model FLOPs per step (analytic, DESIGN.md): 6 x non-embedding params x tokens + 12 x layers x
 seq^2 x hidden x batch; MFU = FLOPs / time / peak bf16 FLOP/s of the device (when known).
@@ -17,6 +27,7 @@ seq^2 x hidden x batch; MFU = FLOPs / time / peak bf16 FLOP/s of the device (whe
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -28,6 +39,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import PEAK_BF16_FLOPS, device_kind, markdown, time_fn, write_results  # noqa
+from bench.hlo_profile import profile_ops  # noqa: E402
 from jaxaccel.models.bert import PRESETS, BertConfig, BertModel  # noqa: E402
 from jaxaccel.optim import make_optimizer  # noqa: E402
 from jaxaccel.train.state import TrainState  # noqa: E402
@@ -50,10 +62,12 @@ def batch_of(config, batch, seq):
             "weights": np.ones(batch, np.float32)}
 
 
-def jax_row(config, policy, optimizer, attention, batch, seq, n):
+def jax_step(config, policy, optimizer, attention, batch, seq):
+    """``(run, data, hlo_text)``: one donated train step on a fixed batch, as the trainer jits
+    it. Fused attention implementations have no attention dropout, so their model drops it."""
     from flax import nnx
-    cfg = config if attention == "xla" else BertConfig(
-        **{**config.__dict__, "attention_probs_dropout_prob": 0.0})
+    cfg = config if attention == "xla" else dataclasses.replace(
+        config, attention_probs_dropout_prob=0.0)
     model = BertModel(cfg, num_labels=2, policy=policy, attention_impl=attention)
     graphdef, params = nnx.split(model, nnx.Param)
     params = nnx.to_pure_dict(params)
@@ -61,60 +75,91 @@ def jax_row(config, policy, optimizer, attention, batch, seq, n):
     state = TrainState.create(params, tx, 0)
     step = jax.jit(make_train_step(graphdef, tx), donate_argnums=0)
     data = jax.device_put(batch_of(config, batch, seq))
+    hlo = step.lower(state, data).compile().as_text()
     box = [state]
 
     def run(d):
         box[0], metrics = step(box[0], d)
         return metrics
-    return time_fn(run, data, n=n)
+    return run, data, hlo
 
 
-def torch_rows(config, batch, seq, n):
+def torch_rows(config, batch, seq, n, modes, attention_dropouts):
+    """Hugging Face PyTorch BertForSequenceClassification, the strongest setup a PyTorch user
+    has: SDPA attention, bf16 autocast (CUDA; fp32 on a CPU), fused AdamW, foreach clipping,
+    and ``torch.compile`` (default mode) for the model. One row per mode (eager, compile) and
+    attention dropout."""
     import torch
     import transformers
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    hf_cfg = transformers.BertConfig(**{k: v for k, v in config.__dict__.items()},
-                                     num_labels=2)
-    model = transformers.BertForSequenceClassification(hf_cfg).to(dev).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
+    cuda = torch.cuda.is_available()
+    dev = "cuda" if cuda else "cpu"
     d = {k: torch.as_tensor(v).to(dev) for k, v in batch_of(config, batch, seq).items()}
     d["labels"] = d["labels"].long()
     rows = []
-    for name, amp in [("torch.fp32.adamw", False)] + ([("torch.amp_bf16.adamw", True)]
-                                                      if dev == "cuda" else []):
-        def step():
-            with torch.autocast(dev, dtype=torch.bfloat16, enabled=amp):
-                loss = model(input_ids=d["input_ids"], attention_mask=d["attention_mask"],
-                             token_type_ids=d["token_type_ids"], labels=d["labels"]).loss
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            if dev == "cuda":
-                torch.cuda.synchronize()
-        for _ in range(3):
-            step()
-        times = []
-        for _ in range(n):
-            t0 = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - t0)
-        rows.append({"name": name, "median_s": float(np.median(times)),
-                     "min_s": float(np.min(times)), "max_s": float(np.max(times)), "n": n})
+    for attn_drop in attention_dropouts:
+        for mode in modes:
+            for amp in ([True] if cuda else [False]):
+                torch.manual_seed(0)
+                hf_cfg = transformers.BertConfig(
+                    **{**config.__dict__, "attention_probs_dropout_prob": attn_drop},
+                    num_labels=2, attn_implementation="sdpa")
+                model = transformers.BertForSequenceClassification(hf_cfg).to(dev).train()
+                opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01,
+                                        fused=cuda)
+                fwd = torch.compile(model) if mode == "compile" else model
+
+                def step():
+                    with torch.autocast(dev, dtype=torch.bfloat16, enabled=amp):
+                        loss = fwd(input_ids=d["input_ids"], attention_mask=d["attention_mask"],
+                                   token_type_ids=d["token_type_ids"], labels=d["labels"]).loss
+                    loss.backward()
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=cuda)
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                    if cuda:
+                        torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                step()
+                first = time.perf_counter() - t0
+                for _ in range(3):
+                    step()
+                times = []
+                for _ in range(n):
+                    t0 = time.perf_counter()
+                    step()
+                    times.append(time.perf_counter() - t0)
+                name = f"torch.{mode}.{'bf16' if amp else 'fp32'}.adamw.sdpa"
+                name += "" if attn_drop == config.attention_probs_dropout_prob else \
+                    f".attn_drop{attn_drop:g}"
+                rows.append({"name": name, "batch": batch, "median_s": float(np.median(times)),
+                             "min_s": float(np.min(times)), "max_s": float(np.max(times)),
+                             "n": n, "first_step_s": first, "attention_dropout": attn_drop,
+                             "torch": torch.__version__})
+                print(f"  {name} b{batch}: {rows[-1]['median_s'] * 1e3:.1f} ms", flush=True)
+                del model, opt, fwd
+                if cuda:
+                    torch.cuda.empty_cache()
     return rows
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--small", action="store_true")
-    ap.add_argument("--torch", action="store_true", help="add Hugging Face PyTorch rows")
-    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--torch", action="store_true",
+                    help="add Hugging Face PyTorch rows (eager and torch.compile)")
+    ap.add_argument("--torch-modes", default="eager,compile")
+    ap.add_argument("--batch", default="32", help="comma-separated batch sizes, e.g. 32,256")
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("-n", type=int, default=20)
     ap.add_argument("--policies", help="comma-separated subset of fp32,bf16")
     ap.add_argument("--optimizers", default="adamw,adan")
     ap.add_argument("--attention", help="comma-separated subset of xla,cudnn,pallas")
+    ap.add_argument("--profile", action="store_true",
+                    help="per-category device time of every jax row (bench/hlo_profile.py)")
+    ap.add_argument("--profile-dir", help="also keep the traces and optimized HLO here")
     args = ap.parse_args(argv)
+    if args.torch:     # leave the GPU's memory to both frameworks in one process
+        os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.45")
     config = PRESETS["bert-base"] if not args.small else BertConfig(
         hidden_size=256, num_hidden_layers=4, num_attention_heads=4, intermediate_size=1024)
     backend = jax.default_backend()
@@ -123,32 +168,67 @@ def main(argv=None):
     attentions = args.attention.split(",") if args.attention else attentions
     policies = ["fp32", "bf16"] if backend != "cpu" else ["fp32"]
     policies = args.policies.split(",") if args.policies else policies
-    flops = model_flops(config, args.batch, args.seq)
+    batches = [int(b) for b in args.batch.split(",")]
     peak = PEAK_BF16_FLOPS.get(device_kind())
-    rows = []
-    for policy in policies:
-        for optimizer in args.optimizers.split(","):
-            for attention in attentions:
-                if attention == "cudnn" and policy == "fp32":
-                    continue          # cuDNN flash attention takes fp16/bf16 only
-                name = f"jax.{policy}.{optimizer}.{attention}"
-                r = jax_row(config, policy, optimizer, attention, args.batch, args.seq, args.n)
-                rows.append({"name": name, **r})
-                print(f"  {name}: {r['median_s'] * 1e3:.1f} ms", flush=True)
-    if args.torch:
-        rows += torch_rows(config, args.batch, args.seq, args.n)
-    base = next((r["median_s"] for r in rows if r["name"] == "torch.fp32.adamw"), None)
+    rows, profiles = [], {}
+    for batch in batches:
+        for policy in policies:
+            for optimizer in args.optimizers.split(","):
+                for attention in attentions:
+                    if attention == "cudnn" and policy == "fp32":
+                        continue          # cuDNN flash attention takes fp16/bf16 only
+                    name = f"jax.{policy}.{optimizer}.{attention}"
+                    run, data, hlo = jax_step(config, policy, optimizer, attention, batch,
+                                              args.seq)
+                    r = {"name": name, "batch": batch, "attention_dropout": 0.0
+                         if attention != "xla" else config.attention_probs_dropout_prob,
+                         **time_fn(run, data, n=args.n)}
+                    if args.profile:
+                        trace_dir = None
+                        if args.profile_dir:
+                            trace_dir = os.path.join(args.profile_dir, f"{name}.b{batch}")
+                            os.makedirs(trace_dir, exist_ok=True)
+                            with open(os.path.join(trace_dir, "optimized_hlo.txt"), "w") as f:
+                                f.write(hlo)
+                        prof = profile_ops(run, data, hlo_text=hlo, trace_dir=trace_dir)
+                        r["profile"] = prof.rows()
+                        profiles[f"{name} b{batch}"] = prof
+                    rows.append(r)
+                    print(f"  {name} b{batch}: {r['median_s'] * 1e3:.1f} ms", flush=True)
+        if args.torch:
+            drops = sorted({config.attention_probs_dropout_prob}
+                           | ({0.0} if set(attentions) - {"xla"} else set()), reverse=True)
+            rows += torch_rows(config, batch, args.seq, args.n, args.torch_modes.split(","),
+                               drops)
     for r in rows:
-        r["tokens_per_s"] = args.batch * args.seq / r["median_s"]
+        flops = model_flops(config, r["batch"], args.seq)
+        r["tokens_per_s"] = r["batch"] * args.seq / r["median_s"]
         r["model_tflops"] = flops / r["median_s"] / 1e12
         r["mfu"] = flops / r["median_s"] / peak if peak else None
-        r["speedup_vs_torch_fp32"] = base / r["median_s"] if base else None
+        anchor = _anchor(rows, r["batch"], r["attention_dropout"])
+        r["speedup_vs_torch_compile"] = anchor / r["median_s"] if anchor else None
     path = write_results("train_step", rows, {
         "model": "bert-base" if not args.small else "bert-small(256x4)",
-        "batch": args.batch, "seq": args.seq, "model_flops_per_step": flops})
-    print(markdown(rows, ["name", "median_s", "min_s", "max_s", "tokens_per_s", "model_tflops",
-                          "mfu", "speedup_vs_torch_fp32"]))
+        "batch": batches, "seq": args.seq,
+        "model_flops_per_step": {b: model_flops(config, b, args.seq) for b in batches}})
+    for key, prof in profiles.items():
+        print(f"\n### {key}\n{prof.table(top=15)}")
+    print(markdown(rows, ["name", "batch", "median_s", "min_s", "max_s", "tokens_per_s",
+                          "model_tflops", "mfu", "speedup_vs_torch_compile"]))
     print(f"wrote {path}")
+
+
+def _anchor(rows, batch, attention_dropout):
+    """Median of the strongest PyTorch row of the same batch and attention dropout: compiled
+    bf16 (fp32 where there is no GPU), else eager."""
+    torch_rows_ = [r for r in rows if r["name"].startswith("torch.") and r["batch"] == batch
+                   and r["attention_dropout"] == attention_dropout]
+    for mode in ("compile", "eager"):
+        for prec in ("bf16", "fp32"):
+            got = [r for r in torch_rows_ if r["name"].startswith(f"torch.{mode}.{prec}.")]
+            if got:
+                return got[0]["median_s"]
+    return None
 
 
 if __name__ == "__main__":

@@ -23,3 +23,35 @@ def test_kernel_counter_sees_fusions():
     counts = count_kernels(f.lower(jnp.ones(128), jnp.ones(128)).compile())
     assert counts["fusions_and_custom_calls"] >= 1
     assert counts["entry_ops"] >= counts["fusions_and_custom_calls"]
+
+
+def test_profile_reads_the_trace_back_per_op_and_category():
+    from bench.hlo_profile import profile_ops
+    f = jax.jit(lambda x, w: jnp.tanh(x @ w).sum(axis=0))
+    x, w = jnp.ones((256, 256)), jnp.ones((256, 256))
+    prof = profile_ops(f, x, w, steps=3)
+    cats = {r["category"]: r for r in prof.rows()}
+    assert "matmul" in cats and cats["matmul"]["ms"] > 0, prof.table()
+    assert abs(sum(r["share"] for r in prof.rows()) - 1) < 1e-6
+    assert all(k in f.lower(x, w).compile().as_text() for k in prof.per_op)
+
+
+def test_categories_follow_what_a_fusion_contains():
+    from bench.hlo_profile import categorize, hlo_index
+    hlo = """HloModule m
+%fused_scatter (p0: f32[8]) -> f32[8] {
+  %p0 = f32[8]{0} parameter(0)
+  ROOT %s = f32[8]{0} scatter(%p0, %p0, %p0), to_apply=%add
+}
+ENTRY %main (a: f32[8]) -> f32[8] {
+  %a = f32[8]{0} parameter(0)
+  %fusion = f32[8]{0} fusion(%a), kind=kLoop, calls=%fused_scatter
+  %cc = f32[8]{0} custom-call(%a), custom_call_target="__cudnn$fmhaSoftmax"
+  ROOT %t = f32[8]{0} transpose(%fusion), dimensions={0}
+}
+"""
+    instrs, comps = hlo_index(hlo)
+    assert categorize("fusion", instrs, comps) == "scatter"
+    assert categorize("cc", instrs, comps) == "attention (cuDNN)"
+    assert categorize("t", instrs, comps) == "copy/transpose/slice"
+    assert categorize("missing", instrs, comps) == "other"
