@@ -176,3 +176,49 @@ def test_pallas_attention_matches_xla(minilm_dir):
     b = np.asarray(xla.last_hidden_state)[real]
     assert np.linalg.norm(a - b) / np.linalg.norm(b) < 1e-5
     np.testing.assert_allclose(pallas.pooler_output, xla.pooler_output, rtol=1e-5, atol=1e-5)
+
+
+def _naive_attention(q, k, v, mask):
+    """The textbook formula in float32 at highest precision, differentiated by autodiff."""
+    q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k, precision="highest") * q.shape[-1] ** -0.5
+    s = jnp.where(mask[:, None, None, :].astype(bool), s, jnp.finfo(jnp.float32).min)
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, -1), v, precision="highest")
+
+
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 3e-2)])
+def test_xla_attention_gradients(dtype, tol):
+    """The XLA attention's hand-written backward against autodiff of the textbook formula:
+    the same math in float32, within bf16 rounding of dS, P and the outputs in bfloat16."""
+    from jaxaccel.models.attention import attention
+    ks = jax.random.split(jax.random.key(0), 4)
+    q, k, v, do = (jax.random.normal(x, (2, 16, 4, 32)) for x in ks)
+    mask = jnp.asarray(np.arange(16)[None, :] < np.array([[16], [11]]), jnp.int32)
+    with jax.default_matmul_precision("highest"):
+        _, vjp = jax.vjp(lambda *a: attention(*a, mask).astype(jnp.float32),
+                         *(x.astype(dtype) for x in (q, k, v)))
+        got = vjp(do.astype(dtype).astype(jnp.float32))
+    _, vjp = jax.vjp(lambda *a: _naive_attention(*a, mask), q, k, v)
+    want = vjp(do)
+    for name, g, w in zip("qkv", got, want):
+        assert g.dtype == dtype, name
+        err = float(jnp.abs(g.astype(jnp.float32) - w).max() / jnp.abs(w).max())
+        assert err < tol, (name, err)
+
+
+def test_bf16_step_runs_every_activation_matmul_in_bf16():
+    """Forward and backward: no [b, s, ...] matmul of the bf16 model takes float32 operands
+    (autodiff of float32-accumulated scores would run the attention backward in float32)."""
+    import re
+    model = bert.BertModel(bert.PRESETS["tiny"], num_labels=2, policy="bf16")
+    graphdef, params = nnx.split(model, nnx.Param)
+    ids, mask = (jnp.asarray(x) for x in _inputs())
+
+    def loss(params):
+        return nnx.merge(graphdef, params)(ids, mask).logits.sum()
+    text = jax.jit(jax.grad(loss)).lower(params).as_text()
+    operands = re.findall(r"stablehlo\.dot_general.*?: \(tensor<([^>]*)>, tensor<([^>]*)>\)",
+                          text)
+    batched = [(a, b) for a, b in operands if a.count("x") >= 3 or b.count("x") >= 3]
+    assert len(batched) >= 2 * 6 * 3, operands          # fwd + bwd matmuls of both layers
+    assert all(a.endswith("bf16") and b.endswith("bf16") for a, b in batched), batched

@@ -33,9 +33,35 @@ def check_impl(impl: str, dropout_rate: float, deterministic: bool) -> None:
             "dropout to 0 (config: model.attention_dropout=0.0) or use attention_impl='xla'.")
 
 
+@jax.custom_vjp
+def _scores(q, k):
+    """Unscaled scores q k^T: [b, q, h, d] x [b, k, h, d] -> [b, h, q, k], accumulated and
+    returned in float32 (the softmax's input).
+
+    Differentiated by hand so that the backward matmuls, like the forward ones, take their
+    operands in the compute dtype: autodiff would multiply the float32 score cotangent with
+    k and q upcast to float32 (float32/TF32 matmuls over [b, h, q, k] in a bf16 model). The
+    cotangent dS is rounded to q's dtype first, as the fused kernels (Pallas, cuDNN) do."""
+    return jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
+
+
+def _scores_fwd(q, k):
+    return _scores(q, k), (q, k)
+
+
+def _scores_bwd(res, ds):
+    q, k = res
+    ds = ds.astype(q.dtype)
+    dq = jnp.einsum("bhqk,bkhd->bqhd", ds, k, preferred_element_type=jnp.float32)
+    dk = jnp.einsum("bhqk,bqhd->bkhd", ds, q, preferred_element_type=jnp.float32)
+    return dq.astype(q.dtype), dk.astype(k.dtype)
+
+
+_scores.defvjp(_scores_fwd, _scores_bwd)
+
+
 def _xla_attention(q, k, v, attention_mask, dropout_rate, deterministic, dropout_rng):
-    scale = q.shape[-1] ** -0.5
-    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32) * scale
+    scores = _scores(q, k) * q.shape[-1] ** -0.5
     if attention_mask is not None:
         keep = attention_mask[:, None, None, :].astype(bool)
         scores = jnp.where(keep, scores, jnp.finfo(jnp.float32).min)
@@ -43,8 +69,9 @@ def _xla_attention(q, k, v, attention_mask, dropout_rate, deterministic, dropout
     if dropout_rate > 0 and not deterministic:
         keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, probs.shape)
         probs = jnp.where(keep, probs / (1.0 - dropout_rate), 0.0)
-    return jnp.einsum("bhqk,bkhd->bqhd", probs.astype(v.dtype), v,
-                      preferred_element_type=jnp.float32).astype(q.dtype)
+    # probs @ v in v's dtype: the matmul accumulates in float32 and rounds once, and its
+    # backward (dP = dO v^T, dV = P^T dO) multiplies compute-dtype operands.
+    return jnp.einsum("bhqk,bkhd->bqhd", probs.astype(v.dtype), v).astype(q.dtype)
 
 
 def attention(q, k, v, attention_mask=None, *, impl: str = "xla", dropout_rate: float = 0.0,
