@@ -284,9 +284,9 @@ def test_portable_form_is_the_reference_state_and_round_trips():
                                       jax.tree_util.tree_leaves(state[0])))
 
 
-def test_sharding_arguments_are_checked():
+def test_sharding_arguments_are_checked(eight_devices):
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-    mesh = Mesh(np.asarray(jax.devices()[:8]), ("fsdp",))
+    mesh = Mesh(np.asarray(eight_devices), ("fsdp",))
     params = small_tree()                          # bias is (13,): 8 does not divide 13
     split = jax.tree_util.tree_map(lambda _: NamedSharding(mesh, P("fsdp")), params)
     with pytest.raises(ValueError, match=r"shape \(13,\) is sharded .* 13 into 8 uneven"):

@@ -127,9 +127,10 @@ def test_interrupted_checkpoint_write_leaves_previous_readable(tmp_path):
     assert resumed["status"] == "completed" and resumed["step"] == 2
 
 
-def test_sharded_state_follows_the_rules(tmp_path):
-    run = loop.build(tiny_cfg(tmp_path, "mesh.data=2", "mesh.fsdp=4"))
+def test_sharded_state_follows_the_rules(tmp_path, eight_devices):
+    run = loop.build(tiny_cfg(tmp_path, "mesh.data=2", "mesh.fsdp=4"), eight_devices)
     kernel = run.state.params["layers"][0]["intermediate"]["kernel"]
     assert kernel.sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor")
     assert len(kernel.addressable_shards) == 8
     assert kernel.addressable_shards[0].data.shape == (64 // 4, 128)
+
