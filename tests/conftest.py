@@ -13,6 +13,9 @@ default) while the CPU backend still has the 8 fake devices forced below, so:
 * tests that need 8 devices take them from the ``eight_devices`` fixture (``_module`` for a
   whole module): the default backend's when it has 8, else the 8 fake CPU devices with
   everything the test builds placed on CPU, else they skip and say why.
+
+Without a GPU, two plugins emulate it: ``-p tests.emulate_tf32`` (float32 matmuls not at highest
+precision round their inputs to TF32) and ``-p tests.emulate_one_gpu`` (one default device).
 """
 import contextlib
 import os
