@@ -6,8 +6,8 @@ default) while the CPU backend still has the 8 fake devices forced below, so:
 
 * tests marked ``gpu`` (real Triton / cuDNN runs) run only when the default backend is a GPU
   and are skipped elsewhere with the reason; ``gpu_smoke`` marks the quick selection of them
-  that a GPU session runs first (``python -m pytest -m gpu_smoke``, under 3 minutes), and a
-  ``gpu_smoke`` test is a ``gpu`` test;
+  that a GPU session runs first (``python -m pytest -m gpu_smoke``, meant to take under 3
+  minutes), and a ``gpu_smoke`` test is a ``gpu`` test;
 * tests that compare with an XLA reference compute it under
   ``jax.default_matmul_precision("highest")`` (see each module's tolerance table);
 * tests that need 8 devices take them from the ``eight_devices`` fixture (``_module`` for a
