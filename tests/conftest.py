@@ -1,4 +1,23 @@
-"""Test setup: 8 fake CPU devices (sharding tests), offline Hugging Face, shared fixtures."""
+"""Test setup: 8 fake CPU devices (sharding tests), offline Hugging Face, shared fixtures, and
+what changes on a GPU machine.
+
+On a GPU machine the default backend is the GPU (one device, float32 matmuls at TF32 by
+default) while the CPU backend still has the 8 fake devices forced below, so:
+
+* tests marked ``gpu`` (real Triton / cuDNN runs) run only when the default backend is a GPU
+  and are skipped elsewhere with the reason; ``gpu_smoke`` marks the quick selection of them
+  that a GPU session runs first (``python -m pytest -m gpu_smoke``, meant to take under 3
+  minutes), and a ``gpu_smoke`` test is a ``gpu`` test;
+* tests that compare with an XLA reference compute it under
+  ``jax.default_matmul_precision("highest")`` (see each module's tolerance table);
+* tests that need 8 devices take them from the ``eight_devices`` fixture (``_module`` for a
+  whole module): the default backend's when it has 8, else the 8 fake CPU devices with
+  everything the test builds placed on CPU, else they skip and say why.
+
+Without a GPU, two plugins emulate it: ``-p tests.emulate_tf32`` (float32 matmuls not at highest
+precision round their inputs to TF32) and ``-p tests.emulate_one_gpu`` (one default device).
+"""
+import contextlib
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -6,7 +25,70 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import jax  # noqa: E402
 import pytest  # noqa: E402
+
+from kernels_pallas import _backend  # noqa: E402
+
+
+def pytest_report_header(config):
+    cpu = len(jax.devices("cpu"))
+    return (f"jax {jax.__version__}: default backend {jax.default_backend()} with "
+            f"{len(jax.devices())} device(s) ({jax.devices()[0].device_kind}); {cpu} CPU device(s)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if _backend.platform() == "gpu":
+        return
+    skip = pytest.mark.skip(reason=f"needs a GPU (default backend: {jax.default_backend()})")
+    for item in items:
+        if item.get_closest_marker("gpu") or item.get_closest_marker("gpu_smoke"):
+            item.add_marker(skip)
+
+
+@contextlib.contextmanager
+def eight_device_placement(n=8):
+    """``n`` devices to build meshes over, and the placement that goes with them.
+
+    * The default backend has ``n`` devices (CPU CI: the fake devices above, or a multi-GPU
+      machine): those, nothing else changes.
+    * Otherwise (one GPU) the ``n`` fake CPU devices, and everything built inside the block is
+      put on CPU as on CPU CI: the default device (arrays created outside jit), the default
+      device list of ``sharding.make_mesh`` (``loop.train`` builds its own mesh), and the Pallas
+      kernels dispatched as on CPU (``_backend.platform`` reads the *default* backend, which
+      would pick Triton kernels for computations that run on CPU devices).
+    * Neither has ``n`` devices: skip, naming the devices there are.
+    """
+    if len(jax.devices()) >= n:
+        yield jax.devices()[:n]
+        return
+    cpu = jax.devices("cpu")
+    if len(cpu) < n:
+        pytest.skip(f"needs {n} devices: the default backend ({jax.default_backend()}) has "
+                    f"{len(jax.devices())} and the CPU backend {len(cpu)} (XLA_FLAGS="
+                    f"{os.environ.get('XLA_FLAGS', '')!r}; conftest forces 8 CPU devices unless "
+                    "XLA_FLAGS is set)")
+    from jaxaccel import sharding as shd
+    make_mesh = shd.make_mesh
+    with pytest.MonkeyPatch.context() as mp, jax.default_device(cpu[0]):
+        mp.setattr(_backend, "platform", lambda: "cpu")
+        mp.setattr(shd, "make_mesh", lambda sizes, devices=None: make_mesh(
+            sizes, cpu[:n] if devices is None else devices))
+        yield cpu[:n]
+
+
+@pytest.fixture
+def eight_devices():
+    """8 devices for one test (see ``eight_device_placement``)."""
+    with eight_device_placement() as devices:
+        yield devices
+
+
+@pytest.fixture(scope="module")
+def eight_devices_module():
+    """8 devices for a whole module, its module-scoped fixtures included."""
+    with eight_device_placement() as devices:
+        yield devices
 
 
 @pytest.fixture(scope="session")

@@ -34,7 +34,7 @@ def test_unknown_model_dataset_checkpoint(capsys, tmp_path, override, message):
     assert code == cli.EXIT_ERROR and message in err, err
 
 
-def test_mesh_not_dividing_devices_is_named(capsys, tmp_path):
+def test_mesh_not_dividing_devices_is_named(capsys, tmp_path, eight_devices):
     code, _, err = run(capsys, "train", "--config", f"{CONFIGS}/tiny_synthetic.py",
                        "--set", f"workdir={tmp_path}", "--set", "mesh.tensor=3")
     assert code == cli.EXIT_ERROR and "does not divide the 8 devices" in err

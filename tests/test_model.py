@@ -1,4 +1,8 @@
-"""BERT model: HF parity, checkpoint layouts, bad checkpoints, precision policies."""
+"""BERT model: HF parity, checkpoint layouts, bad checkpoints, precision policies.
+
+Every float32 computation compared with a reference runs at ``precision="highest"`` (a GPU's
+default float32 matmul is TF32, 10-bit mantissa), and so does the reference; ``TOL`` holds the
+bounds."""
 import json
 import os
 import shutil
@@ -11,6 +15,25 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 from jaxaccel.models import bert
+from kernels_pallas import _backend
+
+PLATFORM = _backend.platform()
+# Bounds by (platform, compute dtype) against: "torch" PyTorch's BertModel (float32, CPU);
+# "same" the same math written another way (a numpy head, the flash kernel vs XLA); "fp32" the
+# float32 model. At precision="highest" a GPU differs from the CPU only in summation order and
+# its exp/erf/rsqrt (a few float32 ulp), so the platforms share the bounds; at the GPU's TF32
+# default none of the float32 ones would hold (inputs rounded to 2^-11 relative).
+# * "same" 1e-5: ~100 float32 ulp at the outputs' scale, for reordered sums over 384 features.
+# * "torch" 1e-4 (the README's promise): two libraries' GELU, layer norm and softmax over six
+#   layers, elementwise.
+# * "fp32" 3e-2 norm-wise: bfloat16 rounds every matmul input to 2^-9 relative, six layers deep.
+TOL = {
+    ("cpu", jnp.float32): {"torch": 1e-4, "same": 1e-5},
+    ("gpu", jnp.float32): {"torch": 1e-4, "same": 1e-5},
+    ("cpu", jnp.bfloat16): {"fp32": 3e-2},
+    ("gpu", jnp.bfloat16): {"fp32": 3e-2},
+}
+F32, BF16 = TOL[PLATFORM, jnp.float32], TOL[PLATFORM, jnp.bfloat16]
 
 
 def _inputs():
@@ -33,15 +56,17 @@ def test_hf_parity_with_pytorch(minilm_dir):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     ids, mask = _inputs()
-    ours = bert.from_pretrained(minilm_dir)(jnp.asarray(ids), jnp.asarray(mask))
+    with jax.default_matmul_precision("highest"):
+        ours = bert.from_pretrained(minilm_dir)(jnp.asarray(ids), jnp.asarray(mask))
     ref = transformers.BertModel.from_pretrained(minilm_dir).eval()
     with torch.no_grad():
         out = ref(input_ids=torch.tensor(ids).long(), attention_mask=torch.tensor(mask).long())
     real = mask.astype(bool)
+    tol = F32["torch"]
     np.testing.assert_allclose(np.asarray(ours.last_hidden_state)[real],
-                               out.last_hidden_state.numpy()[real], atol=1e-4, rtol=1e-4)
+                               out.last_hidden_state.numpy()[real], atol=tol, rtol=tol)
     np.testing.assert_allclose(np.asarray(ours.pooler_output), out.pooler_output.numpy(),
-                               atol=1e-4, rtol=1e-4)
+                               atol=tol, rtol=tol)
 
 
 def test_prefixed_layout_with_classifier_loads_head(minilm_dir, tmp_path):
@@ -115,14 +140,15 @@ def test_every_parameter_has_logical_axes():
 
 def test_bf16_policy_is_close_to_fp32(minilm_dir):
     ids, mask = _inputs()
-    fp32 = bert.from_pretrained(minilm_dir, num_labels=2)(ids, mask)
+    with jax.default_matmul_precision("highest"):
+        fp32 = bert.from_pretrained(minilm_dir, num_labels=2)(ids, mask)
     bf16_model = bert.from_pretrained(minilm_dir, num_labels=2, policy="bf16")
     assert bf16_model.layers[0].intermediate.kernel[...].dtype == jnp.float32
     bf16 = bf16_model(ids, mask)
     assert bf16.last_hidden_state.dtype == jnp.float32
     real = mask.astype(bool)
     err = np.linalg.norm(np.asarray(bf16.last_hidden_state - fp32.last_hidden_state)[real])
-    assert err / np.linalg.norm(np.asarray(fp32.last_hidden_state)[real]) < 3e-2
+    assert err / np.linalg.norm(np.asarray(fp32.last_hidden_state)[real]) < BF16["fp32"]
 
 
 def test_mlm_head_shapes():
@@ -156,26 +182,32 @@ def test_fused_attention_refuses_dropout():
 def test_mean_pooling_head_reads_masked_mean():
     model = bert.BertModel(bert.PRESETS["tiny"], num_labels=2, classifier_pooling="mean")
     ids, mask = _inputs()
-    out = model(ids, mask)
+    with jax.default_matmul_precision("highest"):
+        out = model(ids, mask)
     x = np.asarray(out.last_hidden_state)
     w = mask[..., None].astype(np.float32)
     mean = (x * w).sum(1) / w.sum(1)
-    expected = mean @ np.asarray(model.classifier.kernel[...]) + np.asarray(model.classifier.bias[...])
-    np.testing.assert_allclose(np.asarray(out.logits), expected, rtol=1e-5, atol=1e-5)
+    head = model.classifier
+    expected = mean @ np.asarray(head.kernel[...]) + np.asarray(head.bias[...])
+    np.testing.assert_allclose(np.asarray(out.logits), expected, rtol=F32["same"],
+                               atol=F32["same"])
     with pytest.raises(ValueError, match="classifier_pooling='max'"):
         bert.BertModel(bert.PRESETS["tiny"], num_labels=2, classifier_pooling="max")
 
 
 def test_pallas_attention_matches_xla(minilm_dir):
-    """attention_impl="pallas" (the flash kernel, interpreted on CPU) vs the XLA path."""
+    """attention_impl="pallas" (the flash kernel: interpreted on CPU, the float32 Triton
+    forward kernel on a GPU, one shape) vs the XLA path."""
     ids, mask = _inputs()
-    xla = bert.from_pretrained(minilm_dir)(ids, mask)
-    pallas = bert.from_pretrained(minilm_dir, attention_impl="pallas")(ids, mask)
+    with jax.default_matmul_precision("highest"):
+        xla = bert.from_pretrained(minilm_dir)(ids, mask)
+        pallas = bert.from_pretrained(minilm_dir, attention_impl="pallas")(ids, mask)
     real = mask.astype(bool)
     a = np.asarray(pallas.last_hidden_state)[real]
     b = np.asarray(xla.last_hidden_state)[real]
-    assert np.linalg.norm(a - b) / np.linalg.norm(b) < 1e-5
-    np.testing.assert_allclose(pallas.pooler_output, xla.pooler_output, rtol=1e-5, atol=1e-5)
+    tol = F32["same"]
+    assert np.linalg.norm(a - b) / np.linalg.norm(b) < tol
+    np.testing.assert_allclose(pallas.pooler_output, xla.pooler_output, rtol=tol, atol=tol)
 
 
 def _naive_attention(q, k, v, mask):
@@ -186,8 +218,8 @@ def _naive_attention(q, k, v, mask):
     return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, -1), v, precision="highest")
 
 
-@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 3e-2)])
-def test_xla_attention_gradients(dtype, tol):
+@pytest.mark.parametrize("dtype,against", [(jnp.float32, "same"), (jnp.bfloat16, "fp32")])
+def test_xla_attention_gradients(dtype, against):
     """The XLA attention's hand-written backward against autodiff of the textbook formula:
     the same math in float32, within bf16 rounding of dS, P and the outputs in bfloat16."""
     from jaxaccel.models.attention import attention
@@ -203,7 +235,7 @@ def test_xla_attention_gradients(dtype, tol):
     for name, g, w in zip("qkv", got, want):
         assert g.dtype == dtype, name
         err = float(jnp.abs(g.astype(jnp.float32) - w).max() / jnp.abs(w).max())
-        assert err < tol, (name, err)
+        assert err < TOL[PLATFORM, dtype][against], (name, err)
 
 
 def test_bf16_step_runs_every_activation_matmul_in_bf16():
