@@ -274,7 +274,7 @@ def table_rows(group: Group, rank_by: str) -> tuple[list[str], list[list[str]]]:
     rows = []
     for c in group.candidates:
         est = "~" if c.energy_source.startswith("estimate") else ""
-        rows.append([c.label, num(c.time_s), num(c.row.get("tokens_per_s"), ".0f"),
+        rows.append([c.label, num(c.time_s, ".6g"), num(c.row.get("tokens_per_s"), ".0f"),
                      num(c.row.get("mfu"), ".3f"), num(c.cost_usd), est + num(c.energy_j / div),
                      num(_accuracy(c), ".4f")]
                     + [num(c.normalised[k], ".3f") for k in "TCEO"]

@@ -108,10 +108,11 @@ class Meter:
 
     def _sample(self):
         import pynvml
-        while not self._stop.is_set():
+        while True:               # at least one sample, however short the region
             self._samples.append(sum(pynvml.nvmlDeviceGetUtilizationRates(h).gpu
                                      for h in self.handles) / len(self.handles))
-            self._stop.wait(self.interval)
+            if self._stop.wait(self.interval):
+                return
 
     def _energy_mj(self) -> int:
         import pynvml
