@@ -322,6 +322,12 @@ def _slug(i: int, g: Group) -> str:
 
 # ---------------------------------------------------------------- plots
 
+def _log_if_wide(set_scale, values) -> None:
+    """Log axis when the values span more than 100x (a CPU beside an accelerator)."""
+    if max(values) > 100 * min(values) > 0:
+        set_scale("log")
+
+
 def plot_group(g: Group, out_dir: str, stem: str) -> list[str]:
     """Bars (time, cost, energy), time-vs-cost scatter (marker size = energy), score heat map."""
     import matplotlib
@@ -339,6 +345,7 @@ def plot_group(g: Group, out_dir: str, stem: str) -> list[str]:
         colors = ["tab:gray" if name.startswith("energy") and
                   c.energy_source.startswith("estimate") else "tab:blue" for c in g.candidates]
         ax.barh(range(len(labels)), vals, color=colors)
+        _log_if_wide(ax.set_xscale, vals)
         ax.set_title(name + (" (grey: estimate)" if "tab:gray" in colors else ""), fontsize=9)
         ax.tick_params(labelsize=8)
     axes[0].set_yticks(range(len(labels)), labels)
@@ -357,6 +364,8 @@ def plot_group(g: Group, out_dir: str, stem: str) -> list[str]:
     for c in g.candidates:
         ax.annotate(c.label, (c.time_s, c.cost_usd), fontsize=7, xytext=(4, 4),
                     textcoords="offset points")
+    _log_if_wide(ax.set_xscale, [c.time_s for c in g.candidates])
+    _log_if_wide(ax.set_yscale, [c.cost_usd for c in g.candidates])
     ax.set_xlabel("time s")
     ax.set_ylabel("cost $")
     ax.set_title(f"{g.title}\nmarker area ~ energy", fontsize=9)
