@@ -149,7 +149,7 @@ def _energy(result: dict, row: dict, seconds: float) -> tuple[float, str]:
     return est["energy_j"], est["energy_source"]
 
 
-def candidates(loaded: list[tuple[str, dict]], price_table: list) -> list[tuple[str, dict, Candidate]]:
+def candidates(loaded: list[tuple[str, dict]], price_table: list) -> list[tuple]:
     """Every row as ``(bench, work, Candidate)``."""
     out = []
     for path, result in loaded:
