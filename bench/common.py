@@ -1,15 +1,27 @@
-"""Shared benchmark plumbing: timing by the measuring rules, peaks, result JSON, Markdown."""
+"""Shared benchmark plumbing: timing by the measuring rules, peaks, energy, result JSON, Markdown.
+
+Every row gets energy and utilisation: ``time_fn`` reads NVML's energy counter and samples
+``utilization.gpu`` around its timed loop where NVML exists (jaxaccel/energy.py);
+``write_results`` fills every row still without an ``energy_source`` with the labelled TDP
+estimate (utilisation = the row's MFU when known, else 1).
+"""
 from __future__ import annotations
 
 import datetime
 import json
 import os
+import platform
 import re
 import subprocess
+import sys
 import time
 
 import jax
 import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from jaxaccel import energy  # noqa: E402
 
 # Peak HBM bandwidth (bytes/s) and dense bf16 FLOP/s by jax device_kind (datasheet leads).
 PEAK_BANDWIDTH = {"NVIDIA H100 80GB HBM3": 3.35e12, "NVIDIA H100": 3.35e12,
@@ -29,16 +41,48 @@ def device_kind() -> str:
 
 
 def time_fn(fn, *args, warmup: int = 3, n: int = 20) -> dict:
-    """Median/min/max seconds of ``fn(*args)`` after warm-up (compile excluded)."""
+    """Median/min/max seconds of ``fn(*args)`` after warm-up (compile excluded); with NVML also
+    energy per call (``energy_j`` = counter difference / n), average power and GPU utilisation
+    over the timed loop."""
     for _ in range(warmup):
         jax.block_until_ready(fn(*args))
     times = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return {"median_s": float(np.median(times)), "min_s": float(np.min(times)),
-            "max_s": float(np.max(times)), "n": n}
+    with energy.Meter(jax.default_backend(), jax.local_device_count()) as meter:
+        for _ in range(n):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            times.append(time.perf_counter() - t0)
+    out = {"median_s": float(np.median(times)), "min_s": float(np.min(times)),
+           "max_s": float(np.max(times)), "n": n}
+    if "energy_j" in meter.result:
+        out.update({k: v for k, v in meter.result.items() if k != "seconds"},
+                   energy_j=meter.result["energy_j"] / n)
+    return out
+
+
+def energy_devices() -> int:
+    """What the TDP table's watts multiply: local devices, or the usable cores of a CPU."""
+    return energy.cpu_cores() if jax.default_backend() == "cpu" else jax.local_device_count()
+
+
+def fill_energy(rows: list[dict], kind: str, devices: int) -> None:
+    """Give every row without a measured energy the labelled TDP estimate (never a zero)."""
+    for r in rows:
+        if "energy_source" not in r:
+            seconds = r.get("time_s", r.get("median_s"))
+            r.update(energy.estimate(kind, devices, seconds, r.get("mfu")))
+
+
+def environment() -> dict:
+    """Host, device kind and count, software versions: what makes two result files comparable."""
+    import flax
+    import jaxlib
+    import optax
+    return {"host": platform.node(), "platform": platform.platform(),
+            "python": platform.python_version(), "device_count": jax.device_count(),
+            "process_count": jax.process_count(), "energy_devices": energy_devices(),
+            "versions": {"jax": jax.__version__, "jaxlib": jaxlib.__version__,
+                         "flax": flax.__version__, "optax": optax.__version__}}
 
 
 def git_sha() -> str:
@@ -52,14 +96,21 @@ def git_sha() -> str:
         return "unknown"
 
 
-def write_results(bench: str, rows: list[dict], extra: dict | None = None) -> str:
-    """Write ``bench/results/<bench>-<device>.json`` and return its path."""
+def write_results(bench: str, rows: list[dict], extra: dict | None = None,
+                  stem: str | None = None) -> str:
+    """Write ``bench/results/<stem or bench>-<device>.json`` and return its path. Rows without a
+    measured energy get the labelled estimate first; ``energy_source`` at the top says
+    ``nvml``, ``estimate:tdp`` or ``mixed``."""
     kind = device_kind()
+    fill_energy(rows, kind, energy_devices())
+    sources = sorted({r["energy_source"] for r in rows})
     out = {"bench": bench, "device": kind, "backend": jax.default_backend(),
            "jax": jax.__version__, "jaxaccel": git_sha(),
-           "date": datetime.date.today().isoformat(), **(extra or {}), "rows": rows}
+           "date": datetime.date.today().isoformat(), **environment(),
+           "energy_source": sources[0] if len(sources) == 1 else "mixed",
+           **(extra or {}), "rows": rows}
     slug = re.sub(r"[^A-Za-z0-9]+", "_", kind).strip("_").lower()
-    path = os.path.join(os.path.dirname(__file__), "results", f"{bench}-{slug}.json")
+    path = os.path.join(os.path.dirname(__file__), "results", f"{stem or bench}-{slug}.json")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
         json.dump(out, f, indent=2)

@@ -1,8 +1,10 @@
-"""The ``jaxaccel`` command: train, eval and predict.
+"""The ``jaxaccel`` command: train, eval, predict, bench and compare.
 
     jaxaccel train --config configs/minilm_rt.py [--set train.epochs=2 ...]
     jaxaccel eval --checkpoint runs/minilm_rt
     jaxaccel predict --checkpoint runs/minilm_rt "a gripping, beautifully shot film"
+    jaxaccel bench train_step --small            # any suite's own flags follow its name
+    jaxaccel compare bench/results/job-*.json [--prices FILE] [--weights balance] [--html]
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import os
 import sys
 
 EXIT_ERROR, EXIT_NONFINITE = 2, 3
+BENCH_SUITES = ("train_step", "attention", "optimizer", "job", "scaling")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -28,6 +31,23 @@ def _parser() -> argparse.ArgumentParser:
     r = sub.add_parser("predict", help="classify texts with a run's latest checkpoint")
     r.add_argument("--checkpoint", required=True, help="run folder (or its checkpoints folder)")
     r.add_argument("texts", nargs="+", help="texts to classify")
+    b = sub.add_parser("bench", help="measure this machine's devices: one result file per suite",
+                       description="Runs bench/<suite>.py (a source checkout) with the flags "
+                       "that follow; `jaxaccel bench SUITE --help` lists them.")
+    b.add_argument("suite", choices=BENCH_SUITES)
+    b.add_argument("args", nargs=argparse.REMAINDER, help="the suite's own flags")
+    c = sub.add_parser("compare", help="rank devices/configurations by time, cost, energy, "
+                       "utilisation")
+    c.add_argument("results", nargs="+", help="result files (bench/results/*.json)")
+    c.add_argument("--prices", help="CSV device,usd_per_hour[,source,date] or JSON; "
+                   "overrides the shipped on-demand list prices")
+    c.add_argument("--weights", help="strategy to rank by (balance, time_cost_energy, ...) or "
+                   "w1,w2,w3,w4 (default balance)")
+    c.add_argument("--out", default="comparison", help="folder for CSV, JSON, plots")
+    c.add_argument("--html", action="store_true", help="also write report.html with the plots")
+    c.add_argument("--no-plots", action="store_true")
+    c.add_argument("--mixed-versions", action="store_true",
+                   help="join rows run with different jax versions or commits (noted)")
     return p
 
 
@@ -75,6 +95,28 @@ def cmd_predict(args) -> int:
     return 0
 
 
+def cmd_bench(args) -> int:
+    import importlib
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = os.path.join(root, "bench", f"{args.suite}.py")
+    if not os.path.isfile(script):
+        raise FileNotFoundError(f"{script!r} not found: `jaxaccel bench` runs the bench/ "
+                                "scripts of a source checkout; install with `pip install -e .` "
+                                "from a clone of the repository.")
+    sys.path.insert(0, root)
+    importlib.import_module(f"bench.{args.suite}").main(args.args)
+    return 0
+
+
+def cmd_compare(args) -> int:
+    from jaxaccel import compare
+    report = compare.compare(args.results, args.prices, args.weights, args.mixed_versions)
+    print(compare.markdown(report))
+    written = compare.write(report, args.out, plots=not args.no_plots, html_page=args.html)
+    print(f"\nwrote {len(written)} files to {args.out}/")
+    return 0
+
+
 def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     for noisy in ("absl", "orbax", "jax._src", "tensorflow_datasets"):
@@ -83,7 +125,8 @@ def main(argv=None) -> int:
     try:
         from jaxaccel.distributed import initialize_from_env
         initialize_from_env()
-        return {"train": cmd_train, "eval": cmd_eval, "predict": cmd_predict}[args.command](args)
+        return {"train": cmd_train, "eval": cmd_eval, "predict": cmd_predict,
+                "bench": cmd_bench, "compare": cmd_compare}[args.command](args)
     except (ValueError, KeyError, FileNotFoundError) as e:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e
         print(f"error: {msg}", file=sys.stderr)
