@@ -75,7 +75,8 @@ def _given(**kw) -> dict:
 
 def make_onepass(name: str, learning_rate, *, weight_decay: float = 0.0,
                  max_grad_norm: float = 0.0, b1=None, b2=None, b3=None, eps=None,
-                 impl: str = "auto", shardings=None, zero_axes: tuple[str, ...] = ()) -> OnePass:
+                 impl: str = "auto", shardings=None,
+                 zero_axes: tuple[str, ...] = ()) -> OnePass:
     """``make_optimizer``'s one-pass counterpart (same arguments, same numbers) for parameters
     kept flat: only Adan has one. ``impl``: auto | xla | pallas (the kernel's backend)."""
     if name != "adan":
