@@ -174,7 +174,6 @@ def test_flat_training_equals_the_optax_path(tmp_path, optax_path):
 @pytest.mark.parametrize("mesh,devices,sets", [
     ((1, 8, 1), 8, []),                                    # FSDP
     ((2, 2, 2), 8, ["sharding.zero1=true"]),               # all three + ZeRO-1 over data
-    ((8, 1, 1), 8, ["sharding.zero1=true"]),               # data parallel + ZeRO-1
 ])
 def test_sharded_flat_training_equals_one_device(tmp_path, optax_path, mesh, devices, sets):
     run = build(tmp_path, mesh, devices, *ADAN, *FLAT, *sets)

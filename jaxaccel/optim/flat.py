@@ -254,37 +254,63 @@ def zero_buffers(layout: Layout) -> tuple:
     return tuple(out)
 
 
-def to_per_leaf(layout: Layout, buffers, rest=None, *, state: bool = True):
-    """Flat buffers as a tree like the parameters (sharded like them). ``state``: the buffers
-    are state buffers (ZeRO-1 split, dtype ``layout.dtype``), else parameter buffers. Leaves
-    not in the buffers come from ``rest`` (index -> array), else zeros."""
+def _unpack_all(layout: Layout, buffers, *, state: bool) -> dict:
+    """Leaf index -> tensor (sharded like the parameter) for every packed leaf. ``state``: the
+    buffers are state buffers (ZeRO-1 split, dtype ``layout.dtype``), else parameter buffers."""
     def local(buffers):
         out = {}
         for k, group in enumerate(layout.groups):
-            full = layout.all_rows(buffers[k]) if state else buffers[k]
-            out.update(unpack(full, group, layout))
+            out.update(unpack(layout.all_rows(buffers[k]) if state else buffers[k], group,
+                              layout))
         return out
-    specs = layout.buffer_specs if state else layout.param_specs
-    got = layout.per_device(local, in_specs=(specs,),
-                            out_specs=layout.leaf_specs(layout.packed))(buffers)
-    rest = rest or {}
-    leaves = [got[i] if i in got else rest[i] if i in rest else
+    return layout.per_device(local, in_specs=(layout.buffer_specs if state else
+                                              layout.param_specs,),
+                             out_specs=layout.leaf_specs(layout.packed))(buffers)
+
+
+def _pack_all(layout: Layout, leaves: dict, *, state: bool) -> tuple:
+    """Inverse of ``_unpack_all``: the packed leaves (index -> tensor) into flat buffers."""
+    def local(d):
+        if state:
+            return tuple(layout.own_rows(pack(d, g, layout.dtype)) for g in layout.groups)
+        return tuple(pack(d, g, g.dtype) for g in layout.groups)
+    return layout.per_device(local, in_specs=(layout.leaf_specs(layout.packed),),
+                             out_specs=layout.buffer_specs if state else layout.param_specs)(
+        {i: leaves[i] for i in layout.packed})
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _param_leaves(layout: Layout, buffers) -> dict:
+    """``_unpack_all`` of parameter buffers, differentiable: the gradient w.r.t. the buffers
+    is the leaves' gradients packed per device (each device's copy of a leaf replicated over
+    its axes gets the whole gradient; autodiff through ``shard_map`` would split it)."""
+    return _unpack_all(layout, buffers, state=False)
+
+
+def _param_leaves_fwd(layout, buffers):
+    return _unpack_all(layout, buffers, state=False), None
+
+
+def _param_leaves_bwd(layout, _, cts):
+    return (_pack_all(layout, cts, state=False),)
+
+
+_param_leaves.defvjp(_param_leaves_fwd, _param_leaves_bwd)
+
+
+def to_per_leaf(layout: Layout, buffers):
+    """One state's flat buffers as a tree like the parameters (sharded like them); leaves not
+    packed (not float) come back as zeros."""
+    got = _unpack_all(layout, buffers, state=True)
+    leaves = [got[i] if i in got else
               jnp.zeros(layout.shapes[i] if layout.is_float[i] else (), layout.dtype)
               for i in range(len(layout.shapes))]
     return layout.treedef.unflatten(leaves)
 
 
-def from_per_leaf(layout: Layout, tree, *, state: bool = True) -> tuple:
-    """Inverse of ``to_per_leaf``: a parameter-like tree into the layout's flat buffers."""
-    leaves = layout.treedef.flatten_up_to(tree)
-
-    def local(d):
-        if state:
-            return tuple(layout.own_rows(pack(d, g, layout.dtype)) for g in layout.groups)
-        return tuple(pack(d, g, g.dtype) for g in layout.groups)
-    specs = layout.buffer_specs if state else layout.param_specs
-    return layout.per_device(local, in_specs=(layout.leaf_specs(layout.packed),),
-                             out_specs=specs)({i: leaves[i] for i in layout.packed})
+def from_per_leaf(layout: Layout, tree) -> tuple:
+    """Inverse of ``to_per_leaf``: a parameter-like tree into the layout's state buffers."""
+    return _pack_all(layout, dict(enumerate(layout.treedef.flatten_up_to(tree))), state=True)
 
 
 class FlatNode:
@@ -320,16 +346,16 @@ class FlatParams(FlatNode):
 
     @classmethod
     def create(cls, layout: Layout, params) -> "FlatParams":
-        leaves = layout.treedef.flatten_up_to(params)
+        leaves = dict(enumerate(layout.treedef.flatten_up_to(params)))
         packed = set(layout.packed)
-        return cls(from_per_leaf(layout, params, state=False),
-                   tuple(x for i, x in enumerate(leaves) if i not in packed), layout)
+        return cls(_pack_all(layout, leaves, state=False),
+                   tuple(x for i, x in leaves.items() if i not in packed), layout)
 
     def view(self):
-        packed = set(self.layout.packed)
-        others = [i for i in range(len(self.layout.shapes)) if i not in packed]
-        return to_per_leaf(self.layout, self.buffers, dict(zip(others, self.rest)),
-                           state=False)
+        got = _param_leaves(self.layout, self.buffers)
+        rest = iter(self.rest)
+        return self.layout.treedef.unflatten(
+            [got[i] if i in got else next(rest) for i in range(len(self.layout.shapes))])
 
     def portable(self):
         return _view(self)
