@@ -270,9 +270,10 @@ def adan_onepass(learning_rate: float | Callable = 1e-3, b1: float = 0.98, b2: f
                  b3: float = 0.99, eps: float = 1e-8, weight_decay: float = 0.0,
                  no_prox: bool = False, max_grad_norm: float = 0.0, mask: Any = None,
                  state_dtype: Any = None, backend: str = "auto", shardings: Any = None,
-                 zero_axes: tuple[str, ...] = ()) -> OnePass:
+                 zero_axes: tuple[str, ...] = (), block_sizes=None) -> OnePass:
     """The one-pass Adan: same arguments and numbers as ``adan`` (``backend`` as the kernel's:
-    auto | pallas | xla | interpret | tpu | gpu). Per group and device, one ``adan_apply``:
+    auto | pallas | xla | interpret | tpu | gpu; ``block_sizes`` the kernel's, default per
+    backend). Per group and device, one ``adan_apply``:
 
         reads  g, p, m, v, n, prev    (6 words per parameter)
         writes p, m, v, n, prev       (5 words, aliased in place)
@@ -306,7 +307,7 @@ def adan_onepass(learning_rate: float | Callable = 1e-3, b1: float = 0.98, b2: f
             for k, group in enumerate(layout.groups):
                 new = adan_apply(scalars[int(group.decay)], layout.own_rows(g[k]),
                                  layout.own_rows(p[k]), m[k], v[k], n[k], prev[k],
-                                 no_prox=no_prox, backend=backend)
+                                 no_prox=no_prox, backend=backend, block_sizes=block_sizes)
                 for buf, x in zip(out, (layout.all_rows(new[0]),) + new[1:]):
                     buf.append(x)
             return tuple(out[0]), tuple(tuple(b) for b in out[1:])
