@@ -1,7 +1,6 @@
 """The one-pass Adan on flat parameters (``optim.flat``, ``adan_onepass``, ``kernels_pallas``'s
 ``adan_apply``, ``train.flat_params``): the float64 rule, the kernel three ways, training equal
 to the optax path on one device and sharded, checkpoints portable across the two paths."""
-import dataclasses
 import itertools
 import re
 
@@ -227,9 +226,6 @@ def test_checkpoints_cross_paths_and_meshes(tmp_path, source, target):
     for a, b in zip(jax.tree_util.tree_leaves(jax.device_get(on_disk(restored))),
                     jax.tree_util.tree_leaves(saved)):
         np.testing.assert_array_equal(a, b)
-    # and the target trains on from it
-    losses, _ = train_steps(dataclasses.replace(other, state=restored), 1)
-    assert np.isfinite(losses[0])
 
 
 def test_flat_params_config_is_checked():
