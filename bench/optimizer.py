@@ -3,12 +3,19 @@
     python bench/optimizer.py            # BERT-base: ~110M parameters, ~200 leaves
     python bench/optimizer.py --small    # hidden 256, 4 layers: a quick CPU run
 
-Per implementation: time per update (jitted, everything from gradients to updates inside the
-timed region, so every layout copy counts; median of >= 20 after warm-up), kernels in the
-compiled update (fusions + custom calls: the thesis's "kernel launches"), analytic bytes moved
-and the achieved bandwidth against the device's peak. Rows: optax.adamw, optax.adan and our
-Adan reference (per leaf), xla (multi-tensor) and pallas (fused kernel; GPU/TPU only, or
-``--interpret`` on CPU for a functional run).
+    python bench/optimizer.py --block-rows 16,64,256 --num-warps 4,8 --num-stages 1,2
+                                         # GPU kernel config sweep (one-pass pallas rows)
+
+Per implementation: time per update (jitted, everything a training step needs from the
+gradients to the new parameters inside the timed region: the optax rows include
+``optax.apply_updates``, so every layout copy counts; median of >= 20 after warm-up), kernels
+in the compiled update (fusions + custom calls: the thesis's "kernel launches"), analytic bytes
+moved and the HBM roofline fraction (bytes moved / time / the device's peak bandwidth from
+``bench.common.PEAK_BANDWIDTH``). Rows: optax.adamw, optax.adan and our Adan reference (per
+leaf), xla (multi-tensor), pallas (fused kernel on packed buffers), and the one-pass path of
+``train.flat_params`` (``onepass.xla``, ``onepass.pallas``: parameters and state flat, the
+gradient arriving flat, one pass in place). Pallas rows run on GPU/TPU, or with
+``--interpret`` on CPU (a functional run, not a timing).
 """
 from __future__ import annotations
 
@@ -27,15 +34,20 @@ from bench.common import (PEAK_BANDWIDTH, count_kernels, device_kind, markdown, 
                           time_fn, write_results)
 from jaxaccel.models.bert import PRESETS, BertConfig, BertModel  # noqa: E402
 from jaxaccel.optim import decay_mask  # noqa: E402
-from jaxaccel.optim.adan import adan  # noqa: E402
+from jaxaccel.optim.adan import adan, adan_onepass  # noqa: E402
+from kernels_pallas.adan import BlockSizes  # noqa: E402
 
 # 4-byte words read + written per parameter by one update, at the least (analytic):
 #   adamw: g, m, v, p read; m, v, update written                           -> 7
 #   adan:  g, m, v, n, prev, p read; m, v, n, prev, update written         -> 11
+#   optax contract: apply_updates reads p and the update, writes p         -> +3
 #   flat multi-tensor impls also pack g and p and unpack the update        -> +6
+#   one pass: g, p, m, v, n, prev read; p, m, v, n, prev written in place  -> 11
 #   clipping (thesis setting, max_grad_norm=1) reads g once more           -> +1
-WORDS = {"optax.adamw": 7 + 1, "optax.adan": 11 + 1, "adan.reference": 11 + 1,
-         "adan.xla": 11 + 6 + 1, "adan.pallas": 11 + 6 + 1}
+WORDS = {"optax.adamw": 7 + 3 + 1, "optax.adan": 11 + 3 + 1, "adan.reference": 11 + 3 + 1,
+         "adan.xla": 11 + 6 + 3 + 1, "adan.pallas": 11 + 6 + 3 + 1,
+         "onepass.xla": 11 + 1, "onepass.pallas": 11 + 1}
+HP = dict(weight_decay=0.01, max_grad_norm=1.0, mask=decay_mask)
 
 
 def bert_params(config: BertConfig):
@@ -48,7 +60,7 @@ def bert_params(config: BertConfig):
 
 
 def optimizers(interpret: bool):
-    hp = dict(weight_decay=0.01, max_grad_norm=1.0, mask=decay_mask)
+    hp = HP
     txs = {
         "optax.adamw": optax.chain(optax.clip_by_global_norm(1.0),
                                    optax.adamw(1e-4, weight_decay=0.01, mask=decay_mask)),
@@ -62,12 +74,41 @@ def optimizers(interpret: bool):
     return txs
 
 
+def onepass_rows(pallas: bool, sweep: list) -> dict:
+    """name -> the one-pass transform: xla, and pallas at each swept kernel config."""
+    txs = {"onepass.xla": adan_onepass(1e-4, backend="xla", **HP)}
+    if pallas:
+        for blocks in sweep:
+            name = "onepass.pallas" if blocks is None else (
+                f"onepass.pallas[rows={blocks.rows},warps={blocks.num_warps},"
+                f"stages={blocks.num_stages}]")
+            txs[name] = adan_onepass(1e-4, backend="pallas", block_sizes=blocks, **HP)
+    return txs
+
+
+def _ints(text: str | None) -> list:
+    return [int(x) for x in text.split(",")] if text else []
+
+
+def kernel_sweep(args) -> list:
+    """BlockSizes to try (``None``: the backend's default only)."""
+    rows, warps, stages = _ints(args.block_rows), _ints(args.num_warps), _ints(args.num_stages)
+    if not (rows or warps or stages):
+        return [None]
+    return [BlockSizes(r, num_warps=w, num_stages=s) for r in rows or [16]
+            for w in warps or [4] for s in stages or [1]]
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--small", action="store_true", help="hidden 256, 4 layers")
     ap.add_argument("--interpret", action="store_true", help="run pallas interpreted on CPU")
     ap.add_argument("-n", type=int, default=20, help="timed repetitions")
+    ap.add_argument("--block-rows", help="one-pass kernel sweep: rows per block, e.g. 16,64")
+    ap.add_argument("--num-warps", help="one-pass kernel sweep (GPU): e.g. 4,8")
+    ap.add_argument("--num-stages", help="one-pass kernel sweep (GPU): e.g. 1,2")
     args = ap.parse_args(argv)
+    sweep = kernel_sweep(args)
 
     config = PRESETS["bert-base"] if not args.small else BertConfig(
         hidden_size=256, num_hidden_layers=4, num_attention_heads=4, intermediate_size=1024)
@@ -79,23 +120,41 @@ def main(argv=None):
     print(f"{device_kind()} ({jax.default_backend()}): {num / 1e6:.1f}M parameters in "
           f"{len(leaves)} leaves", flush=True)
 
-    rows = []
-    for name, tx in optimizers(args.interpret).items():
-        state = tx.init(params)
-        update = jax.jit(tx.update, donate_argnums=1)
-        compiled = update.lower(grads, state, params).compile()
-        _, state = update(grads, state, params)
-
-        def step(g, p, _box=[state]):
-            u, _box[0] = update(g, _box[0], p)
-            return u
-        timing = time_fn(step, grads, params, n=args.n)
-        moved = WORDS[name] * 4 * num
+    def record(name, fn, compiled, *fn_args):
+        timing = time_fn(fn, *fn_args, n=args.n)
+        moved = WORDS[name.split("[")[0]] * 4 * num
         gbps = moved / timing["median_s"]
         rows.append({"name": name, **timing, **count_kernels(compiled),
                      "bytes_moved": moved, "achieved_GBps": gbps / 1e9,
                      "roofline_fraction": gbps / peak if peak else None})
         print(f"  {name}: {timing['median_s'] * 1e3:.2f} ms", flush=True)
+
+    rows = []
+    for name, tx in optimizers(args.interpret).items():
+        def train_update(g, state, p, tx=tx):
+            u, state = tx.update(g, state, p)
+            return optax.apply_updates(p, u), state
+        update = jax.jit(train_update, donate_argnums=(1, 2))
+        box = [tx.init(params), jax.tree_util.tree_map(jnp.copy, params)]
+        compiled = update.lower(grads, *box).compile()
+
+        def step(g, box=box, update=update):
+            box[1], box[0] = update(g, box[0], box[1])
+            return box[1]
+        record(name, step, compiled, grads)
+
+    pallas = jax.default_backend() in ("gpu", "tpu") or args.interpret
+    for name, tx in onepass_rows(pallas, sweep).items():
+        apply = jax.jit(tx.apply, donate_argnums=(1, 2))
+        flat_params = tx.flatten(params)
+        flat_grads = tx.flatten(grads).buffers     # in a training step the gradient is flat
+        box = [tx.init(flat_params), flat_params]
+        compiled = apply.lower(flat_grads, *box).compile()
+
+        def step(g, box=box, apply=apply):
+            box[1], box[0] = apply(g, box[0], box[1])
+            return box[1]
+        record(name, step, compiled, flat_grads)
     base = next(r["median_s"] for r in rows if r["name"] == "adan.reference")
     for r in rows:
         r["speedup_vs_reference"] = base / r["median_s"]

@@ -60,6 +60,9 @@ BASE: dict[str, Any] = {
         "b3": None,                 # adan only: 0.99
         "eps": None,                # adamw 1e-8, adan 1e-8
         "optimizer_impl": "auto",   # adan only: auto | reference | xla | pallas
+        "flat_params": False,       # adan only: parameters and state live in flat buffers,
+                                    # one fused pass per step (jaxaccel/train/onepass.py);
+                                    # optimizer_impl then picks the kernel: auto|xla|pallas
         "grad_accum": 1,            # micro-batches per optimizer step
         "log_every": 10,            # steps between metric records
         "checkpoint_every": 0,      # steps between checkpoints; 0 = epoch ends and the end only
@@ -215,6 +218,12 @@ def validate(cfg: Config) -> None:
     for key, (value, allowed) in choices.items():
         if value not in allowed:
             raise ValueError(f"{key}={value!r} is not one of {allowed}.")
+    if t.flat_params and (t.optimizer != "adan" or t.optimizer_impl == "reference"
+                          or t.grad_accum != 1):
+        raise ValueError(f"train.flat_params=true needs train.optimizer=adan (got "
+                         f"{t.optimizer!r}), optimizer_impl auto|xla|pallas (got "
+                         f"{t.optimizer_impl!r}) and grad_accum=1 (got {t.grad_accum}); set "
+                         "those or train.flat_params=false.")
     for axis, size in cfg.mesh.items():
         if size == 0 or size < -1:
             raise ValueError(f"mesh.{axis}={size}: use a positive size or -1 (fill).")

@@ -16,7 +16,15 @@ packed into one: "multi-tensor apply"), one grid step per block of rows. It read
 once and writes every output once; math is float32 in registers whatever the storage dtype;
 the hyperparameters arrive as a float32 vector at run time (``scalars``), so a new learning
 rate never recompiles; the state outputs alias the state inputs (updated in place when the
-caller donates them). It returns the *update* ``p' - p`` (optax's contract) and the new state.
+caller donates them).
+
+Two entry points share the math:
+
+* ``adan_update`` returns the *update* ``p' - p`` (optax's contract) and the new state: it
+  reads g, m, v, n, prev (and p with weight decay) and writes update, m, v, n, prev.
+* ``adan_apply`` is the one-pass form for parameters that live in flat buffers themselves: it
+  reads g, p, m, v, n, prev once and writes p', m, v, n, prev once, all five aliased to their
+  inputs (11 words per element, the minimum for Adan with a stored previous gradient).
 
 ``scalars`` layout: see ``SCALARS`` (``make_scalars`` builds it).
 """
@@ -38,18 +46,29 @@ SCALARS = ("lr", "b1", "b2", "b3", "eps", "wd", "bc1", "bc2", "bc3_sqrt", "clip"
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-    """Rows of a [rows, 128] buffer that one kernel instance updates."""
+    """One kernel instance's work: ``rows`` of every [rows, 128] buffer. On GPU also the
+    Triton program's ``num_warps`` and ``num_stages`` (ignored elsewhere); tune them with
+    ``bench/optimizer.py --block-rows ... --num-warps ... --num-stages ...``."""
 
     rows: int
+    num_warps: int = 4
+    num_stages: int = 1
 
     def __post_init__(self):
-        if ROW_ALIGN % self.rows:
-            raise ValueError(f"block rows {self.rows} must divide ROW_ALIGN={ROW_ALIGN}.")
+        if self.rows <= 0 or ROW_ALIGN % self.rows:
+            raise ValueError(f"block rows {self.rows} must divide ROW_ALIGN={ROW_ALIGN}; pick "
+                             "a power of two up to it.")
+        if self.num_warps <= 0 or self.num_warps & (self.num_warps - 1):
+            raise ValueError(f"num_warps={self.num_warps} must be a power of two (1..32).")
+        if self.num_stages <= 0:
+            raise ValueError(f"num_stages={self.num_stages} must be >= 1.")
 
 
 # Per backend: TPU blocks fill VMEM tiles (11 buffers x 512 x 128 x 4 B = 2.9 MB, double
-# buffered); GPU blocks keep each Triton program at 16 elements per thread and buffer.
-BLOCK_SIZES = {"tpu": BlockSizes(512), "gpu": BlockSizes(16), "interpret": BlockSizes(256)}
+# buffered); GPU blocks keep each Triton program at 16 elements per thread and buffer (not yet
+# tuned on a GPU: the sweep flags of bench/optimizer.py are there for that).
+BLOCK_SIZES = {"tpu": BlockSizes(512), "gpu": BlockSizes(16, num_warps=4, num_stages=1),
+               "interpret": BlockSizes(256)}
 
 
 def make_scalars(*, lr, b1, b2, b3, eps, weight_decay, count, clip):
@@ -63,10 +82,8 @@ def make_scalars(*, lr, b1, b2, b3, eps, weight_decay, count, clip):
     return jnp.stack([values[k] for k in SCALARS])
 
 
-def adan_math(s, g, m, v, n, prev, p=None, *, no_prox: bool):
-    """One Adan step on arrays (any shape), float32 math. ``s`` indexes like ``SCALARS``.
-
-    Returns ``(update, m, v, n, prev)`` in float32; ``p=None`` means weight decay is 0."""
+def _moments(s, g, m, v, n, prev):
+    """The new moments and the step ``lr (bc1 m + b2 bc2 v) / den``, float32."""
     lr, b1, b2, b3, eps, wd, bc1, bc2, bc3_sqrt, clip, first = (s[i] for i in range(len(SCALARS)))
     g = g.astype(jnp.float32) * clip
     d = (g - prev.astype(jnp.float32)) * (1.0 - first)
@@ -76,6 +93,15 @@ def adan_math(s, g, m, v, n, prev, p=None, *, no_prox: bool):
     n = b3 * n.astype(jnp.float32) + (1.0 - b3) * u * u
     den = jnp.sqrt(n) * bc3_sqrt + eps
     step = (lr * bc1 * m + lr * b2 * bc2 * v) / den
+    return step, m, v, n, g
+
+
+def adan_math(s, g, m, v, n, prev, p=None, *, no_prox: bool):
+    """One Adan step on arrays (any shape), float32 math. ``s`` indexes like ``SCALARS``.
+
+    Returns ``(update, m, v, n, prev)`` in float32; ``p=None`` means weight decay is 0."""
+    step, m, v, n, g = _moments(s, g, m, v, n, prev)
+    lr, wd = s[0], s[5]
     if p is None:
         update = -step
     else:
@@ -84,11 +110,35 @@ def adan_math(s, g, m, v, n, prev, p=None, *, no_prox: bool):
     return update, m, v, n, g
 
 
+def adan_apply_math(s, g, p, m, v, n, prev, *, no_prox: bool):
+    """One Adan step returning the new parameter ``p'`` itself (float32):
+    ``p (1 - lr wd) - step`` (no_prox) or ``(p - step) / (1 + lr wd)``."""
+    step, m, v, n, g = _moments(s, g, m, v, n, prev)
+    lr, wd = s[0], s[5]
+    p = p.astype(jnp.float32)
+    p = p * (1.0 - lr * wd) - step if no_prox else (p - step) / (1.0 + lr * wd)
+    return p, m, v, n, g
+
+
+def adan_apply_reference(scalars, g, p, m, v, n, prev, *, no_prox: bool):
+    """The plain-XLA one-pass path: ``adan_apply_math`` cast back to the storage dtypes."""
+    out = adan_apply_math(scalars, g, p, m, v, n, prev, no_prox=no_prox)
+    return tuple(x.astype(like.dtype) for x, like in zip(out, (p, m, v, n, prev)))
+
+
 def adan_reference(scalars, g, m, v, n, prev, p=None, *, no_prox: bool):
     """The plain-XLA path: ``adan_math`` cast back to the storage dtypes."""
     update, m2, v2, n2, prev2 = adan_math(scalars, g, m, v, n, prev, p, no_prox=no_prox)
     return (update.astype(g.dtype), m2.astype(m.dtype), v2.astype(v.dtype), n2.astype(n.dtype),
             prev2.astype(prev.dtype))
+
+
+def _apply_kernel(s_ref, g_ref, p_ref, m_ref, v_ref, n_ref, prev_ref, *outs, no_prox: bool):
+    s = [s_ref[i] for i in range(len(SCALARS))]
+    new = adan_apply_math(s, g_ref[...], p_ref[...], m_ref[...], v_ref[...], n_ref[...],
+                          prev_ref[...], no_prox=no_prox)
+    for ref, x in zip(outs, new):
+        ref[...] = x.astype(ref.dtype)
 
 
 def _kernel(s_ref, *refs, no_prox: bool, with_params: bool):
@@ -108,12 +158,15 @@ def _kernel(s_ref, *refs, no_prox: bool, with_params: bool):
     prev_out[...] = prev.astype(prev_out.dtype)
 
 
-def _pallas(scalars, g, m, v, n, prev, p, *, no_prox, backend, block_sizes):
-    rows = g.shape[0]
-    if g.ndim != 2 or g.shape[1] != LANES or rows % block_sizes.rows:
-        raise ValueError(f"flat Adan buffers must be [rows, {LANES}] with rows a multiple of "
-                         f"{block_sizes.rows}; got {g.shape}.")
-    with_params = p is not None
+def _pallas_call(kernel, name, scalars, tensors, outs, aliases, *, backend, block_sizes):
+    """``kernel`` over [rows, 128] ``tensors`` one block of rows per grid step; ``outs`` are
+    the output buffers' shape/dtype templates, ``aliases`` maps tensor index -> output index."""
+    rows = tensors[0].shape[0]
+    for x in tensors:
+        if x.ndim != 2 or x.shape != (rows, LANES) or rows % block_sizes.rows:
+            raise ValueError(f"flat Adan buffers must all be [rows, {LANES}] with rows a "
+                             f"multiple of {block_sizes.rows}; got {x.shape} (first "
+                             f"{tensors[0].shape}).")
     block = pl.BlockSpec((block_sizes.rows, LANES), lambda i: (i, 0))
     if backend == "tpu":
         from jax.experimental.pallas import tpu as pltpu
@@ -124,22 +177,29 @@ def _pallas(scalars, g, m, v, n, prev, p, *, no_prox, backend, block_sizes):
         params = None
         if backend == "gpu":
             from jax.experimental.pallas import triton as pltr
-            params = pltr.CompilerParams(num_warps=4, num_stages=1)
-    tensors = ([p] if with_params else []) + [g, m, v, n, prev]
-    first_state = 1 + len(tensors) - 4           # m's operand index (scalars are operand 0)
-    out_shape = [jax.ShapeDtypeStruct(g.shape, g.dtype)] + [
-        jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (m, v, n, prev)]
+            params = pltr.CompilerParams(num_warps=block_sizes.num_warps,
+                                         num_stages=block_sizes.num_stages)
     return pl.pallas_call(
-        functools.partial(_kernel, no_prox=no_prox, with_params=with_params),
-        out_shape=out_shape,
+        kernel,
+        out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in outs],
         grid=(rows // block_sizes.rows,),
         in_specs=[scalar_spec] + [block] * len(tensors),
-        out_specs=[block] * 5,
-        input_output_aliases={first_state + k: 1 + k for k in range(4)},
+        out_specs=[block] * len(outs),
+        input_output_aliases={1 + t: o for t, o in aliases.items()},   # operand 0: scalars
         interpret=_backend.interpret(backend),
         compiler_params=params,
-        name="adan_update",
+        name=name,
     )(scalars, *tensors)
+
+
+def _pallas(scalars, g, m, v, n, prev, p, *, no_prox, backend, block_sizes):
+    with_params = p is not None
+    tensors = ([p] if with_params else []) + [g, m, v, n, prev]
+    first_state = len(tensors) - 4                 # m's index among the tensors
+    return _pallas_call(
+        functools.partial(_kernel, no_prox=no_prox, with_params=with_params), "adan_update",
+        scalars, tensors, [g, m, v, n, prev], {first_state + k: 1 + k for k in range(4)},
+        backend=backend, block_sizes=block_sizes)
 
 
 def adan_update(scalars, g, m, v, n, prev, p=None, *, no_prox: bool = False,
@@ -155,3 +215,19 @@ def adan_update(scalars, g, m, v, n, prev, p=None, *, no_prox: bool = False,
         return adan_reference(scalars, g, m, v, n, prev, p, no_prox=no_prox)
     return tuple(_pallas(scalars, g, m, v, n, prev, p, no_prox=no_prox, backend=backend,
                          block_sizes=block_sizes or BLOCK_SIZES[backend]))
+
+
+def adan_apply(scalars, g, p, m, v, n, prev, *, no_prox: bool = False, backend: str = "auto",
+               block_sizes: BlockSizes | None = None):
+    """One-pass fused Adan over flat [rows, 128] buffers: ``(p', m, v, n, prev)``.
+
+    Reads g, p, m, v, n, prev once, writes p', m, v, n, prev once; the outputs alias ``p``
+    and the state (in place when the caller donates them). Each keeps its dtype; math is
+    float32. ``backend`` as in ``adan_update``."""
+    backend = _backend.resolve(backend)
+    if backend == "xla":
+        return adan_apply_reference(scalars, g, p, m, v, n, prev, no_prox=no_prox)
+    return tuple(_pallas_call(
+        functools.partial(_apply_kernel, no_prox=no_prox), "adan_apply", scalars,
+        [g, p, m, v, n, prev], [p, m, v, n, prev], {1 + k: k for k in range(5)}, backend=backend,
+        block_sizes=block_sizes or BLOCK_SIZES[backend]))

@@ -11,7 +11,8 @@ import optax
 import pytest
 
 from jaxaccel.optim import decay_mask
-from jaxaccel.optim.adan import AdanState, adan, portable_state, restart, restore_layout
+from jaxaccel.optim import flat
+from jaxaccel.optim.adan import AdanState, adan, restart
 from kernels_pallas.adan import LANES, ROW_ALIGN, adan_update, make_scalars
 
 IMPLS = ("reference", "xla", "pallas")
@@ -270,21 +271,21 @@ def test_portable_form_is_the_reference_state_and_round_trips():
     back gives the flat buffers bit for bit."""
     params = bert_tree()
     kw = dict(weight_decay=0.01, mask=decay_mask)
-    _, flat, _ = run(adan(1e-3, impl="xla", **kw), params, 3)
+    _, flat_state, _ = run(adan(1e-3, impl="xla", **kw), params, 3)
     _, ref, _ = run(adan(1e-3, impl="reference", **kw), params, 3)
-    portable = portable_state(flat)
+    portable = flat.portable(flat_state)
     assert jax.tree_util.tree_structure(portable) == jax.tree_util.tree_structure(ref)
     for a, b in zip(jax.tree_util.tree_leaves(portable), jax.tree_util.tree_leaves(ref)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
-    back = restore_layout(portable, flat)
-    assert back.layout == flat.layout
-    for a, b in zip(jax.tree_util.tree_leaves(back), jax.tree_util.tree_leaves(flat)):
+    back = flat.restore(portable, flat_state)
+    assert back.layout == flat_state.layout
+    for a, b in zip(jax.tree_util.tree_leaves(back), jax.tree_util.tree_leaves(flat_state)):
         np.testing.assert_array_equal(a, b)
     # Inside an optax chain too; the other parts of the state pass through.
     tx = optax.chain(optax.trace(decay=0.9), adan(1e-3, impl="xla"))
     state = tx.init(params)
-    assert isinstance(portable_state(state)[1].m, dict)
-    assert all(a is b for a, b in zip(jax.tree_util.tree_leaves(portable_state(state)[0]),
+    assert isinstance(flat.portable(state)[1].m, dict)
+    assert all(a is b for a, b in zip(jax.tree_util.tree_leaves(flat.portable(state)[0]),
                                       jax.tree_util.tree_leaves(state[0])))
 
 

@@ -2,9 +2,11 @@
 
 ``make_optimizer`` builds what the trainer uses: global-norm clipping, the optimizer with
 decoupled weight decay masked off biases and LayerNorm parameters, and a warm-up schedule.
-Adan (``jaxaccel.optim.adan``) follows the official algorithm and has fused implementations.
-``state_shardings`` places an optimizer state on the mesh; ``portable_state`` /
-``restore_layout`` turn it into the mesh-independent form checkpoints hold and back.
+Adan (``jaxaccel.optim.adan``) follows the official algorithm and has fused implementations;
+``make_onepass`` builds its one-pass form for parameters kept flat (``jaxaccel.optim.flat``).
+``state_shardings`` places an optimizer state on the mesh; ``flat.portable`` /
+``flat.restore`` turn any state holding flat buffers into the mesh-independent form
+checkpoints hold and back.
 """
 from __future__ import annotations
 
@@ -12,10 +14,11 @@ import jax
 import optax
 
 from jaxaccel import sharding as shd
-from jaxaccel.optim.adan import AdanState, adan, portable_state, restore_layout
+from jaxaccel.optim import flat
+from jaxaccel.optim.adan import AdanState, OnePass, adan, adan_onepass
 
-__all__ = ["OPTIMIZERS", "AdanState", "decay_mask", "make_optimizer", "make_schedule",
-           "portable_state", "restore_layout", "state_shardings"]
+__all__ = ["OPTIMIZERS", "decay_mask", "flat", "make_onepass", "make_optimizer",
+           "make_schedule", "state_shardings"]
 
 OPTIMIZERS = ("adamw", "adan")
 
@@ -60,10 +63,32 @@ def make_optimizer(name: str, learning_rate, *, weight_decay: float = 0.0,
                          weight_decay=weight_decay, mask=decay_mask)
         return optax.chain(optax.clip_by_global_norm(max_grad_norm), tx) if max_grad_norm > 0 else tx
     if name == "adan":
-        kw = {k: v for k, v in dict(b1=b1, b2=b2, b3=b3, eps=eps).items() if v is not None}
         return adan(learning_rate, weight_decay=weight_decay, max_grad_norm=max_grad_norm,
-                    mask=decay_mask, impl=impl, shardings=shardings, zero_axes=zero_axes, **kw)
+                    mask=decay_mask, impl=impl, shardings=shardings, zero_axes=zero_axes,
+                    **_given(b1=b1, b2=b2, b3=b3, eps=eps))
     raise ValueError(f"optimizer {name!r} is unknown; expected one of {OPTIMIZERS}.")
+
+
+def _given(**kw) -> dict:
+    return {k: v for k, v in kw.items() if v is not None}
+
+
+def make_onepass(name: str, learning_rate, *, weight_decay: float = 0.0,
+                 max_grad_norm: float = 0.0, b1=None, b2=None, b3=None, eps=None,
+                 impl: str = "auto", shardings=None,
+                 zero_axes: tuple[str, ...] = ()) -> OnePass:
+    """``make_optimizer``'s one-pass counterpart (same arguments, same numbers) for parameters
+    kept flat: only Adan has one. ``impl``: auto | xla | pallas (the kernel's backend)."""
+    if name != "adan":
+        raise ValueError(f"the one-pass (flat parameter) path exists for optimizer 'adan' "
+                         f"only, not {name!r}; set train.optimizer=adan or "
+                         "train.flat_params=false.")
+    if impl not in ("auto", "xla", "pallas"):
+        raise ValueError(f"optimizer_impl={impl!r} has no one-pass form; expected auto, xla or "
+                         "pallas with flat parameters.")
+    return adan_onepass(learning_rate, weight_decay=weight_decay, max_grad_norm=max_grad_norm,
+                        mask=decay_mask, backend=impl, shardings=shardings,
+                        zero_axes=zero_axes, **_given(b1=b1, b2=b2, b3=b3, eps=eps))
 
 
 def state_shardings(opt_state_shapes, param_shardings, mesh, *, zero1: bool = False):
@@ -74,11 +99,11 @@ def state_shardings(opt_state_shapes, param_shardings, mesh, *, zero1: bool = Fa
     if zero1:
         base = shd.zero1_shardings(opt_state_shapes, base, mesh)
 
-    def flat(state, given):
+    def place_flat(state, given):
         if not (isinstance(state, AdanState) and state.layout is not None):
             return given
-        place = state.layout.buffer_sharding or shd.replicated(mesh)
+        place = state.layout.sharding(state.layout.buffer_spec) or shd.replicated(mesh)
         return given.replace(**{k: tuple(place for _ in getattr(state, k))
                                 for k in ("m", "v", "n", "prev")})
-    return jax.tree_util.tree_map(flat, opt_state_shapes, base,
+    return jax.tree_util.tree_map(place_flat, opt_state_shapes, base,
                                   is_leaf=lambda x: isinstance(x, AdanState))

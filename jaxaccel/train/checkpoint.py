@@ -6,9 +6,10 @@ temporary folders are ignored and cleaned up). Saving is synchronous here, so th
 handler or a NaN stop can rely on what is on disk. Restores go straight to the shardings of
 the abstract state given, so a checkpoint saved on one mesh restores onto another.
 
-A train state is saved as ``on_disk(state)``: its optimizer state in the per-parameter form
-(``jaxaccel.optim.portable_state``), which no mesh, device count or optimizer impl shapes;
-``restore_state`` reads it back into the layout and shardings of a target state.
+A train state is saved as ``on_disk(state)``: whatever lives in a flat multi-tensor layout
+(Adan's state, flat parameters) in its per-parameter form (``jaxaccel.optim.flat.portable``),
+which no mesh, device count, optimizer impl or trainer path shapes; ``restore_state`` reads it
+back into the layout and shardings of a target state.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import os
 import jax
 import orbax.checkpoint as ocp
 
-from jaxaccel.optim import AdanState, portable_state, restore_layout, state_shardings
+from jaxaccel.optim import flat
 
 
 class Checkpointer:
@@ -93,28 +94,19 @@ def like(template, restored):
 
 
 def on_disk(state):
-    """What a checkpoint holds: the train state with a mesh-independent optimizer state (only
-    flat multi-tensor states are converted; the rest is saved as it is, without a copy)."""
-    return state.replace(opt_state=portable_state(state.opt_state))
+    """What a checkpoint holds: the train state with its flat parts in the mesh-independent
+    per-parameter form (the rest is saved as it is, without a copy)."""
+    return flat.portable(state)
 
 
 def restore_state(ckpt: Checkpointer, state, shardings, step: int | None = None):
     """``(state, meta)`` of checkpoint ``step`` (default latest) laid out and placed like
     ``state`` with ``shardings`` (the target run's train state and its shardings), whatever mesh
-    it was saved from; ``None`` if there is no checkpoint."""
+    and trainer path it was saved from; ``None`` if there is no checkpoint. The flat parts come
+    back sharded like the parameters, then go into the target's layouts."""
     saved = jax.eval_shape(on_disk, state)
-
-    def placed(target, target_shardings, on_disk_form):
-        """Converted (flat Adan) states come back sharded like the parameters; the rest is
-        saved as it is in memory and placed like the target."""
-        if isinstance(target, AdanState) and target.layout is not None:
-            return state_shardings(on_disk_form, shardings.params, shardings.step.mesh)
-        return target_shardings
-    disk = shardings.replace(opt_state=jax.tree_util.tree_map(
-        placed, state.opt_state, shardings.opt_state, saved.opt_state,
-        is_leaf=lambda x: isinstance(x, AdanState)))
-    out = ckpt.restore(abstract_like(saved, disk), step)
+    out = ckpt.restore(abstract_like(saved, flat.portable_shardings(state, shardings)), step)
     if out is None:
         return None
     restored, meta = out
-    return restored.replace(opt_state=restore_layout(restored.opt_state, state.opt_state)), meta
+    return flat.restore(restored, state), meta

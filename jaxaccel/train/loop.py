@@ -26,11 +26,12 @@ from jaxaccel import sharding as shd
 from jaxaccel.config import Config
 from jaxaccel.data import BatchIterator, load_text_dataset, load_tokenizer, synthetic, tokenize
 from jaxaccel.models import create_model
-from jaxaccel.optim import make_optimizer, make_schedule, state_shardings
+from jaxaccel.optim import make_onepass, make_optimizer, make_schedule, state_shardings
 from jaxaccel.precision import get_policy
 from jaxaccel.train.checkpoint import Checkpointer, on_disk, restore_state
 from jaxaccel.train.metrics import MetricsWriter
 from jaxaccel.train.state import TrainState
+from jaxaccel.train import onepass
 from jaxaccel.train.step import make_eval_step, make_train_step
 
 log = logging.getLogger("jaxaccel")
@@ -110,21 +111,33 @@ def build(cfg: Config, devices=None) -> Run:
     params = nnx.to_pure_dict(params_state)
     logical = nnx.to_pure_dict(nnx.get_partition_spec(params_state))
     param_shardings = shd.tree_shardings(mesh, logical, params)
-    tx = make_optimizer(t.optimizer, schedule, weight_decay=t.weight_decay,
-                        max_grad_norm=t.max_grad_norm, b1=t.b1, b2=t.b2, b3=t.b3, eps=t.eps,
-                        impl=t.optimizer_impl, shardings=param_shardings,
-                        zero_axes=shd.BATCH_AXES if cfg.sharding.zero1 else ())
-    abstract = jax.eval_shape(lambda p: TrainState.create(p, tx, cfg.seed), params)
-    opt_shardings = state_shardings(abstract.opt_state, param_shardings, mesh,
-                                    zero1=cfg.sharding.zero1)
-    shardings = TrainState(step=shd.replicated(mesh), params=param_shardings,
-                           opt_state=opt_shardings, rng=shd.replicated(mesh))
+    # flat_params: the one-pass Adan (train/onepass.py), same arguments, its own state layout.
+    tx = (make_onepass if t.flat_params else make_optimizer)(
+        t.optimizer, schedule, weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm,
+        b1=t.b1, b2=t.b2, b3=t.b3, eps=t.eps, impl=t.optimizer_impl, shardings=param_shardings,
+        zero_axes=shd.BATCH_AXES if cfg.sharding.zero1 else ())
     params = jax.device_put(params, param_shardings)
-    state = jax.jit(lambda p: TrainState.create(p, tx, cfg.seed),
-                    out_shardings=shardings)(params)
+    if t.flat_params:
+        state, shardings = onepass.init_state(tx, params, cfg.seed, mesh)
+    else:
+        abstract = jax.eval_shape(lambda p: TrainState.create(p, tx, cfg.seed), params)
+        opt_shardings = state_shardings(abstract.opt_state, param_shardings, mesh,
+                                        zero1=cfg.sharding.zero1)
+        shardings = TrainState(step=shd.replicated(mesh), params=param_shardings,
+                               opt_state=opt_shardings, rng=shd.replicated(mesh))
+        state = jax.jit(lambda p: TrainState.create(p, tx, cfg.seed),
+                        out_shardings=shardings)(params)
     return Run(cfg, run_dir, mesh, graphdef, state, shardings, train_data, eval_data,
                schedule, total_steps, tokenizer, tx, dataclasses.asdict(model.config),
                label_names)
+
+
+def step_builders(cfg: Config):
+    """``(make_train_step, make_eval_step)`` of the configured trainer path (the eval step
+    takes the state's ``params``)."""
+    if cfg.train.flat_params:
+        return onepass.make_train_step, onepass.make_eval_step
+    return make_train_step, make_eval_step
 
 
 def _global_batch(batch: dict, sharding) -> dict:
@@ -195,11 +208,12 @@ def train(cfg: Config) -> dict:
     start = int(jax.device_get(state.step))
     steps_per_epoch = run.train_data.steps_per_epoch
     bsh = shd.batch_sharding(run.mesh)
-    train_step = jax.jit(make_train_step(run.graphdef, run.tx, t.grad_accum),
+    make_train, make_eval = step_builders(cfg)
+    train_step = jax.jit(make_train(run.graphdef, run.tx, t.grad_accum),
                          in_shardings=(run.state_shardings, bsh),
                          out_shardings=(run.state_shardings, shd.replicated(run.mesh)),
                          donate_argnums=0)
-    eval_step = jax.jit(make_eval_step(run.graphdef))
+    eval_step = jax.jit(make_eval(run.graphdef))
 
     def save(step):
         e, s = divmod(step, steps_per_epoch)

@@ -1,0 +1,237 @@
+"""The one-pass Adan on flat parameters (``optim.flat``, ``adan_onepass``, ``kernels_pallas``'s
+``adan_apply``, ``train.flat_params``): the float64 rule, the kernel three ways, training equal
+to the optax path on one device and sharded, checkpoints portable across the two paths."""
+import itertools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from jaxaccel.optim import decay_mask, flat
+from jaxaccel.optim.adan import adan_onepass
+from jaxaccel.train import loop
+from jaxaccel.train.checkpoint import Checkpointer, on_disk, restore_state
+from kernels_pallas.adan import (LANES, ROW_ALIGN, BlockSizes, adan_apply, adan_update,
+                                 make_scalars)
+from test_adan import CASES, Float64Adan, bert_tree, grads_at, rel, small_tree
+from test_sharding import ADAN, build
+
+FLAT = ("train.flat_params=true",)
+
+
+def run_onepass(tx, params, steps):
+    fp = tx.flatten(params)
+    state = tx.init(fp)
+    apply = jax.jit(tx.apply, donate_argnums=(1, 2))
+    for t in range(steps):
+        g = tx.flatten(grads_at(t, params)).buffers      # the gradient, laid out as the params
+        fp, state = apply(g, state, fp)
+    return fp.view(), state
+
+
+@pytest.mark.parametrize("backend", ["xla", "interpret"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_onepass_matches_float64_rule(backend, case):
+    kw = dict(lr=3e-3)
+    kw.update(CASES[case])
+    params = bert_tree(hidden=16, layers=1, vocab=50, mlp=24)
+    decay = jax.tree_util.tree_leaves(decay_mask(params))
+    tx = adan_onepass(kw["lr"], weight_decay=kw["wd"], no_prox=kw.get("no_prox", False),
+                      max_grad_norm=kw.get("max_grad_norm", 0.0), mask=decay_mask,
+                      backend=backend)
+    ref = Float64Adan(kw["lr"], wd=kw["wd"], no_prox=kw.get("no_prox", False),
+                      max_grad_norm=kw.get("max_grad_norm", 0.0), decay=decay)
+    steps = 100 if backend == "xla" else 20
+    ours, state = run_onepass(tx, params, steps)
+    leaves, treedef = jax.tree_util.tree_flatten(params)
+    p64 = [x.astype(np.float64) for x in leaves]
+    for t in range(steps):
+        p64 = ref.step(p64, [g.astype(np.float64) for g in
+                             treedef.flatten_up_to(grads_at(t, params))])
+    assert int(state.count) == steps
+    assert rel(ours, treedef.unflatten(p64)) < 1e-5
+
+
+def test_groups_split_by_decay_and_dtype_and_views_round_trip():
+    params = small_tree()
+    params["half"] = jnp.arange(300, dtype=jnp.bfloat16).reshape(3, 100)
+    tx = adan_onepass(1e-3, weight_decay=0.1, mask=decay_mask)
+    fp = tx.flatten(params)
+    kinds = [(g.decay, g.dtype) for g in fp.layout.groups]
+    assert kinds == [(True, "bfloat16"), (True, "float32"), (False, "float32")]
+    assert [b.dtype for b in fp.buffers] == [jnp.bfloat16, jnp.float32, jnp.float32]
+    assert all(b.shape[0] % ROW_ALIGN == 0 and b.shape[1] == LANES for b in fp.buffers)
+    for a, b in zip(jax.tree_util.tree_leaves(fp.view()), jax.tree_util.tree_leaves(params)):
+        np.testing.assert_array_equal(a, b)
+        assert a.dtype == b.dtype
+    back = flat.restore(flat.portable(fp), fp)
+    for a, b in zip(back.buffers, fp.buffers):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(ValueError, match="gradient buffers for 3 groups"):
+        tx.apply(fp.buffers[:1], tx.init(fp), fp)
+
+
+def _flat_args(rows, dtype=jnp.float32):
+    k = jax.random.split(jax.random.PRNGKey(0), 6)
+    g, p, m, v, prev = [jax.random.normal(kk, (rows, LANES), dtype) for kk in k[:5]]
+    n = jnp.abs(jax.random.normal(k[5], (rows, LANES)))
+    s = make_scalars(lr=1e-3, b1=0.98, b2=0.92, b3=0.99, eps=1e-8, weight_decay=0.02,
+                     count=3, clip=0.7)
+    return s, g, p, m, v, n, prev
+
+
+@pytest.mark.parametrize("no_prox", [False, True])
+def test_apply_kernel_interpret_matches_reference_and_update(no_prox):
+    """The one-pass kernel (interpreted) = its XLA reference, and p' = p + the optax-path
+    update of the same step."""
+    s, g, p, m, v, n, prev = _flat_args(ROW_ALIGN, jnp.bfloat16)
+    a = adan_apply(s, g, p, m, v, n, prev, no_prox=no_prox, backend="xla")
+    b = adan_apply(s, g, p, m, v, n, prev, no_prox=no_prox, backend="interpret",
+                   block_sizes=BlockSizes(128))
+    for x, y in zip(a, b):
+        assert x.dtype == y.dtype
+        np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32),
+                                   rtol=2.0 ** -7, atol=1e-6)
+    s, g, p, m, v, n, prev = _flat_args(ROW_ALIGN)
+    new = adan_apply(s, g, p, m, v, n, prev, no_prox=no_prox, backend="xla")
+    u, *state = adan_update(s, g, m, v, n, prev, p, no_prox=no_prox, backend="xla")
+    np.testing.assert_allclose(new[0], p + u, rtol=1e-6, atol=1e-6)
+    for x, y in zip(new[1:], state):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_block_sizes_are_checked():
+    with pytest.raises(ValueError, match="block rows 48 must divide ROW_ALIGN"):
+        BlockSizes(48)
+    with pytest.raises(ValueError, match="num_warps=3 must be a power of two"):
+        BlockSizes(16, num_warps=3)
+
+
+@pytest.mark.parametrize("platform,backend", [("tpu", "tpu"), ("cuda", "gpu")])
+def test_apply_kernel_lowers_in_place_for_tpu_and_gpu(platform, backend):
+    args = _flat_args(2 * ROW_ALIGN)
+    f = jax.jit(lambda *a: adan_apply(*a, backend=backend), donate_argnums=(2, 3, 4, 5, 6))
+    lowered = f.trace(*args).lower(lowering_platforms=(platform,))
+    text = lowered.as_text()
+    call = [line for line in text.splitlines() if "adan_apply" in line and "custom_call" in line]
+    assert call, "no adan_apply custom call"
+    assert ("tpu_custom_call" if platform == "tpu" else "__gpu$xla.gpu.triton") in text
+    # p, m, v, n, prev (operands 2..6; 0: scalars, 1: g): output k aliases operand k + 2, and
+    # the donated arguments are the outputs.
+    pairs = re.findall(r"output_tuple_indices = \[(\d)\], operand_index = (\d)", call[0])
+    assert pairs == [(str(k), str(k + 2)) for k in range(5)], pairs
+    assert text.count("tf.aliasing_output") == 5
+
+
+def train_steps(run, k=3):
+    """``k`` jitted steps of ``run``'s configured path (the trainer's step builders)."""
+    from jaxaccel import sharding as shd
+    make_train, _ = loop.step_builders(run.cfg)
+    bsh = shd.batch_sharding(run.mesh)
+    step = jax.jit(make_train(run.graphdef, run.tx, run.cfg.train.grad_accum),
+                   in_shardings=(run.state_shardings, bsh),
+                   out_shardings=(run.state_shardings, shd.replicated(run.mesh)),
+                   donate_argnums=0)
+    state, losses = run.state, []
+    for batch in itertools.islice(run.train_data.batches(0), k):
+        with jax.set_mesh(run.mesh):
+            state, metrics = step(state, loop._global_batch(batch, bsh))
+        losses.append(float(metrics["loss"]))
+    return losses, state
+
+
+def _losses_and_params(run, k=3):
+    losses, state = train_steps(run, k)
+    params = state.params.view() if run.cfg.train.flat_params else state.params
+    return losses, jax.device_get(params)
+
+
+@pytest.fixture(scope="module")
+def optax_path(tmp_path_factory):
+    return _losses_and_params(build(tmp_path_factory.mktemp("optax"), (1, 1, 1), 1, *ADAN))
+
+
+def _assert_same(ours, ref, tol=1e-5):
+    np.testing.assert_allclose(ours[0], ref[0], rtol=tol)
+    for a, b in zip(jax.tree_util.tree_leaves(ours[1]), jax.tree_util.tree_leaves(ref[1])):
+        np.testing.assert_allclose(a, b, rtol=0, atol=tol)
+
+
+def test_flat_training_equals_the_optax_path(tmp_path, optax_path):
+    """3 steps of the tiny config: the one-pass path (Pallas kernel, interpreted) gives the
+    losses and parameters of the optax multi-tensor path."""
+    run = build(tmp_path, (1, 1, 1), 1, *ADAN, *FLAT)
+    leaves = jax.tree_util.tree_leaves(run.state.params)
+    assert len(leaves) == len(run.state.params.buffers)          # everything packed
+    assert all(a is b for a, b in zip(leaves, run.state.params.buffers))
+    _assert_same(_losses_and_params(run), optax_path)
+
+
+@pytest.mark.parametrize("mesh,devices,sets", [
+    ((1, 8, 1), 8, []),                                    # FSDP
+    ((2, 2, 2), 8, ["sharding.zero1=true"]),               # all three + ZeRO-1 over data
+])
+def test_sharded_flat_training_equals_one_device(tmp_path, optax_path, mesh, devices, sets):
+    run = build(tmp_path, mesh, devices, *ADAN, *FLAT, *sets)
+    buf = run.state.params.buffers[0]
+    assert buf.sharding.spec == run.state.params.layout.param_spec
+    _assert_same(_losses_and_params(run), optax_path)
+
+
+def test_flat_step_lowers_for_tpu_and_gpu_with_one_kernel_per_group(tmp_path, monkeypatch):
+    from jax.sharding import PartitionSpec as P
+    from jaxaccel import sharding as shd
+    from jaxaccel.train.checkpoint import abstract_like
+    from kernels_pallas import _backend
+    run = build(tmp_path, (1, 4, 2), 8, *ADAN, *FLAT)
+    make_train, _ = loop.step_builders(run.cfg)
+    bsh = shd.batch_sharding(run.mesh)
+    batch = loop._global_batch(next(run.train_data.batches(0)), bsh)
+    abstract = abstract_like(run.state, run.state_shardings)
+    assert run.state.params.layout.param_spec == P(("fsdp", "tensor"))
+    for backend, platform, kernel in (("tpu", "tpu", "tpu_custom_call"),
+                                      ("gpu", "cuda", "__gpu$xla.gpu.triton")):
+        monkeypatch.setattr(_backend, "platform", lambda b=backend: b)
+        step = jax.jit(make_train(run.graphdef, run.tx),     # a fresh trace per platform
+                       in_shardings=(run.state_shardings, bsh),
+                       out_shardings=(run.state_shardings, shd.replicated(run.mesh)),
+                       donate_argnums=0)
+        with jax.set_mesh(run.mesh):
+            text = step.trace(abstract, batch).lower(lowering_platforms=(platform,)).as_text()
+        calls = [line for line in text.splitlines() if f"custom_call @{kernel}" in line]
+        assert sum("adan_apply" in c for c in calls) == len(run.state.params.layout.groups)
+        assert not any("adan_update" in c for c in calls)
+
+
+@pytest.mark.parametrize("source,target", [((FLAT, (1, 8, 1)), ((), (2, 2, 2))),
+                                           (((), (8, 1, 1)), (FLAT, (1, 4, 2)))])
+def test_checkpoints_cross_paths_and_meshes(tmp_path, source, target):
+    """A checkpoint of the flat path restores into the optax path on another mesh and the
+    other way round: the same per-parameter values, laid out and placed for the target."""
+    xla = ("train.optimizer=adan", "train.optimizer_impl=xla")   # the kernel is not the point
+    run = build(tmp_path, source[1], 8, *xla, *source[0])
+    _, state = train_steps(run, 2)
+    ckpt = Checkpointer(str(tmp_path / "ck"))
+    ckpt.save(2, on_disk(state), {"epoch": 0})
+    saved = jax.device_get(on_disk(state))
+    other = build(tmp_path, target[1], 8, *xla, *target[0])
+    restored, _ = restore_state(ckpt, other.state, other.state_shardings)
+    assert jax.tree_util.tree_structure(restored) == jax.tree_util.tree_structure(other.state)
+    for a, b in zip(jax.tree_util.tree_leaves(restored),
+                    jax.tree_util.tree_leaves(other.state_shardings)):
+        assert a.sharding == b
+    for a, b in zip(jax.tree_util.tree_leaves(jax.device_get(on_disk(restored))),
+                    jax.tree_util.tree_leaves(saved)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_flat_params_config_is_checked():
+    from jaxaccel import config
+    with pytest.raises(ValueError, match="flat_params=true needs train.optimizer=adan"):
+        config.build(sets=["train.flat_params=true", "train.optimizer=adamw"])
+    with pytest.raises(ValueError, match="grad_accum=1"):
+        config.build(sets=["train.flat_params=true", "train.optimizer=adan",
+                           "train.grad_accum=2"])
