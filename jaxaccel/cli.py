@@ -3,8 +3,13 @@
     jaxaccel train --config configs/minilm_rt.py [--set train.epochs=2 ...]
     jaxaccel eval --checkpoint runs/minilm_rt
     jaxaccel predict --checkpoint runs/minilm_rt "a gripping, beautifully shot film"
+    jaxaccel predict --checkpoint runs/minilm_rt --input texts.txt   # one text a line; - = stdin
     jaxaccel bench train_step --small            # any suite's own flags follow its name
     jaxaccel compare bench/results/job-*.json [--prices FILE] [--weights balance] [--html]
+
+predict prints one JSON object a line, in input order: {"index", "text", "label",
+"probability"} (probability null if not finite), or {"index", "error"} for an input that is not
+valid UTF-8; the others are still classified, and the exit status is then 2.
 """
 from __future__ import annotations
 
@@ -14,7 +19,7 @@ import logging
 import os
 import sys
 
-EXIT_ERROR, EXIT_NONFINITE = 2, 3
+EXIT_ERROR, EXIT_NONFINITE, EXIT_INTERRUPTED = 2, 3, 130
 BENCH_SUITES = ("train_step", "attention", "optimizer", "job", "scaling")
 
 
@@ -30,7 +35,10 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     r = sub.add_parser("predict", help="classify texts with a run's latest checkpoint")
     r.add_argument("--checkpoint", required=True, help="run folder (or its checkpoints folder)")
-    r.add_argument("texts", nargs="+", help="texts to classify")
+    r.add_argument("--input", metavar="FILE",
+                   help="file with one text per line ('-' reads standard input)")
+    r.add_argument("--batch-size", type=int, default=64, help="texts per forward pass")
+    r.add_argument("texts", nargs="*", help="texts to classify")
     b = sub.add_parser("bench", help="measure this machine's devices: one result file per suite",
                        description="Runs bench/<suite>.py (a source checkout) with the flags "
                        "that follow; `jaxaccel bench SUITE --help` lists them.")
@@ -68,12 +76,16 @@ def cmd_train(args) -> int:
     result = train(cfg)
     print(json.dumps(result, indent=2))
     if result["status"] == "nonfinite":
-        print(f"error: {result['error']}; training stopped. Last good checkpoint: step "
-              f"{result['last_good_checkpoint']} in {result['checkpoint_dir']}.", file=sys.stderr)
+        good = result["last_good_checkpoint"]
+        where = (f"Last good checkpoint: step {good} in {result['checkpoint_dir']}."
+                 if good is not None else
+                 "No good checkpoint was saved before the loss diverged.")
+        print(f"error: {result['error']}; training stopped. {where} Lower "
+              "train.learning_rate (or raise warm-up) and train again.", file=sys.stderr)
         return EXIT_NONFINITE
     if result["status"] == "preempted":
-        print(f"SIGTERM: saved step {result['step']} to {result['checkpoint_dir']}; run the "
-              "same command again to resume.", file=sys.stderr)
+        print(f"{result['signal']}: saved step {result['step']} to {result['checkpoint_dir']}; "
+              "run the same command again to resume.", file=sys.stderr)
         return 0
     print(f"final test accuracy: {result['eval_accuracy']:.4f} "
           f"({result['eval_examples']} examples)\n"
@@ -87,12 +99,47 @@ def cmd_eval(args) -> int:
     return 0
 
 
+def _read_texts(args) -> list[str | UnicodeError]:
+    """The texts to classify, in order; an input that is not valid UTF-8 is its error."""
+    def check(text: str):
+        try:
+            text.encode("utf-8")            # undecodable argv bytes arrive as surrogates
+            return text
+        except UnicodeError as e:
+            return e
+    texts = [check(t) for t in args.texts]
+    if args.input:
+        if args.input == "-":
+            data = sys.stdin.buffer.read()
+        else:
+            with open(args.input, "rb") as f:
+                data = f.read()
+        for line in data.splitlines():
+            try:
+                texts.append(line.decode("utf-8"))
+            except UnicodeDecodeError as e:
+                texts.append(e)
+    if not texts:
+        raise ValueError("predict got no texts: give them as arguments or with --input FILE "
+                         "(one per line; - for standard input).")
+    return texts
+
+
 def cmd_predict(args) -> int:
-    from jaxaccel.train.inference import Predictor
-    predictor = Predictor(_run_dir(args.checkpoint))
-    for text, (label, prob) in zip(args.texts, predictor(args.texts)):
-        print(f"{label}\t{prob:.4f}\t{text}")
-    return 0
+    from jaxaccel.train.inference import Predictor, prediction_record
+    texts = _read_texts(args)
+    predictor = Predictor(_run_dir(args.checkpoint), batch_size=args.batch_size)
+    good = [i for i, t in enumerate(texts) if isinstance(t, str)]
+    results = dict(zip(good, predictor([texts[i] for i in good])))
+    for i, text in enumerate(texts):
+        if i in results:
+            record = {"index": i, **prediction_record(text, *results[i])}
+        else:
+            record = {"index": i, "error": f"input is not valid UTF-8 ({text.reason} at byte "
+                                           f"{text.start}); not classified"}
+            print(f"error: input {i}: {record['error']}", file=sys.stderr)
+        print(json.dumps(record, ensure_ascii=False))
+    return 0 if len(good) == len(texts) else EXIT_ERROR
 
 
 def cmd_bench(args) -> int:
@@ -127,10 +174,13 @@ def main(argv=None) -> int:
         initialize_from_env()
         return {"train": cmd_train, "eval": cmd_eval, "predict": cmd_predict,
                 "bench": cmd_bench, "compare": cmd_compare}[args.command](args)
-    except (ValueError, KeyError, FileNotFoundError) as e:
+    except (ValueError, KeyError, OSError) as e:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e
         print(f"error: {msg}", file=sys.stderr)
         return EXIT_ERROR
+    except KeyboardInterrupt:
+        print("interrupted: stopped without saving.", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -66,8 +66,12 @@ BASE: dict[str, Any] = {
         "grad_accum": 1,            # micro-batches per optimizer step
         "log_every": 10,            # steps between metric records
         "checkpoint_every": 0,      # steps between checkpoints; 0 = epoch ends and the end only
-        "keep_checkpoints": 2,
+        "keep_checkpoints": 2,      # >= 1 newest checkpoints kept
         "resume": True,             # continue from the latest checkpoint in the run folder
+                                    # (refused if model/optimizer/data keys changed)
+        "overwrite": False,         # delete the run folder's checkpoints, metrics and config
+                                    # first and start afresh (resume=False on a used folder
+                                    # is refused otherwise: runs are never mixed)
         "eval_every_epoch": True,
         "progress": True,           # progress bar on stderr
     },
@@ -113,8 +117,15 @@ def _all_keys(d: dict, prefix: str = "") -> list[str]:
 
 
 def _check_type(key: str, old: Any, new: Any) -> Any:
-    if old is None or new is None or isinstance(old, dict):
+    if isinstance(old, dict):
+        example = next(iter(old), "KEY")
+        raise ValueError(f"config key {key!r} is a section, not a value (got {new!r}); set "
+                         f"its keys instead, e.g. {key}.{example}=...")
+    if old is None:
         return new
+    if new is None:
+        raise ValueError(f"config key {key!r} cannot be None/null (default {old!r}); give a "
+                         f"{type(old).__name__}.")
     if isinstance(old, bool):
         if not isinstance(new, bool):
             raise ValueError(f"config key {key!r} expects true/false (True/False), got {new!r}.")
@@ -137,7 +148,7 @@ def set_key(cfg: dict, dotted: str, value: Any) -> None:
             hint = f" Close matches: {', '.join(close)}." if close else ""
             raise KeyError(f"unknown config key {dotted!r}.{hint}")
         if i == len(parts) - 1:
-            if isinstance(node[part], dict) and isinstance(value, dict):
+            if isinstance(node[part], dict) and isinstance(value, dict) and value:
                 for k, v in value.items():
                     set_key(cfg, f"{dotted}.{k}", v)
             else:
@@ -170,10 +181,25 @@ def load_file(path: str) -> dict:
                                 f"{known}")
     spec = importlib.util.spec_from_file_location(f"jaxaccel_config_{abs(hash(path))}", path)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    if not hasattr(module, "get_config"):
+    try:
+        spec.loader.exec_module(module)
+    except SyntaxError as e:
+        raise ValueError(f"config file {path!r} has a syntax error at line {e.lineno}: "
+                         f"{e.msg}: {(e.text or '').strip()!r}. Fix the file.") from None
+    except Exception as e:
+        raise ValueError(f"config file {path!r} failed to run: {type(e).__name__}: {e}. "
+                         "Fix the file.") from None
+    if not callable(getattr(module, "get_config", None)):
         raise ValueError(f"config file {path!r} defines no get_config() function.")
-    return module.get_config()
+    try:
+        overrides = module.get_config()
+    except Exception as e:
+        raise ValueError(f"config file {path!r}: get_config() raised {type(e).__name__}: {e}. "
+                         "Fix the file.") from None
+    if not isinstance(overrides, dict):
+        raise ValueError(f"config file {path!r}: get_config() returned {overrides!r}; expected "
+                         "a dict of overrides, e.g. {'train.epochs': 3}.")
+    return overrides
 
 
 def build(overrides: dict | None = None, sets: list[str] | None = None) -> Config:
@@ -195,7 +221,12 @@ def load(path: str | None, sets: list[str] | None = None) -> Config:
 def validate(cfg: Config) -> None:
     """Check values that are wrong whatever the hardware, before anything is built."""
     t = cfg.train
+    if not cfg.name or os.sep in cfg.name or cfg.name in (".", ".."):
+        raise ValueError(f"name={cfg.name!r} must be a folder name (outputs go to "
+                         "{workdir}/{name}), e.g. name=my_run.")
     positive = {"train.batch_size": t.batch_size, "train.eval_batch_size": t.eval_batch_size,
+                "data.synthetic_examples": cfg.data.synthetic_examples,
+                "data.synthetic_seq_len": cfg.data.synthetic_seq_len,
                 "train.grad_accum": t.grad_accum, "train.log_every": t.log_every,
                 "data.max_len": cfg.data.max_len, "data.pad_multiple": cfg.data.pad_multiple,
                 "model.num_labels": cfg.model.num_labels}
@@ -205,9 +236,27 @@ def validate(cfg: Config) -> None:
     if t.epochs < 1 and t.max_steps < 1:
         raise ValueError(f"train.epochs={t.epochs} and train.max_steps={t.max_steps}: set one "
                          "of them >= 1.")
+    non_negative = {"train.epochs": t.epochs, "train.max_steps": t.max_steps,
+                    "train.checkpoint_every": t.checkpoint_every,
+                    "train.weight_decay": t.weight_decay, "train.max_grad_norm": t.max_grad_norm}
+    for key, value in non_negative.items():
+        if value < 0:
+            raise ValueError(f"{key}={value} must be >= 0 (checkpoint_every=0: epoch ends and "
+                             "the end only; max_grad_norm=0: no clipping).")
+    if t.keep_checkpoints < 1:
+        raise ValueError(f"train.keep_checkpoints={t.keep_checkpoints} must be >= 1: a run "
+                         "keeps at least its latest checkpoint.")
+    unit = {"train.b1": t.b1, "train.b2": t.b2, "train.b3": t.b3,
+            "model.hidden_dropout": cfg.model.hidden_dropout,
+            "model.attention_dropout": cfg.model.attention_dropout}
+    for key, value in unit.items():
+        if value is not None and not 0 <= value < 1:
+            raise ValueError(f"{key}={value} must be in [0, 1) (or None for the default).")
+    if t.eps is not None and not t.eps > 0:
+        raise ValueError(f"train.eps={t.eps} must be > 0 (or None for the default).")
     if not 0 <= t.warmup_ratio < 1:
         raise ValueError(f"train.warmup_ratio={t.warmup_ratio} must be in [0, 1).")
-    if t.learning_rate <= 0:
+    if not t.learning_rate > 0:
         raise ValueError(f"train.learning_rate={t.learning_rate} must be > 0.")
     if t.batch_size % t.grad_accum:
         raise ValueError(f"train.batch_size={t.batch_size} is not divisible by "

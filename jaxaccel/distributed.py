@@ -5,9 +5,15 @@ Called by the CLI before anything touches a device. Recognised, in this order:
 * ``JAXACCEL_COORDINATOR=host:port`` with ``JAXACCEL_NUM_PROCESSES`` and ``JAXACCEL_PROCESS_ID``
   (GPU nodes, or several processes on one machine): explicit initialisation. On CPU the
   processes talk through gloo collectives.
-* SLURM with more than one task (``SLURM_NTASKS`` > 1) and Cloud TPU pod slices
-  (``TPU_WORKER_HOSTNAMES`` with several hosts): JAX's own cluster auto-detection.
+* A SLURM job step with more than one task (``SLURM_NTASKS`` > 1 with the ``SLURM_JOB_ID``,
+  ``SLURM_PROCID`` and ``SLURM_STEP_NODELIST`` that ``srun`` sets) and Cloud TPU pod slices
+  (``TPU_WORKER_HOSTNAMES`` with several hosts): JAX's own cluster auto-detection. A stray
+  ``SLURM_NTASKS`` without the rest (an exported variable, a batch script not run by ``srun``)
+  is a single process, with a warning.
 * Anything else: a single process, nothing to do.
+
+Joining waits at most ``JAXACCEL_INIT_TIMEOUT`` seconds (default 300) for every process to
+reach the coordinator; then it fails with a message naming the coordinator, instead of hanging.
 
 Each process then loads only its rows of every global batch (``BatchIterator`` takes the process
 index and count); metrics are written by process 0; Orbax checkpoints are written by all
@@ -15,9 +21,16 @@ processes together, each its own shards.
 """
 from __future__ import annotations
 
+import logging
 import os
+import sys
+import threading
 
 import jax
+
+log = logging.getLogger("jaxaccel")
+EXIT_NO_PEERS = 2
+SLURM_STEP_VARS = ("SLURM_JOB_ID", "SLURM_PROCID", "SLURM_STEP_NODELIST")
 
 
 def multi_process_env(env=os.environ) -> str | None:
@@ -25,7 +38,12 @@ def multi_process_env(env=os.environ) -> str | None:
     if env.get("JAXACCEL_COORDINATOR"):
         return "explicit"
     if int(env.get("SLURM_NTASKS", "1") or 1) > 1:
-        return "slurm"
+        missing = [k for k in SLURM_STEP_VARS if k not in env]
+        if not missing:
+            return "slurm"
+        log.warning("SLURM_NTASKS=%s but %s not set (not a task started by srun): running as "
+                    "a single process. Start multi-process runs with srun.",
+                    env["SLURM_NTASKS"], missing)
     if len([h for h in env.get("TPU_WORKER_HOSTNAMES", "").split(",") if h]) > 1:
         return "tpu"
     return None
@@ -43,11 +61,36 @@ def initialize_from_env(env=os.environ) -> bool:
                              f"{missing} are not; set all three for a multi-process run.")
         if env.get("JAX_PLATFORMS", "").startswith("cpu") or not _has_accelerator_plugin():
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        jax.distributed.initialize(coordinator_address=env["JAXACCEL_COORDINATOR"],
-                                   num_processes=int(env["JAXACCEL_NUM_PROCESSES"]),
-                                   process_id=int(env["JAXACCEL_PROCESS_ID"]))
+        where = (f"coordinator {env['JAXACCEL_COORDINATOR']} as process "
+                 f"{env['JAXACCEL_PROCESS_ID']} of {env['JAXACCEL_NUM_PROCESSES']}")
+        kwargs = dict(coordinator_address=env["JAXACCEL_COORDINATOR"],
+                      num_processes=int(env["JAXACCEL_NUM_PROCESSES"]),
+                      process_id=int(env["JAXACCEL_PROCESS_ID"]))
     else:
-        jax.distributed.initialize()
+        where, kwargs = f"the {kind} cluster's coordinator (auto-detected)", {}
+    timeout = int(env.get("JAXACCEL_INIT_TIMEOUT", "300"))
+    advice = ("Check that every process was started with the same coordinator address and "
+              "process count, that process 0 runs, and that its port is reachable "
+              "(JAXACCEL_INIT_TIMEOUT sets the wait in seconds).")
+
+    def give_up():
+        # JAX's client aborts the whole process (C++ CHECK) when its own deadline passes, so
+        # the wait is bounded here, a little earlier, with a message instead of a core dump.
+        print(f"error: the multi-process run did not come together at {where} within "
+              f"{timeout} s (a peer is missing or cannot reach the coordinator). {advice}",
+              file=sys.stderr, flush=True)
+        os._exit(EXIT_NO_PEERS)
+    watchdog = threading.Timer(timeout, give_up)
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+        jax.distributed.initialize(initialization_timeout=timeout + 30, **kwargs)
+    except (RuntimeError, ValueError) as e:
+        first = next((ln for ln in str(e).splitlines() if ln.strip()), "")
+        raise ValueError(f"could not join the multi-process run at {where}: {first[:300]}. "
+                         f"{advice}") from None
+    finally:
+        watchdog.cancel()
     return True
 
 

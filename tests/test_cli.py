@@ -1,4 +1,5 @@
 """The jaxaccel command: clear errors for bad input, and train -> eval -> predict on a run."""
+import json
 import os
 
 import pytest
@@ -59,11 +60,10 @@ def test_train_eval_predict_round_trip(capsys, tmp_path):
     code, out, err = run(capsys, "predict", "--checkpoint", run_dir,
                          "a gripping, beautifully shot film", "dull and lifeless")
     assert code == 0, err
-    lines = out.strip().splitlines()
-    assert len(lines) == 2
-    label, prob, text = lines[0].split("\t")
-    assert label in ("neg", "pos") and 0.5 <= float(prob) <= 1.0
-    assert text == "a gripping, beautifully shot film"
+    records = [json.loads(line) for line in out.strip().splitlines()]
+    assert len(records) == 2
+    assert records[0]["label"] in ("neg", "pos") and 0.5 <= records[0]["probability"] <= 1.0
+    assert records[0]["text"] == "a gripping, beautifully shot film"
 
 
 def test_training_with_adan_through_the_cli_lowers_the_loss(capsys, tmp_path):

@@ -1,10 +1,15 @@
 """Orbax checkpoints of the train state plus a small JSON record (data position, config).
 
 Writes are atomic: Orbax writes into a temporary folder and renames it when complete, so an
-interrupted write leaves the previous checkpoint as the latest readable one (unfinished
-temporary folders are ignored and cleaned up). Saving is synchronous here, so that a SIGTERM
-handler or a NaN stop can rely on what is on disk. Restores go straight to the shardings of
-the abstract state given, so a checkpoint saved on one mesh restores onto another.
+interrupted write leaves the previous checkpoint as the latest readable one. Only the writer
+(the trainer holding the run folder's lock) cleans unfinished temporary folders up; readers
+(eval, predict) open the folder read-only and never delete, clean or create anything, so they
+can run while the trainer saves. Saving is synchronous here, so that a SIGTERM handler or a
+NaN stop can rely on what is on disk, and a state whose parameters are not all finite is never
+saved. Restores go straight to the shardings of the abstract state given, so a checkpoint
+saved on one mesh restores onto another; a checkpoint that cannot be read is skipped for the
+newest one that can (a writer moves the unreadable ones to ``skipped_checkpoints/`` beside
+``checkpoints/`` so that their steps can be written again).
 
 A train state is saved as ``on_disk(state)``: whatever lives in a flat multi-tensor layout
 (Adan's state, flat parameters) in its per-parameter form (``jaxaccel.optim.flat.portable``),
@@ -13,20 +18,56 @@ back into the layout and shardings of a target state.
 """
 from __future__ import annotations
 
+import logging
 import os
+import shutil
 
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from jaxaccel.optim import flat
 
+log = logging.getLogger("jaxaccel")
+# Orbax warns "Given directory is read only" for every read-only manager: that is the point.
+logging.getLogger("absl").addFilter(lambda r: "is read only" not in r.getMessage())
+
+
+class NonFiniteState(RuntimeError):
+    """Raised instead of saving a state whose parameters are not all finite."""
+
+
+@jax.jit
+def all_finite(tree) -> jax.Array:
+    """True iff every element of every leaf of ``tree`` is finite (one fused reduction)."""
+    leaves = jax.tree_util.tree_leaves(tree)
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
+
+
+def _reason(e: Exception) -> str:
+    """One line saying why a checkpoint could not be read (Orbax errors run to pages)."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    text = lines[0] if lines else ""
+    return f"{type(e).__name__}: {text[:200]}"
+
 
 class Checkpointer:
-    def __init__(self, directory: str, keep: int = 2):
+    """The checkpoints of one run folder. ``read_only=True`` (eval, predict) never creates,
+    cleans or deletes anything; the writer keeps the newest ``keep`` steps."""
+
+    def __init__(self, directory: str, keep: int = 2, read_only: bool = False):
         self.directory = os.path.abspath(directory)
-        options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
-                                               enable_async_checkpointing=False,
-                                               cleanup_tmp_directories=True)
+        self.read_only = read_only
+        if read_only:
+            if not os.path.isdir(self.directory):
+                raise FileNotFoundError(f"no checkpoint folder {self.directory}.")
+            options = ocp.CheckpointManagerOptions(read_only=True, create=False,
+                                                   cleanup_tmp_directories=False,
+                                                   enable_async_checkpointing=False)
+        else:
+            options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
+                                                   enable_async_checkpointing=False,
+                                                   cleanup_tmp_directories=True)
         self._mngr = ocp.CheckpointManager(
             self.directory, options=options,
             item_handlers={"state": ocp.StandardCheckpointHandler(),
@@ -35,43 +76,105 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         return self._mngr.latest_step()
 
+    def all_steps(self) -> list[int]:
+        return sorted(self._mngr.all_steps())
+
     def save(self, step: int, state, meta: dict) -> None:
+        """Save ``state`` as ``step``; raises ``NonFiniteState`` (saving nothing) if its
+        parameters are not all finite."""
         if step in self._mngr.all_steps():
             return
+        if not bool(all_finite(state.params)):
+            raise NonFiniteState(f"parameters at step {step} are not all finite; not saved")
         self._mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                       meta=ocp.args.JsonSave(meta)))
         self._mngr.wait_until_finished()
 
+    def set_aside(self, step: int, reason: str) -> str:
+        """Move checkpoint ``step`` out of the way (to ``skipped_checkpoints/STEP`` beside the
+        checkpoints folder), keeping it for inspection; the writer only. Returns where."""
+        if self.read_only:
+            raise RuntimeError("a read-only Checkpointer never moves checkpoints.")
+        dest = os.path.join(os.path.dirname(self.directory), "skipped_checkpoints", str(step))
+        if jax.process_index() == 0:
+            if os.path.exists(dest):
+                shutil.rmtree(dest)
+            os.makedirs(os.path.dirname(dest), exist_ok=True)
+            os.rename(os.path.join(self.directory, str(step)), dest)
+            with open(dest + ".reason.txt", "w") as f:
+                f.write(reason + "\n")
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+            multihost_utils.sync_global_devices(f"jaxaccel_set_aside_{step}")
+        self._mngr.reload()
+        log.warning("checkpoint step %d moved to %s: %s", step, dest, reason)
+        return dest
+
+    def _first_readable(self, read, step: int | None):
+        """``(step, read(step))`` for ``step``, or by default for the newest step that can be
+        read, warning about each newer one skipped (and, as the writer, setting it aside).
+        ``None`` if there is no checkpoint; ``ValueError`` naming every reason if none reads."""
+        steps = [step] if step is not None else sorted(self._mngr.all_steps(), reverse=True)
+        if not steps:
+            return None
+        skipped = []
+        for s in steps:
+            try:
+                out = read(s)
+            except Exception as e:  # noqa: BLE001 -- Orbax/TensorStore/JSON raise many types
+                reason = _reason(e)
+                log.warning("checkpoint step %d in %s cannot be read, skipped: %s",
+                            s, self.directory, reason)
+                skipped.append((s, reason))
+                continue
+            if skipped:
+                log.warning("using checkpoint step %d (newer step(s) %s could not be read)",
+                            s, [k for k, _ in skipped])
+                if not self.read_only:
+                    for k, reason in skipped:
+                        self.set_aside(k, f"unreadable at resume: {reason}")
+            return s, out
+        raise ValueError(f"no checkpoint in {self.directory} can be read: "
+                         + "; ".join(f"step {k}: {r}" for k, r in skipped)
+                         + ". Train again (train.resume=false, train.overwrite=true) or restore "
+                           "the folder from a copy.")
+
     def restore(self, abstract_state, step: int | None = None):
-        """``(state, meta)`` of ``step`` (default latest), or ``None`` if there is none.
+        """``(state, meta)`` of ``step`` (default the newest readable), or ``None`` if there is
+        none.
 
         ``abstract_state`` is a pytree of ``jax.ShapeDtypeStruct`` with shardings (e.g. from
         ``jax.eval_shape`` plus the target shardings)."""
-        step = self.latest_step() if step is None else step
-        if step is None:
-            return None
-        out = self._mngr.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
-        return out.state, out.meta
+        def read(s):
+            out = self._mngr.restore(s, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
+            return out.state, out.meta
+        found = self._first_readable(read, step)
+        return None if found is None else found[1]
 
     def restore_params(self, step: int | None = None):
-        """``(params, meta)``: only the parameters of checkpoint ``step`` (default latest), as
-        nested dicts with string keys on this process's first device, whatever mesh and
-        device count wrote them: what evaluation and prediction need."""
-        step = self.latest_step() if step is None else step
-        if step is None:
-            raise FileNotFoundError(f"no checkpoint in {self.directory}.")
+        """``(params, meta)``: only the parameters of checkpoint ``step`` (default the newest
+        readable), as nested dicts with string keys on this process's first device, whatever
+        mesh and device count wrote them: what evaluation and prediction need."""
         device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-        saved = self._mngr.item_metadata(step)["state"]["params"]
-        target = {"params": jax.tree_util.tree_map(
-            lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), saved)}
-        restore_args = jax.tree_util.tree_map(lambda _: ocp.ArrayRestoreArgs(sharding=device),
-                                              target)
-        state = ocp.PyTreeCheckpointer().restore(
-            os.path.join(self.directory, str(step), "state"),
-            args=ocp.args.PyTreeRestore(target, restore_args=restore_args, partial_restore=True))
-        meta = self._mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
-        return state["params"], meta.meta
+
+        def read(s):
+            saved = self._mngr.item_metadata(s)["state"]["params"]
+            target = {"params": jax.tree_util.tree_map(
+                lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), saved)}
+            restore_args = jax.tree_util.tree_map(
+                lambda _: ocp.ArrayRestoreArgs(sharding=device), target)
+            state = ocp.PyTreeCheckpointer().restore(
+                os.path.join(self.directory, str(s), "state"),
+                args=ocp.args.PyTreeRestore(target, restore_args=restore_args,
+                                            partial_restore=True))
+            meta = self._mngr.restore(s, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+            return state["params"], meta.meta
+        found = self._first_readable(read, step)
+        if found is None:
+            raise FileNotFoundError(f"no checkpoint in {self.directory}: the run saved none "
+                                    "yet (or its only ones were set aside).")
+        return found[1]
 
     def close(self) -> None:
         self._mngr.close()

@@ -1,6 +1,9 @@
-"""Evaluation and prediction from a run folder (its latest checkpoint, config and tokenizer)."""
+"""Evaluation and prediction from a run folder alone (its newest readable checkpoint, the
+config and architecture saved with it, and its tokenizer/ folder). Checkpoints are opened
+read-only, so these run safely beside the trainer writing the folder."""
 from __future__ import annotations
 
+import math
 import os
 
 import jax
@@ -14,9 +17,9 @@ from jaxaccel.train.checkpoint import Checkpointer, like
 
 
 def load_run(run_dir: str):
-    """``(model, cfg, meta)``: the model of the run's latest checkpoint, rebuilt from the
-    architecture saved with it (the original HF checkpoint is not needed)."""
-    ckpt = Checkpointer(os.path.join(run_dir, "checkpoints"))
+    """``(model, cfg, meta)``: the model of the run's newest readable checkpoint, rebuilt
+    from the architecture saved with it (the original HF checkpoint is not needed)."""
+    ckpt = Checkpointer(os.path.join(run_dir, "checkpoints"), read_only=True)
     try:
         saved, meta = ckpt.restore_params()
     finally:
@@ -38,7 +41,7 @@ def evaluate_run(run_dir: str, sets: list[str] | None = None) -> dict:
     model, cfg, meta = load_run(run_dir)
     cfg = config_lib.build(cfg.to_dict(), ["mesh.data=-1", "mesh.fsdp=1", "mesh.tensor=1",
                                            *(sets or [])])
-    run = build(cfg)
+    run = build(cfg, model=model, tokenizer_dir=tokenizer_dir(run_dir))
     params = jax.device_put(nnx.to_pure_dict(nnx.state(model, nnx.Param)),
                             run.state_shardings.params)
     result = evaluate(run, params)
@@ -47,14 +50,28 @@ def evaluate_run(run_dir: str, sets: list[str] | None = None) -> dict:
     return result
 
 
-class Predictor:
-    """``Predictor(run_dir)(texts) -> [(label_name, probability), ...]``."""
+def tokenizer_dir(run_dir: str) -> str:
+    path = os.path.join(run_dir, "tokenizer")
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"run folder {run_dir!r} has no tokenizer/ folder (runs "
+                                "trained before tokenizers were saved with every run); copy "
+                                "the tokenizer files of model.tokenizer/model.checkpoint there.")
+    return path
 
-    def __init__(self, run_dir: str):
+
+class Predictor:
+    """``Predictor(run_dir)(texts) -> [(label_name, probability), ...]``, ``batch_size``
+    texts per forward pass, each batch padded to its own longest text (sorted by length so
+    that batches pad little); a non-finite probability comes back as ``nan``."""
+
+    def __init__(self, run_dir: str, batch_size: int = 64):
+        if batch_size < 1:
+            raise ValueError(f"batch_size={batch_size} must be >= 1.")
         model, cfg, meta = load_run(run_dir)
+        self.batch_size = batch_size
         self.label_names = meta.get("label_names") or [str(i) for i in
                                                       range(cfg.model.num_labels)]
-        self.tokenizer = load_tokenizer(os.path.join(run_dir, "tokenizer"))
+        self.tokenizer = load_tokenizer(tokenizer_dir(run_dir))
         self.max_len = min(cfg.data.max_len, model.config.max_position_embeddings)
         graphdef, params = nnx.split(model)
 
@@ -65,8 +82,25 @@ class Predictor:
         self._probs, self._params = probs, params
 
     def __call__(self, texts: list[str]) -> list[tuple[str, float]]:
-        enc = self.tokenizer(list(texts), truncation=True, max_length=self.max_len,
-                             padding=True, return_tensors="np")
-        p = np.asarray(self._probs(self._params, enc["input_ids"].astype(np.int32),
-                                   enc["attention_mask"].astype(np.int32)))
-        return [(self.label_names[i], float(p[r, i])) for r, i in enumerate(p.argmax(-1))]
+        texts = list(texts)
+        ids = self.tokenizer(texts, truncation=True, max_length=self.max_len)["input_ids"]
+        order = sorted(range(len(texts)), key=lambda i: len(ids[i]))
+        out: list[tuple[str, float]] = [None] * len(texts)
+        for lo in range(0, len(order), self.batch_size):
+            rows = order[lo:lo + self.batch_size]
+            length = min(-(-max(len(ids[i]) for i in rows) // 16) * 16, self.max_len)
+            batch = np.full((len(rows), length), self.tokenizer.pad_token_id or 0, np.int32)
+            mask = np.zeros((len(rows), length), np.int32)
+            for r, i in enumerate(rows):
+                batch[r, :len(ids[i])], mask[r, :len(ids[i])] = ids[i], 1
+            p = np.asarray(self._probs(self._params, batch, mask))
+            for r, i in enumerate(rows):
+                best = int(np.nan_to_num(p[r], nan=-1.0).argmax())
+                out[i] = (self.label_names[best], float(p[r, best]))
+        return out
+
+
+def prediction_record(text: str, label: str, probability: float) -> dict:
+    """One JSON-lines record; a non-finite probability is ``null`` (valid JSON)."""
+    return {"text": text, "label": label,
+            "probability": probability if math.isfinite(probability) else None}

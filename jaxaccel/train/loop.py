@@ -1,14 +1,21 @@
 """The training loop: config -> mesh -> model, optimizer, policy -> sharded state -> data -> steps.
 
 ``train(cfg)`` fine-tunes and evaluates; it checkpoints every ``train.checkpoint_every`` steps,
-at each epoch end and at the end, resumes from the latest checkpoint of its run folder (model,
-optimizer, RNG and data position, so losses equal an uninterrupted run's), saves and returns on
-SIGTERM, and stops at the first non-finite loss keeping the last good checkpoint.
+at each epoch end and at the end, resumes from the newest readable checkpoint of its run folder
+(model, optimizer, RNG and data position, so losses equal an uninterrupted run's), saves and
+returns on SIGTERM or a first Ctrl-C (a second Ctrl-C aborts), and stops at the first
+non-finite loss keeping the last good checkpoint. The run folder's rules (one writer, no mixed
+runs, which config changes a resume allows) are in ``jaxaccel.train.rundir``.
+
+A checkpoint is *good* when its parameters are finite and the loss computed from them (the
+next step's loss) is finite too: non-finite parameters are never saved, and when a loss turns
+non-finite the checkpoint of the step just before it, whose parameters gave that loss, is set
+aside to ``skipped_checkpoints/``.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import json
 import logging
 import math
 import os
@@ -28,7 +35,8 @@ from jaxaccel.data import BatchIterator, load_text_dataset, load_tokenizer, synt
 from jaxaccel.models import create_model
 from jaxaccel.optim import make_onepass, make_optimizer, make_schedule, state_shardings
 from jaxaccel.precision import get_policy
-from jaxaccel.train.checkpoint import Checkpointer, on_disk, restore_state
+from jaxaccel.train import rundir
+from jaxaccel.train.checkpoint import Checkpointer, NonFiniteState, on_disk, restore_state
 from jaxaccel.train.metrics import MetricsWriter
 from jaxaccel.train.state import TrainState
 from jaxaccel.train import onepass
@@ -38,7 +46,12 @@ log = logging.getLogger("jaxaccel")
 
 
 class NonFiniteLoss(RuntimeError):
-    """Raised when a training loss is NaN or infinite."""
+    """Raised when the training loss of ``step`` (computed from step ``step - 1``'s
+    parameters) is NaN or infinite."""
+
+    def __init__(self, step: int, loss: float):
+        super().__init__(f"loss is {loss} at step {step}")
+        self.step = step
 
 
 @dataclasses.dataclass
@@ -92,16 +105,37 @@ def _data(cfg: Config, tokenizer, max_positions: int):
     return train, evals, label_names
 
 
-def build(cfg: Config, devices=None) -> Run:
-    """Build mesh (over ``devices``, default all), model, optimizer, sharded state and data."""
+def check_batch_fits(cfg: Config, mesh) -> None:
+    """Each global batch (and micro-batch) must split evenly over the batch axes' devices."""
+    shards = math.prod(mesh.shape[a] for a in shd.BATCH_AXES)
+    t = cfg.train
+    sizes = {"train.batch_size": t.batch_size, "train.eval_batch_size": t.eval_batch_size,
+             "train.batch_size / train.grad_accum": t.batch_size // t.grad_accum}
+    for key, size in sizes.items():
+        if size % shards:
+            raise ValueError(
+                f"{key}={size} does not split over the {shards} devices of the mesh's batch "
+                f"axes {dict((a, mesh.shape[a]) for a in shd.BATCH_AXES)}; use a multiple of "
+                f"{shards} (e.g. {-(-size // shards) * shards}), or set the mesh (mesh.data=...).")
+
+
+def build(cfg: Config, devices=None, model=None, tokenizer_dir: str | None = None) -> Run:
+    """Build mesh (over ``devices``, default all), model, optimizer, sharded state and data.
+
+    ``model`` and ``tokenizer_dir`` (eval of a run folder) replace what ``cfg.model`` names,
+    so a run folder needs neither the original checkpoint nor its tokenizer."""
     run_dir = os.path.join(cfg.workdir, cfg.name)
     mesh = shd.make_mesh(dict(cfg.mesh), devices)
+    check_batch_fits(cfg, mesh)
     policy = get_policy(cfg.precision.policy)
-    model, tokenizer_dir = create_model(cfg.model, policy, cfg.seed)
+    if model is None:
+        model, default_tokenizer_dir = create_model(cfg.model, policy, cfg.seed)
+        tokenizer_dir = tokenizer_dir or default_tokenizer_dir
     shd.check_model_fits(model.config, mesh)
-    tokenizer = load_tokenizer(tokenizer_dir) if cfg.data.name != "synthetic" else None
-    train_data, eval_data, label_names = _data(cfg, tokenizer,
-                                               model.config.max_position_embeddings)
+    tokenizer = load_tokenizer(tokenizer_dir)
+    train_data, eval_data, label_names = _data(
+        cfg, tokenizer if cfg.data.name != "synthetic" else None,
+        model.config.max_position_embeddings)
 
     t = cfg.train
     total_steps = t.max_steps if t.max_steps > 0 else t.epochs * train_data.steps_per_epoch
@@ -160,25 +194,33 @@ def evaluate(run: Run, params, eval_step=None) -> dict:
 
 
 class _Preemption:
-    """Turns SIGTERM into a flag the loop polls after every step."""
+    """Turns SIGTERM and a first SIGINT (Ctrl-C) into a flag the loop polls after every step
+    (it then saves and returns); a second SIGINT raises ``KeyboardInterrupt`` at once."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
     def __init__(self):
-        self.requested = False
-        self._previous = None
+        self.requested = None       # name of the signal received, once one is
+        self._previous = {}
 
     def __enter__(self):
         try:
-            self._previous = signal.signal(signal.SIGTERM, self._handle)
+            self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
         except ValueError:          # not the main thread: no handler, nothing to restore
-            self._previous = None
+            self._previous = {}
         return self
 
     def _handle(self, signum, frame):
-        self.requested = True
+        if signum == signal.SIGINT and self.requested == "SIGINT":
+            raise KeyboardInterrupt
+        self.requested = signal.Signals(signum).name
+        if signum == signal.SIGINT:
+            print("\nCtrl-C: saving a checkpoint after this step and stopping (Ctrl-C again "
+                  "aborts without saving).", file=sys.stderr, flush=True)
 
     def __exit__(self, *exc):
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
+        for s, previous in self._previous.items():
+            signal.signal(s, previous)
 
 
 def _record(run: Run, epoch: int, step_in_epoch: int) -> dict:
@@ -187,25 +229,59 @@ def _record(run: Run, epoch: int, step_in_epoch: int) -> dict:
             "architecture": run.architecture, "label_names": list(run.label_names)}
 
 
+def _sync(name: str) -> None:
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        multihost_utils.sync_global_devices(name)
+
+
 def train(cfg: Config) -> dict:
-    """Fine-tune as configured; returns the final metrics (and ``status``)."""
-    run = build(cfg)
-    t = cfg.train
+    """Fine-tune as configured; returns the final metrics (and ``status``). Process 0 holds
+    the run folder's lock for the whole run."""
+    run_dir = os.path.join(cfg.workdir, cfg.name)
     main = jax.process_index() == 0
-    os.makedirs(run.run_dir, exist_ok=True)
     if main:
-        with open(os.path.join(run.run_dir, "config.json"), "w") as f:
-            json.dump(cfg.to_dict(), f, indent=2)
-        if run.tokenizer is not None:
-            run.tokenizer.save_pretrained(os.path.join(run.run_dir, "tokenizer"))
+        rundir.make_run_dir(run_dir)
+    with rundir.RunLock(run_dir) if main else contextlib.nullcontext():
+        changes = rundir.prepare(run_dir, cfg.to_dict()) if main else {}
+        _sync("jaxaccel_run_dir_ready")
+        return _train(build(cfg), changes)
+
+
+def _resume_note(run: Run, start: int, changes: dict) -> None:
+    """Say how a resumed run continues; refuse one whose new length ends before ``start``."""
+    if start > run.total_steps:
+        raise rundir.RunFolderError(
+            f"the run's checkpoint is at step {start} but the config now ends at step "
+            f"{run.total_steps} (train.epochs={run.cfg.train.epochs}, train.max_steps="
+            f"{run.cfg.train.max_steps}); give at least as many steps, or a new name=...")
+    if changes:
+        log.info("resuming with config changes: %s",
+                 "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in changes.items()))
+    if {"train.epochs", "train.max_steps"} & changes.keys():
+        t = run.cfg.train
+        log.info("the learning-rate schedule (%s) is defined over the run's total of %d steps "
+                 "(warm-up %d); continuing at step %d with learning rate %.3g", t.schedule,
+                 run.total_steps, int(t.warmup_ratio * run.total_steps), start,
+                 float(run.schedule(start)))
+
+
+def _train(run: Run, changes: dict) -> dict:
+    cfg, t = run.cfg, run.cfg.train
+    main = jax.process_index() == 0
+    if main:
+        rundir.write_files(run.run_dir, cfg.to_dict(), run.tokenizer)
     ckpt = Checkpointer(os.path.join(run.run_dir, "checkpoints"), keep=t.keep_checkpoints)
     writer = MetricsWriter(run.run_dir)
 
     state = run.state
     if t.resume and ckpt.latest_step() is not None:
-        state, _ = restore_state(ckpt, state, run.state_shardings)
-        log.info("resumed from %s at step %d", ckpt.directory, int(state.step))
+        restored = restore_state(ckpt, state, run.state_shardings)
+        if restored is not None:
+            state = restored[0]
+            log.info("resumed from %s at step %d", ckpt.directory, int(state.step))
     start = int(jax.device_get(state.step))
+    _resume_note(run, start, changes)
     steps_per_epoch = run.train_data.steps_per_epoch
     bsh = shd.batch_sharding(run.mesh)
     make_train, make_eval = step_builders(cfg)
@@ -225,7 +301,6 @@ def train(cfg: Config) -> dict:
                unit="step", dynamic_ncols=True, file=sys.stderr)
     window, pending, step = [], None, start
     t_last = time.perf_counter()
-    last_good = ckpt.latest_step()
 
     def drain(pending):
         """Fetch one step's metrics (one step late, so the device stays busy)."""
@@ -233,7 +308,7 @@ def train(cfg: Config) -> dict:
         step_no, metrics, rows = pending
         m = {k: float(v) for k, v in jax.device_get(metrics).items()}
         if not math.isfinite(m["loss"]):
-            raise NonFiniteLoss(f"loss is {m['loss']} at step {step_no}")
+            raise NonFiniteLoss(step_no, m["loss"])
         now = time.perf_counter()
         dt, t_last = now - t_last, now
         window.append(m)
@@ -263,7 +338,6 @@ def train(cfg: Config) -> dict:
                         drain(pending)
                         pending = None
                         save(step)
-                        last_good = step
                     if step >= run.total_steps or preempt.requested:
                         break
                 if pending is not None:
@@ -272,7 +346,6 @@ def train(cfg: Config) -> dict:
                 epoch += 1
                 if step % steps_per_epoch == 0 or step >= run.total_steps:
                     save(step)
-                    last_good = step
                     if t.eval_every_epoch and step < run.total_steps:
                         ev = evaluate(run, state.params, eval_step)
                         writer.write(step, ev, prefix="eval/")
@@ -281,7 +354,7 @@ def train(cfg: Config) -> dict:
                                        f"loss {ev['loss']:.4f}", file=sys.stderr)
             if preempt.requested:
                 save(step)
-                result.update(status="preempted", step=step)
+                result.update(status="preempted", signal=preempt.requested, step=step)
                 return result
         bar.close()
         final = evaluate(run, state.params, eval_step)
@@ -289,9 +362,14 @@ def train(cfg: Config) -> dict:
         result.update(step=step, eval_accuracy=final["accuracy"], eval_loss=final["loss"],
                       eval_examples=final["examples"])
         return result
-    except NonFiniteLoss as e:
+    except (NonFiniteLoss, NonFiniteState) as e:
+        # The loss of step k is computed from the parameters saved as step k - 1.
+        bad = e.step - 1 if isinstance(e, NonFiniteLoss) else None
+        if bad in ckpt.all_steps():
+            ckpt.set_aside(bad, f"its parameters give a non-finite loss ({e})")
+        good = [s for s in ckpt.all_steps() if bad is None or s < bad]
         result.update(status="nonfinite", error=str(e), step=step,
-                      last_good_checkpoint=last_good)
+                      last_good_checkpoint=good[-1] if good else None)
         return result
     finally:
         bar.close()

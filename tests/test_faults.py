@@ -1,0 +1,341 @@
+"""Run folders that cannot be lost (issue 13), driven the way a user drives them: the
+``jaxaccel`` command in subprocesses on the tiny synthetic config.
+
+One trained run (module fixture) is shared; tests that change a run work on a copy. The
+fixture's model comes from a Hugging Face checkpoint folder that is deleted after training, so
+every eval/predict here also checks that a run folder is self-contained.
+"""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from jaxaccel import cli
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(ROOT, "configs", "tiny_synthetic.py")
+ENV = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "",
+       "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+       "SLURM_NTASKS": "4"}   # stray: a single-process run must ignore it (item 8)
+
+
+def jaxaccel(*args, stdin=None, env=None):
+    return subprocess.run([sys.executable, "-m", "jaxaccel.cli", *args], input=stdin,
+                          capture_output=True, env=env or ENV, timeout=300)
+
+
+def start(*args):
+    return subprocess.Popen([sys.executable, "-m", "jaxaccel.cli", *args], env=ENV,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def train_args(workdir, *sets):
+    out = ["train", "--config", TINY, "--set", f"workdir={workdir}",
+           "--set", "train.progress=false"]
+    for s in sets:
+        out += ["--set", s]
+    return out
+
+
+def text(proc):
+    return proc.stdout.decode(errors="replace") + proc.stderr.decode(errors="replace")
+
+
+def evaluate(run_dir):
+    proc = jaxaccel("eval", "--checkpoint", run_dir)
+    assert proc.returncode == 0, text(proc)
+    return json.loads(proc.stdout), proc.stderr.decode()
+
+
+def steps(run_dir):
+    return sorted(int(s) for s in os.listdir(os.path.join(run_dir, "checkpoints"))
+                  if s.isdigit())
+
+
+def write_hf_checkpoint(path):
+    """A tiny random BERT as a Hugging Face folder (config, safetensors, tokenizer)."""
+    import transformers
+    from jaxaccel.models import packaged_minilm_dir
+    config = transformers.BertConfig(vocab_size=30522, hidden_size=64, num_hidden_layers=2,
+                                     num_attention_heads=4, intermediate_size=128,
+                                     max_position_embeddings=128)
+    transformers.BertModel(config).save_pretrained(path, safe_serialization=True)
+    transformers.AutoTokenizer.from_pretrained(packaged_minilm_dir()).save_pretrained(path)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A finished run (2 epochs = 32 steps; checkpoints 16 and 32) whose model.checkpoint
+    folder no longer exists."""
+    tmp = tmp_path_factory.mktemp("faults")
+    hf = str(tmp / "hf_tiny")
+    write_hf_checkpoint(hf)
+    proc = jaxaccel(*train_args(tmp / "runs", f"model.checkpoint={hf}"))
+    assert proc.returncode == 0, text(proc)
+    shutil.rmtree(hf)
+    run_dir = str(tmp / "runs" / "tiny_synthetic")
+    assert steps(run_dir) == [16, 32]
+    return run_dir
+
+
+@pytest.fixture
+def run_copy(trained, tmp_path):
+    dest = str(tmp_path / "runs" / "tiny_synthetic")
+    shutil.copytree(trained, dest)
+    return dest
+
+
+def test_readers_open_read_only_while_a_trainer_saves(tmp_path):
+    """Item 1: eval beside a trainer saving every step (the readers' checkpoint managers
+    cleaned the writer's unfinished save away and the trainer died)."""
+    writer = start(*train_args(tmp_path, "train.checkpoint_every=1", "train.max_steps=32",
+                               "train.keep_checkpoints=3"))
+    run_dir = tmp_path / "tiny_synthetic"
+    while not (run_dir / "checkpoints").is_dir() or not steps(str(run_dir)):
+        assert writer.poll() is None, writer.communicate()
+        time.sleep(0.2)
+    proc = jaxaccel("eval", "--checkpoint", str(run_dir))
+    assert proc.returncode == 0, text(proc)
+    out, err = writer.communicate()
+    assert writer.returncode == 0, (out + err).decode()
+
+    # Deterministically: a reader leaves a writer's unfinished save (temporary folder) alone.
+    pending = run_dir / "checkpoints" / "33.orbax-checkpoint-tmp-1234567"
+    pending.mkdir()
+    proc = jaxaccel("eval", "--checkpoint", str(run_dir))
+    assert proc.returncode == 0, text(proc)
+    assert pending.is_dir(), "a reader deleted a writer's unfinished save"
+
+
+def test_resume_false_on_a_used_folder_is_refused_or_overwritten(run_copy):
+    """Item 2: never mix two runs in one folder."""
+    workdir = os.path.dirname(run_copy)
+    proc = jaxaccel(*train_args(workdir, "train.resume=false", "train.max_steps=2"))
+    assert proc.returncode == cli.EXIT_ERROR
+    assert "already holds a run" in text(proc) and "train.overwrite=true" in text(proc)
+    assert steps(run_copy) == [16, 32]
+
+    proc = jaxaccel(*train_args(workdir, "train.resume=false", "train.overwrite=true",
+                                "train.max_steps=2"))
+    assert proc.returncode == 0, text(proc)
+    assert steps(run_copy) == [2]
+    with open(os.path.join(run_copy, "metrics.jsonl")) as f:
+        assert max(json.loads(line)["step"] for line in f) == 2
+
+
+def test_nonfinite_stop_keeps_a_checkpoint_that_evaluates(tmp_path):
+    """Item 3: with warm-up, step 1 is still at the initial parameters and step 2 has
+    diverged (~3e29, finite, but step 3's loss is NaN): the last good checkpoint is step 1,
+    and it evaluates to a finite loss."""
+    proc = jaxaccel(*train_args(tmp_path, "train.learning_rate=1e30",
+                                "train.checkpoint_every=1"))
+    assert proc.returncode == cli.EXIT_NONFINITE, text(proc)
+    run_dir = str(tmp_path / "tiny_synthetic")
+    assert json.loads(proc.stdout)["last_good_checkpoint"] == 1
+    assert "Last good checkpoint: step 1" in text(proc) and steps(run_dir) == [1]
+    assert os.path.isdir(os.path.join(run_dir, "skipped_checkpoints", "2"))
+    ev, _ = evaluate(run_dir)
+    assert ev["step"] == 1 and ev["loss"] < 10, ev
+
+
+def test_nonfinite_stop_without_a_good_checkpoint_says_so(tmp_path):
+    """Item 3, the issue's command: step 2 was the only save and its parameters give NaN."""
+    proc = jaxaccel(*train_args(tmp_path, "train.learning_rate=1e30",
+                                "train.checkpoint_every=2"))
+    assert proc.returncode == cli.EXIT_NONFINITE, text(proc)
+    assert "No good checkpoint" in text(proc), text(proc)
+    assert steps(str(tmp_path / "tiny_synthetic")) == []
+
+
+def test_nonfinite_parameters_are_never_saved(tmp_path):
+    import types
+
+    import jax.numpy as jnp
+
+    from jaxaccel.train.checkpoint import Checkpointer, NonFiniteState
+    ckpt = Checkpointer(str(tmp_path / "checkpoints"))
+    state = types.SimpleNamespace(params={"w": jnp.array([1.0, jnp.inf])})
+    with pytest.raises(NonFiniteState, match="step 5"):
+        ckpt.save(5, state, {})
+    assert ckpt.all_steps() == []
+
+
+def _truncate_largest(folder):
+    files = [os.path.join(d, f) for d, _, fs in os.walk(folder) for f in fs]
+    victim = max(files, key=os.path.getsize)
+    with open(victim, "r+b") as f:
+        f.truncate(os.path.getsize(victim) // 3)
+
+
+def test_corrupt_latest_checkpoint_falls_back(run_copy):
+    """Item 4: a truncated data file of the newest step: eval and resume use step 16, naming
+    the skipped step; resume sets it aside and saves step 32 again."""
+    _truncate_largest(os.path.join(run_copy, "checkpoints", "32", "state"))
+    ev, err = evaluate(run_copy)
+    assert ev["step"] == 16 and "step 32" in err and "skipped" in err, err
+    proc = jaxaccel(*train_args(os.path.dirname(run_copy)))
+    assert proc.returncode == 0, text(proc)
+    assert "step 32" in text(proc) and steps(run_copy) == [16, 32]
+    assert os.path.isdir(os.path.join(run_copy, "skipped_checkpoints", "32"))
+
+
+def test_corrupt_metadata_falls_back_and_readers_leave_unfinished_saves(run_copy):
+    """Items 4 and 1: predict skips a step whose JSON record is empty, and leaves a writer's
+    unfinished save (its temporary folder) alone."""
+    with open(os.path.join(run_copy, "checkpoints", "32", "meta", "metadata"), "w") as f:
+        f.write("")
+    pending = os.path.join(run_copy, "checkpoints", "33.orbax-checkpoint-tmp-1234567")
+    os.makedirs(pending)
+    proc = jaxaccel("predict", "--checkpoint", run_copy, "--input", "-", stdin=b"a text\n")
+    assert proc.returncode == 0, text(proc)
+    assert "step 32" in proc.stderr.decode() and "Traceback" not in text(proc), text(proc)
+    assert os.path.isdir(pending), "a reader deleted a writer's unfinished save"
+
+
+def test_changed_config_resume(run_copy):
+    """Item 5: a model change is refused before anything is written, naming the key; more
+    epochs continue the run on the schedule of the new length."""
+    workdir = os.path.dirname(run_copy)
+    with open(os.path.join(run_copy, "config.json")) as f:
+        saved = f.read()
+    proc = jaxaccel(*train_args(workdir, "model.hidden_dropout=0.2", "train.b1=0.8"))
+    assert proc.returncode == cli.EXIT_ERROR
+    err = text(proc)
+    assert "model.hidden_dropout: None -> 0.2" in err and "train.b1: None -> 0.8" in err, err
+    assert "Traceback" not in err
+    with open(os.path.join(run_copy, "config.json")) as f:
+        assert f.read() == saved
+
+    proc = jaxaccel(*train_args(workdir, "train.epochs=3"))
+    assert proc.returncode == 0, text(proc)
+    assert "train.epochs: 2 -> 3" in text(proc) and "total of 48 steps" in text(proc)
+    assert steps(run_copy) == [32, 48]
+    with open(os.path.join(run_copy, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    lrs = [r["train/learning_rate"] for r in rows if "train/learning_rate" in r and r["step"] > 32]
+    assert lrs and all(b < a for a, b in zip(lrs, lrs[1:])), lrs   # decays, no jump back up
+
+    proc = jaxaccel(*train_args(workdir, "train.epochs=1"))
+    assert proc.returncode == cli.EXIT_ERROR and "ends at step 16" in text(proc), text(proc)
+
+
+def test_one_writer_per_run_folder(run_copy):
+    """Item 6: a live holder is refused (named); a dead one's lock is stale and taken over."""
+    workdir = os.path.dirname(run_copy)
+    lock = os.path.join(run_copy, "lock")
+    import socket
+    with open(lock, "w") as f:
+        json.dump({"pid": os.getpid(), "host": socket.gethostname()}, f)
+    proc = jaxaccel(*train_args(workdir))
+    assert proc.returncode == cli.EXIT_ERROR
+    assert f"pid {os.getpid()}" in text(proc) and "in use" in text(proc), text(proc)
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    with open(lock, "w") as f:
+        json.dump({"pid": dead.pid, "host": socket.gethostname()}, f)
+    proc = jaxaccel(*train_args(workdir))
+    assert proc.returncode == 0, text(proc)
+    assert "stale lock" in text(proc) and not os.path.exists(lock)
+
+
+def test_ctrl_c_saves_and_exits_cleanly(tmp_path):
+    """Item 9: SIGINT is handled like SIGTERM: save the current step, exit 0, resumable."""
+    proc = start(*train_args(tmp_path, "train.epochs=40", "train.log_every=1"))
+    metrics = tmp_path / "tiny_synthetic" / "metrics.jsonl"
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 3):
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, (out + err).decode()
+    saved = json.loads(out)["step"]
+    assert b"SIGINT: saved step" in err and b"Traceback" not in err
+    assert steps(str(tmp_path / "tiny_synthetic"))[-1] == saved
+
+
+def test_second_ctrl_c_aborts():
+    from jaxaccel.train.loop import _Preemption
+    with _Preemption() as p:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert p.requested == "SIGINT"
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+
+
+def test_predict_at_scale(trained, tmp_path):
+    """Items 8 and 11: texts from a file, batched, JSON lines in input order; a non-UTF-8 line
+    is reported and the other texts are still classified."""
+    lines = [f'review "{i}"\t' + "word " * (i % 40) for i in range(300)]
+    data = "\n".join(lines[:150]).encode() + b"\nbad \xff\xfe bytes\n" + \
+        "\n".join(lines[150:]).encode() + b"\n"
+    path = tmp_path / "texts.txt"
+    path.write_bytes(data)
+    proc = jaxaccel("predict", "--checkpoint", trained, "--input", str(path),
+                    "--batch-size", "64")
+    assert proc.returncode == cli.EXIT_ERROR, text(proc)
+    records = [json.loads(line) for line in proc.stdout.decode().splitlines()]
+    assert [r["index"] for r in records] == list(range(301))
+    assert "not valid UTF-8" in records[150]["error"] and "input 150" in proc.stderr.decode()
+    good = records[:150] + records[151:]
+    assert [r["text"] for r in good] == lines
+    assert all(r["label"] in ("0", "1") and 0.5 <= r["probability"] <= 1 for r in good)
+
+
+def test_missing_peer_times_out_naming_the_coordinator(trained):
+    env = {**ENV, "JAXACCEL_COORDINATOR": "localhost:29519", "JAXACCEL_NUM_PROCESSES": "2",
+           "JAXACCEL_PROCESS_ID": "1", "JAXACCEL_INIT_TIMEOUT": "3"}
+    proc = jaxaccel("eval", "--checkpoint", trained, env=env)
+    assert proc.returncode == cli.EXIT_ERROR
+    assert "coordinator localhost:29519" in text(proc) and "within 3 s" in text(proc)
+
+
+def test_prediction_record_nan_is_null():
+    from jaxaccel.train.inference import prediction_record
+    assert json.loads(json.dumps(prediction_record("t", "pos", float("nan")),
+                                 allow_nan=False))["probability"] is None
+
+
+@pytest.mark.parametrize("sets,message", [
+    (["train=3"], "'train' is a section"),
+    (["train.epochs=none"], "'train.epochs' cannot be None"),
+    (["model.name=null"], "'model.name' cannot be None"),
+    (["train.keep_checkpoints=0"], "train.keep_checkpoints=0 must be >= 1"),
+    (["train.checkpoint_every=-1"], "train.checkpoint_every=-1 must be >= 0"),
+    (["train.b1=2.0"], "train.b1=2.0 must be in [0, 1)"),
+    (["model.hidden_dropout=2.0"], "model.hidden_dropout=2.0 must be in [0, 1)"),
+    (["train.batch_size=12"], "train.batch_size=12 does not split over the 8 devices"),
+])
+def test_bad_values_are_clear_errors(capsys, tmp_path, sets, message):
+    """Items 7 and 8 (in process: these fail before anything is built; 8 fake devices)."""
+    argv = train_args(tmp_path, *sets)
+    assert cli.main(argv) == cli.EXIT_ERROR
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err, err
+    assert not os.path.exists(tmp_path / "tiny_synthetic" / "checkpoints")
+
+
+@pytest.mark.parametrize("body,message", [
+    ("def get_config(:\n", "syntax error at line 1"),
+    ("def get_config():\n    return 1 / 0\n", "get_config() raised ZeroDivisionError"),
+    ("def get_config():\n    return None\n", "expected a dict of overrides"),
+    ("import no_such_module\n", "failed to run: ModuleNotFoundError"),
+])
+def test_broken_config_files_are_clear_errors(capsys, tmp_path, body, message):
+    path = tmp_path / "bad.py"
+    path.write_text(body)
+    assert cli.main(["train", "--config", str(path)]) == cli.EXIT_ERROR
+    err = capsys.readouterr().err
+    assert message in err and str(path) in err, err
+
+
+def test_occupied_output_path_is_a_clear_error(capsys, tmp_path):
+    (tmp_path / "file").write_text("not a folder")
+    assert cli.main(train_args(tmp_path / "file")) == cli.EXIT_ERROR
+    err = capsys.readouterr().err
+    assert "cannot write the run folder" in err and "workdir=" in err, err
