@@ -3,14 +3,14 @@
 ``Fp8Linear`` is an ``nnx.Linear`` whose matmul is ``flax.linen.fp8_ops.fp8_scaled_dot_general``
 (Flax's maintained fp8 op, the path MaxText's "fp8" quantization uses on GPUs): the input ``x``
 and the kernel ``w`` are quantized to E4M3, the output gradient ``g`` to E5M2, each with its own
-per-tensor scale ``s`` taken from an amax history ``h`` (newest first) *before* this step's amax
-is added (delayed scaling, margin 0):
+per-tensor scale ``s`` taken from an amax history ``h`` (the last ``len(h)`` amaxes, newest at
+``h[0]``) *before* this step's amax is added (delayed scaling, margin 0):
 
     s   = max(h) / fmax            (kept when max(h) is 0 or not finite; fmax = 448 for E4M3,
                                     57344 for E5M2)
     q   = fp8(clip(x / s, -fmax, fmax))          round to nearest even, saturating
     y   = (q_x . q_w) * s_x * s_w                 the GEMM takes fp8 operands
-    h'  = [amax(x), h[0], ..., h[-2]]
+    h'  = roll(h, -1) with h'[0] = amax(x)       drops the oldest amax, adds this step's
 
 The forward GEMM runs on E4M3 operands and the two backward GEMMs on E5M2 x E4M3, so XLA's GPU
 compiler emits cuBLASLt fp8 matmuls (``__cublas$lt$matmul$f8``) on Hopper/Ada; on CPU and TPUs
@@ -61,12 +61,6 @@ class Fp8Linear(nnx.Linear):
         if self.bias is not None:
             y = y + self.bias[...].astype(self.dtype)
         return y
-
-
-def scale_from_history(history: jax.Array, scale: jax.Array, fp8_dtype) -> jax.Array:
-    """The delayed-scaling rule above: the scale the next quantization of this tensor uses."""
-    return fp8_ops.compute_scale(jnp.max(history, axis=0), scale,
-                                 fp8_ops.get_fp8_max(fp8_dtype, jnp.float32))
 
 
 def summary(fp8_state, group_of) -> dict[str, jax.Array]:

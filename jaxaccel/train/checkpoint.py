@@ -53,16 +53,17 @@ class Checkpointer:
             state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
         return out.state, out.meta
 
-    def restore_params(self, step: int | None = None):
+    def restore_params(self, step: int | None = None, item: str = "params"):
         """``(params, meta)``: only the parameters of checkpoint ``step`` (default latest), as
         nested dicts with string keys on this process's first device, whatever mesh and
-        device count wrote them: what evaluation and prediction need."""
+        device count wrote them: what evaluation and prediction need. ``item="fp8"`` reads the
+        fp8 scaling state instead (fp8 runs)."""
         step = self.latest_step() if step is None else step
         if step is None:
             raise FileNotFoundError(f"no checkpoint in {self.directory}.")
         device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-        saved = self._mngr.item_metadata(step)["state"]["params"]
-        target = {"params": jax.tree_util.tree_map(
+        saved = self._mngr.item_metadata(step)["state"][item]
+        target = {item: jax.tree_util.tree_map(
             lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), saved)}
         restore_args = jax.tree_util.tree_map(lambda _: ocp.ArrayRestoreArgs(sharding=device),
                                               target)
@@ -70,7 +71,7 @@ class Checkpointer:
             os.path.join(self.directory, str(step), "state"),
             args=ocp.args.PyTreeRestore(target, restore_args=restore_args, partial_restore=True))
         meta = self._mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
-        return state["params"], meta.meta
+        return state[item], meta.meta
 
     def close(self) -> None:
         self._mngr.close()
