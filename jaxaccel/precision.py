@@ -110,9 +110,9 @@ class LossScale(struct.PyTreeNode):
 
     @classmethod
     def create(cls, init_scale: float = 2.0 ** 15, growth_interval: int = 2000) -> "LossScale":
-        zero = jnp.zeros((), jnp.int32)
-        return cls(scale=jnp.asarray(init_scale, jnp.float32), good_steps=zero, skipped=zero,
-                   consecutive=zero, growth_interval=growth_interval)
+        zero = lambda: jnp.zeros((), jnp.int32)     # distinct buffers: the state is donated
+        return cls(scale=jnp.asarray(init_scale, jnp.float32), good_steps=zero(),
+                   skipped=zero(), consecutive=zero(), growth_interval=growth_interval)
 
     def update(self, finite: jax.Array) -> "LossScale":
         """The state after a step whose gradients were ``finite`` (a bool scalar):
