@@ -215,3 +215,22 @@ def test_unknown_policy_names_the_four():
 def test_impossible_combinations_fail_before_building(sets, message):
     with pytest.raises(ValueError, match=message):
         config.build(sets=TINY + sets)
+
+
+# ---- accuracy on the main job ----
+
+@pytest.mark.slow
+def test_fp16_and_fp8_match_fp32_accuracy_on_the_main_job(tmp_path):
+    """MiniLM-L6 on the RT snippets (configs/minilm_rt.py, ~5 min per policy on a 2-core CPU):
+    fp16 and fp8 reach test accuracy within 1 point of fp32."""
+    path = __file__.replace("tests/test_precision.py", "configs/minilm_rt.py")
+    acc = {}
+    for policy in ("fp32", "fp16", "fp8"):
+        result = loop.train(config.load(path, [f"workdir={tmp_path}", f"name={policy}",
+                                               f"precision.policy={policy}",
+                                               "train.progress=false"]))
+        assert result["status"] == "completed", result
+        acc[policy] = result["eval_accuracy"]
+    print("test accuracy per policy:", acc)
+    for policy in ("fp16", "fp8"):
+        assert abs(acc[policy] - acc["fp32"]) <= 0.01, acc
