@@ -1,6 +1,8 @@
 """Precision policies: fp8 quantization equals a numpy/ml_dtypes simulation, fp16 loss scaling
 skips overflowing steps bit-exactly and grows/backs off its scale, fp16/fp8 runs train and resume
 exactly after SIGTERM, both lower for TPU and GPU on a 2x2x2 mesh, bad input fails early."""
+import os
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -223,7 +225,7 @@ def test_impossible_combinations_fail_before_building(sets, message):
 def test_fp16_and_fp8_match_fp32_accuracy_on_the_main_job(tmp_path):
     """MiniLM-L6 on the RT snippets (configs/minilm_rt.py, ~5 min per policy on a 2-core CPU):
     fp16 and fp8 reach test accuracy within 1 point of fp32."""
-    path = __file__.replace("tests/test_precision.py", "configs/minilm_rt.py")
+    path = os.path.join(os.path.dirname(__file__), "..", "configs", "minilm_rt.py")
     acc = {}
     for policy in ("fp32", "fp16", "fp8"):
         result = loop.train(config.load(path, [f"workdir={tmp_path}", f"name={policy}",
