@@ -28,8 +28,8 @@ from jaxaccel import sharding as shd
 from jaxaccel.config import Config
 from jaxaccel.data import BatchIterator, load_text_dataset, load_tokenizer, synthetic, tokenize
 from jaxaccel.models import create_model
-from jaxaccel.optim import make_optimizer, make_schedule, state_shardings
 from jaxaccel.models.fp8 import Fp8Meta
+from jaxaccel.optim import make_optimizer, make_schedule, state_shardings
 from jaxaccel.precision import LossScale, get_policy
 from jaxaccel.train.checkpoint import Checkpointer, on_disk, restore_state
 from jaxaccel.train.metrics import MetricsWriter
