@@ -7,8 +7,11 @@
 
 One full optimizer step (forward, loss, backward, clipping, update) on a fixed synthetic batch,
 jitted with the state donated, median of >= 20 after warm-up. Rows cross batch size, precision
-policy (fp32, bf16), optimizer (adamw, adan) and attention implementation (xla; pallas and cudnn
+policy (fp32, bf16, fp16, fp8), optimizer (adamw, adan) and attention implementation (xla; pallas and cudnn
 on GPU, pallas on TPU); fused attention implementations run without attention dropout.
+fp8 rows record ``fp8``: "native" when the optimized HLO holds cuBLASLt fp8 GEMMs
+(``__cublas$lt$matmul$f8``, H100/Ada), else "emulated" (the same quantize-dequantize numerics
+with the fp8 operands upcast: CPU, TPUs without an fp8 unit).
 
 ``--torch`` adds the strongest PyTorch setup a user has, in the same process: transformers'
 BertForSequenceClassification with SDPA attention, bf16 autocast (CUDA; fp32 on a CPU), fused
@@ -41,6 +44,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import PEAK_BF16_FLOPS, device_kind, markdown, time_fn, write_results  # noqa
 from bench.hlo_profile import profile_ops  # noqa: E402
 from jaxaccel.models.bert import PRESETS, BertConfig, BertModel  # noqa: E402
+from jaxaccel.models.fp8 import Fp8Meta  # noqa: E402
+from jaxaccel.precision import LossScale, get_policy  # noqa: E402
 from jaxaccel.optim import make_optimizer  # noqa: E402
 from jaxaccel.train.state import TrainState  # noqa: E402
 from jaxaccel.train.step import make_train_step  # noqa: E402
@@ -69,10 +74,12 @@ def jax_step(config, policy, optimizer, attention, batch, seq):
     cfg = config if attention == "xla" else dataclasses.replace(
         config, attention_probs_dropout_prob=0.0)
     model = BertModel(cfg, num_labels=2, policy=policy, attention_impl=attention)
-    graphdef, params = nnx.split(model, nnx.Param)
+    graphdef, params, fp8 = nnx.split(model, nnx.Param, Fp8Meta)
     params = nnx.to_pure_dict(params)
     tx = make_optimizer(optimizer, 1e-4, weight_decay=0.01, max_grad_norm=1.0)
-    state = TrainState.create(params, tx, 0)
+    p = get_policy(policy)
+    state = TrainState.create(params, tx, 0, LossScale.create() if p.loss_scaling else None,
+                              nnx.to_pure_dict(fp8) if p.fp8 else None)
     step = jax.jit(make_train_step(graphdef, tx), donate_argnums=0)
     data = jax.device_put(batch_of(config, batch, seq))
     hlo = step.lower(state, data).compile().as_text()
@@ -151,7 +158,7 @@ def main(argv=None):
     ap.add_argument("--batch", default="32", help="comma-separated batch sizes, e.g. 32,256")
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("-n", type=int, default=20)
-    ap.add_argument("--policies", help="comma-separated subset of fp32,bf16")
+    ap.add_argument("--policies", help="comma-separated subset of fp32,bf16,fp16,fp8")
     ap.add_argument("--optimizers", default="adamw,adan")
     ap.add_argument("--attention", help="comma-separated subset of xla,cudnn,pallas")
     ap.add_argument("--profile", action="store_true",
@@ -166,7 +173,7 @@ def main(argv=None):
     attentions = {"gpu": ["xla", "cudnn", "pallas"], "tpu": ["xla", "pallas"]}.get(backend,
                                                                                     ["xla"])
     attentions = args.attention.split(",") if args.attention else attentions
-    policies = ["fp32", "bf16"] if backend != "cpu" else ["fp32"]
+    policies = ["fp32", "bf16", "fp16", "fp8"] if backend != "cpu" else ["fp32"]
     policies = args.policies.split(",") if args.policies else policies
     batches = [int(b) for b in args.batch.split(",")]
     peak = PEAK_BF16_FLOPS.get(device_kind())
@@ -183,6 +190,8 @@ def main(argv=None):
                     r = {"name": name, "batch": batch, "attention_dropout": 0.0
                          if attention != "xla" else config.attention_probs_dropout_prob,
                          **time_fn(run, data, n=args.n)}
+                    if get_policy(policy).fp8:
+                        r["fp8"] = "native" if "__cublas$lt$matmul$f8" in hlo else "emulated"
                     if args.profile:
                         trace_dir = None
                         if args.profile_dir:

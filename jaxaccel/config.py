@@ -15,6 +15,8 @@ import importlib.util
 import os
 from typing import Any
 
+from jaxaccel.precision import get_policy
+
 BASE: dict[str, Any] = {
     "name": "run",                  # run name: outputs go to {workdir}/{name}
     "workdir": "runs",              # root folder for checkpoints, metrics, TensorBoard events
@@ -76,7 +78,13 @@ BASE: dict[str, Any] = {
         "progress": True,           # progress bar on stderr
     },
     "precision": {
-        "policy": "fp32",           # fp32 | bf16
+        "policy": "fp32",           # fp32 | bf16 | fp16 (dynamic loss scaling) | fp8 (encoder
+                                    # matmuls E4M3/E5M2, delayed scaling); jaxaccel/precision.py
+        "loss_scale_init": 32768.0, # fp16: initial loss scale (2**15)
+        "loss_scale_growth_interval": 2000,  # fp16: finite steps in a row before the scale x2
+        "max_consecutive_skips": 25,  # fp16: stop the run after this many skipped steps in a
+                                    # row (non-finite gradients at every scale tried)
+        "fp8_amax_history": 1024,   # fp8: steps of amax history per scale (Transformer Engine)
     },
     "mesh": {                       # device mesh; -1 fills the remaining devices
         "data": -1,                 # pure data parallel: batch split, params replicated
@@ -261,6 +269,19 @@ def validate(cfg: Config) -> None:
     if t.batch_size % t.grad_accum:
         raise ValueError(f"train.batch_size={t.batch_size} is not divisible by "
                          f"train.grad_accum={t.grad_accum}.")
+    p = cfg.precision
+    get_policy(p.policy)
+    for key in ("loss_scale_growth_interval", "max_consecutive_skips", "fp8_amax_history"):
+        if p[key] < 1:
+            raise ValueError(f"precision.{key}={p[key]} must be >= 1.")
+    if p.loss_scale_init <= 0:
+        raise ValueError(f"precision.loss_scale_init={p.loss_scale_init} must be > 0 "
+                         "(e.g. 32768.0).")
+    if cfg.model.attention_impl == "cudnn" and p.policy == "fp32":
+        raise ValueError("model.attention_impl='cudnn' with precision.policy='fp32': cuDNN "
+                         "flash attention takes fp16/bf16 inputs only. Use precision.policy="
+                         "bf16, fp16 or fp8 (attention runs in bf16 under fp8), or "
+                         "model.attention_impl='xla'.")
     choices = {"train.schedule": (t.schedule, ("linear", "cosine", "constant")),
                "train.optimizer": (t.optimizer, ("adamw", "adan")),
                "model.attention_impl": (cfg.model.attention_impl, ("xla", "cudnn", "pallas"))}
@@ -268,11 +289,13 @@ def validate(cfg: Config) -> None:
         if value not in allowed:
             raise ValueError(f"{key}={value!r} is not one of {allowed}.")
     if t.flat_params and (t.optimizer != "adan" or t.optimizer_impl == "reference"
-                          or t.grad_accum != 1):
+                          or t.grad_accum != 1 or cfg.precision.policy in ("fp16", "fp8")):
         raise ValueError(f"train.flat_params=true needs train.optimizer=adan (got "
                          f"{t.optimizer!r}), optimizer_impl auto|xla|pallas (got "
-                         f"{t.optimizer_impl!r}) and grad_accum=1 (got {t.grad_accum}); set "
-                         "those or train.flat_params=false.")
+                         f"{t.optimizer_impl!r}), grad_accum=1 (got {t.grad_accum}) and "
+                         f"precision.policy fp32|bf16 (got {cfg.precision.policy!r}: the flat "
+                         "path has no loss scaling or fp8 state yet); set those or "
+                         "train.flat_params=false.")
     for axis, size in cfg.mesh.items():
         if size == 0 or size < -1:
             raise ValueError(f"mesh.{axis}={size}: use a positive size or -1 (fill).")

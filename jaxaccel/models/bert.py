@@ -4,7 +4,9 @@ Numerically the same model as Hugging Face's ``BertModel`` (exact-erf GELU, post
 tanh(dense(first token))). Every parameter carries logical axis names (``vocab``, ``embed``,
 ``heads``, ``mlp``); ``jaxaccel.sharding`` maps them to mesh axes. Dtypes come from a
 ``jaxaccel.precision.Policy``: matmuls run in ``policy.compute_dtype``, parameters are stored in
-``policy.param_dtype``, layer norms and softmax run in float32.
+``policy.param_dtype``, layer norms and softmax run in float32. Under the fp8 policy the
+encoder's Dense layers (QKV, attention output, MLP in/out) are ``fp8.Fp8Linear`` (same
+parameters plus non-trainable ``Fp8Meta`` scales); attention, pooler and heads stay bf16.
 
     model = from_pretrained("path/to/hf_checkpoint", num_labels=2)
     out = model(input_ids, attention_mask=mask)      # out.last_hidden_state, .pooler_output, .logits
@@ -20,6 +22,7 @@ from flax import nnx
 from flax import struct
 
 from jaxaccel.models.attention import ATTENTION_IMPLS, attention, check_impl
+from jaxaccel.models.fp8 import Fp8Linear
 from jaxaccel.precision import Policy, get_policy
 
 BERT_MODEL_TYPES = ("bert",)
@@ -94,9 +97,25 @@ def _const(fn, axes: tuple):
     return nnx.with_partitioning(fn, axes, eager_sharding=False)
 
 
-def _dense(din, dout, axes, cfg: BertConfig, policy: Policy, rngs):
-    return nnx.Linear(
-        din, dout, dtype=policy.compute_dtype, param_dtype=policy.param_dtype,
+# fp8 layer groups: in-layer path of each encoder Dense -> group name (metrics).
+FP8_GROUPS = {("attention", "query"): "qkv", ("attention", "key"): "qkv",
+              ("attention", "value"): "qkv", ("attention", "output"): "attn_out",
+              ("intermediate",): "mlp_in", ("output",): "mlp_out"}
+
+
+def fp8_group(path: tuple) -> str | None:
+    """The FP8_GROUPS group of a layer path such as ``("layers", "3", "attention", "query")``."""
+    return FP8_GROUPS.get(tuple(path[2:])) if path[:1] == ("layers",) else None
+
+
+def _dense(din, dout, axes, cfg: BertConfig, policy: Policy, rngs, encoder: bool = False):
+    """A Dense layer; an encoder matmul (``encoder=True``) is fp8 under the fp8 policy."""
+    extra = {}
+    linear = nnx.Linear
+    if encoder and policy.fp8:
+        linear, extra = Fp8Linear, {"amax_history_length": policy.amax_history_length}
+    return linear(
+        din, dout, **extra, dtype=policy.compute_dtype, param_dtype=policy.param_dtype,
         kernel_init=_init(cfg.initializer_range, axes),
         bias_init=_const(nnx.initializers.zeros_init(), (axes[1],)), rngs=rngs)
 
@@ -136,10 +155,10 @@ class BertAttention(nnx.Module):
     def __init__(self, cfg: BertConfig, policy: Policy, attention_impl: str, rngs: nnx.Rngs):
         h = cfg.hidden_size
         self.cfg, self.attention_impl = cfg, attention_impl
-        self.query = _dense(h, h, ("embed", "heads"), cfg, policy, rngs)
-        self.key = _dense(h, h, ("embed", "heads"), cfg, policy, rngs)
-        self.value = _dense(h, h, ("embed", "heads"), cfg, policy, rngs)
-        self.output = _dense(h, h, ("heads", "embed"), cfg, policy, rngs)
+        self.query = _dense(h, h, ("embed", "heads"), cfg, policy, rngs, True)
+        self.key = _dense(h, h, ("embed", "heads"), cfg, policy, rngs, True)
+        self.value = _dense(h, h, ("embed", "heads"), cfg, policy, rngs, True)
+        self.output = _dense(h, h, ("heads", "embed"), cfg, policy, rngs, True)
         self.layer_norm = _layer_norm(cfg, policy, rngs)
         self.dropout = nnx.Dropout(cfg.hidden_dropout_prob)
 
@@ -162,9 +181,9 @@ class BertLayer(nnx.Module):
     def __init__(self, cfg: BertConfig, policy: Policy, attention_impl: str, rngs: nnx.Rngs):
         self.attention = BertAttention(cfg, policy, attention_impl, rngs)
         self.intermediate = _dense(cfg.hidden_size, cfg.intermediate_size, ("embed", "mlp"),
-                                   cfg, policy, rngs)
+                                   cfg, policy, rngs, True)
         self.output = _dense(cfg.intermediate_size, cfg.hidden_size, ("mlp", "embed"),
-                             cfg, policy, rngs)
+                             cfg, policy, rngs, True)
         self.layer_norm = _layer_norm(cfg, policy, rngs)
         self.dropout = nnx.Dropout(cfg.hidden_dropout_prob)
         self.act = _ACTIVATIONS[cfg.hidden_act]

@@ -152,16 +152,19 @@ class Checkpointer:
         found = self._first_readable(read, step)
         return None if found is None else found[1]
 
-    def restore_params(self, step: int | None = None):
-        """``(params, meta)``: only the parameters of checkpoint ``step`` (default the newest
-        readable), as nested dicts with string keys on this process's first device, whatever
-        mesh and device count wrote them: what evaluation and prediction need."""
+    def restore_items(self, items=("params",), step: int | None = None):
+        """``({item: tree}, meta)``: only the named parts of the train state (``params``, and
+        ``fp8`` for fp8 runs; an item the checkpoint does not hold is left out) of checkpoint
+        ``step`` (default the newest readable), as nested dicts with string keys on this
+        process's first device, whatever mesh and device count wrote them: what evaluation and
+        prediction need."""
         device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
 
         def read(s):
-            saved = self._mngr.item_metadata(s)["state"]["params"]
-            target = {"params": jax.tree_util.tree_map(
-                lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), saved)}
+            saved = self._mngr.item_metadata(s)["state"]
+            target = {k: jax.tree_util.tree_map(
+                lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), saved[k])
+                for k in items if saved.get(k)}
             restore_args = jax.tree_util.tree_map(
                 lambda _: ocp.ArrayRestoreArgs(sharding=device), target)
             state = ocp.PyTreeCheckpointer().restore(
@@ -169,12 +172,17 @@ class Checkpointer:
                 args=ocp.args.PyTreeRestore(target, restore_args=restore_args,
                                             partial_restore=True))
             meta = self._mngr.restore(s, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
-            return state["params"], meta.meta
+            return state, meta.meta
         found = self._first_readable(read, step)
         if found is None:
             raise FileNotFoundError(f"no checkpoint in {self.directory}: the run saved none "
                                     "yet (or its only ones were set aside).")
         return found[1]
+
+    def restore_params(self, step: int | None = None):
+        """``(params, meta)``: ``restore_items(("params",), step)`` for the parameters alone."""
+        items, meta = self.restore_items(("params",), step)
+        return items["params"], meta
 
     def close(self) -> None:
         self._mngr.close()

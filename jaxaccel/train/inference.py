@@ -3,6 +3,7 @@ config and architecture saved with it, and its tokenizer/ folder). Checkpoints a
 read-only, so these run safely beside the trainer writing the folder."""
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 
@@ -13,24 +14,33 @@ from flax import nnx
 from jaxaccel import config as config_lib
 from jaxaccel.data import load_tokenizer
 from jaxaccel.models.bert import BertConfig, BertModel
+from jaxaccel.models.fp8 import Fp8Meta
+from jaxaccel.precision import get_policy
 from jaxaccel.train.checkpoint import Checkpointer, like
 
 
 def load_run(run_dir: str):
-    """``(model, cfg, meta)``: the model of the run's newest readable checkpoint, rebuilt
-    from the architecture saved with it (the original HF checkpoint is not needed)."""
+    """``(model, cfg, meta)``: the model of the run's newest readable checkpoint (with its
+    fp8 scaling state under the fp8 policy), rebuilt from the architecture saved with it (the
+    original HF checkpoint is not needed)."""
     ckpt = Checkpointer(os.path.join(run_dir, "checkpoints"), read_only=True)
     try:
-        saved, meta = ckpt.restore_params()
+        saved, meta = ckpt.restore_items(("params", "fp8"))
+        cfg = config_lib.build(meta["config"])
+        policy = dataclasses.replace(get_policy(cfg.precision.policy),
+                                     amax_history_length=cfg.precision.fp8_amax_history)
+        model = BertModel(BertConfig(**meta["architecture"]), num_labels=cfg.model.num_labels,
+                          policy=policy, attention_impl=cfg.model.attention_impl,
+                          classifier_pooling=cfg.model.pooling)
+        restored = [(nnx.Param, saved["params"])]
+        if policy.fp8:
+            restored.append((Fp8Meta, saved["fp8"]))
     finally:
         ckpt.close()
-    cfg = config_lib.build(meta["config"])
-    model = BertModel(BertConfig(**meta["architecture"]), num_labels=cfg.model.num_labels,
-                      policy=cfg.precision.policy, attention_impl=cfg.model.attention_impl,
-                      classifier_pooling=cfg.model.pooling)
-    params = nnx.state(model, nnx.Param)
-    nnx.replace_by_pure_dict(params, like(nnx.to_pure_dict(params), saved))
-    nnx.update(model, params)
+    for kind, values in restored:
+        state = nnx.state(model, kind)
+        nnx.replace_by_pure_dict(state, like(nnx.to_pure_dict(state), values))
+        nnx.update(model, state)
     return model, cfg, meta
 
 
@@ -44,7 +54,9 @@ def evaluate_run(run_dir: str, sets: list[str] | None = None) -> dict:
     run = build(cfg, model=model, tokenizer_dir=tokenizer_dir(run_dir))
     params = jax.device_put(nnx.to_pure_dict(nnx.state(model, nnx.Param)),
                             run.state_shardings.params)
-    result = evaluate(run, params)
+    fp8 = jax.device_put(nnx.to_pure_dict(nnx.state(model, Fp8Meta)),
+                         run.state_shardings.fp8) if run.state.fp8 is not None else None
+    result = evaluate(run, params, fp8=fp8)
     result.update(step=meta["epoch"] * run.train_data.steps_per_epoch + meta["step_in_epoch"],
                   run_dir=run_dir)
     return result

@@ -4,8 +4,10 @@
 at each epoch end and at the end, resumes from the newest readable checkpoint of its run folder
 (model, optimizer, RNG and data position, so losses equal an uninterrupted run's), saves and
 returns on SIGTERM or a first Ctrl-C (a second Ctrl-C aborts), and stops at the first
-non-finite loss keeping the last good checkpoint. The run folder's rules (one writer, no mixed
-runs, which config changes a resume allows) are in ``jaxaccel.train.rundir``.
+non-finite loss keeping the last good checkpoint (under fp16 a step with non-finite gradients
+is skipped instead, and ``precision.max_consecutive_skips`` of them in a row stop the run). The
+run folder's rules (one writer, no mixed runs, which config changes a resume allows) are in
+``jaxaccel.train.rundir``.
 
 A checkpoint is *good* when its parameters are finite and the loss computed from them (the
 next step's loss) is finite too: non-finite parameters are never saved, and when a loss turns
@@ -33,14 +35,14 @@ from jaxaccel import sharding as shd
 from jaxaccel.config import Config
 from jaxaccel.data import BatchIterator, load_text_dataset, load_tokenizer, synthetic, tokenize
 from jaxaccel.models import create_model
+from jaxaccel.models.fp8 import Fp8Meta
 from jaxaccel.optim import make_onepass, make_optimizer, make_schedule, state_shardings
-from jaxaccel.precision import get_policy
-from jaxaccel.train import rundir
+from jaxaccel.precision import LossScale, get_policy
+from jaxaccel.train import onepass, rundir
 from jaxaccel.train.checkpoint import Checkpointer, NonFiniteState, on_disk, restore_state
 from jaxaccel.train.metrics import MetricsWriter
 from jaxaccel.train.state import TrainState
-from jaxaccel.train import onepass
-from jaxaccel.train.step import make_eval_step, make_train_step
+from jaxaccel.train.step import is_state_metric, make_eval_step, make_train_step
 
 log = logging.getLogger("jaxaccel")
 
@@ -52,6 +54,11 @@ class NonFiniteLoss(RuntimeError):
     def __init__(self, step: int, loss: float):
         super().__init__(f"loss is {loss} at step {step}")
         self.step = step
+
+
+class TooManySkippedSteps(RuntimeError):
+    """fp16: ``precision.max_consecutive_skips`` steps in a row had non-finite gradients.
+    Skipped steps never touch the parameters, so every saved checkpoint stays good."""
 
 
 @dataclasses.dataclass
@@ -127,7 +134,8 @@ def build(cfg: Config, devices=None, model=None, tokenizer_dir: str | None = Non
     run_dir = os.path.join(cfg.workdir, cfg.name)
     mesh = shd.make_mesh(dict(cfg.mesh), devices)
     check_batch_fits(cfg, mesh)
-    policy = get_policy(cfg.precision.policy)
+    policy = dataclasses.replace(get_policy(cfg.precision.policy),
+                                 amax_history_length=cfg.precision.fp8_amax_history)
     if model is None:
         model, default_tokenizer_dir = create_model(cfg.model, policy, cfg.seed)
         tokenizer_dir = tokenizer_dir or default_tokenizer_dir
@@ -141,7 +149,11 @@ def build(cfg: Config, devices=None, model=None, tokenizer_dir: str | None = Non
     total_steps = t.max_steps if t.max_steps > 0 else t.epochs * train_data.steps_per_epoch
     schedule = make_schedule(t.schedule, t.learning_rate, total_steps,
                              int(t.warmup_ratio * total_steps))
-    graphdef, params_state = nnx.split(model, nnx.Param)
+    graphdef, params_state, fp8_state = nnx.split(model, nnx.Param, Fp8Meta)
+    fp8 = nnx.to_pure_dict(fp8_state) if policy.fp8 else None
+    loss_scale = LossScale.create(cfg.precision.loss_scale_init,
+                                  cfg.precision.loss_scale_growth_interval) \
+        if policy.loss_scaling else None
     params = nnx.to_pure_dict(params_state)
     logical = nnx.to_pure_dict(nnx.get_partition_spec(params_state))
     param_shardings = shd.tree_shardings(mesh, logical, params)
@@ -154,13 +166,16 @@ def build(cfg: Config, devices=None, model=None, tokenizer_dir: str | None = Non
     if t.flat_params:
         state, shardings = onepass.init_state(tx, params, cfg.seed, mesh)
     else:
-        abstract = jax.eval_shape(lambda p: TrainState.create(p, tx, cfg.seed), params)
+        create = lambda p: TrainState.create(p, tx, cfg.seed, loss_scale, fp8)
+        abstract = jax.eval_shape(create, params)
         opt_shardings = state_shardings(abstract.opt_state, param_shardings, mesh,
                                         zero1=cfg.sharding.zero1)
+        replicated = lambda tree: jax.tree_util.tree_map(lambda _: shd.replicated(mesh), tree)
         shardings = TrainState(step=shd.replicated(mesh), params=param_shardings,
-                               opt_state=opt_shardings, rng=shd.replicated(mesh))
-        state = jax.jit(lambda p: TrainState.create(p, tx, cfg.seed),
-                        out_shardings=shardings)(params)
+                               opt_state=opt_shardings, rng=shd.replicated(mesh),
+                               loss_scale=replicated(abstract.loss_scale),
+                               fp8=replicated(abstract.fp8))
+        state = jax.jit(create, out_shardings=shardings)(params)
     return Run(cfg, run_dir, mesh, graphdef, state, shardings, train_data, eval_data,
                schedule, total_steps, tokenizer, tx, dataclasses.asdict(model.config),
                label_names)
@@ -178,14 +193,14 @@ def _global_batch(batch: dict, sharding) -> dict:
     return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in batch.items()}
 
 
-def evaluate(run: Run, params, eval_step=None) -> dict:
-    """Accuracy and mean loss of ``params`` on the eval split."""
+def evaluate(run: Run, params, eval_step=None, fp8=None) -> dict:
+    """Accuracy and mean loss of ``params`` (and the fp8 state ``fp8``) on the eval split."""
     eval_step = eval_step or jax.jit(make_eval_step(run.graphdef))
     bsh = shd.batch_sharding(run.mesh)
     totals = {"loss_sum": 0.0, "correct": 0.0, "count": 0.0}
     for batch in run.eval_data.batches(0):
         with jax.set_mesh(run.mesh):
-            sums, _ = eval_step(params, _global_batch(batch, bsh))
+            sums, _ = eval_step(params, _global_batch(batch, bsh), fp8)
         for k, v in jax.device_get(sums).items():
             totals[k] += float(v)
     n = max(totals["count"], 1.0)
@@ -307,7 +322,13 @@ def _train(run: Run, changes: dict) -> dict:
         nonlocal t_last
         step_no, metrics, rows = pending
         m = {k: float(v) for k, v in jax.device_get(metrics).items()}
-        if not math.isfinite(m["loss"]):
+        skips = m.get("consecutive_skips", 0)      # fp16: this step was skipped, not applied
+        if skips >= cfg.precision.max_consecutive_skips:
+            raise TooManySkippedSteps(
+                f"fp16: {int(skips)} steps in a row had non-finite gradients (loss scale now "
+                f"{m['loss_scale'] * 0.5:g}) up to step {step_no}; the run is diverging, not "
+                "overflowing: lower train.learning_rate or use precision.policy=bf16.")
+        if not skips and not math.isfinite(m["loss"]):
             raise NonFiniteLoss(step_no, m["loss"])
         now = time.perf_counter()
         dt, t_last = now - t_last, now
@@ -316,7 +337,8 @@ def _train(run: Run, changes: dict) -> dict:
         bar.set_postfix(loss=f"{m['loss']:.4f}", step_ms=f"{dt * 1e3:.0f}",
                         ex_s=f"{rows / dt:.0f}")
         if step_no % t.log_every == 0 or step_no == run.total_steps:
-            mean = {k: float(np.mean([w[k] for w in window])) for k in window[0]}
+            mean = {k: window[-1][k] if is_state_metric(k)
+                    else float(np.mean([w[k] for w in window])) for k in window[0]}
             mean["learning_rate"] = float(run.schedule(step_no - 1))
             mean["examples_per_s"] = rows / dt
             writer.write(step_no, mean, prefix="train/")
@@ -347,7 +369,7 @@ def _train(run: Run, changes: dict) -> dict:
                 if step % steps_per_epoch == 0 or step >= run.total_steps:
                     save(step)
                     if t.eval_every_epoch and step < run.total_steps:
-                        ev = evaluate(run, state.params, eval_step)
+                        ev = evaluate(run, state.params, eval_step, state.fp8)
                         writer.write(step, ev, prefix="eval/")
                         if main:
                             tqdm.write(f"epoch {epoch}: eval accuracy {ev['accuracy']:.4f} "
@@ -357,12 +379,12 @@ def _train(run: Run, changes: dict) -> dict:
                 result.update(status="preempted", signal=preempt.requested, step=step)
                 return result
         bar.close()
-        final = evaluate(run, state.params, eval_step)
+        final = evaluate(run, state.params, eval_step, state.fp8)
         writer.write(step, final, prefix="eval/")
         result.update(step=step, eval_accuracy=final["accuracy"], eval_loss=final["loss"],
                       eval_examples=final["examples"])
         return result
-    except (NonFiniteLoss, NonFiniteState) as e:
+    except (NonFiniteLoss, NonFiniteState, TooManySkippedSteps) as e:
         # The loss of step k is computed from the parameters saved as step k - 1.
         bad = e.step - 1 if isinstance(e, NonFiniteLoss) else None
         if bad in ckpt.all_steps():

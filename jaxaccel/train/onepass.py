@@ -71,4 +71,4 @@ def make_train_step(graphdef, tx: OnePass, grad_accum: int = 1):
 def make_eval_step(graphdef):
     """``step.make_eval_step``'s on the view of flat parameters."""
     inner = step_lib.make_eval_step(graphdef)
-    return lambda params, batch: inner(params.view(), batch)
+    return lambda params, batch, fp8=None: inner(params.view(), batch, fp8)

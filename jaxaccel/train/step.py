@@ -4,6 +4,17 @@ The loss is the weighted mean cross entropy (float32) over the rows of the globa
 (``weights`` is 0 for padding rows); with gradient accumulation the batch is cut into
 micro-batches and the per-row sums are accumulated, so the gradient equals the one-batch
 gradient (up to summation order).
+
+Precision policies add to the step (``jaxaccel.precision``):
+
+* fp16 (``state.loss_scale``): the loss is multiplied by the scale ``S`` before
+  differentiation and the gradients divided by ``S``; if any gradient is inf/NaN the step is
+  skipped: ``params`` and ``opt_state`` (with the optimizer's own step count, hence the
+  schedule position) come out bit-identical, only the loss scale and its counters change.
+  ``state.step`` still advances: it is the data position, and the batch was consumed.
+* fp8 (``state.fp8``): the model's delayed-scaling state is differentiated alongside the
+  parameters; its "gradients" are its new values (``jaxaccel.models.fp8``), which replace it.
+  With gradient accumulation each micro-batch uses the state the previous one left.
 """
 from __future__ import annotations
 
@@ -12,13 +23,21 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from jaxaccel.models.bert import fp8_group
+from jaxaccel.models.fp8 import summary as fp8_summary
 from jaxaccel.train.state import TrainState
 
 INPUTS = ("input_ids", "attention_mask", "token_type_ids")
+# Metrics that are states, not per-step values: the loop logs their latest value.
+STATE_METRICS = ("loss_scale", "skipped_steps", "consecutive_skips")
 
 
-def _forward(graphdef, params, batch, *, deterministic, rng=None):
-    model = nnx.merge(graphdef, params)
+def is_state_metric(name: str) -> bool:
+    return name in STATE_METRICS or name.startswith("fp8/")
+
+
+def _forward(graphdef, params, batch, *, deterministic, rng=None, fp8=None):
+    model = nnx.merge(graphdef, params, *(() if fp8 is None else (fp8,)))
     rngs = None if deterministic else nnx.Rngs(dropout=rng)
     out = model(*(batch[k] for k in INPUTS), deterministic=deterministic, rngs=rngs)
     return out.logits.astype(jnp.float32)
@@ -32,21 +51,29 @@ def _sums(logits, batch):
     return jnp.sum(ce * w), jnp.sum(correct * w), jnp.sum(w)
 
 
+def _all_finite(tree) -> jax.Array:
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree_util.tree_leaves(tree)]))
+
+
 def make_train_step(graphdef, tx: optax.GradientTransformation, grad_accum: int = 1):
     """``step(state, batch) -> (state, metrics)``; jit it with the state donated."""
 
-    def loss_fn(params, micro, rng, denom):
-        logits = _forward(graphdef, params, micro, deterministic=False, rng=rng)
+    def loss_fn(params, fp8, micro, rng, denom, scale):
+        logits = _forward(graphdef, params, micro, deterministic=False, rng=rng, fp8=fp8)
         ce_sum, correct, _ = _sums(logits, micro)
-        return ce_sum / denom, correct
+        loss = ce_sum / denom
+        return loss * scale, (loss, correct)
 
-    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    # d/d(params): gradients; d/d(fp8): the fp8 state's new values.
+    grad_fn = jax.grad(loss_fn, argnums=(0, 1), has_aux=True)
 
     def step(state: TrainState, batch):
         rng = jax.random.fold_in(state.rng, state.step)
         denom = jnp.maximum(jnp.sum(batch["weights"].astype(jnp.float32)), 1.0)
+        scale = 1.0 if state.loss_scale is None else state.loss_scale.scale
         if grad_accum == 1:
-            (loss, correct), grads = grad_fn(state.params, batch, rng, denom)
+            (grads, fp8), (loss, correct) = grad_fn(state.params, state.fp8, batch, rng, denom,
+                                                   scale)
         else:
             # Strided micro-batches (rows i, i + k, i + 2k, ...): every device's contiguous
             # block of the batch holds rows of each, so the split moves no data between them.
@@ -56,27 +83,46 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, grad_accum: int 
 
             def body(carry, xs):
                 i, mb = xs
-                (l, c), g = grad_fn(state.params, mb, jax.random.fold_in(rng, i), denom)
-                acc_g, acc_l, acc_c = carry
-                return (jax.tree_util.tree_map(jnp.add, acc_g, g), acc_l + l, acc_c + c), None
+                acc_g, fp8, acc_l, acc_c = carry
+                (g, fp8), (l, c) = grad_fn(state.params, fp8, mb, jax.random.fold_in(rng, i),
+                                           denom, scale)
+                return (jax.tree_util.tree_map(jnp.add, acc_g, g), fp8, acc_l + l,
+                        acc_c + c), None
 
             zeros = jax.tree_util.tree_map(jnp.zeros_like, state.params)
-            (grads, loss, correct), _ = jax.lax.scan(
-                body, (zeros, 0.0, 0.0), (jnp.arange(grad_accum), micro))
+            (grads, fp8, loss, correct), _ = jax.lax.scan(
+                body, (zeros, state.fp8, 0.0, 0.0), (jnp.arange(grad_accum), micro))
+        metrics = {}
+        if state.loss_scale is not None:
+            grads = jax.tree_util.tree_map(lambda g: g / scale, grads)
+            finite = _all_finite(grads)
+            loss_scale = state.loss_scale.update(finite)
+            metrics.update(loss_scale=scale, skipped_steps=loss_scale.skipped,
+                           consecutive_skips=loss_scale.consecutive)
         grad_norm = jnp.sqrt(sum(jnp.vdot(g, g) for g in jax.tree_util.tree_leaves(grads)))
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
-        return new_state, {"loss": loss, "accuracy": correct / denom, "grad_norm": grad_norm}
+        if state.loss_scale is not None:
+            keep = lambda new, old: jax.tree_util.tree_map(
+                lambda n, o: jnp.where(finite, n, o), new, old)
+            params, opt_state = keep(params, state.params), keep(opt_state, state.opt_state)
+            state = state.replace(loss_scale=loss_scale)
+        if fp8 is not None:
+            metrics.update(fp8_summary(fp8, fp8_group))
+        new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state,
+                                  fp8=fp8)
+        metrics.update(loss=loss, accuracy=correct / denom, grad_norm=grad_norm)
+        return new_state, metrics
 
     return step
 
 
 def make_eval_step(graphdef):
-    """``eval_step(params, batch) -> (sums dict, probabilities)``."""
+    """``eval_step(params, batch, fp8=None) -> (sums dict, probabilities)``; ``fp8`` is the
+    train state's fp8 state under the fp8 policy."""
 
-    def eval_step(params, batch):
-        logits = _forward(graphdef, params, batch, deterministic=True)
+    def eval_step(params, batch, fp8=None):
+        logits = _forward(graphdef, params, batch, deterministic=True, fp8=fp8)
         ce_sum, correct, weight = _sums(logits, batch)
         return {"loss_sum": ce_sum, "correct": correct, "count": weight}, jax.nn.softmax(logits)
 

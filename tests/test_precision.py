@@ -1,0 +1,238 @@
+"""Precision policies: fp8 quantization equals a numpy/ml_dtypes simulation, fp16 loss scaling
+skips overflowing steps bit-exactly and grows/backs off its scale, fp16/fp8 runs train and resume
+exactly after SIGTERM, both lower for TPU and GPU on a 2x2x2 mesh, bad input fails early."""
+import os
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxaccel import config
+from jaxaccel import sharding as shd
+from jaxaccel.models.fp8 import Fp8Linear
+from jaxaccel.precision import POLICIES, LossScale, get_policy
+from jaxaccel.train import loop
+from jaxaccel.train.checkpoint import Checkpointer, abstract_like
+from jaxaccel.train.inference import evaluate_run
+from jaxaccel.train.metrics import read_metrics
+from jaxaccel.train.step import make_train_step
+from test_train import TINY, _losses, _sigterm_at, tiny_cfg
+
+
+# ---- fp8: quantization against an independent simulation ----
+
+def _sim_quantize(x, history, fp8_dtype):
+    """Delayed scaling in numpy: scale from the history's max, saturate, round to fp8."""
+    fmax = np.float32(ml_dtypes.finfo(fp8_dtype).max)
+    amax = np.float32(history.max())
+    scale = np.float32(1) / (fmax / amax)
+    q = np.clip(x / scale, -fmax, fmax).astype(fp8_dtype)
+    return q.astype(np.float32), scale
+
+
+def test_fp8_linear_equals_numpy_simulation():
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((5, 8)) * 3).astype(np.float32)
+    x[0, 0] = 40.0                      # beyond the history's amax: saturates at 448 * scale
+    w = (rng.standard_normal((8, 6)) * 0.05).astype(np.float32)
+    g = (rng.standard_normal((5, 6)) * 1e-3).astype(np.float32)
+    hist = {"input": [2.0, 5.0, 0.0, 1.0], "kernel": [0.1, 0.0, 0.0, 0.0],
+            "output_grad": [3e-3, 1e-3, 0.0, 0.0]}
+    layer = Fp8Linear(8, 6, use_bias=False, dtype=jnp.float32, amax_history_length=4,
+                      rngs=nnx.Rngs(0))
+    layer.kernel[...] = w
+    for role, h in hist.items():
+        getattr(layer, f"{role}_amax_history")[...] = jnp.asarray(h, jnp.float32)
+    graphdef, params, meta = nnx.split(layer, nnx.Param, ...)
+
+    def f(params, meta, x):
+        y = nnx.merge(graphdef, params, meta)(x)
+        return jnp.sum(y * g), y
+
+    (_, y), (_, new_meta, dx) = jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True)(
+        params, meta, jnp.asarray(x))
+
+    qx, sx = _sim_quantize(x, np.array(hist["input"]), ml_dtypes.float8_e4m3fn)
+    qw, sw = _sim_quantize(w, np.array(hist["kernel"]), ml_dtypes.float8_e4m3fn)
+    qg, sg = _sim_quantize(g, np.array(hist["output_grad"]), ml_dtypes.float8_e5m2)
+    assert qx[0, 0] == 448.0            # saturated, not inf
+    np.testing.assert_allclose(np.asarray(y), (qx.astype(np.float64) @ qw) * sx * sw,
+                               rtol=1e-6, atol=1e-9)
+    np.testing.assert_allclose(np.asarray(dx), (qg.astype(np.float64) @ qw.T) * sg * sw,
+                               rtol=1e-6, atol=1e-12)
+    new = nnx.to_pure_dict(new_meta)
+    for role, value, scale in (("input", x, sx), ("kernel", w, sw), ("output_grad", g, sg)):
+        assert new[f"{role}_scale"][0] == scale, role
+        expected = np.roll(np.array(hist[role], np.float32), -1)
+        expected[0] = np.abs(value).max()
+        np.testing.assert_array_equal(new[f"{role}_amax_history"], expected)
+
+
+# ---- fp16: the loss-scale rule and skipped steps ----
+
+def test_loss_scale_grows_after_the_interval_and_backs_off_on_overflow():
+    ls = LossScale.create(2.0 ** 15, growth_interval=3)
+    seen = []
+    for finite in (True, True, True, True, False, False, True):
+        ls = ls.update(jnp.asarray(finite))
+        seen.append((float(ls.scale), int(ls.skipped), int(ls.consecutive)))
+    assert seen == [(2 ** 15, 0, 0), (2 ** 15, 0, 0), (2 ** 16, 0, 0), (2 ** 16, 0, 0),
+                    (2 ** 15, 1, 1), (2 ** 14, 2, 2), (2 ** 14, 2, 0)]
+
+
+def _fp16_run(tmp_path, *sets):
+    run = loop.build(tiny_cfg(tmp_path, "precision.policy=fp16", *sets), jax.devices()[:1])
+    bsh = shd.batch_sharding(run.mesh)
+    step = jax.jit(make_train_step(run.graphdef, run.tx))
+    batches = (loop._global_batch(b, bsh) for b in run.train_data.batches(0))
+    return run, step, batches
+
+
+def test_fp16_overflow_skips_the_step_bit_exactly(tmp_path):
+    run, step, batches = _fp16_run(tmp_path, "precision.loss_scale_growth_interval=2")
+    state, _ = step(run.state, next(batches))
+    state, m = step(state, next(batches))
+    assert float(state.loss_scale.scale) == 2.0 ** 16         # 2 finite steps: doubled
+    assert float(m["loss_scale"]) == 2.0 ** 15 and int(m["skipped_steps"]) == 0
+    # Inject an overflow: at 2**40 the scaled gradient exceeds fp16's range (65504).
+    before = jax.device_get(state.replace(loss_scale=state.loss_scale.replace(scale=2.0 ** 40)))
+    after, m = step(jax.device_put(before), next(batches))
+    after = jax.device_get(after)
+    assert int(m["skipped_steps"]) == 1 and int(m["consecutive_skips"]) == 1
+    assert float(after.loss_scale.scale) == 2.0 ** 39
+    for a, b in zip(jax.tree_util.tree_leaves((before.params, before.opt_state)),
+                    jax.tree_util.tree_leaves((after.params, after.opt_state))):
+        np.testing.assert_array_equal(a, b)
+    assert int(after.step) == int(before.step) + 1            # the batch was consumed
+
+
+def test_fp16_stops_after_too_many_skips_in_a_row(tmp_path):
+    bad = loop.train(tiny_cfg(tmp_path, "precision.policy=fp16", "train.max_steps=10",
+                              "precision.loss_scale_init=1e38",
+                              "precision.max_consecutive_skips=3"))
+    assert bad["status"] == "nonfinite" and "3 steps in a row" in bad["error"], bad
+
+
+# ---- training, metrics and exact resume under each policy ----
+
+@pytest.mark.parametrize("policy,metric", [("fp16", "train/loss_scale"),
+                                           ("fp8", "train/fp8/qkv_output_grad_scale")])
+def test_policy_trains_and_resume_after_sigterm_matches_uninterrupted(tmp_path, monkeypatch,
+                                                                      policy, metric):
+    # fp16 from 2**19: the first steps overflow and back off (skipped, no NaN stop) until the
+    # scale fits; then it grows every 5 finite steps, across the resume.
+    sets = (f"precision.policy={policy}", "train.epochs=3",
+            "precision.loss_scale_init=524288.0",
+            "precision.loss_scale_growth_interval=5", "precision.fp8_amax_history=4")
+    full = loop.train(tiny_cfg(tmp_path, "name=full", *sets))
+    lf = _losses(full["run_dir"])
+    assert np.mean([lf[s] for s in (10, 11, 12)]) < np.mean([lf[s] for s in (1, 2, 3)]) - 0.05
+    with monkeypatch.context() as m:
+        _sigterm_at(m, 6)
+        part = loop.train(tiny_cfg(tmp_path, "name=part", *sets))
+    assert part["status"] == "preempted" and part["step"] == 6
+    resumed = loop.train(tiny_cfg(tmp_path, "name=part", *sets))
+    assert resumed["status"] == "completed" and resumed["step"] == 12
+    rf = {r["step"]: r for r in read_metrics(full["run_dir"]) if "train/loss" in r}
+    rp = {r["step"]: r for r in read_metrics(part["run_dir"]) if "train/loss" in r}
+    assert sorted(rp) == list(range(1, 13))
+    for key in ("train/loss", metric):
+        np.testing.assert_allclose([rp[s][key] for s in rp], [rf[s][key] for s in rp],
+                                   rtol=1e-6, err_msg=key)
+    assert resumed["eval_accuracy"] == pytest.approx(full["eval_accuracy"])
+    if policy == "fp16":
+        skipped = [rf[s]["train/skipped_steps"] for s in rf]
+        assert 0 < skipped[-1] < 6 and skipped == sorted(skipped)
+        np.testing.assert_array_equal(skipped, [rp[s]["train/skipped_steps"] for s in rp])
+        assert rf[12][metric] < 2.0 ** 19
+    else:   # eval from the run folder, with the saved scales, gives the run's own accuracy
+        assert evaluate_run(full["run_dir"])["accuracy"] == pytest.approx(full["eval_accuracy"])
+
+
+def test_bf16_training_lowers_the_loss(tmp_path):
+    result = loop.train(tiny_cfg(tmp_path, "precision.policy=bf16", "train.epochs=3"))
+    losses = _losses(result["run_dir"])
+    assert np.mean([losses[s] for s in (10, 11, 12)]) < np.mean([losses[s] for s in (1, 2, 3)]) \
+        - 0.05
+
+
+# ---- sharding and lowering ----
+
+@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+@pytest.mark.parametrize("policy", ["fp16", "fp8"])
+def test_step_lowers_for_accelerators_on_a_2x2x2_mesh(tmp_path, platform, policy):
+    run = loop.build(tiny_cfg(tmp_path, f"precision.policy={policy}", "mesh.data=2",
+                              "mesh.fsdp=2", "mesh.tensor=2"))
+    extra = run.state.loss_scale if policy == "fp16" else run.state.fp8
+    for leaf in jax.tree_util.tree_leaves(extra):
+        assert leaf.sharding.is_fully_replicated and len(leaf.addressable_shards) == 8
+    bsh = shd.batch_sharding(run.mesh)
+    step = jax.jit(make_train_step(run.graphdef, run.tx),
+                   in_shardings=(run.state_shardings, bsh),
+                   out_shardings=(run.state_shardings, shd.replicated(run.mesh)),
+                   donate_argnums=0)
+    batch = loop._global_batch(next(run.train_data.batches(0)), bsh)
+    with jax.set_mesh(run.mesh):
+        text = step.trace(abstract_like(run.state, run.state_shardings), batch).lower(
+            lowering_platforms=(platform,)).as_text()
+    assert "mhlo.sharding" in text or "sdy.sharding" in text
+    dots = [line for line in text.splitlines() if "dot_general" in line]
+    if policy == "fp16":
+        assert any("xf16>" in line for line in dots)
+    else:   # forward E4M3 x E4M3, backward E5M2 x E4M3: 6 encoder Dense x 2 layers x 3 GEMMs
+        assert sum("f8E4M3FN" in line for line in dots) >= 36
+        assert sum("f8E5M2" in line for line in dots) >= 24
+
+
+@pytest.mark.gpu
+def test_fp8_step_compiles_to_cublaslt_fp8_gemms_on_a_gpu(tmp_path):
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs an NVIDIA GPU (sm89+)")
+    run = loop.build(tiny_cfg(tmp_path, "precision.policy=fp8"), jax.devices()[:1])
+    step = jax.jit(make_train_step(run.graphdef, run.tx))
+    batch = loop._global_batch(next(run.train_data.batches(0)), shd.batch_sharding(run.mesh))
+    hlo = step.lower(run.state, batch).compile().as_text()
+    assert "__cublas$lt$matmul$f8" in hlo
+
+
+# ---- bad input ----
+
+def test_unknown_policy_names_the_four():
+    with pytest.raises(ValueError) as e:
+        config.build(sets=["precision.policy=fp4"])
+    for name in POLICIES:
+        assert repr(name) in str(e.value)
+    assert sorted(POLICIES) == ["bf16", "fp16", "fp32", "fp8"]
+    assert get_policy("fp8").fp8 and get_policy("fp16").loss_scaling
+
+
+@pytest.mark.parametrize("sets,message", [
+    (["model.attention_impl=cudnn"], "cuDNN flash attention takes fp16/bf16"),
+    (["precision.policy=fp16", "precision.loss_scale_init=0.0"], "must be > 0"),
+    (["precision.policy=fp8", "precision.fp8_amax_history=0"], "fp8_amax_history=0"),
+])
+def test_impossible_combinations_fail_before_building(sets, message):
+    with pytest.raises(ValueError, match=message):
+        config.build(sets=TINY + sets)
+
+
+# ---- accuracy on the main job ----
+
+@pytest.mark.slow
+def test_fp16_and_fp8_match_fp32_accuracy_on_the_main_job(tmp_path):
+    """MiniLM-L6 on the RT snippets (configs/minilm_rt.py, ~5 min per policy on a 2-core CPU):
+    fp16 and fp8 reach test accuracy within 1 point of fp32."""
+    path = os.path.join(os.path.dirname(__file__), "..", "configs", "minilm_rt.py")
+    acc = {}
+    for policy in ("fp32", "fp16", "fp8"):
+        result = loop.train(config.load(path, [f"workdir={tmp_path}", f"name={policy}",
+                                               f"precision.policy={policy}",
+                                               "train.progress=false"]))
+        assert result["status"] == "completed", result
+        acc[policy] = result["eval_accuracy"]
+    print("test accuracy per policy:", acc)
+    for policy in ("fp16", "fp8"):
+        assert abs(acc[policy] - acc["fp32"]) <= 0.01, acc
