@@ -38,6 +38,14 @@ def pytest_report_header(config):
 
 
 def pytest_collection_modifyitems(config, items):
+    """``slow`` tests (minutes of training each) run only when asked for (``-m slow``), so the
+    default suite stays within CI's budget; ``gpu`` tests only where the default backend is a
+    GPU."""
+    if "slow" not in (config.getoption("markexpr") or ""):
+        slow = pytest.mark.skip(reason="slow: run with -m slow")
+        for item in items:
+            if item.get_closest_marker("slow"):
+                item.add_marker(slow)
     if _backend.platform() == "gpu":
         return
     skip = pytest.mark.skip(reason=f"needs a GPU (default backend: {jax.default_backend()})")
