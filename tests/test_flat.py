@@ -17,7 +17,9 @@ from jaxaccel.train.checkpoint import Checkpointer, on_disk, restore_state
 from kernels_pallas.adan import (LANES, ROW_ALIGN, BlockSizes, adan_apply, adan_update,
                                  make_scalars)
 from test_adan import CASES, Float64Adan, bert_tree, grads_at, rel, small_tree
-from test_sharding import ADAN, build
+# on_eight_devices (autouse, module scope): ``build`` places every run on test_sharding's 8
+# devices, the fake CPU ones on a one-GPU machine (see conftest.eight_device_placement).
+from test_sharding import ADAN, build, on_eight_devices  # noqa: F401
 
 FLAT = ("train.flat_params=true",)
 
