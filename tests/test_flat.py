@@ -1,7 +1,6 @@
 """The one-pass Adan on flat parameters (``optim.flat``, ``adan_onepass``, ``kernels_pallas``'s
 ``adan_apply``, ``train.flat_params``): the float64 rule, the kernel three ways, training equal
 to the optax path on one device and sharded, checkpoints portable across the two paths."""
-import itertools
 import re
 
 import jax
@@ -19,7 +18,7 @@ from kernels_pallas.adan import (LANES, ROW_ALIGN, BlockSizes, adan_apply, adan_
 from test_adan import CASES, Float64Adan, bert_tree, grads_at, rel, small_tree
 # on_eight_devices (autouse, module scope): ``build`` places every run on test_sharding's 8
 # devices, the fake CPU ones on a one-GPU machine (see conftest.eight_device_placement).
-from test_sharding import ADAN, build, on_eight_devices  # noqa: F401
+from test_sharding import ADAN, build, on_eight_devices, train_steps  # noqa: F401
 
 FLAT = ("train.flat_params=true",)
 
@@ -126,23 +125,6 @@ def test_apply_kernel_lowers_in_place_for_tpu_and_gpu(platform, backend):
     pairs = re.findall(r"output_tuple_indices = \[(\d)\], operand_index = (\d)", call[0])
     assert pairs == [(str(k), str(k + 2)) for k in range(5)], pairs
     assert text.count("tf.aliasing_output") == 5
-
-
-def train_steps(run, k=3):
-    """``k`` jitted steps of ``run``'s configured path (the trainer's step builders)."""
-    from jaxaccel import sharding as shd
-    make_train, _ = loop.step_builders(run.cfg)
-    bsh = shd.batch_sharding(run.mesh)
-    step = jax.jit(make_train(run.graphdef, run.tx, run.cfg.train.grad_accum),
-                   in_shardings=(run.state_shardings, bsh),
-                   out_shardings=(run.state_shardings, shd.replicated(run.mesh)),
-                   donate_argnums=0)
-    state, losses = run.state, []
-    for batch in itertools.islice(run.train_data.batches(0), k):
-        with jax.set_mesh(run.mesh):
-            state, metrics = step(state, loop._global_batch(batch, bsh))
-        losses.append(float(metrics["loss"]))
-    return losses, state
 
 
 def _losses_and_params(run, k=3):

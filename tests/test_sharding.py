@@ -17,7 +17,6 @@ from jaxaccel import config
 from jaxaccel import sharding as shd
 from jaxaccel.train import loop
 from jaxaccel.train.checkpoint import Checkpointer, abstract_like, on_disk, restore_state
-from jaxaccel.train.step import make_train_step
 from kernels_pallas import _backend
 
 TINY = ["model.name=tiny", "data.name=synthetic", "data.synthetic_examples=64",
@@ -51,8 +50,11 @@ def build(tmp_path, mesh, num_devices=8, *sets):
 
 
 def jitted_step(run):
+    """The trainer's step for ``run``'s configured path (``loop.step_builders``), jitted with
+    its shardings and the state donated."""
+    make_train, _ = loop.step_builders(run.cfg)
     bsh = shd.batch_sharding(run.mesh)
-    step = jax.jit(make_train_step(run.graphdef, run.tx, run.cfg.train.grad_accum),
+    step = jax.jit(make_train(run.graphdef, run.tx, run.cfg.train.grad_accum),
                    in_shardings=(run.state_shardings, bsh),
                    out_shardings=(run.state_shardings, shd.replicated(run.mesh)),
                    donate_argnums=0)
