@@ -13,9 +13,9 @@ from jaxaccel.optim import decay_mask, flat
 from jaxaccel.optim.adan import adan_onepass
 from jaxaccel.train import loop
 from jaxaccel.train.checkpoint import Checkpointer, on_disk, restore_state
-from kernels_pallas.adan import (LANES, ROW_ALIGN, BlockSizes, adan_apply, adan_update,
-                                 make_scalars)
-from test_adan import CASES, Float64Adan, bert_tree, grads_at, rel, small_tree
+from kernels_pallas.adan import LANES, ROW_ALIGN, BlockSizes, adan_apply, adan_update
+from test_adan import (CASES, Float64Adan, _flat_args, bert_tree, grads_at, rel,
+                       small_tree)
 # on_eight_devices (autouse, module scope): ``build`` places every run on test_sharding's 8
 # devices, the fake CPU ones on a one-GPU machine (see conftest.eight_device_placement).
 from test_sharding import ADAN, build, on_eight_devices, train_steps  # noqa: F401
@@ -75,12 +75,9 @@ def test_groups_split_by_decay_and_dtype_and_views_round_trip():
         tx.apply(fp.buffers[:1], tx.init(fp), fp)
 
 
-def _flat_args(rows, dtype=jnp.float32):
-    k = jax.random.split(jax.random.PRNGKey(0), 6)
-    g, p, m, v, prev = [jax.random.normal(kk, (rows, LANES), dtype) for kk in k[:5]]
-    n = jnp.abs(jax.random.normal(k[5], (rows, LANES)))
-    s = make_scalars(lr=1e-3, b1=0.98, b2=0.92, b3=0.99, eps=1e-8, weight_decay=0.02,
-                     count=3, clip=0.7)
+def _apply_args(rows, dtype=jnp.float32):
+    """test_adan's flat kernel arguments in adan_apply's order (s, g, p, m, v, n, prev)."""
+    s, g, m, v, n, prev, p = _flat_args(rows, dtype)
     return s, g, p, m, v, n, prev
 
 
@@ -88,7 +85,7 @@ def _flat_args(rows, dtype=jnp.float32):
 def test_apply_kernel_interpret_matches_reference_and_update(no_prox):
     """The one-pass kernel (interpreted) = its XLA reference, and p' = p + the optax-path
     update of the same step."""
-    s, g, p, m, v, n, prev = _flat_args(ROW_ALIGN, jnp.bfloat16)
+    s, g, p, m, v, n, prev = _apply_args(ROW_ALIGN, jnp.bfloat16)
     a = adan_apply(s, g, p, m, v, n, prev, no_prox=no_prox, backend="xla")
     b = adan_apply(s, g, p, m, v, n, prev, no_prox=no_prox, backend="interpret",
                    block_sizes=BlockSizes(128))
@@ -96,7 +93,7 @@ def test_apply_kernel_interpret_matches_reference_and_update(no_prox):
         assert x.dtype == y.dtype
         np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32),
                                    rtol=2.0 ** -7, atol=1e-6)
-    s, g, p, m, v, n, prev = _flat_args(ROW_ALIGN)
+    s, g, p, m, v, n, prev = _apply_args(ROW_ALIGN)
     new = adan_apply(s, g, p, m, v, n, prev, no_prox=no_prox, backend="xla")
     u, *state = adan_update(s, g, m, v, n, prev, p, no_prox=no_prox, backend="xla")
     np.testing.assert_allclose(new[0], p + u, rtol=1e-6, atol=1e-6)
@@ -113,7 +110,7 @@ def test_block_sizes_are_checked():
 
 @pytest.mark.parametrize("platform,backend", [("tpu", "tpu"), ("cuda", "gpu")])
 def test_apply_kernel_lowers_in_place_for_tpu_and_gpu(platform, backend):
-    args = _flat_args(2 * ROW_ALIGN)
+    args = _apply_args(2 * ROW_ALIGN)
     f = jax.jit(lambda *a: adan_apply(*a, backend=backend), donate_argnums=(2, 3, 4, 5, 6))
     lowered = f.trace(*args).lower(lowering_platforms=(platform,))
     text = lowered.as_text()
