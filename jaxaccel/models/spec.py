@@ -157,7 +157,7 @@ def from_config(model_cfg, architecture: BertConfig | None = None) -> ModelSpec:
         raise ValueError(f"model.name={name!r} is unknown; presets: {sorted(PRESETS)}.{hint} "
                          "For any other BERT-family model set model.checkpoint to its "
                          "Hugging Face directory.")
-    return _with_options(architecture or PRESETS[name], model_cfg)
+    return _with_options(PRESETS[name] if architecture is None else architecture, model_cfg)
 
 
 def from_saved(saved: dict[str, Any], model_cfg) -> ModelSpec:
