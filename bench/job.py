@@ -27,7 +27,6 @@ import shutil
 import sys
 import tempfile
 import time
-import types
 
 import jax
 
@@ -45,14 +44,13 @@ def padded_tokens_and_flops(cfg) -> tuple[int, float]:
     """Tokens and model FLOPs of every train batch the run takes (same pipeline, no steps)."""
     from jaxaccel.train.loop import build
     run = build(cfg)
-    arch = types.SimpleNamespace(**run.architecture)
     tokens, flops, step, epoch = 0, 0.0, 0, 0
     while step < run.total_steps:
         for batch in run.train_data.batches(epoch):
             b, length = batch["input_ids"].shape
             b *= jax.process_count()
             tokens += b * length
-            flops += model_flops(arch, b, length, cfg.model.num_labels)
+            flops += model_flops(run.spec.architecture, b, length, cfg.model.num_labels)
             step += 1
             if step >= run.total_steps:
                 break

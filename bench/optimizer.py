@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import (PEAK_BANDWIDTH, count_kernels, device_kind, markdown,  # noqa: E402
                           time_fn, write_results)
-from jaxaccel.models.bert import PRESETS, BertConfig, BertModel  # noqa: E402
+from jaxaccel.models import PRESETS, BertConfig, BertModel, ModelSpec  # noqa: E402
 from jaxaccel.optim import decay_mask  # noqa: E402
 from jaxaccel.optim.adan import adan, adan_onepass  # noqa: E402
 from kernels_pallas.adan import BlockSizes  # noqa: E402
@@ -52,7 +52,7 @@ HP = dict(weight_decay=0.01, max_grad_norm=1.0, mask=decay_mask)
 
 def bert_params(config: BertConfig):
     from flax import nnx
-    abstract = nnx.eval_shape(lambda: BertModel(config, num_labels=2))
+    abstract = nnx.eval_shape(lambda: BertModel(ModelSpec(config, num_labels=2)))
     shapes = nnx.to_pure_dict(nnx.state(abstract, nnx.Param))
     rng = np.random.default_rng(0)
     return jax.tree_util.tree_map(

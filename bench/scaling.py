@@ -35,7 +35,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import markdown, time_fn, write_results  # noqa: E402
 from jaxaccel import config as config_lib  # noqa: E402
 from jaxaccel import sharding as shd  # noqa: E402
-from jaxaccel.models.bert import PRESETS, BertLayer  # noqa: E402
+from jaxaccel.models import PRESETS  # noqa: E402
+from jaxaccel.models.bert import BertLayer  # noqa: E402
 from jaxaccel.precision import get_policy  # noqa: E402
 from jaxaccel.train import loop  # noqa: E402
 from jaxaccel.train.step import _forward, make_train_step  # noqa: E402

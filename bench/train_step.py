@@ -43,7 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import PEAK_BF16_FLOPS, device_kind, markdown, time_fn, write_results  # noqa
 from bench.hlo_profile import profile_ops  # noqa: E402
-from jaxaccel.models.bert import PRESETS, BertConfig, BertModel  # noqa: E402
+from jaxaccel.models import PRESETS, BertConfig, BertModel, ModelSpec  # noqa: E402
 from jaxaccel.models.fp8 import Fp8Meta  # noqa: E402
 from jaxaccel.precision import LossScale, get_policy  # noqa: E402
 from jaxaccel.optim import make_optimizer  # noqa: E402
@@ -73,7 +73,7 @@ def jax_step(config, policy, optimizer, attention, batch, seq):
     from flax import nnx
     cfg = config if attention == "xla" else dataclasses.replace(
         config, attention_probs_dropout_prob=0.0)
-    model = BertModel(cfg, num_labels=2, policy=policy, attention_impl=attention)
+    model = BertModel(ModelSpec(cfg, num_labels=2, attention_impl=attention), policy)
     graphdef, params, fp8 = nnx.split(model, nnx.Param, Fp8Meta)
     params = nnx.to_pure_dict(params)
     tx = make_optimizer(optimizer, 1e-4, weight_decay=0.01, max_grad_norm=1.0)

@@ -3,6 +3,7 @@
 Every float32 computation compared with a reference runs at ``precision="highest"`` (a GPU's
 default float32 matmul is TF32, 10-bit mantissa), and so does the reference; ``TOL`` holds the
 bounds."""
+import dataclasses
 import json
 import os
 import shutil
@@ -14,7 +15,9 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
-from jaxaccel.models import bert
+from jaxaccel import config
+from jaxaccel.models import (PRESETS, ModelSpec, architecture_of, bert, create_model,
+                             from_pretrained, load_checkpoint, spec)
 from kernels_pallas import _backend
 
 PLATFORM = _backend.platform()
@@ -34,6 +37,11 @@ TOL = {
     ("gpu", jnp.bfloat16): {"fp32": 3e-2},
 }
 F32, BF16 = TOL[PLATFORM, jnp.float32], TOL[PLATFORM, jnp.bfloat16]
+
+
+def _tiny(policy=None, **options):
+    """The tiny preset with ``ModelSpec`` options."""
+    return bert.BertModel(ModelSpec(PRESETS["tiny"], **options), policy)
 
 
 def _inputs():
@@ -57,7 +65,7 @@ def test_hf_parity_with_pytorch(minilm_dir):
     transformers = pytest.importorskip("transformers")
     ids, mask = _inputs()
     with jax.default_matmul_precision("highest"):
-        ours = bert.from_pretrained(minilm_dir)(jnp.asarray(ids), jnp.asarray(mask))
+        ours = from_pretrained(minilm_dir)(jnp.asarray(ids), jnp.asarray(mask))
     ref = transformers.BertModel.from_pretrained(minilm_dir).eval()
     with torch.no_grad():
         out = ref(input_ids=torch.tensor(ids).long(), attention_mask=torch.tensor(mask).long())
@@ -75,10 +83,10 @@ def test_prefixed_layout_with_classifier_loads_head(minilm_dir, tmp_path):
             "classifier.bias": rng.normal(size=(3,)).astype(np.float32)}
     path = _copy_checkpoint(minilm_dir, str(tmp_path / "ckpt"),
                             lambda t: {**{f"bert.{k}": v for k, v in t.items()}, **head})
-    model = bert.from_pretrained(path, num_labels=3)
+    model = from_pretrained(path, num_labels=3)
     np.testing.assert_array_equal(np.asarray(model.classifier.kernel[...]),
                                   head["classifier.weight"].T)
-    plain = bert.from_pretrained(minilm_dir)
+    plain = from_pretrained(minilm_dir)
     ids, mask = _inputs()
     np.testing.assert_allclose(model(ids, mask).pooler_output, plain(ids, mask).pooler_output,
                                atol=1e-6)
@@ -91,7 +99,7 @@ def test_unexpected_tensor_is_named(minilm_dir, tmp_path):
                             lambda t: {**t, "encoder.layer.0.attention.self.rotary.weight":
                                        np.zeros(3, np.float32)})
     with pytest.raises(ValueError, match="encoder.layer.0.attention.self.rotary.weight"):
-        bert.from_pretrained(path)
+        from_pretrained(path)
 
 
 def test_missing_tensor_is_named(minilm_dir, tmp_path):
@@ -99,7 +107,7 @@ def test_missing_tensor_is_named(minilm_dir, tmp_path):
                             lambda t: {k: v for k, v in t.items()
                                        if k != "encoder.layer.3.output.dense.weight"})
     with pytest.raises(ValueError, match="encoder.layer.3.output.dense.weight"):
-        bert.from_pretrained(path)
+        from_pretrained(path)
 
 
 def test_wrong_head_shape_is_an_error(minilm_dir, tmp_path):
@@ -107,7 +115,7 @@ def test_wrong_head_shape_is_an_error(minilm_dir, tmp_path):
             "classifier.bias": np.zeros((5,), np.float32)}
     path = _copy_checkpoint(minilm_dir, str(tmp_path / "ckpt"), lambda t: {**t, **head})
     with pytest.raises(ValueError, match="classifier.weight.*num_labels=2"):
-        bert.from_pretrained(path, num_labels=2)
+        from_pretrained(path, num_labels=2)
 
 
 def test_non_bert_config_is_rejected(minilm_dir, tmp_path):
@@ -116,20 +124,43 @@ def test_non_bert_config_is_rejected(minilm_dir, tmp_path):
     cfg["model_type"] = "gpt2"
     json.dump(cfg, open(os.path.join(path, "config.json"), "w"))
     with pytest.raises(ValueError, match="model_type='gpt2' is not a BERT-family model"):
-        bert.from_pretrained(path)
+        from_pretrained(path)
 
 
 def test_missing_directory_and_weights(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
-        bert.from_pretrained(str(tmp_path / "nowhere"))
+        from_pretrained(str(tmp_path / "nowhere"))
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "config.json").write_text(json.dumps({"model_type": "bert"}))
     with pytest.raises(FileNotFoundError, match="no model.safetensors"):
-        bert.from_pretrained(str(tmp_path / "empty"))
+        from_pretrained(str(tmp_path / "empty"))
+
+
+def test_config_spec_loads_the_checkpoint_and_its_architecture_is_checked(minilm_dir):
+    """``create_model`` builds the spec from ``cfg.model`` and the checkpoint's config.json
+    (dropouts overridden), ``load_checkpoint`` takes it; a spec of another architecture is
+    refused before any weight is read."""
+    cfg = config.build(sets=["model.hidden_dropout=0.0", "model.pooling=mean"])
+    model, _ = create_model(cfg.model, None, 1)
+    arch = architecture_of(minilm_dir)
+    assert model.spec == ModelSpec(dataclasses.replace(arch, hidden_dropout_prob=0.0),
+                                   num_labels=2, pooling="mean")
+    assert model.classifier_dropout.rate == 0.0 and model.embeddings.dropout.rate == 0.0
+    weights = load_file(os.path.join(minilm_dir, "model.safetensors"))
+    np.testing.assert_array_equal(model.layers[5].output.kernel[...],
+                                  weights["encoder.layer.5.output.dense.weight"].T)
+    other = dataclasses.replace(model.spec, architecture=dataclasses.replace(
+        arch, layer_norm_eps=1e-5))
+    with pytest.raises(ValueError, match=r"layer_norm_eps=1e-12 \(spec: 1e-05\).*architecture_of"):
+        load_checkpoint(minilm_dir, other)
+
+
+def test_every_hidden_act_has_an_implementation():
+    assert set(bert._ACTIVATIONS) == set(spec.HIDDEN_ACTS)
 
 
 def test_every_parameter_has_logical_axes():
-    model = bert.BertModel(bert.PRESETS["tiny"], num_labels=2)
+    model = _tiny(num_labels=2)
     specs = nnx.get_partition_spec(nnx.state(model, nnx.Param))
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     for spec, p in zip(jax.tree_util.tree_leaves(nnx.to_pure_dict(specs),
@@ -141,8 +172,8 @@ def test_every_parameter_has_logical_axes():
 def test_bf16_policy_is_close_to_fp32(minilm_dir):
     ids, mask = _inputs()
     with jax.default_matmul_precision("highest"):
-        fp32 = bert.from_pretrained(minilm_dir, num_labels=2)(ids, mask)
-    bf16_model = bert.from_pretrained(minilm_dir, num_labels=2, policy="bf16")
+        fp32 = from_pretrained(minilm_dir, num_labels=2)(ids, mask)
+    bf16_model = from_pretrained(minilm_dir, num_labels=2, policy="bf16")
     assert bf16_model.layers[0].intermediate.kernel[...].dtype == jnp.float32
     bf16 = bf16_model(ids, mask)
     assert bf16.last_hidden_state.dtype == jnp.float32
@@ -152,13 +183,13 @@ def test_bf16_policy_is_close_to_fp32(minilm_dir):
 
 
 def test_mlm_head_shapes():
-    model = bert.BertModel(bert.PRESETS["tiny"], mlm_head=True)
+    model = _tiny(mlm_head=True)
     out = model(jnp.ones((2, 5), jnp.int32))
     assert out.logits.shape == (2, 5, 30522)
 
 
 def test_dropout_needs_rngs_and_is_random():
-    model = bert.BertModel(bert.PRESETS["tiny"], num_labels=2)
+    model = _tiny(num_labels=2)
     ids = jnp.ones((2, 8), jnp.int32)
     with pytest.raises(ValueError, match="rngs"):
         model(ids, deterministic=False)
@@ -168,19 +199,19 @@ def test_dropout_needs_rngs_and_is_random():
 
 
 def test_too_long_sequence_is_an_error():
-    model = bert.BertModel(bert.PRESETS["tiny"])
+    model = _tiny()
     with pytest.raises(ValueError, match="exceeds max_position_embeddings=128"):
         model(jnp.ones((1, 129), jnp.int32))
 
 
 def test_fused_attention_refuses_dropout():
-    model = bert.BertModel(bert.PRESETS["tiny"], attention_impl="cudnn")
+    model = _tiny(attention_impl="cudnn")
     with pytest.raises(ValueError, match="attention_impl='xla'"):
         model(jnp.ones((1, 8), jnp.int32), deterministic=False, rngs=nnx.Rngs(dropout=0))
 
 
 def test_mean_pooling_head_reads_masked_mean():
-    model = bert.BertModel(bert.PRESETS["tiny"], num_labels=2, classifier_pooling="mean")
+    model = _tiny(num_labels=2, pooling="mean")
     ids, mask = _inputs()
     with jax.default_matmul_precision("highest"):
         out = model(ids, mask)
@@ -191,8 +222,6 @@ def test_mean_pooling_head_reads_masked_mean():
     expected = mean @ np.asarray(head.kernel[...]) + np.asarray(head.bias[...])
     np.testing.assert_allclose(np.asarray(out.logits), expected, rtol=F32["same"],
                                atol=F32["same"])
-    with pytest.raises(ValueError, match="classifier_pooling='max'"):
-        bert.BertModel(bert.PRESETS["tiny"], num_labels=2, classifier_pooling="max")
 
 
 def test_pallas_attention_matches_xla(minilm_dir):
@@ -200,8 +229,8 @@ def test_pallas_attention_matches_xla(minilm_dir):
     forward kernel on a GPU, one shape) vs the XLA path."""
     ids, mask = _inputs()
     with jax.default_matmul_precision("highest"):
-        xla = bert.from_pretrained(minilm_dir)(ids, mask)
-        pallas = bert.from_pretrained(minilm_dir, attention_impl="pallas")(ids, mask)
+        xla = from_pretrained(minilm_dir)(ids, mask)
+        pallas = from_pretrained(minilm_dir, attention_impl="pallas")(ids, mask)
     real = mask.astype(bool)
     a = np.asarray(pallas.last_hidden_state)[real]
     b = np.asarray(xla.last_hidden_state)[real]
@@ -242,7 +271,7 @@ def test_bf16_step_runs_every_activation_matmul_in_bf16():
     """Forward and backward: no [b, s, ...] matmul of the bf16 model takes float32 operands
     (autodiff of float32-accumulated scores would run the attention backward in float32)."""
     import re
-    model = bert.BertModel(bert.PRESETS["tiny"], num_labels=2, policy="bf16")
+    model = _tiny("bf16", num_labels=2)
     graphdef, params = nnx.split(model, nnx.Param)
     ids, mask = (jnp.asarray(x) for x in _inputs())
 

@@ -8,13 +8,13 @@ tanh(dense(first token))). Every parameter carries logical axis names (``vocab``
 encoder's Dense layers (QKV, attention output, MLP in/out) are ``fp8.Fp8Linear`` (same
 parameters plus non-trainable ``Fp8Meta`` scales); attention, pooler and heads stay bf16.
 
-    model = from_pretrained("path/to/hf_checkpoint", num_labels=2)
+    model = BertModel(ModelSpec(spec.PRESETS["tiny"], num_labels=2), policy="bf16")
     out = model(input_ids, attention_mask=mask)      # out.last_hidden_state, .pooler_output, .logits
+
+What the model is comes from a ``spec.ModelSpec``; ``hf.from_pretrained`` loads a Hugging Face
+checkpoint.
 """
 from __future__ import annotations
-
-import dataclasses
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -23,57 +23,10 @@ from flax import struct
 
 from jaxaccel.models.attention import ATTENTION_IMPLS, attention, check_impl
 from jaxaccel.models.fp8 import Fp8Linear
+from jaxaccel.models.spec import BertConfig, ModelSpec
 from jaxaccel.precision import Policy, get_policy
 
-BERT_MODEL_TYPES = ("bert",)
-POOLINGS = ("cls", "mean")
-
-
-@dataclasses.dataclass(frozen=True)
-class BertConfig:
-    """The architecture; field names are those of transformers' ``BertConfig``."""
-
-    vocab_size: int = 30522
-    hidden_size: int = 768
-    num_hidden_layers: int = 12
-    num_attention_heads: int = 12
-    intermediate_size: int = 3072
-    hidden_act: str = "gelu"
-    hidden_dropout_prob: float = 0.1
-    attention_probs_dropout_prob: float = 0.1
-    max_position_embeddings: int = 512
-    type_vocab_size: int = 2
-    layer_norm_eps: float = 1e-12
-    pad_token_id: int = 0
-    initializer_range: float = 0.02
-
-    def __post_init__(self):
-        if self.hidden_size % self.num_attention_heads:
-            raise ValueError(f"hidden_size={self.hidden_size} is not divisible by "
-                             f"num_attention_heads={self.num_attention_heads}.")
-        if self.hidden_act not in _ACTIVATIONS:
-            raise ValueError(f"hidden_act={self.hidden_act!r} is not supported; expected one of "
-                             f"{sorted(_ACTIVATIONS)}.")
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any], source: str = "config") -> "BertConfig":
-        """Build from a transformers config.json dict; rejects non-BERT architectures."""
-        model_type = d.get("model_type", "bert")
-        if model_type not in BERT_MODEL_TYPES:
-            raise ValueError(f"{source}: model_type={model_type!r} is not a BERT-family model; "
-                             f"this loader reads {BERT_MODEL_TYPES}.")
-        if d.get("position_embedding_type", "absolute") != "absolute":
-            raise ValueError(f"{source}: position_embedding_type="
-                             f"{d['position_embedding_type']!r} is not supported (only 'absolute').")
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
-
-
-_ACTIVATIONS = {
+_ACTIVATIONS = {                   # one for each of spec.HIDDEN_ACTS
     "gelu": lambda x: jax.nn.gelu(x, approximate=False),
     "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
     "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
@@ -227,49 +180,33 @@ def _masked_mean(x, attention_mask):
 
 
 class BertModel(nnx.Module):
-    """BERT encoder with pooler and optional heads.
+    """BERT encoder with pooler and the heads ``spec`` asks for.
 
     Args:
-      config: the architecture.
-      num_labels: if given, a sequence-classification head (dropout + dense on the pooled output)
-        and ``logits`` [batch, num_labels] in the output.
-      mlm_head: add the masked-LM head; ``logits`` are then [batch, seq, vocab].
+      spec: the architecture and options (``spec.ModelSpec``).
       policy: precision policy name or object (default fp32).
-      attention_impl: one of ``ATTENTION_IMPLS``.
-      classifier_pooling: what the classification head reads: ``"cls"`` (BERT's pooler output,
-        as transformers' ``BertForSequenceClassification``) or ``"mean"`` (the mask-weighted
-        mean of the last hidden states, for checkpoints trained with mean pooling such as
-        sentence-transformers models).
-      remat: rematerialise each encoder layer's activations in the backward pass (memory for
-        compute).
-      rngs: parameter initialisation RNGs (``nnx.Rngs(params=...)``).
+      rngs: parameter initialisation RNGs (default ``nnx.Rngs(params=0)``).
     """
 
-    def __init__(self, config: BertConfig, *, num_labels: int | None = None,
-                 mlm_head: bool = False, policy: str | Policy | None = None,
-                 attention_impl: str = "xla", classifier_pooling: str = "cls",
-                 remat: bool = False, rngs: nnx.Rngs | None = None):
-        if classifier_pooling not in POOLINGS:
-            raise ValueError(f"classifier_pooling={classifier_pooling!r} is not one of "
-                             f"{POOLINGS}.")
-        if num_labels is not None and mlm_head:
-            raise ValueError("choose one head: num_labels (classification) or mlm_head=True.")
-        if num_labels is not None and num_labels < 1:
-            raise ValueError(f"num_labels={num_labels} must be a positive integer.")
-        check_impl(attention_impl, 0.0, True)
+    def __init__(self, spec: ModelSpec, policy: str | Policy | None = None,
+                 rngs: nnx.Rngs | None = None):
+        if not isinstance(spec, ModelSpec):
+            raise TypeError(f"BertModel takes a ModelSpec, got {type(spec).__name__}; e.g. "
+                            "BertModel(ModelSpec(PRESETS['tiny'], num_labels=2)).")
+        check_impl(spec.attention_impl, 0.0, True)
         rngs = rngs if rngs is not None else nnx.Rngs(params=0)
         policy = get_policy(policy)
-        self.config, self.policy, self.num_labels = config, policy, num_labels
-        self.classifier_pooling, self.remat = classifier_pooling, remat
+        config = spec.architecture
+        self.spec, self.config, self.policy = spec, config, policy
         self.embeddings = BertEmbeddings(config, policy, rngs)
-        self.layers = nnx.List([BertLayer(config, policy, attention_impl, rngs)
+        self.layers = nnx.List([BertLayer(config, policy, spec.attention_impl, rngs)
                                 for _ in range(config.num_hidden_layers)])
         self.pooler = _dense(config.hidden_size, config.hidden_size, ("embed", None), config,
                              policy, rngs)
         self.classifier_dropout = nnx.Dropout(config.hidden_dropout_prob)
-        self.classifier = nnx.data(None if num_labels is None else _dense(
-            config.hidden_size, num_labels, ("embed", None), config, policy, rngs))
-        self.mlm = nnx.data(BertMLMHead(config, policy, rngs) if mlm_head else None)
+        self.classifier = nnx.data(None if spec.num_labels is None else _dense(
+            config.hidden_size, spec.num_labels, ("embed", None), config, policy, rngs))
+        self.mlm = nnx.data(BertMLMHead(config, policy, rngs) if spec.mlm_head else None)
 
     def __call__(self, input_ids, attention_mask=None, token_type_ids=None, *,
                  deterministic: bool = True, rngs: nnx.Rngs | None = None) -> BertOutput:
@@ -285,14 +222,14 @@ class BertModel(nnx.Module):
             token_type_ids = jnp.zeros_like(input_ids)
         x = self.embeddings(input_ids, token_type_ids, deterministic, rngs)
         for layer in self.layers:
-            if self.remat:
+            if self.spec.remat:
                 x = _remat_layer(layer, x, attention_mask, rngs, deterministic=deterministic)
             else:
                 x = layer(x, attention_mask, deterministic, rngs)
         pooled = jnp.tanh(self.pooler(x[:, 0]).astype(jnp.float32))
         logits = None
         if self.classifier is not None:
-            h = pooled if self.classifier_pooling == "cls" else _masked_mean(x, attention_mask)
+            h = pooled if self.spec.pooling == "cls" else _masked_mean(x, attention_mask)
             h = self.classifier_dropout(h, deterministic=deterministic, rngs=rngs)
             logits = self.policy.cast_to_output(self.classifier(h))
         elif self.mlm is not None:
@@ -301,32 +238,4 @@ class BertModel(nnx.Module):
                           pooler_output=self.policy.cast_to_output(pooled), logits=logits)
 
 
-PRESETS = {
-    "bert-base": BertConfig(),
-    "bert-large": BertConfig(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
-                             intermediate_size=4096),
-    "minilm-l6": BertConfig(hidden_size=384, num_hidden_layers=6, num_attention_heads=12,
-                            intermediate_size=1536),
-    "tiny": BertConfig(vocab_size=30522, hidden_size=64, num_hidden_layers=2,
-                       num_attention_heads=4, intermediate_size=128, max_position_embeddings=128),
-}
-
-
-def from_pretrained(path, num_labels: int | None = None, policy: str | Policy | None = None,
-                    *, attention_impl: str = "xla", mlm_head: bool = False,
-                    classifier_pooling: str = "cls", remat: bool = False, seed: int = 0,
-                    config_overrides: dict | None = None) -> BertModel:
-    """Load a Hugging Face BERT-family checkpoint directory (config.json + model.safetensors).
-
-    Heads missing from the checkpoint (e.g. a new classifier) are freshly initialised from
-    ``seed``; tensors the model does not know are an error that names them.
-    """
-    from jaxaccel.models.hf import load_checkpoint
-    return load_checkpoint(path, num_labels=num_labels, policy=policy,
-                           attention_impl=attention_impl, mlm_head=mlm_head,
-                           classifier_pooling=classifier_pooling, remat=remat, seed=seed,
-                           config_overrides=config_overrides)
-
-
-__all__ = ["ATTENTION_IMPLS", "BertConfig", "BertModel", "BertOutput", "PRESETS",
-           "from_pretrained"]
+__all__ = ["ATTENTION_IMPLS", "BertModel", "BertOutput"]

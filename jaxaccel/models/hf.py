@@ -5,9 +5,13 @@ accepts the ``bert.``-prefixed layout (``BertFor*`` checkpoints) and the un-pref
 (``BertModel``), and the old ``gamma``/``beta`` LayerNorm names. Tensors the model does not
 know, and missing encoder tensors, are errors that name them; heads absent from the checkpoint
 (classifier, MLM head, pooler) are initialised fresh and reported.
+
+    model = from_pretrained("path/to/hf_checkpoint", num_labels=2, pooling="mean")
+    model = load_checkpoint(path, spec, policy, seed)     # the spec built elsewhere (from config)
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -17,7 +21,9 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jaxaccel.models.bert import BertConfig, BertModel
+from jaxaccel.models.bert import BertModel
+from jaxaccel.models.spec import DROPOUTS, BertConfig, ModelSpec
+from jaxaccel.precision import Policy
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +82,12 @@ def read_config(path: str) -> dict:
         return json.load(f)
 
 
+def architecture_of(path) -> BertConfig:
+    """The architecture in the config.json of the checkpoint directory ``path``."""
+    path = os.fspath(path)
+    return BertConfig.from_dict(read_config(path), source=os.path.join(path, "config.json"))
+
+
 def read_tensors(path: str) -> dict[str, np.ndarray]:
     """All tensors of a checkpoint directory, single-file or sharded safetensors."""
     from safetensors.numpy import load_file
@@ -96,21 +108,30 @@ def read_tensors(path: str) -> dict[str, np.ndarray]:
         "PyTorch .bin weights with transformers' save_pretrained(..., safe_serialization=True).")
 
 
-def load_checkpoint(path, *, num_labels=None, policy=None, attention_impl="xla",
-                    mlm_head=False, classifier_pooling="cls", remat=False, seed=0,
-                    config_overrides=None) -> BertModel:
-    """Build a ``BertModel`` from the checkpoint at ``path`` (see ``bert.from_pretrained``)."""
-    path = os.fspath(path)
-    cfg_dict = read_config(path)
-    cfg_dict.update(config_overrides or {})
-    config = BertConfig.from_dict(cfg_dict, source=os.path.join(path, "config.json"))
-    tensors = {_normalise(k): v for k, v in read_tensors(path).items()}
-    model = BertModel(config, num_labels=num_labels, mlm_head=mlm_head, policy=policy,
-                      attention_impl=attention_impl, classifier_pooling=classifier_pooling,
-                      remat=remat,
-                      rngs=nnx.Rngs(params=seed))
+def from_pretrained(path, num_labels: int | None = None, policy: str | Policy | None = None,
+                    *, seed: int = 0, **options) -> BertModel:
+    """Load a Hugging Face BERT-family checkpoint directory (config.json + model.safetensors)
+    with the architecture of its config.json; ``options`` are ``ModelSpec``'s (``pooling``,
+    ``attention_impl``, ``remat``, ``mlm_head``).
 
-    mapping = key_map(config, num_labels, mlm_head)
+    Heads missing from the checkpoint (e.g. a new classifier) are freshly initialised from
+    ``seed``; tensors the model does not know are an error that names them.
+    """
+    return load_checkpoint(path, ModelSpec(architecture_of(path), num_labels=num_labels,
+                                           **options), policy, seed)
+
+
+def load_checkpoint(path, spec: ModelSpec, policy: str | Policy | None = None,
+                    seed: int = 0) -> BertModel:
+    """The model of ``spec`` with the weights of the checkpoint at ``path``, whose config.json
+    must describe the same architecture (the dropouts aside, which are training options)."""
+    path = os.fspath(path)
+    _check_architecture(spec.architecture, architecture_of(path),
+                        os.path.join(path, "config.json"))
+    tensors = {_normalise(k): v for k, v in read_tensors(path).items()}
+    model = BertModel(spec, policy, nnx.Rngs(params=seed))
+
+    mapping = key_map(spec.architecture, spec.num_labels, spec.mlm_head)
     unexpected = sorted(k for k in tensors if k not in mapping and not _IGNORED.match(k)
                         and not (k.startswith(_OPTIONAL_PREFIXES)))
     if unexpected:
@@ -135,10 +156,22 @@ def load_checkpoint(path, *, num_labels=None, policy=None, attention_impl="xla",
         if value.shape != flat[ours].shape:
             raise ValueError(f"{path}: tensor {hf_name!r} has shape {tensors[hf_name].shape}; "
                              f"the model expects {flat[ours].shape[::-1] if transpose else flat[ours].shape}"
-                             f" (num_labels={num_labels}).")
+                             f" (num_labels={spec.num_labels}).")
         flat[ours] = value.astype(flat[ours].dtype)
     nnx.update(model, _unflatten(flat, state))
     return model
+
+
+def _check_architecture(spec: BertConfig, checkpoint: BertConfig, source: str) -> None:
+    ignore = set(DROPOUTS.values())
+    differ = {f.name: (getattr(spec, f.name), getattr(checkpoint, f.name))
+              for f in dataclasses.fields(BertConfig)
+              if f.name not in ignore and getattr(spec, f.name) != getattr(checkpoint, f.name)}
+    if differ:
+        raise ValueError(f"{source} describes another architecture than the model spec: "
+                         + ", ".join(f"{k}={c!r} (spec: {s!r})" for k, (s, c) in differ.items())
+                         + ". Build the spec's architecture with architecture_of(path) (as "
+                         "models.create_model and from_pretrained do).")
 
 
 def _unflatten(flat: dict[str, np.ndarray], state) -> nnx.State:

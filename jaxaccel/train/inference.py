@@ -13,7 +13,7 @@ from flax import nnx
 
 from jaxaccel import config as config_lib
 from jaxaccel.data import load_tokenizer
-from jaxaccel.models.bert import BertConfig, BertModel
+from jaxaccel.models import BertModel, spec
 from jaxaccel.models.fp8 import Fp8Meta
 from jaxaccel.precision import get_policy
 from jaxaccel.train.checkpoint import Checkpointer, like
@@ -21,17 +21,16 @@ from jaxaccel.train.checkpoint import Checkpointer, like
 
 def load_run(run_dir: str):
     """``(model, cfg, meta)``: the model of the run's newest readable checkpoint (with its
-    fp8 scaling state under the fp8 policy), rebuilt from the architecture saved with it (the
-    original HF checkpoint is not needed)."""
+    fp8 scaling state under the fp8 policy), rebuilt from the model spec saved with it (the
+    original HF checkpoint is not needed; runs saved before specs existed hold the bare
+    architecture, and their options come from the saved config)."""
     ckpt = Checkpointer(os.path.join(run_dir, "checkpoints"), read_only=True)
     try:
         saved, meta = ckpt.restore_items(("params", "fp8"))
         cfg = config_lib.build(meta["config"])
         policy = dataclasses.replace(get_policy(cfg.precision.policy),
                                      amax_history_length=cfg.precision.fp8_amax_history)
-        model = BertModel(BertConfig(**meta["architecture"]), num_labels=cfg.model.num_labels,
-                          policy=policy, attention_impl=cfg.model.attention_impl,
-                          classifier_pooling=cfg.model.pooling)
+        model = BertModel(spec.from_saved(meta["architecture"], cfg.model), policy)
         restored = [(nnx.Param, saved["params"])]
         if policy.fp8:
             restored.append((Fp8Meta, saved["fp8"]))

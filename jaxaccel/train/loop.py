@@ -34,7 +34,7 @@ from tqdm.auto import tqdm
 from jaxaccel import sharding as shd
 from jaxaccel.config import Config
 from jaxaccel.data import BatchIterator, load_text_dataset, load_tokenizer, synthetic, tokenize
-from jaxaccel.models import create_model
+from jaxaccel.models import ModelSpec, create_model
 from jaxaccel.models.fp8 import Fp8Meta
 from jaxaccel.optim import make_onepass, make_optimizer, make_schedule, state_shardings
 from jaxaccel.precision import LossScale, get_policy
@@ -77,7 +77,7 @@ class Run:
     total_steps: int
     tokenizer: object
     tx: object
-    architecture: dict
+    spec: ModelSpec
     label_names: tuple
 
 
@@ -177,8 +177,7 @@ def build(cfg: Config, devices=None, model=None, tokenizer_dir: str | None = Non
                                fp8=replicated(abstract.fp8))
         state = jax.jit(create, out_shardings=shardings)(params)
     return Run(cfg, run_dir, mesh, graphdef, state, shardings, train_data, eval_data,
-               schedule, total_steps, tokenizer, tx, dataclasses.asdict(model.config),
-               label_names)
+               schedule, total_steps, tokenizer, tx, model.spec, label_names)
 
 
 def step_builders(cfg: Config):
@@ -239,9 +238,10 @@ class _Preemption:
 
 
 def _record(run: Run, epoch: int, step_in_epoch: int) -> dict:
-    """The JSON saved beside each checkpoint: data position and what rebuilds the model."""
+    """The JSON saved beside each checkpoint: data position and what rebuilds the model (its
+    spec, under "architecture")."""
     return {"epoch": epoch, "step_in_epoch": step_in_epoch, "config": run.cfg.to_dict(),
-            "architecture": run.architecture, "label_names": list(run.label_names)}
+            "architecture": run.spec.to_dict(), "label_names": list(run.label_names)}
 
 
 def _sync(name: str) -> None:
