@@ -18,9 +18,9 @@ from safetensors.numpy import load_file, save_file
 from jaxaccel import config
 from jaxaccel.models import (PRESETS, ModelSpec, architecture_of, bert, create_model,
                              from_pretrained, load_checkpoint, spec)
-from kernels_pallas import _backend
+from kernels_pallas import registry
 
-PLATFORM = _backend.platform()
+PLATFORM = registry.platform()
 # Bounds by (platform, compute dtype) against: "torch" PyTorch's BertModel (float32, CPU);
 # "same" the same math written another way (a numpy head, the flash kernel vs XLA); "fp32" the
 # float32 model. At precision="highest" a GPU differs from the CPU only in summation order and
