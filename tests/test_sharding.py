@@ -293,12 +293,14 @@ def test_grad_accumulation_keeps_the_batch_sharded(tmp_path, unsharded):
 
 def test_pallas_attention_runs_per_shard(tmp_path, unsharded):
     """On a 2x2x2 mesh the flash kernel runs inside shard_map on local batch/head shards
-    (no gather of q/k/v), and training gives the unsharded losses."""
+    (no gather of q/k/v), with or without ``jax.set_mesh`` (the state and batch are placed on
+    the mesh), and training gives the unsharded losses."""
     run = build(tmp_path, (2, 2, 2), 8, "model.attention_impl=pallas")
     step, bsh = jitted_step(run)
     batch = loop._global_batch(next(run.train_data.batches(0)), bsh)
     with jax.set_mesh(run.mesh):
         jaxpr = str(jax.make_jaxpr(step)(run.state, batch))
     assert "shard_map" in jaxpr
+    assert "shard_map" in str(jax.make_jaxpr(step)(run.state, batch))
     losses, _ = train_steps(run, 2)
     np.testing.assert_allclose(losses, unsharded[0][:2], rtol=1e-5)

@@ -35,8 +35,9 @@ def attention(q, k, v, attention_mask=None, *, impl="xla", dropout_rate: float =
               deterministic: bool = True, dropout_rng=None):
     """Multi-head attention over [batch, seq, heads, head_dim] inputs; returns q's layout and dtype."""
     lengths = None if attention_mask is None else attention_mask.astype(jnp.int32).sum(axis=-1)
-    if impl == "xla" or (dropout_rate > 0 and not deterministic):
-        return kernel.attention(q, k, v, key_lengths=lengths, dropout_rate=dropout_rate,
+    rate = 0.0 if deterministic else dropout_rate
+    if impl == "xla" or rate > 0:
+        return kernel.attention(q, k, v, key_lengths=lengths, dropout_rate=rate,
                                 dropout_rng=dropout_rng, impl=impl)
     args, specs = (q, k, v), (_QKV, _QKV, _QKV)
     if lengths is not None:
