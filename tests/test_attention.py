@@ -202,9 +202,11 @@ def test_reference_dropout_is_drawn_per_query_head():
     """Grouped-query attention with dropout equals multi-head attention on repeated keys and
     values with the same key: the mask is [B, Hq, Sq, Sk] whatever the grouping."""
     q, k, v, _ = inputs(2, 12, 12, 4, 2, 16, jnp.float32)
-    kw = dict(dropout_rate=0.5, dropout_rng=jax.random.PRNGKey(0), key_lengths=jnp.array([12, 5]))
-    gqa = attention_reference(q, k, v, **kw)
-    mha = attention_reference(q, jnp.repeat(k, 2, axis=2), jnp.repeat(v, 2, axis=2), **kw)
+    ref = jax.jit(lambda q, k, v: attention_reference(
+        q, k, v, dropout_rate=0.5, dropout_rng=jax.random.PRNGKey(0),
+        key_lengths=jnp.array([12, 5])))
+    gqa = ref(q, k, v)
+    mha = ref(q, jnp.repeat(k, 2, axis=2), jnp.repeat(v, 2, axis=2))
     np.testing.assert_allclose(gqa, mha, rtol=1e-6, atol=1e-6)
 
 
