@@ -648,12 +648,20 @@ REGISTRY = registry.Registry("attention", {"xla": _xla, "pallas": _pallas, "cudn
                              DEFAULT_ORDER)
 IMPLS = REGISTRY.names
 WITH_DROPOUT = ("xla",)
+ONLY_ON = {"cudnn": ("gpu",)}        # platforms an implementation runs on (default: all)
 
 
 def check_impl(impl, dropout_rate: float = 0.0) -> None:
-    """Validate ``impl`` before anything is built: a known name, and one with attention dropout
-    when ``dropout_rate > 0`` ("auto" always has one: the reference)."""
-    if dropout_rate > 0 and not set(REGISTRY.candidates(impl)) & set(WITH_DROPOUT):
+    """Validate ``impl`` before anything is built: a known name, one that runs on this
+    platform, and one with attention dropout when ``dropout_rate > 0`` ("auto" always has one:
+    the reference)."""
+    names = REGISTRY.candidates(impl)
+    here = registry.platform()
+    if all(here not in ONLY_ON.get(n, (here,)) for n in names):
+        raise ValueError(f"attention_impl={impl!r} runs on {ONLY_ON[names[0]]} only; this "
+                         f"machine's default backend is {here!r}. Use attention_impl='auto', "
+                         "'xla' or 'pallas'.")
+    if dropout_rate > 0 and not set(names) & set(WITH_DROPOUT):
         raise ValueError(
             f"attention_impl={impl!r} has no attention dropout, but the model asks for "
             f"attention dropout {dropout_rate}. Either set the model's attention dropout to 0 "

@@ -210,11 +210,17 @@ def test_reference_dropout_is_drawn_per_query_head():
     np.testing.assert_allclose(gqa, mha, rtol=1e-6, atol=1e-6)
 
 
-def test_dropout_conflict_is_caught_when_the_model_is_built():
+def test_dropout_and_platform_conflicts_are_caught_when_the_model_is_built(monkeypatch):
     from jaxaccel.models import bert
     check_impl("auto", 0.1)
     check_impl(("pallas", "xla"), 0.1)
     check_impl("pallas", 0.0)
+    check_impl(("cudnn", "xla"), 0.0)
+    if registry.platform() != "gpu":
+        with pytest.raises(ValueError, match="runs on \\('gpu',\\) only"):
+            check_impl("cudnn", 0.0)
+    monkeypatch.setattr(registry, "platform", lambda: "gpu")
+    check_impl("cudnn", 0.0)
     for impl in ("pallas", "cudnn", ("pallas", "cudnn")):
         with pytest.raises(ValueError, match="attention_impl='xla'"):
             check_impl(impl, 0.1)

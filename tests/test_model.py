@@ -206,7 +206,7 @@ def test_too_long_sequence_is_an_error():
 
 def test_fused_attention_refuses_dropout_when_built():
     with pytest.raises(ValueError, match="attention_impl='xla'"):
-        _tiny(attention_impl="cudnn")
+        _tiny(attention_impl="pallas")
 
 
 def test_mean_pooling_head_reads_masked_mean():
