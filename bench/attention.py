@@ -4,11 +4,12 @@
                                          # and long causal (B=2, S=4096, H=16, D=128), bf16
     python bench/attention.py --small    # small shapes: a one-minute CPU run (XLA rows only)
 
-Rows per shape and implementation (``kernels_pallas.attention.REGISTRY``: the XLA reference,
-our Pallas flash attention, cuDNN; one that declines the inputs on this device is skipped):
-forward, and forward + backward (one jitted vjp, the forward inside the timed region). FLOPs are the dense count: 4 B H Sq Sk D forward, 2.5x that
-for the backward, halved when causal; padded keys count (the kernels skip them, XLA does not).
-``rel_err`` is ||out - ref|| / ||ref|| of the forward output against the XLA reference in fp32.
+Rows per shape and implementation (``kernels_pallas.attention.REGISTRY``: the XLA reference, our
+Pallas flash attention, cuDNN; one that declines the inputs on this device is skipped): forward,
+and forward + backward (one jitted vjp, the forward inside the timed region). FLOPs are the
+dense count: 4 B H Sq Sk D forward, 2.5x that for the backward, halved when causal; padded keys
+count (the kernels skip them, XLA does not). ``rel_err`` is ||out - ref|| / ||ref|| of the
+forward output against the XLA reference in fp32.
 On CPU only XLA is timed: the Pallas interpreter is a functional check, not a speed.
 """
 from __future__ import annotations

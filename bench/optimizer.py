@@ -6,16 +6,17 @@
     python bench/optimizer.py --block-rows 16,64,256 --num-warps 4,8 --num-stages 1,2
                                          # GPU kernel config sweep (one-pass pallas rows)
 
-Per implementation: time per update (jitted, everything a training step needs from the
-gradients to the new parameters inside the timed region: the optax rows include
-``optax.apply_updates``, so every layout copy counts; median of >= 20 after warm-up), kernels
-in the compiled update (fusions + custom calls: the thesis's "kernel launches"), analytic bytes
-moved and the HBM roofline fraction (bytes moved / time / the device's peak bandwidth from
+Per implementation: time per update (jitted, everything a training step needs from the gradients
+to the new parameters inside the timed region: the optax rows include ``optax.apply_updates``,
+so every layout copy counts; median of >= 20 after warm-up), kernels in the compiled update
+(fusions + custom calls: the thesis's "kernel launches"), analytic bytes moved and the HBM
+roofline fraction (bytes moved / time / the device's peak bandwidth from
 ``bench.common.PEAK_BANDWIDTH``). Rows: optax.adamw, optax.adan and our Adan per leaf
-(``impl="per_leaf"``, the kernel's reference applied leaf by leaf), xla (multi-tensor), pallas (fused kernel on packed buffers), and the one-pass path of
-``train.flat_params`` (``onepass.xla``, ``onepass.pallas``: parameters and state flat, the
-gradient arriving flat, one pass in place). Pallas rows run on GPU/TPU, or with
-``--interpret`` on CPU (a functional run, not a timing).
+(``impl="per_leaf"``, the kernel's reference applied leaf by leaf), xla (multi-tensor), pallas
+(fused kernel on packed buffers), and the one-pass path of ``train.flat_params``
+(``onepass.xla``, ``onepass.pallas``: parameters and state flat, the gradient arriving flat, one
+pass in place). Pallas rows run on GPU/TPU, or with ``--interpret`` on CPU (a functional run,
+not a timing).
 """
 from __future__ import annotations
 
