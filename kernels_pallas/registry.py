@@ -23,7 +23,6 @@ from typing import Callable, Mapping, Sequence
 
 import jax
 
-PLATFORMS = ("cpu", "gpu", "tpu")
 PALLAS_TARGETS = ("interpret", "tpu", "gpu")
 REFERENCE = "xla"
 
