@@ -211,7 +211,7 @@ def test_reference_dropout_is_drawn_per_query_head():
 
 
 def test_dropout_and_platform_conflicts_are_caught_when_the_model_is_built(monkeypatch):
-    from jaxaccel.models import bert
+    from jaxaccel.models import PRESETS, BertModel, ModelSpec
     check_impl("auto", 0.1)
     check_impl(("pallas", "xla"), 0.1)
     check_impl("pallas", 0.0)
@@ -224,10 +224,9 @@ def test_dropout_and_platform_conflicts_are_caught_when_the_model_is_built(monke
     for impl in ("pallas", "cudnn", ("pallas", "cudnn")):
         with pytest.raises(ValueError, match="attention_impl='xla'"):
             check_impl(impl, 0.1)
-    config = bert.PRESETS["tiny"]
-    assert config.attention_probs_dropout_prob > 0
+    assert PRESETS["tiny"].attention_probs_dropout_prob > 0
     with pytest.raises(ValueError, match="has no attention dropout"):
-        bert.BertModel(config, attention_impl="pallas")
+        BertModel(ModelSpec(PRESETS["tiny"], attention_impl="pallas"))
 
 
 def test_model_entry_point_gives_zeros_for_rows_without_keys():
