@@ -1,13 +1,15 @@
-"""Attention benchmark: TFLOP/s of the XLA reference, our Pallas flash attention and cuDNN.
+"""Attention benchmark: TFLOP/s of every implementation in the attention kernel's registry.
 
     python bench/attention.py            # BERT-base (B=32, S=512, H=12, D=64, padded keys)
                                          # and long causal (B=2, S=4096, H=16, D=128), bf16
     python bench/attention.py --small    # small shapes: a one-minute CPU run (XLA rows only)
 
-Rows per shape and implementation: forward, and forward + backward (one jitted vjp, the
-forward inside the timed region). FLOPs are the dense count: 4 B H Sq Sk D forward, 2.5x that
-for the backward, halved when causal; padded keys count (the kernels skip them, XLA does not).
-``rel_err`` is ||out - ref|| / ||ref|| of the forward output against the XLA reference in fp32.
+Rows per shape and implementation (``kernels_pallas.attention.REGISTRY``: the XLA reference, our
+Pallas flash attention, cuDNN; one that declines the inputs on this device is skipped): forward,
+and forward + backward (one jitted vjp, the forward inside the timed region). FLOPs are the
+dense count: 4 B H Sq Sk D forward, 2.5x that for the backward, halved when causal; padded keys
+count (the kernels skip them, XLA does not). ``rel_err`` is ||out - ref|| / ||ref|| of the
+forward output against the XLA reference in fp32.
 On CPU only XLA is timed: the Pallas interpreter is a functional check, not a speed.
 """
 from __future__ import annotations
@@ -25,7 +27,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import (PEAK_BF16_FLOPS, device_kind, markdown, time_fn,  # noqa: E402
                           write_results)
-from kernels_pallas.attention import attention_reference, flash_attention  # noqa: E402
+from kernels_pallas import registry  # noqa: E402
+from kernels_pallas.attention import REGISTRY, attention, attention_reference  # noqa: E402
 
 SHAPES = {  # name: (B, S, H, D, causal, padded)
     "bert_base": (32, 512, 12, 64, False, True),
@@ -46,15 +49,10 @@ def make_inputs(b, s, h, d, padded, dtype, seed=0):
 
 
 def implementations(platform):
-    impls = {"xla": lambda q, k, v, lengths, causal: attention_reference(
-        q, k, v, key_lengths=lengths, causal=causal)}
-    if platform in ("gpu", "tpu"):
-        impls["pallas"] = lambda q, k, v, lengths, causal: flash_attention(
-            q, k, v, key_lengths=lengths, causal=causal, backend=platform)
-    if platform == "gpu":
-        impls["cudnn"] = lambda q, k, v, lengths, causal: jax.nn.dot_product_attention(
-            q, k, v, is_causal=causal, key_value_seq_lengths=lengths, implementation="cudnn")
-    return impls
+    """The registry's implementations to time: all on GPU/TPU, the reference alone on CPU
+    (Pallas there is the interpreter)."""
+    names = tuple(REGISTRY.impls) if platform in ("gpu", "tpu") else ("xla",)
+    return {name: functools.partial(attention, impl=name) for name in names}
 
 
 def main(argv=None):
@@ -63,7 +61,7 @@ def main(argv=None):
     ap.add_argument("-n", type=int, default=20, help="timed repetitions")
     args = ap.parse_args(argv)
 
-    platform = "gpu" if jax.default_backend() in ("gpu", "cuda", "rocm") else jax.default_backend()
+    platform = registry.platform()
     peak = PEAK_BF16_FLOPS.get(device_kind())
     rows = []
     for shape_name, (b, s, h, d, causal, padded) in (SMALL_SHAPES if args.small
@@ -73,10 +71,14 @@ def main(argv=None):
                                   key_lengths=lengths, causal=causal)
         flops_fwd = 4 * b * h * s * s * d / (2 if causal else 1)
         for impl_name, impl in implementations(platform).items():
-            attn = functools.partial(impl, lengths=lengths, causal=causal)
+            attn = functools.partial(impl, key_lengths=lengths, causal=causal)
             fwd = jax.jit(attn)
             fwd_bwd = jax.jit(lambda q, k, v, do: jax.vjp(attn, q, k, v)[1](do))
-            out = fwd(q, k, v).astype(jnp.float32)
+            try:
+                out = fwd(q, k, v).astype(jnp.float32)
+            except NotImplementedError as e:
+                print(f"{shape_name}/{impl_name}: skipped ({e})", flush=True)
+                continue
             rel_err = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
             for mode, fn, fn_args, flops in (("fwd", fwd, (q, k, v), flops_fwd),
                                              ("fwd+bwd", fwd_bwd, (q, k, v, do), 3.5 * flops_fwd)):

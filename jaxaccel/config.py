@@ -15,6 +15,8 @@ import importlib.util
 import os
 from typing import Any
 
+from jaxaccel import optim
+from jaxaccel.models.attention import ATTENTION_IMPLS
 from jaxaccel.precision import get_policy
 
 BASE: dict[str, Any] = {
@@ -28,7 +30,7 @@ BASE: dict[str, Any] = {
         "tokenizer": "",            # tokenizer dir; "" = the checkpoint's (or the packaged
                                     # MiniLM's uncased BERT vocab for random-init presets)
         "num_labels": 2,
-        "attention_impl": "xla",    # xla | cudnn | pallas
+        "attention_impl": "xla",    # auto | xla | pallas | cudnn (kernels_pallas/attention.py)
         "pooling": "cls",           # what the classifier reads: cls (BERT pooler) | mean
                                     # (masked mean of the last hidden states)
         "hidden_dropout": None,     # None = the checkpoint's value
@@ -61,7 +63,7 @@ BASE: dict[str, Any] = {
         "b2": None,                 # adamw 0.999, adan 0.92
         "b3": None,                 # adan only: 0.99
         "eps": None,                # adamw 1e-8, adan 1e-8
-        "optimizer_impl": "auto",   # adan only: auto | reference | xla | pallas
+        "optimizer_impl": "auto",   # adan only: auto | xla | pallas | per_leaf (optim/adan.py)
         "flat_params": False,       # adan only: parameters and state live in flat buffers,
                                     # one fused pass per step (jaxaccel/train/onepass.py);
                                     # optimizer_impl then picks the kernel: auto|xla|pallas
@@ -283,15 +285,16 @@ def validate(cfg: Config) -> None:
                          "bf16, fp16 or fp8 (attention runs in bf16 under fp8), or "
                          "model.attention_impl='xla'.")
     choices = {"train.schedule": (t.schedule, ("linear", "cosine", "constant")),
-               "train.optimizer": (t.optimizer, ("adamw", "adan")),
-               "model.attention_impl": (cfg.model.attention_impl, ("xla", "cudnn", "pallas"))}
+               "train.optimizer": (t.optimizer, optim.OPTIMIZERS),
+               "train.optimizer_impl": (t.optimizer_impl, optim.IMPLS),
+               "model.attention_impl": (cfg.model.attention_impl, ATTENTION_IMPLS)}
     for key, (value, allowed) in choices.items():
         if value not in allowed:
             raise ValueError(f"{key}={value!r} is not one of {allowed}.")
-    if t.flat_params and (t.optimizer != "adan" or t.optimizer_impl == "reference"
+    if t.flat_params and (t.optimizer != "adan" or t.optimizer_impl not in optim.ONEPASS_IMPLS
                           or t.grad_accum != 1 or cfg.precision.policy in ("fp16", "fp8")):
         raise ValueError(f"train.flat_params=true needs train.optimizer=adan (got "
-                         f"{t.optimizer!r}), optimizer_impl auto|xla|pallas (got "
+                         f"{t.optimizer!r}), optimizer_impl in {optim.ONEPASS_IMPLS} (got "
                          f"{t.optimizer_impl!r}), grad_accum=1 (got {t.grad_accum}) and "
                          f"precision.policy fp32|bf16 (got {cfg.precision.policy!r}: the flat "
                          "path has no loss scaling or fp8 state yet); set those or "

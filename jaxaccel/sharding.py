@@ -9,6 +9,11 @@ table maps the first to the second, MaxText-style:
   ``data`` x ``fsdp``.
 * Megatron tensor parallel: ``heads`` and ``mlp`` (attention QKV/out, MLP in/out) and ``vocab``
   split over ``tensor``: column-parallel in, row-parallel out.
+
+``per_shard`` runs a function on each device's shards (``shard_map``): the one way both Pallas
+kernels (flash attention, the fused Adan on its flat layout) run on sharded operands. It finds
+the mesh itself (the ambient ``jax.set_mesh``, else the mesh the arguments are placed on), so a
+caller that forgets ``set_mesh`` does not make XLA gather whole operands onto every device.
 """
 from __future__ import annotations
 
@@ -138,9 +143,9 @@ def opt_state_shardings(opt_state_shapes, param_shardings, mesh: Mesh):
     return jax.tree_util.tree_map_with_path(one, opt_state_shapes)
 
 
-def drop_trivial(axes, mesh: Mesh):
-    """A PartitionSpec entry without the mesh axes of size 1."""
-    names = tuple(a for a in entry_axes(axes) if mesh.shape[a] > 1)
+def drop_trivial(axes, mesh):
+    """A PartitionSpec entry without the mesh axes of size 1 (or absent from ``mesh``)."""
+    names = tuple(a for a in entry_axes(axes) if mesh.shape.get(a, 1) > 1)
     return None if not names else names[0] if len(names) == 1 else names
 
 
@@ -164,16 +169,38 @@ def zero1_shardings(opt_state_shapes, base_shardings, mesh: Mesh):
     return jax.tree_util.tree_map(one, opt_state_shapes, base_shardings)
 
 
-def map_over_mesh(fn, in_logical, out_logical, rules=DEFAULT_RULES):
-    """``fn`` run per shard over the mesh of the enclosing ``jax.set_mesh`` (identity when
-    there is none), with in/out specs given in *logical* axis names. For kernels that XLA
-    cannot partition (Pallas calls): each device runs them on its own shard instead of XLA
-    gathering the whole operand first."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or all(size == 1 for size in mesh.shape.values()):
-        return fn
+def current_mesh(*args):
+    """The mesh to run per shard over: the ambient one (``jax.set_mesh``), else the one the
+    arrays in ``args`` are placed on (their types carry it inside ``jit`` too), else None.
 
-    def spec(logical):
-        return P(*(drop_trivial(a, mesh) for a in logical_to_mesh(logical, rules)))
-    return jax.shard_map(fn, mesh=mesh, in_specs=tuple(spec(s) for s in in_logical),
-                         out_specs=spec(out_logical), check_vma=False)
+    Not found: arrays that are not yet placed (numpy, or uncommitted arrays given to a ``jit``
+    with ``in_shardings``) carry no mesh in their types; place them first (``jax.device_put``
+    with a ``NamedSharding``) or call under ``jax.set_mesh(mesh)``."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.empty:
+        return mesh
+    for x in jax.tree_util.tree_leaves(args):
+        sharding = getattr(jax.typeof(x), "sharding", None)
+        if sharding is not None and not sharding.mesh.empty:
+            return sharding.mesh
+    return None
+
+
+def per_shard(fn, in_specs, out_specs, *, mesh=None):
+    """``fn`` run on each device's shards of its arguments (``jax.shard_map``), for what XLA
+    cannot partition (Pallas calls) or should not gather for (the flat multi-tensor layout).
+
+    ``in_specs`` / ``out_specs``: mesh-axis ``PartitionSpec``s, pytrees like the arguments and
+    the result; axes the mesh lacks or has with size 1 are dropped. The mesh: ``mesh`` if
+    given, else ``current_mesh(*args)`` at call time. Without one (unplaced arguments), or on a
+    one-device mesh, ``fn`` runs on the whole arrays."""
+    def call(*args):
+        m = mesh if mesh is not None else current_mesh(*args)
+        if m is None or m.size == 1:
+            return fn(*args)
+        fit = lambda specs: jax.tree_util.tree_map(
+            lambda s: P(*(drop_trivial(e, m) for e in s)), specs,
+            is_leaf=lambda s: isinstance(s, P))
+        return jax.shard_map(fn, mesh=m, in_specs=fit(tuple(in_specs)),
+                             out_specs=fit(out_specs), check_vma=False)(*args)
+    return call

@@ -1,4 +1,4 @@
-"""Fused multi-tensor Adan update: reference math, the Pallas kernel, and a backend dispatch.
+"""Fused multi-tensor Adan update: reference math, the Pallas kernel, and their registry.
 
 The update of one element (official Adan, sail-sg/Adan; t is the step, g the clipped gradient):
 
@@ -17,6 +17,12 @@ once and writes every output once; math is float32 in registers whatever the sto
 the hyperparameters arrive as a float32 vector at run time (``scalars``), so a new learning
 rate never recompiles; the state outputs alias the state inputs (updated in place when the
 caller donates them).
+
+Implementations (``UPDATE`` and ``APPLY``, registries as in ``kernels_pallas.registry``):
+``"xla"``, the reference (``adan_reference`` / ``adan_apply_reference``: the math below as
+plain XLA, the base the kernel is tested against) and ``"pallas"``, the kernel (Mosaic on TPU,
+Triton on GPU, the interpreter on CPU); ``"auto"`` is the kernel on GPU/TPU and the reference
+on CPU (``DEFAULT_ORDER``).
 
 Two entry points share the math:
 
@@ -37,7 +43,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from kernels_pallas import _backend
+from kernels_pallas import registry
 
 LANES = 128
 ROW_ALIGN = 1024   # flat buffers have a multiple of this many rows: every block size divides it
@@ -64,7 +70,7 @@ class BlockSizes:
             raise ValueError(f"num_stages={self.num_stages} must be >= 1.")
 
 
-# Per backend: TPU blocks fill VMEM tiles (11 buffers x 512 x 128 x 4 B = 2.9 MB, double
+# Per target: TPU blocks fill VMEM tiles (11 buffers x 512 x 128 x 4 B = 2.9 MB, double
 # buffered); GPU blocks keep each Triton program at 16 elements per thread and buffer (not yet
 # tuned on a GPU: the sweep flags of bench/optimizer.py are there for that).
 BLOCK_SIZES = {"tpu": BlockSizes(512), "gpu": BlockSizes(16, num_warps=4, num_stages=1),
@@ -158,7 +164,7 @@ def _kernel(s_ref, *refs, no_prox: bool, with_params: bool):
     prev_out[...] = prev.astype(prev_out.dtype)
 
 
-def _pallas_call(kernel, name, scalars, tensors, outs, aliases, *, backend, block_sizes):
+def _pallas_call(kernel, name, scalars, tensors, outs, aliases, *, target, block_sizes):
     """``kernel`` over [rows, 128] ``tensors`` one block of rows per grid step; ``outs`` are
     the output buffers' shape/dtype templates, ``aliases`` maps tensor index -> output index."""
     rows = tensors[0].shape[0]
@@ -168,14 +174,14 @@ def _pallas_call(kernel, name, scalars, tensors, outs, aliases, *, backend, bloc
                              f"multiple of {block_sizes.rows}; got {x.shape} (first "
                              f"{tensors[0].shape}).")
     block = pl.BlockSpec((block_sizes.rows, LANES), lambda i: (i, 0))
-    if backend == "tpu":
+    if target == "tpu":
         from jax.experimental.pallas import tpu as pltpu
         scalar_spec = pl.BlockSpec(memory_space=pltpu.SMEM)
         params = pltpu.CompilerParams(dimension_semantics=("parallel",))
     else:
         scalar_spec = pl.BlockSpec((len(SCALARS),), lambda i: (0,))
         params = None
-        if backend == "gpu":
+        if target == "gpu":
             from jax.experimental.pallas import triton as pltr
             params = pltr.CompilerParams(num_warps=block_sizes.num_warps,
                                          num_stages=block_sizes.num_stages)
@@ -186,48 +192,67 @@ def _pallas_call(kernel, name, scalars, tensors, outs, aliases, *, backend, bloc
         in_specs=[scalar_spec] + [block] * len(tensors),
         out_specs=[block] * len(outs),
         input_output_aliases={1 + t: o for t, o in aliases.items()},   # operand 0: scalars
-        interpret=_backend.interpret(backend),
+        interpret=registry.interpret(target),
         compiler_params=params,
         name=name,
     )(scalars, *tensors)
 
 
-def _pallas(scalars, g, m, v, n, prev, p, *, no_prox, backend, block_sizes):
+def update_kernel(scalars, g, m, v, n, prev, p=None, *, no_prox: bool = False,
+                  block_sizes: BlockSizes | None = None, target: str | None = None):
+    """``adan_update`` by the Pallas kernel on ``target`` (interpret | tpu | gpu; None: the
+    default device's, ``registry.pallas_target``), ``BLOCK_SIZES[target]`` by default."""
+    target = registry.pallas_target(target)
     with_params = p is not None
     tensors = ([p] if with_params else []) + [g, m, v, n, prev]
     first_state = len(tensors) - 4                 # m's index among the tensors
-    return _pallas_call(
+    return tuple(_pallas_call(
         functools.partial(_kernel, no_prox=no_prox, with_params=with_params), "adan_update",
         scalars, tensors, [g, m, v, n, prev], {first_state + k: 1 + k for k in range(4)},
-        backend=backend, block_sizes=block_sizes)
+        target=target, block_sizes=block_sizes or BLOCK_SIZES[target]))
+
+
+def apply_kernel(scalars, g, p, m, v, n, prev, *, no_prox: bool = False,
+                 block_sizes: BlockSizes | None = None, target: str | None = None):
+    """``adan_apply`` by the Pallas kernel (``target`` as in ``update_kernel``)."""
+    target = registry.pallas_target(target)
+    return tuple(_pallas_call(
+        functools.partial(_apply_kernel, no_prox=no_prox), "adan_apply", scalars,
+        [g, p, m, v, n, prev], [p, m, v, n, prev], {1 + k: k for k in range(5)},
+        target=target, block_sizes=block_sizes or BLOCK_SIZES[target]))
+
+
+def _reference_ignoring_blocks(reference):
+    """The reference with the kernel's signature (``block_sizes`` means nothing to it)."""
+    return lambda *args, block_sizes=None, **kw: reference(*args, **kw)
+
+
+DEFAULT_ORDER = {"cpu": ("xla",), "gpu": ("pallas", "xla"), "tpu": ("pallas", "xla")}
+UPDATE = registry.Registry("adan_update", {
+    "xla": _reference_ignoring_blocks(adan_reference), "pallas": update_kernel}, DEFAULT_ORDER)
+APPLY = registry.Registry("adan_apply", {
+    "xla": _reference_ignoring_blocks(adan_apply_reference), "pallas": apply_kernel},
+    DEFAULT_ORDER)
+IMPLS = UPDATE.names
 
 
 def adan_update(scalars, g, m, v, n, prev, p=None, *, no_prox: bool = False,
-                backend: str = "auto", block_sizes: BlockSizes | None = None):
+                impl="auto", block_sizes: BlockSizes | None = None):
     """Fused Adan over flat [rows, 128] buffers: ``(update, m, v, n, prev)``.
 
     ``g`` (and ``p``, needed only for weight decay) may be any float dtype; the state buffers
-    keep their own dtypes; ``update`` has ``g``'s dtype. ``backend``: auto | pallas | xla |
-    interpret | tpu | gpu (naming a platform lets a CPU machine lower that platform's kernel).
-    """
-    backend = _backend.resolve(backend)
-    if backend == "xla":
-        return adan_reference(scalars, g, m, v, n, prev, p, no_prox=no_prox)
-    return tuple(_pallas(scalars, g, m, v, n, prev, p, no_prox=no_prox, backend=backend,
-                         block_sizes=block_sizes or BLOCK_SIZES[backend]))
+    keep their own dtypes; ``update`` has ``g``'s dtype. ``impl``: one of ``IMPLS``;
+    ``block_sizes``: the kernel's (default per target)."""
+    return UPDATE(scalars, g, m, v, n, prev, p, no_prox=no_prox, block_sizes=block_sizes,
+                  impl=impl)
 
 
-def adan_apply(scalars, g, p, m, v, n, prev, *, no_prox: bool = False, backend: str = "auto",
+def adan_apply(scalars, g, p, m, v, n, prev, *, no_prox: bool = False, impl="auto",
                block_sizes: BlockSizes | None = None):
     """One-pass fused Adan over flat [rows, 128] buffers: ``(p', m, v, n, prev)``.
 
-    Reads g, p, m, v, n, prev once, writes p', m, v, n, prev once; the outputs alias ``p``
-    and the state (in place when the caller donates them). Each keeps its dtype; math is
-    float32. ``backend`` as in ``adan_update``."""
-    backend = _backend.resolve(backend)
-    if backend == "xla":
-        return adan_apply_reference(scalars, g, p, m, v, n, prev, no_prox=no_prox)
-    return tuple(_pallas_call(
-        functools.partial(_apply_kernel, no_prox=no_prox), "adan_apply", scalars,
-        [g, p, m, v, n, prev], [p, m, v, n, prev], {1 + k: k for k in range(5)}, backend=backend,
-        block_sizes=block_sizes or BLOCK_SIZES[backend]))
+    Reads g, p, m, v, n, prev once, writes p', m, v, n, prev once; the kernel's outputs alias
+    ``p`` and the state (in place when the caller donates them). Each keeps its dtype; math is
+    float32. ``impl`` and ``block_sizes`` as in ``adan_update``."""
+    return APPLY(scalars, g, p, m, v, n, prev, no_prox=no_prox, block_sizes=block_sizes,
+                 impl=impl)

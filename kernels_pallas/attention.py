@@ -21,7 +21,7 @@ input dtype. The backward pass is two kernels: dQ (one program per query block, 
 blocks) and dK/dV (one program per key block, walking query blocks); ``delta`` is one fused
 XLA reduction. Key blocks past a row's key length, and blocks above the causal diagonal, are
 skipped, not masked. A program holds the whole key (or query) sequence of one head in fast
-memory and slices blocks from it, so the same kernel body runs on every backend; the backends
+memory and slices blocks from it, so the same kernel body runs on every target; the targets
 differ only in array layout and block specs (``_Layout``):
 
 * GPU (Triton) and interpret: [B, S, H, D] as given; per-row statistics as [rows, 1];
@@ -31,6 +31,20 @@ differ only in array layout and block specs (``_Layout``):
 
 Grouped-query attention (Hq = G * Hkv): query head h reads key/value head h // G; dK/dV are
 computed per query head and summed over each group in XLA.
+
+Implementations (``REGISTRY``, see ``kernels_pallas.registry``), all with the semantics above;
+``attention(..., impl=...)`` dispatches:
+
+* ``"xla"``: ``attention_reference``, plain XLA, the base the others are tested against; the
+  only one with attention dropout (``dropout_rate``, ``dropout_rng``: inverted dropout on P);
+* ``"pallas"``: ``flash_attention``, the kernels here (Mosaic on TPU, Triton on GPU, the
+  interpreter on CPU);
+* ``"cudnn"``: ``jax.nn.dot_product_attention(implementation="cudnn")`` (NVIDIA GPUs,
+  fp16/bf16, no segment ids).
+
+``"auto"`` tries, per platform, ``DEFAULT_ORDER``: on GPU the Pallas kernel first (faster than
+cuDNN on BERT-base shapes on an H100, ``bench/results/attention-nvidia_h100_80gb_hbm3.json``),
+on TPU the Pallas kernel, on CPU the reference.
 """
 from __future__ import annotations
 
@@ -44,7 +58,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from kernels_pallas import _backend
+from kernels_pallas import registry
 
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)   # finite: exp2(MASK - MASK) is not NaN
 LOG2E = math.log2(math.e)
@@ -73,7 +87,7 @@ class BlockSizes:
                 raise ValueError(f"BlockSizes.{f}={b} must be a power of two >= 8.")
 
 
-# Per backend. TPU: 128-multiples for the MXU and lane-replicated statistics (not tuned: no
+# Per target. TPU: 128-multiples for the MXU and lane-replicated statistics (not tuned: no
 # TPU was available). GPU: picked on an H100 from a sweep over BERT-base and the long causal
 # shape (bench/attention.py shapes; 3 pipeline stages gave BERT-base fwd 147 vs 107 TFLOP/s,
 # fwd+bwd 173 vs 158; 8 warps or 128-row backward blocks were slower). Interpret: large
@@ -103,16 +117,45 @@ def _segments(segment_ids, sq, sk):
     return jnp.asarray(q_seg, jnp.int32), jnp.asarray(kv_seg, jnp.int32)
 
 
+@jax.custom_vjp
+def _scores(q, k):
+    """Unscaled grouped scores [b, q, hkv, g, d] x [b, k, hkv, d] -> [b, hkv, g, q, k],
+    accumulated and returned in float32 (the softmax's input).
+
+    Differentiated by hand so that the backward matmuls, like the forward ones, take their
+    operands in the input dtype: autodiff would multiply the float32 score cotangent with k and
+    q upcast to float32 (float32/TF32 matmuls over [b, h, q, k] in a bf16 model). The cotangent
+    dS is rounded to q's dtype first, as the fused kernels (Pallas, cuDNN) do."""
+    return jnp.einsum("bqhgd,bkhd->bhgqk", q, k, preferred_element_type=jnp.float32)
+
+
+def _scores_fwd(q, k):
+    return _scores(q, k), (q, k)
+
+
+def _scores_bwd(res, ds):
+    q, k = res
+    ds = ds.astype(q.dtype)
+    dq = jnp.einsum("bhgqk,bkhd->bqhgd", ds, k, preferred_element_type=jnp.float32)
+    dk = jnp.einsum("bhgqk,bqhgd->bkhd", ds, q, preferred_element_type=jnp.float32)
+    return dq.astype(q.dtype), dk.astype(k.dtype)
+
+
+_scores.defvjp(_scores_fwd, _scores_bwd)
+
+
 def attention_reference(q, k, v, *, key_lengths=None, segment_ids=None, causal=False,
-                        scale=None):
+                        scale=None, dropout_rate: float = 0.0, dropout_rng=None):
     """Plain-XLA attention with the kernels' semantics (fully masked rows give zeros).
 
-    Matmul inputs stay in the input dtype with fp32 accumulation; softmax is fp32."""
+    Score matmuls take the input dtype with fp32 accumulation, softmax is fp32, P is rounded
+    to v's dtype for P V. ``dropout_rate > 0`` drops entries of P with that probability
+    (``dropout_rng``) and scales the rest by ``1 / (1 - dropout_rate)``."""
     b, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     qg = q.reshape(b, sq, hkv, hq // hkv, d)
-    s = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k, preferred_element_type=jnp.float32) * scale
+    s = _scores(qg, k) * scale
     mask = jnp.ones((b, 1, 1, sq, sk), bool)
     if key_lengths is not None:
         lengths = jnp.asarray(key_lengths, jnp.int32)
@@ -127,8 +170,15 @@ def attention_reference(q, k, v, *, key_lengths=None, segment_ids=None, causal=F
     p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0))
     l = jnp.sum(p, axis=-1, keepdims=True)
     p = p / jnp.where(l == 0.0, 1.0, l)
-    o = jnp.einsum("bhgqk,bkhd->bqhgd", p.astype(v.dtype), v,
-                   preferred_element_type=jnp.float32)
+    if dropout_rate > 0:
+        if dropout_rng is None:
+            raise ValueError(f"dropout_rate={dropout_rate} needs dropout_rng (a PRNG key).")
+        # Drawn per query head, [B, Hq, Sq, Sk], whatever the grouping.
+        keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, (b, hq, sq, sk))
+        p = jnp.where(keep.reshape(p.shape), p / (1.0 - dropout_rate), 0.0)
+    # P V in v's dtype: the matmul accumulates in float32 and rounds once, and its backward
+    # (dP = dO V^T, dV = P^T dO) multiplies input-dtype operands.
+    o = jnp.einsum("bhgqk,bkhd->bqhgd", p.astype(v.dtype), v)
     return o.reshape(b, sq, hq, d).astype(q.dtype)
 
 
@@ -137,9 +187,9 @@ def attention_reference(q, k, v, *, key_lengths=None, segment_ids=None, causal=F
 
 @dataclasses.dataclass(frozen=True)
 class _Plan:
-    """Everything static about one call: backend, shapes after padding, blocks, mask kinds."""
+    """Everything static about one call: Pallas target, padded shapes, blocks, mask kinds."""
 
-    backend: str
+    target: str            # interpret | tpu | gpu
     causal: bool
     scale: float
     has_len: bool          # some key index is >= its row's length (key_lengths or padding)
@@ -172,7 +222,7 @@ def _kv_seg(ref, cols):
 
 def _kv_len(ref, plan):
     """This batch row's key length: from the whole [B] vector (TPU SMEM) or a (1,) block."""
-    return ref[pl.program_id(0)] if plan.backend == "tpu" else ref[0]
+    return ref[pl.program_id(0)] if plan.target == "tpu" else ref[0]
 
 
 def _dot(x, y, plan, dims=None):
@@ -301,11 +351,11 @@ def _dkv_kernel(kv_len_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *re
 
 
 class _Layout:
-    """Block specs for one backend; the grid is always (batch, query head, sequence block)."""
+    """Block specs for one target; the grid is always (batch, query head, sequence block)."""
 
     def __init__(self, plan: _Plan, head_dim: int):
         self.plan, self.d = plan, head_dim
-        self.tpu = plan.backend == "tpu"
+        self.tpu = plan.target == "tpu"
         self.stat_width = TPU_LANES if self.tpu else 1
 
     def seq(self, rows, block_index, kv=False):
@@ -349,10 +399,10 @@ class _Layout:
                 jnp.broadcast_to(kv_seg[:, None, :], (b, TPU_SUBLANES, sk)))
 
     def compiler_params(self):
-        if self.plan.backend == "tpu":
+        if self.plan.target == "tpu":
             from jax.experimental.pallas import tpu as pltpu
             return pltpu.CompilerParams(dimension_semantics=("parallel",) * 3)
-        if self.plan.backend == "gpu":
+        if self.plan.target == "gpu":
             from jax.experimental.pallas import triton as plgpu
             return plgpu.CompilerParams(num_warps=self.plan.blocks.num_warps,
                                         num_stages=self.plan.blocks.num_stages)
@@ -369,12 +419,12 @@ def _call(kernel, plan, lay, grid, in_specs, out_specs, out_shape, args, name):
     return pl.pallas_call(
         functools.partial(kernel, plan=plan), grid=grid, in_specs=in_specs,
         out_specs=out_specs, out_shape=out_shape, compiler_params=lay.compiler_params(),
-        interpret=_backend.interpret(plan.backend), name=name)(*args)
+        interpret=registry.interpret(plan.target), name=name)(*args)
 
 
 def _heads_seq(plan, x):
     """(batch, heads, seq) of a tensor in the plan's layout."""
-    return (x.shape[0], x.shape[1], x.shape[2]) if plan.backend == "tpu" else \
+    return (x.shape[0], x.shape[1], x.shape[2]) if plan.target == "tpu" else \
         (x.shape[0], x.shape[2], x.shape[1])
 
 
@@ -400,7 +450,7 @@ def _backward(plan, q, k, v, kv_len, segs, o, lse, do):
     b, hq, sq = _heads_seq(plan, q)
     _, hkv, sk = _heads_seq(plan, k)
     delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)
-    if plan.backend != "tpu":
+    if plan.target != "tpu":
         delta = delta.transpose(0, 2, 1)                       # [B, H, Sq]
     shape = (b, hq, sq, lay.stat_width)
     lse, delta = (jnp.broadcast_to(x[..., None], shape) for x in (lse, delta))
@@ -422,7 +472,7 @@ def _backward(plan, q, k, v, kv_len, segs, o, lse, do):
     seg_args, seg_specs = _seg_inputs(plan, lay, segs, lay.q_seg(sq, lambda n: 0),
                                       lay.kv_seg(bk, lambda n: n))
     # Per query head; a group of G query heads shares one key/value head (summed below).
-    kv_shape = (b, hq, sk, q.shape[-1]) if plan.backend == "tpu" else (b, sk, hq, q.shape[-1])
+    kv_shape = (b, hq, sk, q.shape[-1]) if plan.target == "tpu" else (b, sk, hq, q.shape[-1])
     kv_dtype = k.dtype if plan.groups == 1 else jnp.float32
     dk, dv = _call(
         _dkv_kernel, plan, lay, (b, hq, sk // bk),
@@ -432,7 +482,7 @@ def _backward(plan, q, k, v, kv_len, segs, o, lse, do):
         [lay.seq(bk, lambda n: n)] * 2, [jax.ShapeDtypeStruct(kv_shape, kv_dtype)] * 2,
         common + seg_args, "flash_attention_dkv")
     if plan.groups > 1:
-        axis = 1 if plan.backend == "tpu" else 2
+        axis = 1 if plan.target == "tpu" else 2
         split = kv_shape[:axis] + (hkv, plan.groups) + kv_shape[axis + 1:]
         dk, dv = (x.reshape(split).sum(axis + 1).astype(k.dtype) for x in (dk, dv))
     return dq, dk, dv
@@ -497,8 +547,8 @@ def _check(q, k, v, key_lengths, segment_ids, scale):
 
 def flash_attention(q, k, v, *, key_lengths=None, segment_ids=None, causal: bool = False,
                     scale: float | None = None, block_sizes: BlockSizes | None = None,
-                    backend: str = "auto"):
-    """Fused multi-head attention, differentiable (Pallas backward kernels).
+                    target: str | None = None):
+    """Fused multi-head attention by the Pallas kernels, differentiable (Pallas backward).
 
     Args:
       q: [B, Sq, Hq, D]; k, v: [B, Sk, Hkv, D] with Hkv dividing Hq (grouped-query
@@ -508,23 +558,19 @@ def flash_attention(q, k, v, *, key_lengths=None, segment_ids=None, causal: bool
         attends only to keys of its own segment (packed sequences).
       causal: query i attends only to keys j <= i (aligned at the start).
       scale: logits multiplier, default 1/sqrt(D).
-      block_sizes: override ``BLOCK_SIZES[backend]``.
-      backend: auto | pallas | xla | interpret | tpu | gpu (see ``kernels_pallas._backend``).
+      block_sizes: override ``BLOCK_SIZES[target]``.
+      target: interpret | tpu | gpu; None: the default device's (``registry.pallas_target``).
 
     Returns:
       [B, Sq, Hq, D] in q's dtype. A query with no unmasked key gets zeros (and no gradient).
     """
     segs = _check(q, k, v, key_lengths, segment_ids, scale)
-    backend = _backend.resolve(backend)
+    target = registry.pallas_target(target)
     b, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    if backend == "xla":
-        return attention_reference(q, k, v, key_lengths=key_lengths, segment_ids=segs,
-                                   causal=causal, scale=scale)
-
-    bs = block_sizes or BLOCK_SIZES[backend]
-    min_q, min_k = _MIN_BLOCK[backend]
+    bs = block_sizes or BLOCK_SIZES[target]
+    min_q, min_k = _MIN_BLOCK[target]
     fit_q = lambda x: _fit(x, sq, min_q)
     fit_k = lambda x: _fit(x, sk, min_k)
     bs = dataclasses.replace(bs, block_q=fit_q(bs.block_q), block_k=fit_k(bs.block_k),
@@ -533,18 +579,18 @@ def flash_attention(q, k, v, *, key_lengths=None, segment_ids=None, causal: bool
     sq_pad = _round_up(sq, max(bs.block_q, bs.block_q_dkv, bs.block_q_dq))
     sk_pad = _round_up(sk, max(bs.block_k, bs.block_k_dkv, bs.block_k_dq))
     # Head dim: Triton blocks need a power of two; TPU blocks a multiple of 128 above 128.
-    if backend == "tpu":
+    if target == "tpu":
         d_pad = d if d <= TPU_LANES else _round_up(d, TPU_LANES)
     else:
-        d_pad = max(16, _next_pow2(d)) if backend == "gpu" else d
-    plan = _Plan(backend=backend, causal=causal, scale=scale,
+        d_pad = max(16, _next_pow2(d)) if target == "gpu" else d
+    plan = _Plan(target=target, causal=causal, scale=scale,
                  has_len=key_lengths is not None or sk_pad != sk, has_seg=segs is not None,
                  groups=hq // hkv, sq=sq_pad, sk=sk_pad, blocks=bs,
                  precision=lax.Precision.HIGHEST if q.dtype == jnp.float32 else None)
 
     def prep(x, s_pad):
         x = jnp.pad(x, ((0, 0), (0, s_pad - x.shape[1]), (0, 0), (0, d_pad - d)))
-        return x.transpose(0, 2, 1, 3) if backend == "tpu" else x
+        return x.transpose(0, 2, 1, 3) if target == "tpu" else x
 
     kv_len = (jnp.full((b,), sk, jnp.int32) if key_lengths is None
               else jnp.clip(jnp.asarray(key_lengths, jnp.int32), 0, sk))
@@ -552,6 +598,84 @@ def flash_attention(q, k, v, *, key_lengths=None, segment_ids=None, causal: bool
         segs = (jnp.pad(segs[0], ((0, 0), (0, sq_pad - sq))),
                 jnp.pad(segs[1], ((0, 0), (0, sk_pad - sk))))
     o = _flash(plan, prep(q, sq_pad), prep(k, sk_pad), prep(v, sk_pad), kv_len, segs)
-    if backend == "tpu":
+    if target == "tpu":
         o = o.transpose(0, 2, 1, 3)
     return o[:, :sq, :, :d]
+
+
+def cudnn_attention(q, k, v, *, key_lengths=None, segment_ids=None, causal: bool = False,
+                    scale: float | None = None):
+    """``jax.nn.dot_product_attention(implementation="cudnn")`` with this file's arguments."""
+    if registry.platform() != "gpu":
+        raise NotImplementedError(f"cudnn attention needs an NVIDIA GPU; the default backend "
+                                  f"is {registry.platform()!r}. Use impl 'xla' or 'pallas'.")
+    if q.dtype not in (jnp.float16, jnp.bfloat16):
+        raise NotImplementedError(f"cudnn attention takes float16/bfloat16 inputs, not "
+                                  f"{q.dtype}; use a bf16/fp16 precision policy or impl "
+                                  "'xla'/'pallas'.")
+    if segment_ids is not None:
+        raise NotImplementedError("cudnn attention here takes no segment ids; use impl "
+                                  "'xla' or 'pallas'.")
+    return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal,
+                                        key_value_seq_lengths=key_lengths,
+                                        implementation="cudnn")
+
+
+def _no_dropout(name, dropout_rate):
+    if dropout_rate > 0:
+        raise NotImplementedError(f"attention impl {name!r} has no attention dropout "
+                                  f"(dropout_rate={dropout_rate}); use impl 'xla' or set the "
+                                  "attention dropout to 0.")
+
+
+def _xla(q, k, v, *, dropout_rate=0.0, dropout_rng=None, **mask):
+    return attention_reference(q, k, v, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
+                               **mask)
+
+
+def _pallas(q, k, v, *, dropout_rate=0.0, dropout_rng=None, **mask):
+    _no_dropout("pallas", dropout_rate)
+    return flash_attention(q, k, v, **mask)
+
+
+def _cudnn(q, k, v, *, dropout_rate=0.0, dropout_rng=None, **mask):
+    _no_dropout("cudnn", dropout_rate)
+    return cudnn_attention(q, k, v, **mask)
+
+
+DEFAULT_ORDER = {"cpu": ("xla",), "gpu": ("pallas", "cudnn", "xla"), "tpu": ("pallas", "xla")}
+REGISTRY = registry.Registry("attention", {"xla": _xla, "pallas": _pallas, "cudnn": _cudnn},
+                             DEFAULT_ORDER)
+IMPLS = REGISTRY.names
+WITH_DROPOUT = ("xla",)
+ONLY_ON = {"cudnn": ("gpu",)}        # platforms an implementation runs on (default: all)
+
+
+def check_impl(impl, dropout_rate: float = 0.0) -> None:
+    """Validate ``impl`` before anything is built: a known name, one that runs on this
+    platform, and one with attention dropout when ``dropout_rate > 0`` ("auto" always has one:
+    the reference)."""
+    names = REGISTRY.candidates(impl)
+    here = registry.platform()
+    if all(here not in ONLY_ON.get(n, (here,)) for n in names):
+        raise ValueError(f"attention_impl={impl!r} runs on {ONLY_ON[names[0]]} only; this "
+                         f"machine's default backend is {here!r}. Use attention_impl='auto', "
+                         "'xla' or 'pallas'.")
+    if dropout_rate > 0 and not set(names) & set(WITH_DROPOUT):
+        raise ValueError(
+            f"attention_impl={impl!r} has no attention dropout, but the model asks for "
+            f"attention dropout {dropout_rate}. Either set the model's attention dropout to 0 "
+            "(config: model.attention_dropout=0.0) or use attention_impl='xla' (or 'auto', "
+            "which falls back to it while dropout is active).")
+
+
+def attention(q, k, v, *, key_lengths=None, segment_ids=None, causal: bool = False,
+              scale: float | None = None, dropout_rate: float = 0.0, dropout_rng=None,
+              impl="auto"):
+    """Multi-head attention by ``impl`` (``IMPLS``, or a tuple of names tried in order).
+
+    Arguments as ``flash_attention``'s, plus attention dropout (``"xla"`` only). Returns
+    [B, Sq, Hq, D] in q's dtype; a query with no unmasked key gets zeros."""
+    segs = _check(q, k, v, key_lengths, segment_ids, scale)
+    return REGISTRY(q, k, v, key_lengths=key_lengths, segment_ids=segs, causal=causal,
+                    scale=scale, dropout_rate=dropout_rate, dropout_rng=dropout_rng, impl=impl)

@@ -28,7 +28,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
-from kernels_pallas import _backend  # noqa: E402
+from kernels_pallas import registry  # noqa: E402
 
 
 def pytest_report_header(config):
@@ -46,7 +46,7 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if item.get_closest_marker("slow"):
                 item.add_marker(slow)
-    if _backend.platform() == "gpu":
+    if registry.platform() == "gpu":
         return
     skip = pytest.mark.skip(reason=f"needs a GPU (default backend: {jax.default_backend()})")
     for item in items:
@@ -63,7 +63,7 @@ def eight_device_placement(n=8):
     * Otherwise (one GPU) the ``n`` fake CPU devices, and everything built inside the block is
       put on CPU as on CPU CI: the default device (arrays created outside jit), the default
       device list of ``sharding.make_mesh`` (``loop.train`` builds its own mesh), and the Pallas
-      kernels dispatched as on CPU (``_backend.platform`` reads the *default* backend, which
+      kernels dispatched as on CPU (``registry.platform`` reads the *default* backend, which
       would pick Triton kernels for computations that run on CPU devices).
     * Neither has ``n`` devices: skip, naming the devices there are.
     """
@@ -79,7 +79,7 @@ def eight_device_placement(n=8):
     from jaxaccel import sharding as shd
     make_mesh = shd.make_mesh
     with pytest.MonkeyPatch.context() as mp, jax.default_device(cpu[0]):
-        mp.setattr(_backend, "platform", lambda: "cpu")
+        mp.setattr(registry, "platform", lambda: "cpu")
         mp.setattr(shd, "make_mesh", lambda sizes, devices=None: make_mesh(
             sizes, cpu[:n] if devices is None else devices))
         yield cpu[:n]

@@ -8,7 +8,7 @@ the 8 fake ones, and the Pallas kernels dispatch as on a GPU. It exercises the o
 (Deselect ``gpu``: those tests would run, and need a real GPU.)"""
 import jax
 
-from kernels_pallas import _backend
+from kernels_pallas import registry
 
 _devices = jax.devices
 
@@ -18,4 +18,4 @@ def _one_default_device(backend=None):
 
 
 jax.devices = _one_default_device
-_backend.platform = lambda: "gpu"
+registry.platform = lambda: "gpu"

@@ -4,6 +4,8 @@ against each other on a BERT-shaped tree, optax composition, and kernel lowering
 The Adan math is elementwise (no matmuls), so a GPU's TF32 default does not touch it; on a GPU
 ``impl="pallas"`` runs the Triton kernel, whose float32 division is Triton's approximate
 ``div.full.f32`` (<= 2 ulp) where XLA divides correctly rounded: see ``KERNEL_TOL``."""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,9 +15,11 @@ import pytest
 from jaxaccel.optim import decay_mask
 from jaxaccel.optim import flat
 from jaxaccel.optim.adan import AdanState, adan, restart
-from kernels_pallas.adan import LANES, ROW_ALIGN, adan_update, make_scalars
+from kernels_pallas import registry
+from kernels_pallas.adan import (DEFAULT_ORDER, LANES, ROW_ALIGN, UPDATE, adan_update,
+                                 make_scalars, update_kernel)
 
-IMPLS = ("reference", "xla", "pallas")
+IMPLS = ("per_leaf", "xla", "pallas")
 
 
 class Float64Adan:
@@ -166,8 +170,8 @@ def test_impls_agree_on_a_bert_tree(no_prox, clip):
         tx = adan(1e-3, weight_decay=0.01, no_prox=no_prox, max_grad_norm=clip,
                   mask=decay_mask, impl=impl)
         results[impl], _, _ = run(tx, params, 4)
-    assert rel(results["xla"], results["reference"]) < 1e-5
-    assert rel(results["pallas"], results["reference"]) < 1e-5
+    assert rel(results["xla"], results["per_leaf"]) < 1e-5
+    assert rel(results["pallas"], results["per_leaf"]) < 1e-5
 
 
 def test_mask_keeps_biases_and_layer_norms_undecayed():
@@ -267,12 +271,12 @@ def test_weight_decay_needs_params():
 
 
 def test_portable_form_is_the_reference_state_and_round_trips():
-    """The flat state's per-parameter form is what impl="reference" keeps, and converting it
+    """The flat state's per-parameter form is what impl="per_leaf" keeps, and converting it
     back gives the flat buffers bit for bit."""
     params = bert_tree()
     kw = dict(weight_decay=0.01, mask=decay_mask)
     _, flat_state, _ = run(adan(1e-3, impl="xla", **kw), params, 3)
-    _, ref, _ = run(adan(1e-3, impl="reference", **kw), params, 3)
+    _, ref, _ = run(adan(1e-3, impl="per_leaf", **kw), params, 3)
     portable = flat.portable(flat_state)
     assert jax.tree_util.tree_structure(portable) == jax.tree_util.tree_structure(ref)
     for a, b in zip(jax.tree_util.tree_leaves(portable), jax.tree_util.tree_leaves(ref)):
@@ -303,6 +307,34 @@ def test_sharding_arguments_are_checked(eight_devices):
         adan(1e-3, impl="xla", shardings=replicated, zero_axes=("data",)).init(params)
 
 
+def test_sharded_layout_takes_the_mesh_from_the_arrays(eight_devices):
+    """The flat layout keeps axis sizes, not a Mesh: the update runs per device over the mesh
+    the arrays are placed on (no ``jax.set_mesh``), equals the unsharded update, and unplaced
+    arrays fail with a message instead of being gathered."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    mesh = Mesh(np.asarray(eight_devices), ("fsdp",))
+    params = {"w": np.ones((16, 8), np.float32), "b": np.arange(8, dtype=np.float32)}
+    split = jax.tree_util.tree_map(lambda _: NamedSharding(mesh, P("fsdp")), params)
+    tx = adan(1e-3, weight_decay=0.1, impl="xla", shardings=split)
+    state = tx.init(params)
+    assert state.layout.axis_sizes == (("fsdp", 8),) and state.layout.shard_axes == ("fsdp",)
+    assert not any(isinstance(getattr(state.layout, f.name), Mesh)
+                   for f in dataclasses.fields(state.layout))
+    grads = grads_at(0, params)
+    with pytest.raises(ValueError, match="no mesh is set and the arrays are not placed"):
+        tx.update(grads, state, params)
+    place = lambda tree: jax.device_put(tree, split)
+    buffers = NamedSharding(mesh, state.layout.buffer_spec)
+    state = jax.device_put(state, jax.tree_util.tree_map(lambda _: buffers, state)
+                           .replace(count=NamedSharding(mesh, P())))
+    updates, _ = jax.jit(tx.update)(place(grads), state, place(params))
+    want, _ = adan(1e-3, weight_decay=0.1, impl="xla").update(
+        grads, adan(1e-3, weight_decay=0.1, impl="xla").init(params), params)
+    for a, b in zip(jax.tree_util.tree_leaves(updates), jax.tree_util.tree_leaves(want)):
+        assert a.sharding.spec == P("fsdp")
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)   # p up to 7: ulp 4.8e-7
+
+
 def _flat_args(rows, dtype=jnp.float32):
     k = jax.random.split(jax.random.PRNGKey(0), 6)
     g, m, v, prev, p = [jax.random.normal(kk, (rows, LANES), dtype) for kk in k[:5]]
@@ -326,34 +358,51 @@ KERNEL_TOL = {
 }
 
 
-@pytest.mark.parametrize("backend", ["interpret", pytest.param(
+@pytest.mark.parametrize("target", ["interpret", pytest.param(
     "gpu", marks=[pytest.mark.gpu, pytest.mark.gpu_smoke])])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("no_prox", [False, True])
-def test_kernel_matches_reference(no_prox, dtype, backend):
+def test_kernel_matches_reference(no_prox, dtype, target):
     """The kernel (interpreted, or the real Triton kernel on a GPU) against the XLA path on
     flat buffers of ``dtype`` (the second moment n stays float32), weight decay and clipping on."""
     s, g, m, v, n, prev, p = _flat_args(ROW_ALIGN, dtype)
     assert float(jnp.abs(p).max()) < 8
-    a = adan_update(s, g, m, v, n, prev, p, no_prox=no_prox, backend="xla")
-    b = adan_update(s, g, m, v, n, prev, p, no_prox=no_prox, backend=backend)
+    a = adan_update(s, g, m, v, n, prev, p, no_prox=no_prox, impl="xla")
+    b = update_kernel(s, g, m, v, n, prev, p, no_prox=no_prox, target=target)
     for name, x, y in zip(("update", "m", "v", "n", "prev"), a, b):
         assert x.dtype == y.dtype, name
-        rtol, atol = KERNEL_TOL[backend, jnp.dtype(x.dtype).type]
+        rtol, atol = KERNEL_TOL[target, jnp.dtype(x.dtype).type]
         np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(x, np.float32),
                                    rtol=rtol, atol=atol, err_msg=name)
     # Not vacuous: the update is ~lr, far above atol, and it moved every state buffer.
-    assert float(jnp.abs(a[0].astype(jnp.float32)).mean()) > 100 * KERNEL_TOL[backend, dtype][1]
+    assert float(jnp.abs(a[0].astype(jnp.float32)).mean()) > 100 * KERNEL_TOL[target, dtype][1]
     for before, after in zip((m, v, n, prev), b[1:]):
         assert not np.array_equal(np.asarray(before, np.float32), np.asarray(after, np.float32))
 
 
-@pytest.mark.parametrize("platform,backend", [("tpu", "tpu"), ("cuda", "gpu")])
-def test_kernel_lowers_for_tpu_and_gpu(platform, backend):
+def test_registry_auto_order_and_names():
+    """"auto" is the kernel on GPU/TPU and the reference on CPU; the optimizer's impls are the
+    kernel's names plus the per-leaf layout; unknown names fail before anything is built."""
+    assert UPDATE.candidates("auto") == DEFAULT_ORDER[registry.platform()]
+    assert DEFAULT_ORDER == {"cpu": ("xla",), "gpu": ("pallas", "xla"), "tpu": ("pallas", "xla")}
+    from jaxaccel.optim.adan import IMPLS as OPTIMIZER_IMPLS
+    assert OPTIMIZER_IMPLS == UPDATE.names + ("per_leaf",)
+    s, g, m, v, n, prev, p = _flat_args(ROW_ALIGN)
+    for x, y in zip(adan_update(s, g, m, v, n, prev, p),
+                    adan_update(s, g, m, v, n, prev, p, impl=UPDATE.candidates("auto")[0])):
+        np.testing.assert_array_equal(x, y)
+    with pytest.raises(ValueError, match="impl='reference' is not one of"):
+        adan(1e-3, impl="reference")
+    with pytest.raises(ValueError, match="impl='triton' is unknown"):
+        adan_update(s, g, m, v, n, prev, impl="triton")
+
+
+@pytest.mark.parametrize("platform,target", [("tpu", "tpu"), ("cuda", "gpu")])
+def test_kernel_lowers_for_tpu_and_gpu(platform, target):
     """A 1,000,003-parameter group (not a multiple of the chunk): pad and lower."""
     rows = -(-1_000_003 // (ROW_ALIGN * LANES)) * ROW_ALIGN
     args = _flat_args(rows)
-    f = jax.jit(lambda *a: adan_update(*a, backend=backend), donate_argnums=(2, 3, 4, 5))
+    f = jax.jit(lambda *a: update_kernel(*a, target=target), donate_argnums=(2, 3, 4, 5))
     text = f.trace(*args).lower(lowering_platforms=(platform,)).as_text()
     assert "adan_update" in text
     assert ("tpu_custom_call" if platform == "tpu" else "__gpu$xla.gpu.triton") in text

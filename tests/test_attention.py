@@ -1,7 +1,9 @@
-"""Flash attention: interpret-mode kernels (output, dq, dk, dv) against the reference over a
+"""Attention: interpret-mode flash kernels (output, dq, dk, dv) against the reference over a
 covering grid (each axis swept with the others small, plus combined cases), masking edge
-cases, input validation, lowering for TPU and GPU, and real GPU runs (Triton kernels, cuDNN)
-when the default backend is a GPU.
+cases, the implementation registry (per-platform order, fallbacks, dropout only in the
+reference, checked when a model is built), the model's entry point (fully masked rows, per
+shard without ``jax.set_mesh``), input validation, lowering for TPU and GPU, and real GPU runs
+(Triton kernels, cuDNN) when the default backend is a GPU.
 
 The reference always runs in float32 at ``precision="highest"``: a GPU's default float32
 matmul is TF32 (10-bit mantissa), which put the reference itself 4e-4 off on an H100, 40x the
@@ -12,9 +14,10 @@ import numpy as np
 import pytest
 
 from jaxaccel.models.attention import attention
-from kernels_pallas import _backend
-from kernels_pallas.attention import (BLOCK_SIZES, BlockSizes, attention_reference,
-                                      flash_attention)
+from kernels_pallas import attention as kernel
+from kernels_pallas import registry
+from kernels_pallas.attention import (BLOCK_SIZES, DEFAULT_ORDER, REGISTRY, BlockSizes,
+                                      attention_reference, check_impl, flash_attention)
 
 SMALL = BlockSizes(16, 32, 32, 16, 16, 32)   # uneven fwd/dq/dkv blocks: padding, multi-block
 
@@ -69,14 +72,14 @@ def reference_out_and_grads(q, k, v, do, **kw):
 
 
 def check(b=1, sq=77, sk=None, hq=2, hkv=None, d=64, dtype=jnp.float32, causal=False,
-          key_lengths=None, segment_ids=None, block_sizes=SMALL, backend="interpret"):
+          key_lengths=None, segment_ids=None, block_sizes=SMALL, target="interpret"):
     sk = sq if sk is None else sk
     q, k, v, do = inputs(b, sq, sk, hq, hkv or hq, d, dtype)
     kw = dict(key_lengths=key_lengths, segment_ids=segment_ids, causal=causal)
     got = out_and_grads(lambda q, k, v: flash_attention(
-        q, k, v, block_sizes=block_sizes, backend=backend, **kw), q, k, v, do)
+        q, k, v, block_sizes=block_sizes, target=target, **kw), q, k, v, do)
     want = reference_out_and_grads(q, k, v, do, **kw)
-    tol = TOL[backend, dtype]
+    tol = TOL[target, dtype]
     for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
         assert g.dtype == dtype and g.shape == w.shape, name
         assert np.isfinite(np.asarray(g, np.float32)).all(), name
@@ -154,24 +157,119 @@ def test_default_block_sizes_shrink_to_short_sequences():
     check(b=2, sq=7, sk=9, block_sizes=None, key_lengths=jnp.array([9, 4]))
 
 
-def test_auto_is_xla_on_cpu_and_the_kernel_on_gpu():
-    """backend="auto" is the XLA reference on CPU and the Triton kernel on a GPU (bfloat16: the
-    dispatch is what is tested, and a bfloat16 Triton kernel compiles in a fraction of the
-    float32 one's time)."""
+def test_auto_is_the_first_implementation_of_the_platform_order():
+    """impl="auto" is the registry's first implementation for the platform: the reference on
+    CPU, the Triton kernel on a GPU (bfloat16: the dispatch is what is tested, and a bfloat16
+    Triton kernel compiles in a fraction of the float32 one's time)."""
     q, k, v, _ = inputs(2, 20, 20, 2, 2, 32, jnp.bfloat16)
-    concrete = _backend.resolve("auto")
-    assert concrete == {"cpu": "xla", "gpu": "gpu", "tpu": "tpu"}[_backend.platform()]
-    auto = flash_attention(q, k, v, causal=True)
-    np.testing.assert_array_equal(auto, flash_attention(q, k, v, causal=True, backend=concrete))
+    order = REGISTRY.candidates("auto")
+    assert order == DEFAULT_ORDER[registry.platform()] and order[-1] == "xla"
+    auto = kernel.attention(q, k, v, causal=True)
+    np.testing.assert_array_equal(auto, kernel.attention(q, k, v, causal=True, impl=order[0]))
     with jax.default_matmul_precision("highest"):
         want = attention_reference(*(x.astype(jnp.float32) for x in (q, k, v)), causal=True)
-    assert rel(flash_attention(q, k, v, causal=True, backend="interpret"), want) < \
-        TOL["interpret", jnp.bfloat16]
+    assert rel(kernel.attention(q, k, v, causal=True, impl="pallas"), want) < \
+        TOL[registry.pallas_target(), jnp.bfloat16]
+
+
+def test_registry_falls_back_in_order_and_names_the_reason(monkeypatch):
+    """A tuple of names (and "auto") takes the first implementation that accepts the inputs;
+    one name alone raises that implementation's reason. Off a GPU cuDNN declines; with dropout
+    on, Pallas and cuDNN decline, so "auto" on a GPU falls back to the reference."""
+    q, k, v, _ = inputs(2, 16, 16, 2, 2, 32, jnp.float32)
+    lengths = jnp.array([16, 9])
+    ref = attention_reference(q, k, v, key_lengths=lengths)
+    if registry.platform() != "gpu":
+        np.testing.assert_array_equal(
+            kernel.attention(q, k, v, key_lengths=lengths, impl=("cudnn", "xla")), ref)
+        with pytest.raises(NotImplementedError, match="needs an NVIDIA GPU"):
+            kernel.attention(q, k, v, impl="cudnn")
+    rng = jax.random.PRNGKey(3)
+    dropped = attention_reference(q, k, v, key_lengths=lengths, dropout_rate=0.3,
+                                  dropout_rng=rng)
+    assert rel(dropped, ref) > 0.1
+    with pytest.raises(NotImplementedError, match="no attention dropout"):
+        kernel.attention(q, k, v, dropout_rate=0.3, dropout_rng=rng, impl="pallas")
+    monkeypatch.setattr(registry, "platform", lambda: "gpu")
+    assert REGISTRY.candidates("auto") == ("pallas", "cudnn", "xla")
+    np.testing.assert_array_equal(kernel.attention(
+        q, k, v, key_lengths=lengths, dropout_rate=0.3, dropout_rng=rng), dropped)
+    with pytest.raises(ValueError, match="impl='flash' is unknown"):
+        kernel.attention(q, k, v, impl="flash")
+
+
+def test_reference_dropout_is_drawn_per_query_head():
+    """Grouped-query attention with dropout equals multi-head attention on repeated keys and
+    values with the same key: the mask is [B, Hq, Sq, Sk] whatever the grouping."""
+    q, k, v, _ = inputs(2, 12, 12, 4, 2, 16, jnp.float32)
+    ref = jax.jit(lambda q, k, v: attention_reference(
+        q, k, v, dropout_rate=0.5, dropout_rng=jax.random.PRNGKey(0),
+        key_lengths=jnp.array([12, 5])))
+    gqa = ref(q, k, v)
+    mha = ref(q, jnp.repeat(k, 2, axis=2), jnp.repeat(v, 2, axis=2))
+    np.testing.assert_allclose(gqa, mha, rtol=1e-6, atol=1e-6)
+
+
+def test_dropout_and_platform_conflicts_are_caught_when_the_model_is_built(monkeypatch):
+    from jaxaccel.models import PRESETS, BertModel, ModelSpec
+    check_impl("auto", 0.1)
+    check_impl(("pallas", "xla"), 0.1)
+    check_impl("pallas", 0.0)
+    check_impl(("cudnn", "xla"), 0.0)
+    if registry.platform() != "gpu":
+        with pytest.raises(ValueError, match="runs on \\('gpu',\\) only"):
+            check_impl("cudnn", 0.0)
+    monkeypatch.setattr(registry, "platform", lambda: "gpu")
+    check_impl("cudnn", 0.0)
+    for impl in ("pallas", "cudnn", ("pallas", "cudnn")):
+        with pytest.raises(ValueError, match="attention_impl='xla'"):
+            check_impl(impl, 0.1)
+    assert PRESETS["tiny"].attention_probs_dropout_prob > 0
+    with pytest.raises(ValueError, match="has no attention dropout"):
+        BertModel(ModelSpec(PRESETS["tiny"], attention_impl="pallas"))
+
+
+def test_model_entry_point_gives_zeros_for_rows_without_keys():
+    """The model's attention (a 0/1 padding mask) is the kernel reference: an all-padding row
+    gives zeros and no gradient under "xla" as under the Pallas kernel."""
+    q, k, v, do = inputs(3, 24, 24, 2, 2, 32, jnp.float32)
+    mask = (jnp.arange(24)[None, :] < jnp.array([24, 0, 10])[:, None]).astype(jnp.int32)
+    with jax.default_matmul_precision("highest"):
+        got = {impl: out_and_grads(lambda q, k, v: attention(q, k, v, mask, impl=impl),
+                                   q, k, v, do) for impl in ("xla", "pallas")}
+    for name, x, p in zip(("out", "dq", "dk", "dv"), got["xla"], got["pallas"]):
+        assert not np.asarray(x[1]).any(), name
+        assert rel(p, x) < TOL[registry.pallas_target(), jnp.float32], name
+
+
+def test_pallas_attention_runs_per_shard_without_set_mesh(eight_devices):
+    """A jitted call on q/k/v placed on a 2x2x2 mesh, no ``jax.set_mesh``: the kernel runs in
+    shard_map over the mesh the arrays are on (batch and heads split), nothing is gathered,
+    and the result is the reference's."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jaxaccel import sharding as shd
+    mesh = shd.make_mesh({"data": 2, "fsdp": 2, "tensor": 2}, eight_devices)
+    q, k, v, _ = inputs(4, 16, 16, 2, 2, 32, jnp.float32)
+    mask = (jnp.arange(16)[None, :] < jnp.array([16, 3, 9, 12])[:, None]).astype(jnp.int32)
+    qkv = NamedSharding(mesh, P(("data", "fsdp"), None, "tensor", None))
+    q, k, v = (jax.device_put(x, qkv) for x in (q, k, v))
+    mask = jax.device_put(mask, NamedSharding(mesh, P(("data", "fsdp"))))
+    assert jax.sharding.get_abstract_mesh().empty
+    fn = jax.jit(lambda q, k, v, m: attention(q, k, v, m, impl="pallas"))
+    assert "shard_map" in str(jax.make_jaxpr(fn)(q, k, v, mask))
+    hlo = fn.lower(q, k, v, mask).compile().as_text()
+    assert "all-gather" not in hlo and "all-to-all" not in hlo
+    out = fn(q, k, v, mask)
+    assert out.sharding.spec == qkv.spec
+    with jax.default_matmul_precision("highest"):
+        want = attention_reference(*(jax.device_get(x) for x in (q, k, v)),
+                                   key_lengths=jnp.array([16, 3, 9, 12]))
+    assert rel(out, want) < TOL["interpret", jnp.float32]
 
 
 def test_scale_argument():
     q, k, v, _ = inputs(1, 20, 20, 2, 2, 32, jnp.float32)
-    got = flash_attention(q, k, v, scale=0.3, backend="interpret", block_sizes=SMALL)
+    got = flash_attention(q, k, v, scale=0.3, target="interpret", block_sizes=SMALL)
     with jax.default_matmul_precision("highest"):
         want = attention_reference(q, k, v, scale=0.3)
     assert rel(got, want) < TOL["interpret", jnp.float32]
@@ -187,11 +285,11 @@ def test_tpu_layout_in_tpu_interpreter(case, monkeypatch):
     lengths in SMEM, head_dim padded to 256) run by the Pallas TPU interpreter, which
     simulates Mosaic's memory semantics on the host: on CPU whatever the default backend."""
     from jax.experimental.pallas import tpu as pltpu
-    plain = _backend.interpret
-    monkeypatch.setattr(_backend, "interpret",
-                        lambda b: pltpu.InterpretParams() if b == "tpu" else plain(b))
+    plain = registry.interpret
+    monkeypatch.setattr(registry, "interpret",
+                        lambda t: pltpu.InterpretParams() if t == "tpu" else plain(t))
     with jax.default_device(jax.devices("cpu")[0]):
-        check(**case, backend="tpu", block_sizes=BlockSizes(128, 128, 128, 128, 128, 128))
+        check(**case, target="tpu", block_sizes=BlockSizes(128, 128, 128, 128, 128, 128))
 
 
 # --- validation ---------------------------------------------------------------------------
@@ -201,7 +299,7 @@ def test_tpu_layout_in_tpu_interpreter(case, monkeypatch):
     ({}, ((1, 8, 2, 32), (1, 8, 2, 16)), "share batch and head_dim"),
     ({"key_lengths": jnp.array([1, 2])}, ((1, 8, 2, 32), (1, 8, 2, 32)), "key_lengths"),
     ({"segment_ids": jnp.zeros((1, 8), jnp.int32)}, ((1, 8, 2, 32), (1, 9, 2, 32)), "Sq == Sk"),
-    ({"backend": "cuda"}, ((1, 8, 2, 32), (1, 8, 2, 32)), "backend="),
+    ({"target": "cuda"}, ((1, 8, 2, 32), (1, 8, 2, 32)), "Pallas target='cuda'"),
 ])
 def test_rejects_bad_inputs(kwargs, shapes, match):
     q, k = jnp.zeros(shapes[0]), jnp.zeros(shapes[1])
@@ -227,9 +325,9 @@ LOWER_CASES = {
 
 
 @pytest.mark.parametrize("case", list(LOWER_CASES))
-@pytest.mark.parametrize("platform,backend,marker", [("tpu", "tpu", "tpu_custom_call"),
-                                                     ("cuda", "gpu", "__gpu$xla.gpu.triton")])
-def test_lowers(case, platform, backend, marker):
+@pytest.mark.parametrize("platform,target,marker", [("tpu", "tpu", "tpu_custom_call"),
+                                                    ("cuda", "gpu", "__gpu$xla.gpu.triton")])
+def test_lowers(case, platform, target, marker):
     c = LOWER_CASES[case]
     b, s, hq, hkv, d = c["shape"]
     q = jax.ShapeDtypeStruct((b, s, hq, d), jnp.bfloat16)
@@ -239,7 +337,7 @@ def test_lowers(case, platform, backend, marker):
     def fwd(q, k, v, lengths, seg):
         return flash_attention(q, k, v, key_lengths=lengths if c["lengths"] else None,
                                segment_ids=seg if c["segments"] else None, causal=c["causal"],
-                               backend=backend)
+                               target=target)
 
     def fwd_bwd(q, k, v, lengths, seg):
         return jax.grad(lambda *x: fwd(*x, lengths, seg).astype(jnp.float32).sum(),
@@ -274,7 +372,7 @@ SMOKE = (pytest.mark.gpu, pytest.mark.gpu_smoke)
 ])
 def test_gpu_matches_reference(case, dtype):
     """The Triton kernels (forward, dq, dk/dv) with the tuned GPU blocks."""
-    check(**GPU_CASES[case], dtype=dtype, block_sizes=BLOCK_SIZES["gpu"], backend="gpu")
+    check(**GPU_CASES[case], dtype=dtype, block_sizes=BLOCK_SIZES["gpu"], target="gpu")
 
 
 @pytest.mark.gpu

@@ -13,7 +13,8 @@ from jaxaccel.optim import decay_mask, flat
 from jaxaccel.optim.adan import adan_onepass
 from jaxaccel.train import loop
 from jaxaccel.train.checkpoint import Checkpointer, on_disk, restore_state
-from kernels_pallas.adan import LANES, ROW_ALIGN, BlockSizes, adan_apply, adan_update
+from kernels_pallas.adan import (LANES, ROW_ALIGN, BlockSizes, adan_apply, adan_update,
+                                 apply_kernel)
 from test_adan import (CASES, Float64Adan, _flat_args, bert_tree, grads_at, rel,
                        small_tree)
 # on_eight_devices (autouse, module scope): ``build`` places every run on test_sharding's 8
@@ -33,19 +34,19 @@ def run_onepass(tx, params, steps):
     return fp.view(), state
 
 
-@pytest.mark.parametrize("backend", ["xla", "interpret"])
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_onepass_matches_float64_rule(backend, case):
+def test_onepass_matches_float64_rule(impl, case):
     kw = dict(lr=3e-3)
     kw.update(CASES[case])
     params = bert_tree(hidden=16, layers=1, vocab=50, mlp=24)
     decay = jax.tree_util.tree_leaves(decay_mask(params))
     tx = adan_onepass(kw["lr"], weight_decay=kw["wd"], no_prox=kw.get("no_prox", False),
                       max_grad_norm=kw.get("max_grad_norm", 0.0), mask=decay_mask,
-                      backend=backend)
+                      impl=impl)
     ref = Float64Adan(kw["lr"], wd=kw["wd"], no_prox=kw.get("no_prox", False),
                       max_grad_norm=kw.get("max_grad_norm", 0.0), decay=decay)
-    steps = 100 if backend == "xla" else 20
+    steps = 100 if impl == "xla" else 20
     ours, state = run_onepass(tx, params, steps)
     leaves, treedef = jax.tree_util.tree_flatten(params)
     p64 = [x.astype(np.float64) for x in leaves]
@@ -86,16 +87,16 @@ def test_apply_kernel_interpret_matches_reference_and_update(no_prox):
     """The one-pass kernel (interpreted) = its XLA reference, and p' = p + the optax-path
     update of the same step."""
     s, g, p, m, v, n, prev = _apply_args(ROW_ALIGN, jnp.bfloat16)
-    a = adan_apply(s, g, p, m, v, n, prev, no_prox=no_prox, backend="xla")
-    b = adan_apply(s, g, p, m, v, n, prev, no_prox=no_prox, backend="interpret",
-                   block_sizes=BlockSizes(128))
+    a = adan_apply(s, g, p, m, v, n, prev, no_prox=no_prox, impl="xla")
+    b = apply_kernel(s, g, p, m, v, n, prev, no_prox=no_prox, target="interpret",
+                     block_sizes=BlockSizes(128))
     for x, y in zip(a, b):
         assert x.dtype == y.dtype
         np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32),
                                    rtol=2.0 ** -7, atol=1e-6)
     s, g, p, m, v, n, prev = _apply_args(ROW_ALIGN)
-    new = adan_apply(s, g, p, m, v, n, prev, no_prox=no_prox, backend="xla")
-    u, *state = adan_update(s, g, m, v, n, prev, p, no_prox=no_prox, backend="xla")
+    new = adan_apply(s, g, p, m, v, n, prev, no_prox=no_prox, impl="xla")
+    u, *state = adan_update(s, g, m, v, n, prev, p, no_prox=no_prox, impl="xla")
     np.testing.assert_allclose(new[0], p + u, rtol=1e-6, atol=1e-6)
     for x, y in zip(new[1:], state):
         np.testing.assert_array_equal(x, y)
@@ -108,10 +109,10 @@ def test_block_sizes_are_checked():
         BlockSizes(16, num_warps=3)
 
 
-@pytest.mark.parametrize("platform,backend", [("tpu", "tpu"), ("cuda", "gpu")])
-def test_apply_kernel_lowers_in_place_for_tpu_and_gpu(platform, backend):
+@pytest.mark.parametrize("platform,target", [("tpu", "tpu"), ("cuda", "gpu")])
+def test_apply_kernel_lowers_in_place_for_tpu_and_gpu(platform, target):
     args = _apply_args(2 * ROW_ALIGN)
-    f = jax.jit(lambda *a: adan_apply(*a, backend=backend), donate_argnums=(2, 3, 4, 5, 6))
+    f = jax.jit(lambda *a: apply_kernel(*a, target=target), donate_argnums=(2, 3, 4, 5, 6))
     lowered = f.trace(*args).lower(lowering_platforms=(platform,))
     text = lowered.as_text()
     call = [line for line in text.splitlines() if "adan_apply" in line and "custom_call" in line]
@@ -166,7 +167,7 @@ def test_flat_step_lowers_for_tpu_and_gpu_with_one_kernel_per_group(tmp_path, mo
     from jax.sharding import PartitionSpec as P
     from jaxaccel import sharding as shd
     from jaxaccel.train.checkpoint import abstract_like
-    from kernels_pallas import _backend
+    from kernels_pallas import registry
     run = build(tmp_path, (1, 4, 2), 8, *ADAN, *FLAT)
     make_train, _ = loop.step_builders(run.cfg)
     bsh = shd.batch_sharding(run.mesh)
@@ -175,7 +176,7 @@ def test_flat_step_lowers_for_tpu_and_gpu_with_one_kernel_per_group(tmp_path, mo
     assert run.state.params.layout.param_spec == P(("fsdp", "tensor"))
     for backend, platform, kernel in (("tpu", "tpu", "tpu_custom_call"),
                                       ("gpu", "cuda", "__gpu$xla.gpu.triton")):
-        monkeypatch.setattr(_backend, "platform", lambda b=backend: b)
+        monkeypatch.setattr(registry, "platform", lambda b=backend: b)
         step = jax.jit(make_train(run.graphdef, run.tx),     # a fresh trace per platform
                        in_shardings=(run.state_shardings, bsh),
                        out_shardings=(run.state_shardings, shd.replicated(run.mesh)),

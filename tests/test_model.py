@@ -18,9 +18,9 @@ from safetensors.numpy import load_file, save_file
 from jaxaccel import config
 from jaxaccel.models import (PRESETS, ModelSpec, architecture_of, bert, create_model,
                              from_pretrained, load_checkpoint, spec)
-from kernels_pallas import _backend
+from kernels_pallas import registry
 
-PLATFORM = _backend.platform()
+PLATFORM = registry.platform()
 # Bounds by (platform, compute dtype) against: "torch" PyTorch's BertModel (float32, CPU);
 # "same" the same math written another way (a numpy head, the flash kernel vs XLA); "fp32" the
 # float32 model. At precision="highest" a GPU differs from the CPU only in summation order and
@@ -204,10 +204,9 @@ def test_too_long_sequence_is_an_error():
         model(jnp.ones((1, 129), jnp.int32))
 
 
-def test_fused_attention_refuses_dropout():
-    model = _tiny(attention_impl="cudnn")
+def test_fused_attention_refuses_dropout_when_built():
     with pytest.raises(ValueError, match="attention_impl='xla'"):
-        model(jnp.ones((1, 8), jnp.int32), deterministic=False, rngs=nnx.Rngs(dropout=0))
+        _tiny(attention_impl="pallas")
 
 
 def test_mean_pooling_head_reads_masked_mean():
@@ -230,7 +229,10 @@ def test_pallas_attention_matches_xla(minilm_dir):
     ids, mask = _inputs()
     with jax.default_matmul_precision("highest"):
         xla = from_pretrained(minilm_dir)(ids, mask)
-        pallas = from_pretrained(minilm_dir, attention_impl="pallas")(ids, mask)
+        no_dropout = dataclasses.replace(architecture_of(minilm_dir),
+                                         attention_probs_dropout_prob=0.0)
+        pallas = load_checkpoint(minilm_dir, ModelSpec(no_dropout, attention_impl="pallas"),
+                                 None, 0)(ids, mask)
     real = mask.astype(bool)
     a = np.asarray(pallas.last_hidden_state)[real]
     b = np.asarray(xla.last_hidden_state)[real]

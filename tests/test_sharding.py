@@ -17,7 +17,7 @@ from jaxaccel import config
 from jaxaccel import sharding as shd
 from jaxaccel.train import loop
 from jaxaccel.train.checkpoint import Checkpointer, abstract_like, on_disk, restore_state
-from kernels_pallas import _backend
+from kernels_pallas import registry
 
 TINY = ["model.name=tiny", "data.name=synthetic", "data.synthetic_examples=64",
         "data.synthetic_seq_len=16", "train.batch_size=16", "train.eval_batch_size=32",
@@ -191,10 +191,10 @@ def test_fsdp_lowers_memory_per_device(tmp_path):
     assert sizes[(1, 8, 1)] < sizes[(8, 1, 1)] / 4, sizes
 
 
-@pytest.mark.parametrize("platform,backend,kernel", [
+@pytest.mark.parametrize("platform,target,kernel", [
     ("tpu", "tpu", "tpu_custom_call"), ("cuda", "gpu", "__gpu$xla.gpu.triton")])
 def test_train_step_lowers_for_accelerators_on_a_2x2x2_mesh(tmp_path, monkeypatch, platform,
-                                                           backend, kernel):
+                                                           target, kernel):
     """The whole step with both Pallas kernels (flash attention, fused Adan with ZeRO-1) on a
     2x2x2 mesh, lowered for TPU (Mosaic) and GPU (Triton) from this CPU machine."""
     run = build(tmp_path, (2, 2, 2), 8, *ADAN, "sharding.zero1=true",
@@ -202,7 +202,7 @@ def test_train_step_lowers_for_accelerators_on_a_2x2x2_mesh(tmp_path, monkeypatc
     step, bsh = jitted_step(run)
     batch = loop._global_batch(next(run.train_data.batches(0)), bsh)
     abstract = abstract_like(run.state, run.state_shardings)
-    monkeypatch.setattr(_backend, "platform", lambda: backend)   # kernels as on that platform
+    monkeypatch.setattr(registry, "platform", lambda: target)    # kernels as on that platform
     with jax.set_mesh(run.mesh):
         text = step.trace(abstract, batch).lower(lowering_platforms=(platform,)).as_text()
     assert "mhlo.sharding" in text or "sdy.sharding" in text
@@ -293,12 +293,14 @@ def test_grad_accumulation_keeps_the_batch_sharded(tmp_path, unsharded):
 
 def test_pallas_attention_runs_per_shard(tmp_path, unsharded):
     """On a 2x2x2 mesh the flash kernel runs inside shard_map on local batch/head shards
-    (no gather of q/k/v), and training gives the unsharded losses."""
+    (no gather of q/k/v), with or without ``jax.set_mesh`` (the state and batch are placed on
+    the mesh), and training gives the unsharded losses."""
     run = build(tmp_path, (2, 2, 2), 8, "model.attention_impl=pallas")
     step, bsh = jitted_step(run)
     batch = loop._global_batch(next(run.train_data.batches(0)), bsh)
     with jax.set_mesh(run.mesh):
         jaxpr = str(jax.make_jaxpr(step)(run.state, batch))
     assert "shard_map" in jaxpr
+    assert "shard_map" in str(jax.make_jaxpr(step)(run.state, batch))
     losses, _ = train_steps(run, 2)
     np.testing.assert_allclose(losses, unsharded[0][:2], rtol=1e-5)

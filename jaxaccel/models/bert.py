@@ -193,7 +193,7 @@ class BertModel(nnx.Module):
         if not isinstance(spec, ModelSpec):
             raise TypeError(f"BertModel takes a ModelSpec, got {type(spec).__name__}; e.g. "
                             "BertModel(ModelSpec(PRESETS['tiny'], num_labels=2)).")
-        check_impl(spec.attention_impl, 0.0, True)
+        check_impl(spec.attention_impl, spec.architecture.attention_probs_dropout_prob)
         rngs = rngs if rngs is not None else nnx.Rngs(params=0)
         policy = get_policy(policy)
         config = spec.architecture

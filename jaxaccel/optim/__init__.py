@@ -6,19 +6,22 @@ Adan (``jaxaccel.optim.adan``) follows the official algorithm and has fused impl
 ``make_onepass`` builds its one-pass form for parameters kept flat (``jaxaccel.optim.flat``).
 ``state_shardings`` places an optimizer state on the mesh; ``flat.portable`` /
 ``flat.restore`` turn any state holding flat buffers into the mesh-independent form
-checkpoints hold and back.
+checkpoints hold and back. ``IMPLS`` / ``ONEPASS_IMPLS``: what ``impl`` (config
+``train.optimizer_impl``) takes on either path.
 """
 from __future__ import annotations
 
 import jax
 import optax
+from jax.sharding import NamedSharding
 
 from jaxaccel import sharding as shd
 from jaxaccel.optim import flat
-from jaxaccel.optim.adan import AdanState, OnePass, adan, adan_onepass
+from jaxaccel.optim.adan import IMPLS, AdanState, OnePass, adan, adan_onepass
+from kernels_pallas.adan import IMPLS as ONEPASS_IMPLS
 
-__all__ = ["OPTIMIZERS", "decay_mask", "flat", "make_onepass", "make_optimizer",
-           "make_schedule", "state_shardings"]
+__all__ = ["IMPLS", "ONEPASS_IMPLS", "OPTIMIZERS", "decay_mask", "flat", "make_onepass",
+           "make_optimizer", "make_schedule", "state_shardings"]
 
 OPTIMIZERS = ("adamw", "adan")
 
@@ -78,16 +81,16 @@ def make_onepass(name: str, learning_rate, *, weight_decay: float = 0.0,
                  impl: str = "auto", shardings=None,
                  zero_axes: tuple[str, ...] = ()) -> OnePass:
     """``make_optimizer``'s one-pass counterpart (same arguments, same numbers) for parameters
-    kept flat: only Adan has one. ``impl``: auto | xla | pallas (the kernel's backend)."""
+    kept flat: only Adan has one. ``impl``: one of ``ONEPASS_IMPLS`` (the kernel's)."""
     if name != "adan":
         raise ValueError(f"the one-pass (flat parameter) path exists for optimizer 'adan' "
                          f"only, not {name!r}; set train.optimizer=adan or "
                          "train.flat_params=false.")
-    if impl not in ("auto", "xla", "pallas"):
-        raise ValueError(f"optimizer_impl={impl!r} has no one-pass form; expected auto, xla or "
-                         "pallas with flat parameters.")
+    if impl not in ONEPASS_IMPLS:
+        raise ValueError(f"optimizer_impl={impl!r} has no one-pass form; expected one of "
+                         f"{ONEPASS_IMPLS} with flat parameters.")
     return adan_onepass(learning_rate, weight_decay=weight_decay, max_grad_norm=max_grad_norm,
-                        mask=decay_mask, backend=impl, shardings=shardings,
+                        mask=decay_mask, impl=impl, shardings=shardings,
                         zero_axes=zero_axes, **_given(b1=b1, b2=b2, b3=b3, eps=eps))
 
 
@@ -102,7 +105,7 @@ def state_shardings(opt_state_shapes, param_shardings, mesh, *, zero1: bool = Fa
     def place_flat(state, given):
         if not (isinstance(state, AdanState) and state.layout is not None):
             return given
-        place = state.layout.sharding(state.layout.buffer_spec) or shd.replicated(mesh)
+        place = NamedSharding(mesh, state.layout.buffer_spec)
         return given.replace(**{k: tuple(place for _ in getattr(state, k))
                                 for k in ("m", "v", "n", "prev")})
     return jax.tree_util.tree_map(place_flat, opt_state_shapes, base,

@@ -12,15 +12,19 @@ The rule (official sail-sg/Adan ``adan.py``; betas are the code's), per step t =
 ``optax.adan`` differs: it scales the gradient difference of the n-update by (1 - b2) where the
 official code uses b2, so the two give different trajectories (tests/test_adan.py shows it).
 
-Implementations (``impl``), all computing the same numbers:
+Implementations (``impl``, ``IMPLS``), all computing the same numbers. The kernel's names
+(``kernels_pallas.adan.IMPLS``: what the math runs as) and one layout choice:
 
-* ``"reference"``: per-leaf jnp math (the unfused, single-tensor baseline).
+* ``"per_leaf"``: the kernel's reference applied leaf by leaf (the unfused, single-tensor
+  baseline; its state is the portable form checkpoints hold).
 * ``"xla"``: multi-tensor: the state lives in the flat layout of ``jaxaccel.optim.flat`` (one
   [rows, 128] buffer per group), each step packs the gradients (and the parameters, only when
-  weight decay is on) and unpacks the updates, the update left to XLA to fuse.
+  weight decay is on) and unpacks the updates; the kernel's reference does the math, fused by
+  XLA.
 * ``"pallas"``: the same flat buffers through the fused kernel in ``kernels_pallas/adan.py``
   (interpret mode on CPU).
-* ``"auto"``: pallas on GPU/TPU, xla on CPU.
+* ``"auto"``: the flat layout and the kernel registry's default order for the platform
+  (the kernel on GPU/TPU, the reference on CPU).
 
 ``adan`` is a plain optax ``GradientTransformation``. ``adan_onepass`` is the trainer's faster
 path outside optax's contract: the parameters live in the flat layout too (``FlatParams``), the
@@ -44,15 +48,16 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxaccel.optim import flat
 from jaxaccel.optim.flat import FlatNode, FlatParams, Layout, is_float
-from kernels_pallas import _backend
+from kernels_pallas import adan as kernel
 from kernels_pallas.adan import adan_apply, adan_reference, adan_update, make_scalars
 
-IMPLS = ("auto", "reference", "xla", "pallas")
+PER_LEAF = "per_leaf"
+IMPLS = kernel.IMPLS + (PER_LEAF,)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class AdanState(FlatNode):
-    """``count``: steps done. ``m, v, n, prev``: per-leaf trees ("reference", and the portable
+    """``count``: steps done. ``m, v, n, prev``: per-leaf trees ("per_leaf", and the portable
     form) or tuples of flat [rows, 128] buffers, one per group, described by ``layout``."""
 
     count: jax.Array
@@ -72,11 +77,10 @@ class AdanState(FlatNode):
         return _flat_state(self.layout, saved)
 
     def portable_shardings(self, shardings: "AdanState") -> "AdanState":
-        layout = self.layout
+        layout, mesh = self.layout, shardings.count.mesh
         packed = set(layout.packed)
-        replicated = NamedSharding(layout.mesh, P()) if layout.mesh is not None else None
-        tree = layout.treedef.unflatten([s if i in packed else replicated for i, s in
-                                         enumerate(layout.leaf_shardings)])
+        tree = layout.treedef.unflatten([s if i in packed else NamedSharding(mesh, P())
+                                         for i, s in enumerate(layout.leaf_shardings(mesh))])
         return AdanState(shardings.count, tree, tree, tree, tree)
 
 
@@ -159,10 +163,11 @@ def adan(learning_rate: float | Callable = 1e-3, b1: float = 0.98, b2: float = 0
       no_prox: the official ``no_prox`` switch (multiplicative decay instead of proximal).
       max_grad_norm: global-norm clipping inside the optimizer, as the official code; 0 = off.
       state_dtype: dtype of m, v, n, prev (default float32); math is float32 regardless.
-      impl: reference | xla | pallas | auto.
+      impl: one of ``IMPLS``: auto | xla | pallas (flat layout, the kernel registry's
+        implementation) or per_leaf.
       shardings: the parameters' ``NamedSharding``s (a tree like the parameters). The
         multi-tensor impls then update each device's own shards (see ``optim.flat``); the
-        per-leaf "reference" impl needs nothing (XLA partitions it like the parameters).
+        "per_leaf" impl needs nothing (XLA partitions it like the parameters).
       zero_axes: ZeRO-1: mesh axes over which each device's state is split further (the
         parameters replicated over them), e.g. the batch axes ``("data", "fsdp")``.
     """
@@ -171,14 +176,9 @@ def adan(learning_rate: float | Callable = 1e-3, b1: float = 0.98, b2: float = 0
     rule = _Rule(learning_rate, b1, b2, b3, eps, weight_decay, no_prox, max_grad_norm, mask,
                  jnp.dtype(state_dtype or jnp.float32))
 
-    def resolved_impl():
-        if impl != "auto":
-            return impl
-        return "pallas" if _backend.resolve("auto") in ("tpu", "gpu") else "xla"
-
     def init_fn(params):
         count = jnp.zeros((), jnp.int32)
-        if resolved_impl() == "reference":
+        if impl == PER_LEAF:
             zeros = lambda: jax.tree_util.tree_map(
                 lambda x: jnp.zeros(x.shape if is_float(x) else (), rule.state_dtype), params)
             return AdanState(count, zeros(), zeros(), zeros(), zeros())
@@ -201,8 +201,7 @@ def adan(learning_rate: float | Callable = 1e-3, b1: float = 0.98, b2: float = 0
             if state.layout.treedef != treedef:
                 raise ValueError("adan: the state was initialised for another parameter tree "
                                  f"({state.layout.treedef}); the updates are {treedef}.")
-            backend = "xla" if resolved_impl() == "xla" else "pallas"
-            out = _update_flat(state.layout, leaves, state, p_leaves, scalars, backend)
+            out = _update_flat(state.layout, leaves, state, p_leaves, scalars)
         new_updates, m, v, n, prev = out
         return new_updates, AdanState(state.count + 1, m, v, n, prev, state.layout)
 
@@ -219,7 +218,7 @@ def adan(learning_rate: float | Callable = 1e-3, b1: float = 0.98, b2: float = 0
         cols = list(zip(*outs))
         return tuple(treedef.unflatten(c) for c in cols)
 
-    def _update_flat(layout, leaves, state, p_leaves, scalars, backend):
+    def _update_flat(layout, leaves, state, p_leaves, scalars):
         """The multi-tensor update, per device when the layout is sharded: pack the local
         gradient (and parameter) shards, update this device's rows, unpack local updates."""
         grad_idx = layout.packed
@@ -233,7 +232,7 @@ def adan(learning_rate: float | Callable = 1e-3, b1: float = 0.98, b2: float = 0
                 gk = layout.own_rows(flat.pack(g, group, dtype))
                 pk = layout.own_rows(flat.pack(p, group, dtype)) if p and group.decay else None
                 u, *st = adan_update(scalars[int(group.decay)], gk, m[k], v[k], n[k], prev[k],
-                                     pk, no_prox=no_prox, backend=backend)
+                                     pk, no_prox=no_prox, impl=impl)
                 for buf, s in zip(new, st):
                     buf.append(s)
                 for i, x in flat.unpack(layout.all_rows(u), group, layout).items():
@@ -269,17 +268,18 @@ class OnePass(NamedTuple):
 def adan_onepass(learning_rate: float | Callable = 1e-3, b1: float = 0.98, b2: float = 0.92,
                  b3: float = 0.99, eps: float = 1e-8, weight_decay: float = 0.0,
                  no_prox: bool = False, max_grad_norm: float = 0.0, mask: Any = None,
-                 state_dtype: Any = None, backend: str = "auto", shardings: Any = None,
+                 state_dtype: Any = None, impl: str = "auto", shardings: Any = None,
                  zero_axes: tuple[str, ...] = (), block_sizes=None) -> OnePass:
-    """The one-pass Adan: same arguments and numbers as ``adan`` (``backend`` as the kernel's:
-    auto | pallas | xla | interpret | tpu | gpu; ``block_sizes`` the kernel's, default per
-    backend). Per group and device, one ``adan_apply``:
+    """The one-pass Adan: same arguments and numbers as ``adan`` (``impl`` one of the kernel's
+    ``kernels_pallas.adan.IMPLS``; ``block_sizes`` the kernel's, default per target). Per group
+    and device, one ``adan_apply``:
 
         reads  g, p, m, v, n, prev    (6 words per parameter)
         writes p, m, v, n, prev       (5 words, aliased in place)
 
     plus one read of g for the clipping norm when ``max_grad_norm > 0``. With ``zero_axes``
     each device updates its rows of the parameters and gathers the others (ZeRO-1)."""
+    kernel.APPLY.candidates(impl)                  # a known name, before anything is built
     rule = _Rule(learning_rate, b1, b2, b3, eps, weight_decay, no_prox, max_grad_norm, mask,
                  jnp.dtype(state_dtype or jnp.float32))
 
@@ -307,7 +307,7 @@ def adan_onepass(learning_rate: float | Callable = 1e-3, b1: float = 0.98, b2: f
             for k, group in enumerate(layout.groups):
                 new = adan_apply(scalars[int(group.decay)], layout.own_rows(g[k]),
                                  layout.own_rows(p[k]), m[k], v[k], n[k], prev[k],
-                                 no_prox=no_prox, backend=backend, block_sizes=block_sizes)
+                                 no_prox=no_prox, impl=impl, block_sizes=block_sizes)
                 for buf, x in zip(out, (layout.all_rows(new[0]),) + new[1:]):
                     buf.append(x)
             return tuple(out[0]), tuple(tuple(b) for b in out[1:])

@@ -35,9 +35,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxaccel.sharding import drop_trivial, entry_axes
+from jaxaccel.sharding import current_mesh, drop_trivial, entry_axes, per_shard
 from kernels_pallas.adan import LANES, ROW_ALIGN
 
 
@@ -53,7 +53,11 @@ class Group:
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """Where each leaf lives in the flat buffers. Static (hashable) data of the pytree
-    structure of the nodes holding the buffers: jit specialises on it, it travels with them."""
+    structure of the nodes holding the buffers: jit specialises on it, it travels with them.
+
+    It holds no mesh, only the axis sizes it was laid out for (``axis_sizes``); the per-device
+    code runs over the mesh the buffers are placed on (``sharding.per_shard``), and anything
+    that places buffers is given the mesh."""
 
     treedef: Any
     shapes: tuple          # global shape of every leaf
@@ -61,7 +65,7 @@ class Layout:
     groups: tuple          # Group, decayed first
     dtype: str             # state dtype
     specs: tuple           # every leaf's PartitionSpec (size-1 mesh axes dropped)
-    mesh: Mesh | None = None
+    axis_sizes: tuple = ()  # ((mesh axis, size), ...) of the mesh the layout is for
     shard_axes: tuple = ()  # mesh axes the parameters are split over
     zero_axes: tuple = ()   # mesh axes each device's state rows are split over (ZeRO-1)
 
@@ -74,19 +78,20 @@ class Layout:
         """Indices of the leaves in the buffers, in buffer order."""
         return [i for g in self.groups for i in g.leaves]
 
+    def _size(self, axes) -> int:
+        sizes = dict(self.axis_sizes)
+        return math.prod(sizes[a] for a in axes)
+
     @property
     def zero_size(self) -> int:
-        return math.prod(self.mesh.shape[a] for a in self.zero_axes) if self.zero_axes else 1
+        return self._size(self.zero_axes)
 
     def local_shape(self, i: int) -> tuple:
-        if self.mesh is None:
-            return self.shapes[i]
         spec = tuple(self.specs[i]) + (None,) * (len(self.shapes[i]) - len(self.specs[i]))
-        return tuple(d // math.prod(self.mesh.shape[a] for a in entry_axes(e))
-                     for d, e in zip(self.shapes[i], spec))
+        return tuple(d // self._size(entry_axes(e)) for d, e in zip(self.shapes[i], spec))
 
     def _axes(self, names) -> tuple:
-        return tuple(a for a in self.mesh.axis_names if a in names) if self.mesh else ()
+        return tuple(a for a, _ in self.axis_sizes if a in names)
 
     @property
     def buffer_spec(self) -> P:
@@ -101,7 +106,7 @@ class Layout:
         return P(axes) if axes else P()
 
     def _blocks(self, spec: P) -> int:
-        return math.prod(self.mesh.shape[a] for a in entry_axes(spec[0])) if spec else 1
+        return self._size(entry_axes(spec[0])) if spec else 1
 
     def global_rows(self, group: Group) -> int:
         """Rows of a global state buffer: one ``rows / zero`` block per device block."""
@@ -110,16 +115,23 @@ class Layout:
     def param_rows(self, group: Group) -> int:
         return self._blocks(self.param_spec) * group.rows
 
-    def sharding(self, spec: P) -> NamedSharding | None:
-        return None if self.mesh is None else NamedSharding(self.mesh, spec)
+    def check_mesh(self, mesh) -> None:
+        """``mesh`` (a Mesh or AbstractMesh) must be the one this layout is for."""
+        if mesh is None:
+            raise ValueError(f"flat layout: split over {self.shard_axes + self.zero_axes} of "
+                             f"a mesh {dict(self.axis_sizes)}, but no mesh is set and the "
+                             "arrays are not placed on one; call inside jax.set_mesh(mesh) "
+                             "or place the arrays on the mesh first.")
+        got = tuple((a, mesh.shape.get(a)) for a, _ in self.axis_sizes)
+        if got != self.axis_sizes:
+            raise ValueError(f"flat layout: made for a mesh {dict(self.axis_sizes)}, used on "
+                             f"{dict(mesh.shape)}; build the layout (optimizer) for this mesh.")
 
-    @property
-    def leaf_shardings(self) -> tuple:
-        """Every leaf's ``NamedSharding`` (the parameters' own)."""
-        if self.mesh is None:
-            raise ValueError("flat: this layout was made without the parameters' shardings, "
-                             "so it knows no placement; pass shardings= when building it.")
-        return tuple(NamedSharding(self.mesh, s) for s in self.specs)
+    def leaf_shardings(self, mesh) -> tuple:
+        """Every leaf's ``NamedSharding`` on ``mesh`` (the parameters' own)."""
+        if self.axis_sizes:
+            self.check_mesh(mesh)
+        return tuple(NamedSharding(mesh, s) for s in self.specs)
 
     def own_rows(self, flat):
         """A device's slice of its full [rows, 128] buffer (all of it without ZeRO-1)."""
@@ -135,11 +147,16 @@ class Layout:
         return jax.lax.all_gather(block, self.zero_axes, axis=0, tiled=True)
 
     def per_device(self, fn, in_specs, out_specs):
-        """``fn`` on each device's shards (``shard_map``), or on the whole arrays if unsharded."""
+        """``fn`` on each device's shards (``sharding.per_shard`` over the mesh set or the
+        arguments are placed on), or on the whole arrays if the layout is not sharded."""
         if not self.sharded:
             return fn
-        return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs,
-                             check_vma=False)
+
+        def call(*args):
+            mesh = current_mesh(*args)
+            self.check_mesh(mesh)
+            return per_shard(fn, in_specs, out_specs, mesh=mesh)(*args)
+        return call
 
     def leaf_specs(self, indices) -> dict:
         return {i: self.specs[i] for i in indices}
@@ -222,7 +239,8 @@ def make_layout(leaves, treedef, decay_flags, dtype, shardings=None, zero_axes=(
     shard_axes = tuple(a for a in mesh.axis_names if a in used)
     zero = tuple(a for a in mesh.axis_names
                  if a in zero_axes and a not in used and mesh.shape[a] > 1)
-    layout = Layout(treedef, shapes, flags, (), dtype, tuple(specs), mesh, shard_axes, zero)
+    layout = Layout(treedef, shapes, flags, (), dtype, tuple(specs), tuple(mesh.shape.items()),
+                    shard_axes, zero)
     local = tuple(layout.local_shape(i) for i in range(len(shapes)))
     return dataclasses.replace(layout, groups=_groups(local, dtypes, flags, decay_flags,
                                                       ROW_ALIGN * layout.zero_size))
@@ -245,13 +263,8 @@ def unpack(flat, group: Group, layout: Layout) -> dict:
 
 
 def zero_buffers(layout: Layout) -> tuple:
-    """Zeroed state buffers, one per group, placed as the layout says."""
-    out = []
-    for g in layout.groups:
-        z = jnp.zeros((layout.global_rows(g), LANES), layout.dtype)
-        out.append(z if layout.mesh is None
-                   else jax.lax.with_sharding_constraint(z, layout.sharding(layout.buffer_spec)))
-    return tuple(out)
+    """Zeroed state buffers, one per group (placed by the caller: ``buffer_spec``)."""
+    return tuple(jnp.zeros((layout.global_rows(g), LANES), layout.dtype) for g in layout.groups)
 
 
 def _unpack_all(layout: Layout, buffers, *, state: bool) -> dict:
@@ -366,15 +379,17 @@ class FlatParams(FlatNode):
     def portable_shardings(self, shardings):
         packed = set(self.layout.packed)
         rest = iter(shardings.rest)
+        mesh = jax.tree_util.tree_leaves(shardings)[0].mesh
         return self.layout.treedef.unflatten(
-            [s if i in packed else next(rest) for i, s in enumerate(self.layout.leaf_shardings)])
+            [s if i in packed else next(rest)
+             for i, s in enumerate(self.layout.leaf_shardings(mesh))])
 
-    def shardings(self) -> "FlatParams":
-        """Where the buffers live (and the unpacked leaves: like the parameters)."""
+    def shardings(self, mesh) -> "FlatParams":
+        """Where the buffers live on ``mesh`` (and the unpacked leaves: like the parameters)."""
         packed = set(self.layout.packed)
-        return FlatParams(tuple(self.layout.sharding(self.layout.param_spec)
+        return FlatParams(tuple(NamedSharding(mesh, self.layout.param_spec)
                                 for _ in self.layout.groups),
-                          tuple(s for i, s in enumerate(self.layout.leaf_shardings)
+                          tuple(s for i, s in enumerate(self.layout.leaf_shardings(mesh))
                                 if i not in packed), self.layout)
 
 

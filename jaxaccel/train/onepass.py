@@ -32,10 +32,10 @@ def init_state(tx: OnePass, params, seed: int, mesh) -> tuple[TrainState, TrainS
     create = lambda p: TrainState.create(tx.flatten(p), tx, seed)
     abstract = jax.eval_shape(create, params)
     param_shardings = abstract.params.layout.treedef.unflatten(
-        abstract.params.layout.leaf_shardings)
+        abstract.params.layout.leaf_shardings(mesh))
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     shardings = jax.tree_util.tree_map(lambda _: replicated, abstract).replace(
-        params=abstract.params.shardings(),
+        params=abstract.params.shardings(mesh),
         opt_state=state_shardings(abstract.opt_state, param_shardings, mesh))
     return jax.jit(create, out_shardings=shardings)(params), shardings
 
