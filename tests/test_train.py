@@ -51,15 +51,15 @@ def test_grad_accumulation_equals_one_big_batch(tmp_path):
 def _sigterm_at(monkeypatch, n):
     """Deliver a real SIGTERM to this process when the n-th train batch is sent."""
     calls = {"n": 0}
-    original = loop._global_batch
+    original = loop.Run.put_batch
 
-    def hooked(batch, sharding):
+    def hooked(run, batch):
         if batch["weights"].shape[0] == 16:       # train batches (eval batches are 32 rows)
             calls["n"] += 1
             if calls["n"] == n:
                 os.kill(os.getpid(), signal.SIGTERM)
-        return original(batch, sharding)
-    monkeypatch.setattr(loop, "_global_batch", hooked)
+        return original(run, batch)
+    monkeypatch.setattr(loop.Run, "put_batch", hooked)
 
 
 def test_sigterm_saves_and_resume_matches_uninterrupted(tmp_path, monkeypatch):
