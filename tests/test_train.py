@@ -11,8 +11,10 @@ import numpy as np
 import pytest
 
 from jaxaccel import config
+from jaxaccel.data import splits
 from jaxaccel.train import loop
 from jaxaccel.train.checkpoint import Checkpointer
+from jaxaccel.train.inference import evaluate_run
 from jaxaccel.train.metrics import read_metrics
 
 TINY = ["model.name=tiny", "data.name=synthetic", "data.synthetic_examples=64",
@@ -127,6 +129,38 @@ def test_interrupted_checkpoint_write_leaves_previous_readable(tmp_path):
     assert meta["epoch"] == 0 and meta["step_in_epoch"] == 2 and "embeddings" in params
     resumed = loop.train(tiny_cfg(tmp_path, "train.max_steps=2"))
     assert resumed["status"] == "completed" and resumed["step"] == 2
+
+
+def test_eval_of_a_run_folder_builds_only_the_eval_side(tmp_path, monkeypatch):
+    """``evaluate_run`` rebuilds the model from the run folder and reads the eval split only:
+    no training split, no optimizer, no original checkpoint; its numbers are the trainer's
+    final eval."""
+    result = loop.train(tiny_cfg(tmp_path, "train.max_steps=3"))
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("evaluation built a training-only part")
+    for module, name in ((splits, "train_batches"), (loop, "make_optimizer"),
+                         (loop, "create_model")):
+        monkeypatch.setattr(module, name, refuse)
+    ev = evaluate_run(result["run_dir"])
+    assert ev["step"] == 3 and ev["examples"] == result["eval_examples"] == 64
+    assert ev["accuracy"] == result["eval_accuracy"]
+    assert ev["loss"] == pytest.approx(result["eval_loss"], rel=1e-6)
+    # What a run folder saved before checkpoints recorded their step falls back to.
+    assert splits.steps_per_epoch(config.build(sets=TINY)) == 64 // 16
+
+
+def test_a_step_outside_the_runs_mesh_is_refused(tmp_path):
+    """Without ``jax.set_mesh(run.mesh)`` the kernels would gather their operands on every
+    device: the Run's steps refuse to trace there and name the fix."""
+    run = loop.build(tiny_cfg(tmp_path), jax.devices()[:1])
+    batch = run.put_batch(next(run.train_data.batches(0)))
+    with pytest.raises(RuntimeError, match=r"with jax.set_mesh\(run.mesh\)"):
+        run.train_step(run.state, batch)
+    with pytest.raises(RuntimeError, match=r"with jax.set_mesh\(run.mesh\)"):
+        run.evaluate()
+    with jax.set_mesh(run.mesh):
+        assert run.evaluate()["examples"] == 64
 
 
 def test_sharded_state_follows_the_rules(tmp_path, eight_devices):
