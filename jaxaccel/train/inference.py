@@ -30,7 +30,9 @@ def load_run(run_dir: str):
         cfg = config_lib.build(meta["config"])
         policy = dataclasses.replace(get_policy(cfg.precision.policy),
                                      amax_history_length=cfg.precision.fp8_amax_history)
-        model = BertModel(spec.from_saved(meta["architecture"], cfg.model), policy)
+        # Shapes only, no random initialisation: every value comes from the checkpoint.
+        model = nnx.eval_shape(
+            lambda: BertModel(spec.from_saved(meta["architecture"], cfg.model), policy))
         restored = [(nnx.Param, saved["params"])]
         if policy.fp8:
             restored.append((Fp8Meta, saved["fp8"]))
@@ -84,7 +86,7 @@ class Predictor:
         self.batch_size = batch_size
         self.label_names = meta.get("label_names") or [str(i) for i in
                                                       range(cfg.model.num_labels)]
-        self.tokenizer = load_tokenizer(tokenizer_dir(run_dir))
+        self.tokenizer = load_tokenizer(tokenizer_dir(run_dir), light=True)
         self.max_len = min(cfg.data.max_len, model.config.max_position_embeddings)
         graphdef, params = nnx.split(model)
 

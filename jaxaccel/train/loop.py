@@ -235,7 +235,8 @@ def build_eval(cfg: Config, model, tokenizer_dir: str, devices=None) -> Run:
                            fp8=replicated(fp8))
     state = jax.device_put(TrainState(step=None, params=params, opt_state=None, rng=None,
                                       fp8=fp8), shardings)
-    tokenizer = load_tokenizer(tokenizer_dir) if cfg.data.name != "synthetic" else None
+    tokenizer = load_tokenizer(tokenizer_dir, light=True) if cfg.data.name != "synthetic" \
+        else None
     eval_data, label_names = splits.eval_batches(cfg, tokenizer,
                                                  model.config.max_position_embeddings)
     return Run(cfg, os.path.join(cfg.workdir, cfg.name), mesh, graphdef, state, shardings,
