@@ -88,21 +88,20 @@ def _fp16_run(tmp_path, *sets):
 
 def test_fp16_overflow_skips_the_step_bit_exactly(tmp_path):
     run, step, batches = _fp16_run(tmp_path, "precision.loss_scale_growth_interval=2")
-    with jax.set_mesh(run.mesh):
-        state, _ = step(run.state, next(batches))
-        state, m = step(state, next(batches))
-        assert float(state.loss_scale.scale) == 2.0 ** 16         # 2 finite steps: doubled
-        assert float(m["loss_scale"]) == 2.0 ** 15 and int(m["skipped_steps"]) == 0
-        # Inject an overflow: at 2**40 the scaled gradient exceeds fp16's range (65504).
-        before = jax.device_get(state.replace(loss_scale=state.loss_scale.replace(scale=2.0 ** 40)))
-        after, m = step(jax.device_put(before), next(batches))
-        after = jax.device_get(after)
-        assert int(m["skipped_steps"]) == 1 and int(m["consecutive_skips"]) == 1
-        assert float(after.loss_scale.scale) == 2.0 ** 39
-        for a, b in zip(jax.tree_util.tree_leaves((before.params, before.opt_state)),
-                        jax.tree_util.tree_leaves((after.params, after.opt_state))):
-            np.testing.assert_array_equal(a, b)
-        assert int(after.step) == int(before.step) + 1            # the batch was consumed
+    state, _ = step(run.state, next(batches))
+    state, m = step(state, next(batches))
+    assert float(state.loss_scale.scale) == 2.0 ** 16         # 2 finite steps: doubled
+    assert float(m["loss_scale"]) == 2.0 ** 15 and int(m["skipped_steps"]) == 0
+    # Inject an overflow: at 2**40 the scaled gradient exceeds fp16's range (65504).
+    before = jax.device_get(state.replace(loss_scale=state.loss_scale.replace(scale=2.0 ** 40)))
+    after, m = step(jax.device_put(before), next(batches))
+    after = jax.device_get(after)
+    assert int(m["skipped_steps"]) == 1 and int(m["consecutive_skips"]) == 1
+    assert float(after.loss_scale.scale) == 2.0 ** 39
+    for a, b in zip(jax.tree_util.tree_leaves((before.params, before.opt_state)),
+                    jax.tree_util.tree_leaves((after.params, after.opt_state))):
+        np.testing.assert_array_equal(a, b)
+    assert int(after.step) == int(before.step) + 1            # the batch was consumed
 
 
 def test_fp16_stops_after_too_many_skips_in_a_row(tmp_path):
@@ -183,9 +182,8 @@ def test_fp8_step_compiles_to_cublaslt_fp8_gemms_on_a_gpu(tmp_path):
     if jax.default_backend() != "gpu":
         pytest.skip("needs an NVIDIA GPU (sm89+)")
     run = loop.build(tiny_cfg(tmp_path, "precision.policy=fp8"), jax.devices()[:1])
-    with jax.set_mesh(run.mesh):
-        hlo = run.train_step.lower(run.state, run.put_batch(next(run.train_data.batches(0)))) \
-            .compile().as_text()
+    batch = run.put_batch(next(run.train_data.batches(0)))
+    hlo = run.train_step.lower(run.state, batch).compile().as_text()
     assert "__cublas$lt$matmul$f8" in hlo
 
 

@@ -175,9 +175,8 @@ def test_fsdp_lowers_memory_per_device(tmp_path):
     sizes = {}
     for mesh in ((8, 1, 1), (1, 8, 1)):
         run = build(tmp_path, mesh)
-        with jax.set_mesh(run.mesh):
-            sizes[mesh] = run.train_step.lower(run.state, first_batch(run)).compile() \
-                .memory_analysis().argument_size_in_bytes
+        sizes[mesh] = run.train_step.lower(run.state, first_batch(run)).compile() \
+            .memory_analysis().argument_size_in_bytes
     assert sizes[(1, 8, 1)] < sizes[(8, 1, 1)] / 4, sizes
 
 
@@ -272,8 +271,7 @@ def test_grad_accumulation_keeps_the_batch_sharded(tmp_path, unsharded):
     """Micro-batches are cut without moving rows between devices: the only collective of a
     data-parallel step is the gradient all-reduce; the losses are the one-device ones."""
     run = build(tmp_path, (8, 1, 1), 8, "train.grad_accum=2")
-    with jax.set_mesh(run.mesh):
-        hlo = run.train_step.lower(run.state, first_batch(run)).compile().as_text()
+    hlo = run.train_step.lower(run.state, first_batch(run)).compile().as_text()
     for collective in ("all-gather", "all-to-all", "collective-permute"):
         assert collective not in hlo
     assert_same_training(run, unsharded)
@@ -284,9 +282,10 @@ def test_pallas_attention_runs_per_shard(tmp_path, unsharded):
     (no gather of q/k/v), with or without ``jax.set_mesh`` (the state and batch are placed on
     the mesh), and training gives the unsharded losses."""
     run = build(tmp_path, (2, 2, 2), 8, "model.attention_impl=pallas")
+    batch = first_batch(run)
     with jax.set_mesh(run.mesh):
-        jaxpr = str(jax.make_jaxpr(run.train_step)(run.state, first_batch(run)))
+        jaxpr = str(jax.make_jaxpr(run.train_step)(run.state, batch))
     assert "shard_map" in jaxpr
-    assert "shard_map" in str(jax.make_jaxpr(step)(run.state, batch))
+    assert "shard_map" in str(jax.make_jaxpr(run.train_step)(run.state, batch))
     losses, _ = train_steps(run, 2)
     np.testing.assert_allclose(losses, unsharded[0][:2], rtol=1e-5)

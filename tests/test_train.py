@@ -150,19 +150,6 @@ def test_eval_of_a_run_folder_builds_only_the_eval_side(tmp_path, monkeypatch):
     assert splits.steps_per_epoch(config.build(sets=TINY)) == 64 // 16
 
 
-def test_a_step_outside_the_runs_mesh_is_refused(tmp_path):
-    """Without ``jax.set_mesh(run.mesh)`` the kernels would gather their operands on every
-    device: the Run's steps refuse to trace there and name the fix."""
-    run = loop.build(tiny_cfg(tmp_path), jax.devices()[:1])
-    batch = run.put_batch(next(run.train_data.batches(0)))
-    with pytest.raises(RuntimeError, match=r"with jax.set_mesh\(run.mesh\)"):
-        run.train_step(run.state, batch)
-    with pytest.raises(RuntimeError, match=r"with jax.set_mesh\(run.mesh\)"):
-        run.evaluate()
-    with jax.set_mesh(run.mesh):
-        assert run.evaluate()["examples"] == 64
-
-
 def test_sharded_state_follows_the_rules(tmp_path, eight_devices):
     run = loop.build(tiny_cfg(tmp_path, "mesh.data=2", "mesh.fsdp=4"), eight_devices)
     kernel = run.state.params["layers"][0]["intermediate"]["kernel"]

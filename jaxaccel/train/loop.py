@@ -68,9 +68,9 @@ class Run:
     ``build`` makes a training run (optimizer, train state, both splits); ``build_eval`` one
     that only evaluates (a checkpoint's parameters and the eval split: ``state`` holds only
     ``params`` and ``fp8``, and ``tx``, ``schedule``, ``train_data`` are None). The steps are
-    jitted once with the state's shardings; they run under ``jax.set_mesh(run.mesh)``, which
-    ``train`` and ``evaluate_run`` enter once around the whole run (the Pallas kernels split
-    over that mesh), and a step traced outside it raises instead of gathering its operands.
+    jitted once with the state's shardings; ``train`` and ``evaluate_run`` enter
+    ``jax.set_mesh(run.mesh)`` once around the whole run (the kernels run per shard over the
+    ambient mesh, else over the one their operands are placed on: ``sharding.current_mesh``).
     """
 
     cfg: Config
@@ -104,7 +104,7 @@ class Run:
         jitted: the state donated and laid out as ``state_shardings``, metrics replicated."""
         make = onepass.make_train_step if self.cfg.train.flat_params else make_train_step
         step = make(self.graphdef, self.tx, self.cfg.train.grad_accum)
-        return jax.jit(self._on_mesh(step),
+        return jax.jit(step,
                        in_shardings=(self.state_shardings, self.batch_sharding),
                        out_shardings=(self.state_shardings, shd.replicated(self.mesh)),
                        donate_argnums=0)
@@ -114,23 +114,10 @@ class Run:
         """``eval_step(params, batch, fp8) -> (sums, probabilities)`` (``step.make_eval_step``),
         jitted: sums replicated, probabilities split over the batch like the batch."""
         make = onepass.make_eval_step if self.cfg.train.flat_params else make_eval_step
-        return jax.jit(self._on_mesh(make(self.graphdef)),
+        return jax.jit(make(self.graphdef),
                        in_shardings=(self.state_shardings.params, self.batch_sharding,
                                      self.state_shardings.fp8),
                        out_shardings=(shd.replicated(self.mesh), self.batch_sharding))
-
-    def _on_mesh(self, fn):
-        """``fn``, refusing to be traced outside ``jax.set_mesh(self.mesh)``."""
-        @functools.wraps(fn)
-        def checked(*args):
-            ambient = jax.sharding.get_abstract_mesh()
-            if ambient != self.mesh.abstract_mesh:
-                raise RuntimeError(
-                    f"{fn.__name__} traced under the mesh {ambient}, expected the run's mesh "
-                    f"{self.mesh.abstract_mesh}: call it inside `with jax.set_mesh(run.mesh):` "
-                    "(train() and evaluate_run() do), or the kernels gather their operands.")
-            return fn(*args)
-        return checked
 
     def evaluate(self, state: TrainState | None = None) -> dict:
         """Accuracy and mean loss on the eval split of ``state``'s parameters and fp8 state
