@@ -5,6 +5,7 @@ import os
 import pytest
 
 from jaxaccel import cli
+from jaxaccel.data import splits
 
 CONFIGS = os.path.join(os.path.dirname(__file__), "..", "configs")
 
@@ -46,17 +47,29 @@ def test_predict_on_missing_run(capsys, tmp_path):
     assert code == cli.EXIT_ERROR and "not a run folder" in err
 
 
-def test_train_eval_predict_round_trip(capsys, tmp_path):
+def test_train_eval_predict_round_trip(capsys, tmp_path, monkeypatch):
     code, out, err = run(capsys, "train", "--config", f"{CONFIGS}/minilm_rt.py",
                          "--set", f"workdir={tmp_path}", "--set", "model.name=tiny",
                          "--set", "train.max_steps=3", "--set", "train.batch_size=16",
                          "--set", "train.progress=false")
     assert code == 0, err
     assert "final test accuracy" in out and "checkpoints:" in out and "metrics:" in out
+    trained = json.loads(out[:out.index("\n}\n") + 2])
     run_dir = os.path.join(tmp_path, "minilm_rt")
+    # eval reads and tokenizes the eval split alone, and gives the trainer's final numbers.
+    read, tokenized = [], []
+    real_load, real_tokenize = splits.load_text_dataset, splits.tokenize
+    monkeypatch.setattr(splits, "load_text_dataset", lambda *a, **k: (
+        read.append(k["splits"]), real_load(*a, **k))[1])
+    monkeypatch.setattr(splits, "tokenize", lambda tok, texts, *a, **k: (
+        tokenized.append(len(texts)), real_tokenize(tok, texts, *a, **k))[1])
     code, out, err = run(capsys, "eval", "--checkpoint", run_dir)
     assert code == 0, err
-    assert '"accuracy"' in out and '"step": 3' in out
+    assert read == [("test",)] and tokenized == [1000]
+    evaluated = json.loads(out)
+    assert evaluated["step"] == 3 and evaluated["examples"] == trained["eval_examples"]
+    assert evaluated["accuracy"] == trained["eval_accuracy"]
+    assert evaluated["loss"] == pytest.approx(trained["eval_loss"], rel=1e-6)
     code, out, err = run(capsys, "predict", "--checkpoint", run_dir,
                          "a gripping, beautifully shot film", "dull and lifeless")
     assert code == 0, err

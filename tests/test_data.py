@@ -188,6 +188,18 @@ def test_tokenizer_offline(tokenizer):
         load_tokenizer("/nonexistent/checkpoint")
 
 
+def test_light_tokenizer_gives_the_same_ids(tokenizer):
+    """``light=True`` (eval/predict start-up: tokenizer.json without AutoTokenizer) encodes as
+    the full tokenizer does, truncation and special tokens included."""
+    light = load_tokenizer(MINILM, light=True)
+    texts = ["A gripping, beautifully shot film.", "Héllo WORLD naïve café", "日本語 テキスト",
+             "don't stop—ever!", "word " * 300, ""]
+    for max_length in (8, 128):
+        assert light(texts, truncation=True, max_length=max_length)["input_ids"] == \
+            tokenizer(texts, truncation=True, max_length=max_length)["input_ids"]
+    assert light.pad_token_id == tokenizer.pad_token_id == 0
+
+
 def test_tokenize_truncates_and_warns(tokenizer):
     texts, labels = ["word " * 2000, "short one"], [1, 0]
     with pytest.warns(UserWarning, match="max_len=1024 exceeds the model's max_positions=512"):

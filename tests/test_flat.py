@@ -11,7 +11,6 @@ import pytest
 
 from jaxaccel.optim import decay_mask, flat
 from jaxaccel.optim.adan import adan_onepass
-from jaxaccel.train import loop
 from jaxaccel.train.checkpoint import Checkpointer, on_disk, restore_state
 from kernels_pallas.adan import (LANES, ROW_ALIGN, BlockSizes, adan_apply, adan_update,
                                  apply_kernel)
@@ -164,23 +163,18 @@ def test_sharded_flat_training_equals_one_device(tmp_path, optax_path, mesh, dev
 
 
 def test_flat_step_lowers_for_tpu_and_gpu_with_one_kernel_per_group(tmp_path, monkeypatch):
+    import dataclasses
     from jax.sharding import PartitionSpec as P
-    from jaxaccel import sharding as shd
     from jaxaccel.train.checkpoint import abstract_like
     from kernels_pallas import registry
     run = build(tmp_path, (1, 4, 2), 8, *ADAN, *FLAT)
-    make_train, _ = loop.step_builders(run.cfg)
-    bsh = shd.batch_sharding(run.mesh)
-    batch = loop._global_batch(next(run.train_data.batches(0)), bsh)
+    batch = run.put_batch(next(run.train_data.batches(0)))
     abstract = abstract_like(run.state, run.state_shardings)
     assert run.state.params.layout.param_spec == P(("fsdp", "tensor"))
     for backend, platform, kernel in (("tpu", "tpu", "tpu_custom_call"),
                                       ("gpu", "cuda", "__gpu$xla.gpu.triton")):
         monkeypatch.setattr(registry, "platform", lambda b=backend: b)
-        step = jax.jit(make_train(run.graphdef, run.tx),     # a fresh trace per platform
-                       in_shardings=(run.state_shardings, bsh),
-                       out_shardings=(run.state_shardings, shd.replicated(run.mesh)),
-                       donate_argnums=0)
+        step = dataclasses.replace(run).train_step      # a fresh trace per platform
         with jax.set_mesh(run.mesh):
             text = step.trace(abstract, batch).lower(lowering_platforms=(platform,)).as_text()
         calls = [line for line in text.splitlines() if f"custom_call @{kernel}" in line]

@@ -11,14 +11,12 @@ import pytest
 from flax import nnx
 
 from jaxaccel import config
-from jaxaccel import sharding as shd
 from jaxaccel.models.fp8 import Fp8Linear
 from jaxaccel.precision import POLICIES, LossScale, get_policy
 from jaxaccel.train import loop
 from jaxaccel.train.checkpoint import Checkpointer, abstract_like
 from jaxaccel.train.inference import evaluate_run
 from jaxaccel.train.metrics import read_metrics
-from jaxaccel.train.step import make_train_step
 from test_train import TINY, _losses, _sigterm_at, tiny_cfg
 
 
@@ -85,10 +83,7 @@ def test_loss_scale_grows_after_the_interval_and_backs_off_on_overflow():
 
 def _fp16_run(tmp_path, *sets):
     run = loop.build(tiny_cfg(tmp_path, "precision.policy=fp16", *sets), jax.devices()[:1])
-    bsh = shd.batch_sharding(run.mesh)
-    step = jax.jit(make_train_step(run.graphdef, run.tx))
-    batches = (loop._global_batch(b, bsh) for b in run.train_data.batches(0))
-    return run, step, batches
+    return run, run.train_step, (run.put_batch(b) for b in run.train_data.batches(0))
 
 
 def test_fp16_overflow_skips_the_step_bit_exactly(tmp_path):
@@ -169,14 +164,9 @@ def test_step_lowers_for_accelerators_on_a_2x2x2_mesh(tmp_path, platform, policy
     extra = run.state.loss_scale if policy == "fp16" else run.state.fp8
     for leaf in jax.tree_util.tree_leaves(extra):
         assert leaf.sharding.is_fully_replicated and len(leaf.addressable_shards) == 8
-    bsh = shd.batch_sharding(run.mesh)
-    step = jax.jit(make_train_step(run.graphdef, run.tx),
-                   in_shardings=(run.state_shardings, bsh),
-                   out_shardings=(run.state_shardings, shd.replicated(run.mesh)),
-                   donate_argnums=0)
-    batch = loop._global_batch(next(run.train_data.batches(0)), bsh)
+    batch = run.put_batch(next(run.train_data.batches(0)))
     with jax.set_mesh(run.mesh):
-        text = step.trace(abstract_like(run.state, run.state_shardings), batch).lower(
+        text = run.train_step.trace(abstract_like(run.state, run.state_shardings), batch).lower(
             lowering_platforms=(platform,)).as_text()
     assert "mhlo.sharding" in text or "sdy.sharding" in text
     dots = [line for line in text.splitlines() if "dot_general" in line]
@@ -192,9 +182,8 @@ def test_fp8_step_compiles_to_cublaslt_fp8_gemms_on_a_gpu(tmp_path):
     if jax.default_backend() != "gpu":
         pytest.skip("needs an NVIDIA GPU (sm89+)")
     run = loop.build(tiny_cfg(tmp_path, "precision.policy=fp8"), jax.devices()[:1])
-    step = jax.jit(make_train_step(run.graphdef, run.tx))
-    batch = loop._global_batch(next(run.train_data.batches(0)), shd.batch_sharding(run.mesh))
-    hlo = step.lower(run.state, batch).compile().as_text()
+    batch = run.put_batch(next(run.train_data.batches(0)))
+    hlo = run.train_step.lower(run.state, batch).compile().as_text()
     assert "__cublas$lt$matmul$f8" in hlo
 
 

@@ -14,7 +14,6 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from jaxaccel import config
-from jaxaccel import sharding as shd
 from jaxaccel.train import loop
 from jaxaccel.train.checkpoint import Checkpointer, abstract_like, on_disk, restore_state
 from kernels_pallas import registry
@@ -49,25 +48,17 @@ def build(tmp_path, mesh, num_devices=8, *sets):
     return loop.build(cfg, DEVICES[:num_devices])
 
 
-def jitted_step(run):
-    """The trainer's step for ``run``'s configured path (``loop.step_builders``), jitted with
-    its shardings and the state donated."""
-    make_train, _ = loop.step_builders(run.cfg)
-    bsh = shd.batch_sharding(run.mesh)
-    step = jax.jit(make_train(run.graphdef, run.tx, run.cfg.train.grad_accum),
-                   in_shardings=(run.state_shardings, bsh),
-                   out_shardings=(run.state_shardings, shd.replicated(run.mesh)),
-                   donate_argnums=0)
-    return step, bsh
+def first_batch(run):
+    return run.put_batch(next(run.train_data.batches(0)))
 
 
 def train_steps(run, k=3):
-    step, bsh = jitted_step(run)
+    """``k`` steps of the trainer's own jitted step (``Run.train_step``) on ``run``'s mesh."""
     state, losses = run.state, []
-    for batch in itertools.islice(run.train_data.batches(0), k):
-        with jax.set_mesh(run.mesh):
-            state, metrics = step(state, loop._global_batch(batch, bsh))
-        losses.append(float(metrics["loss"]))
+    with jax.set_mesh(run.mesh):
+        for batch in itertools.islice(run.train_data.batches(0), k):
+            state, metrics = run.train_step(state, run.put_batch(batch))
+            losses.append(float(metrics["loss"]))
     return losses, state
 
 
@@ -184,10 +175,8 @@ def test_fsdp_lowers_memory_per_device(tmp_path):
     sizes = {}
     for mesh in ((8, 1, 1), (1, 8, 1)):
         run = build(tmp_path, mesh)
-        step, bsh = jitted_step(run)
-        batch = loop._global_batch(next(run.train_data.batches(0)), bsh)
-        sizes[mesh] = step.lower(run.state, batch).compile().memory_analysis() \
-            .argument_size_in_bytes
+        sizes[mesh] = run.train_step.lower(run.state, first_batch(run)).compile() \
+            .memory_analysis().argument_size_in_bytes
     assert sizes[(1, 8, 1)] < sizes[(8, 1, 1)] / 4, sizes
 
 
@@ -199,12 +188,11 @@ def test_train_step_lowers_for_accelerators_on_a_2x2x2_mesh(tmp_path, monkeypatc
     2x2x2 mesh, lowered for TPU (Mosaic) and GPU (Triton) from this CPU machine."""
     run = build(tmp_path, (2, 2, 2), 8, *ADAN, "sharding.zero1=true",
                 "model.attention_impl=pallas")
-    step, bsh = jitted_step(run)
-    batch = loop._global_batch(next(run.train_data.batches(0)), bsh)
     abstract = abstract_like(run.state, run.state_shardings)
     monkeypatch.setattr(registry, "platform", lambda: target)    # kernels as on that platform
     with jax.set_mesh(run.mesh):
-        text = step.trace(abstract, batch).lower(lowering_platforms=(platform,)).as_text()
+        text = run.train_step.trace(abstract, first_batch(run)).lower(
+            lowering_platforms=(platform,)).as_text()
     assert "mhlo.sharding" in text or "sdy.sharding" in text
     calls = " ".join(line for line in text.splitlines() if f"custom_call @{kernel}" in line)
     for name in ("flash_attention_fwd", "flash_attention_dq", "flash_attention_dkv",
@@ -283,9 +271,7 @@ def test_grad_accumulation_keeps_the_batch_sharded(tmp_path, unsharded):
     """Micro-batches are cut without moving rows between devices: the only collective of a
     data-parallel step is the gradient all-reduce; the losses are the one-device ones."""
     run = build(tmp_path, (8, 1, 1), 8, "train.grad_accum=2")
-    step, bsh = jitted_step(run)
-    batch = loop._global_batch(next(run.train_data.batches(0)), bsh)
-    hlo = step.lower(run.state, batch).compile().as_text()
+    hlo = run.train_step.lower(run.state, first_batch(run)).compile().as_text()
     for collective in ("all-gather", "all-to-all", "collective-permute"):
         assert collective not in hlo
     assert_same_training(run, unsharded)
@@ -296,11 +282,10 @@ def test_pallas_attention_runs_per_shard(tmp_path, unsharded):
     (no gather of q/k/v), with or without ``jax.set_mesh`` (the state and batch are placed on
     the mesh), and training gives the unsharded losses."""
     run = build(tmp_path, (2, 2, 2), 8, "model.attention_impl=pallas")
-    step, bsh = jitted_step(run)
-    batch = loop._global_batch(next(run.train_data.batches(0)), bsh)
+    batch = first_batch(run)
     with jax.set_mesh(run.mesh):
-        jaxpr = str(jax.make_jaxpr(step)(run.state, batch))
+        jaxpr = str(jax.make_jaxpr(run.train_step)(run.state, batch))
     assert "shard_map" in jaxpr
-    assert "shard_map" in str(jax.make_jaxpr(step)(run.state, batch))
+    assert "shard_map" in str(jax.make_jaxpr(run.train_step)(run.state, batch))
     losses, _ = train_steps(run, 2)
     np.testing.assert_allclose(losses, unsharded[0][:2], rtol=1e-5)

@@ -11,8 +11,10 @@ import numpy as np
 import pytest
 
 from jaxaccel import config
+from jaxaccel.data import splits
 from jaxaccel.train import loop
 from jaxaccel.train.checkpoint import Checkpointer
+from jaxaccel.train.inference import evaluate_run
 from jaxaccel.train.metrics import read_metrics
 
 TINY = ["model.name=tiny", "data.name=synthetic", "data.synthetic_examples=64",
@@ -51,15 +53,15 @@ def test_grad_accumulation_equals_one_big_batch(tmp_path):
 def _sigterm_at(monkeypatch, n):
     """Deliver a real SIGTERM to this process when the n-th train batch is sent."""
     calls = {"n": 0}
-    original = loop._global_batch
+    original = loop.Run.put_batch
 
-    def hooked(batch, sharding):
+    def hooked(run, batch):
         if batch["weights"].shape[0] == 16:       # train batches (eval batches are 32 rows)
             calls["n"] += 1
             if calls["n"] == n:
                 os.kill(os.getpid(), signal.SIGTERM)
-        return original(batch, sharding)
-    monkeypatch.setattr(loop, "_global_batch", hooked)
+        return original(run, batch)
+    monkeypatch.setattr(loop.Run, "put_batch", hooked)
 
 
 def test_sigterm_saves_and_resume_matches_uninterrupted(tmp_path, monkeypatch):
@@ -127,6 +129,25 @@ def test_interrupted_checkpoint_write_leaves_previous_readable(tmp_path):
     assert meta["epoch"] == 0 and meta["step_in_epoch"] == 2 and "embeddings" in params
     resumed = loop.train(tiny_cfg(tmp_path, "train.max_steps=2"))
     assert resumed["status"] == "completed" and resumed["step"] == 2
+
+
+def test_eval_of_a_run_folder_builds_only_the_eval_side(tmp_path, monkeypatch):
+    """``evaluate_run`` rebuilds the model from the run folder and reads the eval split only:
+    no training split, no optimizer, no original checkpoint; its numbers are the trainer's
+    final eval."""
+    result = loop.train(tiny_cfg(tmp_path, "train.max_steps=3"))
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("evaluation built a training-only part")
+    for module, name in ((splits, "train_batches"), (loop, "make_optimizer"),
+                         (loop, "create_model")):
+        monkeypatch.setattr(module, name, refuse)
+    ev = evaluate_run(result["run_dir"])
+    assert ev["step"] == 3 and ev["examples"] == result["eval_examples"] == 64
+    assert ev["accuracy"] == result["eval_accuracy"]
+    assert ev["loss"] == pytest.approx(result["eval_loss"], rel=1e-6)
+    # What a run folder saved before checkpoints recorded their step falls back to.
+    assert splits.steps_per_epoch(config.build(sets=TINY)) == 64 // 16
 
 
 def test_sharded_state_follows_the_rules(tmp_path, eight_devices):

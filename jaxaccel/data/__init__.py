@@ -5,6 +5,8 @@ tok = load_tokenizer(checkpoint_dir)
 train = tokenize(tok, *ds["train"], max_len=128, max_positions=512)
 it = BatchIterator(train, 32, seed=0, bucket_window=50, process_index=i, process_count=n)
 for batch in it.batches(epoch, start_step=step): ...
+
+What a run trains and evaluates on, decided from its config: ``jaxaccel.data.splits``.
 """
 
 from __future__ import annotations
@@ -70,13 +72,15 @@ def load_text_dataset(
     data_dir: str | None = None,
     manual_dir: str | os.PathLike | None = None,
     source: str | os.PathLike | None = None,
+    splits: tuple[str, ...] = ("train", "test"),
 ) -> TextDataset:
-    """Loads `train` and `test` of a DATASETS entry, building its TFDS cache on first use.
+    """Loads `splits` of a DATASETS entry, building its TFDS cache on first use.
 
     data_dir: TFDS data dir (default $TFDS_DATA_DIR or ~/tensorflow_datasets).
     manual_dir: imdb_reviews only, the folder holding aclImdb_v1.tar.gz.
     source: rt_snippets only, a local vaderSentiment sdist or ground-truth .txt
       (default $JAXACCEL_RT_SOURCE, else pip download).
+    splits: the splits read (e.g. only the eval split, for evaluation).
     """
     if name == "rt_snippets":
         builder, labels = rt_snippets.prepare(data_dir, source), rt_snippets.LABEL_NAMES
@@ -89,7 +93,7 @@ def load_text_dataset(
             f"Unknown dataset {name!r}; known: {', '.join(DATASETS)} "
             f"(and `synthetic(...)` for token ids).{hint}"
         )
-    return TextDataset(name, {s: _read_split(builder, s) for s in ("train", "test")}, labels)
+    return TextDataset(name, {s: _read_split(builder, s) for s in splits}, labels)
 
 
 __all__ = [

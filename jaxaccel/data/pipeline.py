@@ -44,17 +44,26 @@ class Tokenized:
         return len(self.labels)
 
 
-def load_tokenizer(path: str | os.PathLike):
-    """A Hugging Face (fast) tokenizer from a local checkpoint folder, never the network."""
-    from transformers import AutoTokenizer  # Heavy import, only needed for text datasets.
+def load_tokenizer(path: str | os.PathLike, *, light: bool = False):
+    """A Hugging Face (fast) tokenizer from a local checkpoint folder, never the network.
 
+    light: read the folder's tokenizer.json (where it has one) through the tokenizers backend
+      alone, without ``AutoTokenizer``, whose model-config imports load torch (seconds at
+      start-up); the same ids. For reading only (eval, predict): it saves under another class
+      name than the folder's.
+    """
     if not os.path.isdir(path):
         raise FileNotFoundError(
             f"Tokenizer folder {os.fspath(path)!r} does not exist; expected a local Hugging Face "
             "checkpoint folder (tokenizer.json or vocab.txt, tokenizer_config.json). Fix the path."
         )
+    # Heavy imports, only needed for text datasets.
+    if light and os.path.isfile(os.path.join(path, "tokenizer.json")):
+        from transformers import PreTrainedTokenizerFast as Tokenizer
+    else:
+        from transformers import AutoTokenizer as Tokenizer
     try:
-        return AutoTokenizer.from_pretrained(os.fspath(path), local_files_only=True)
+        return Tokenizer.from_pretrained(os.fspath(path), local_files_only=True)
     except (OSError, ValueError) as e:
         raise FileNotFoundError(
             f"Could not load a tokenizer from {os.fspath(path)!r} without the network: {e}. "

@@ -12,7 +12,7 @@ import numpy as np
 from flax import nnx
 
 from jaxaccel import config as config_lib
-from jaxaccel.data import load_tokenizer
+from jaxaccel.data import load_tokenizer, splits
 from jaxaccel.models import BertModel, spec
 from jaxaccel.models.fp8 import Fp8Meta
 from jaxaccel.precision import get_policy
@@ -30,7 +30,9 @@ def load_run(run_dir: str):
         cfg = config_lib.build(meta["config"])
         policy = dataclasses.replace(get_policy(cfg.precision.policy),
                                      amax_history_length=cfg.precision.fp8_amax_history)
-        model = BertModel(spec.from_saved(meta["architecture"], cfg.model), policy)
+        # Shapes only, no random initialisation: every value comes from the checkpoint.
+        model = nnx.eval_shape(
+            lambda: BertModel(spec.from_saved(meta["architecture"], cfg.model), policy))
         restored = [(nnx.Param, saved["params"])]
         if policy.fp8:
             restored.append((Fp8Meta, saved["fp8"]))
@@ -43,21 +45,23 @@ def load_run(run_dir: str):
     return model, cfg, meta
 
 
-def evaluate_run(run_dir: str, sets: list[str] | None = None) -> dict:
+def evaluate_run(run_dir: str, sets: list[str] | None = None, devices=None) -> dict:
     """Accuracy and loss of the run's latest checkpoint on its eval split, data parallel over
-    the devices at hand (not the training mesh, which may need more) unless ``sets`` say."""
-    from jaxaccel.train.loop import build, evaluate
+    ``devices`` (default all at hand, not the training mesh, which may need more) unless
+    ``sets`` say. Builds only the evaluation side (``loop.build_eval``): the model from the
+    run folder, the eval split; no optimizer state, no training split."""
+    from jaxaccel.train.loop import build_eval
     model, cfg, meta = load_run(run_dir)
+    # The checkpoint's parameters are in the per-parameter form whatever the trainer path.
     cfg = config_lib.build(cfg.to_dict(), ["mesh.data=-1", "mesh.fsdp=1", "mesh.tensor=1",
-                                           *(sets or [])])
-    run = build(cfg, model=model, tokenizer_dir=tokenizer_dir(run_dir))
-    params = jax.device_put(nnx.to_pure_dict(nnx.state(model, nnx.Param)),
-                            run.state_shardings.params)
-    fp8 = jax.device_put(nnx.to_pure_dict(nnx.state(model, Fp8Meta)),
-                         run.state_shardings.fp8) if run.state.fp8 is not None else None
-    result = evaluate(run, params, fp8=fp8)
-    result.update(step=meta["epoch"] * run.train_data.steps_per_epoch + meta["step_in_epoch"],
-                  run_dir=run_dir)
+                                           "train.flat_params=false", *(sets or [])])
+    run = build_eval(cfg, model, tokenizer_dir(run_dir), devices)
+    with jax.set_mesh(run.mesh):
+        result = run.evaluate()
+    # Records before the step was saved with them give the data position (epoch, step in it).
+    step = meta["step"] if "step" in meta else \
+        meta["epoch"] * splits.steps_per_epoch(cfg) + meta["step_in_epoch"]
+    result.update(step=step, run_dir=run_dir)
     return result
 
 
@@ -82,7 +86,7 @@ class Predictor:
         self.batch_size = batch_size
         self.label_names = meta.get("label_names") or [str(i) for i in
                                                       range(cfg.model.num_labels)]
-        self.tokenizer = load_tokenizer(tokenizer_dir(run_dir))
+        self.tokenizer = load_tokenizer(tokenizer_dir(run_dir), light=True)
         self.max_len = min(cfg.data.max_len, model.config.max_position_embeddings)
         graphdef, params = nnx.split(model)
 

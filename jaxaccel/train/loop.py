@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import math
 import os
@@ -26,14 +27,13 @@ import sys
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
 from jaxaccel import sharding as shd
 from jaxaccel.config import Config
-from jaxaccel.data import BatchIterator, load_text_dataset, load_tokenizer, synthetic, tokenize
+from jaxaccel.data import BatchIterator, load_tokenizer, splits
 from jaxaccel.models import ModelSpec, create_model
 from jaxaccel.models.fp8 import Fp8Meta
 from jaxaccel.optim import make_onepass, make_optimizer, make_schedule, state_shardings
@@ -63,7 +63,15 @@ class TooManySkippedSteps(RuntimeError):
 
 @dataclasses.dataclass
 class Run:
-    """Everything built from a config before the first step."""
+    """A model on a mesh with its data, and the jitted steps over them.
+
+    ``build`` makes a training run (optimizer, train state, both splits); ``build_eval`` one
+    that only evaluates (a checkpoint's parameters and the eval split: ``state`` holds only
+    ``params`` and ``fp8``, and ``tx``, ``schedule``, ``train_data`` are None). The steps are
+    jitted once with the state's shardings; ``train`` and ``evaluate_run`` enter
+    ``jax.set_mesh(run.mesh)`` once around the whole run (the kernels run per shard over the
+    ambient mesh, else over the one their operands are placed on: ``sharding.current_mesh``).
+    """
 
     cfg: Config
     run_dir: str
@@ -71,92 +79,110 @@ class Run:
     graphdef: nnx.GraphDef
     state: TrainState
     state_shardings: TrainState
-    train_data: BatchIterator
     eval_data: BatchIterator
-    schedule: object
-    total_steps: int
     tokenizer: object
-    tx: object
     spec: ModelSpec
     label_names: tuple
+    train_data: BatchIterator | None = None
+    tx: object = None
+    schedule: object = None
+    total_steps: int = 0
+
+    @functools.cached_property
+    def batch_sharding(self) -> jax.sharding.NamedSharding:
+        return shd.batch_sharding(self.mesh)
+
+    def put_batch(self, batch: dict) -> dict:
+        """This process's rows of a batch (numpy, from ``train_data``/``eval_data``) as global
+        arrays split over the mesh's batch axes."""
+        return {k: jax.make_array_from_process_local_data(self.batch_sharding, v)
+                for k, v in batch.items()}
+
+    @functools.cached_property
+    def train_step(self):
+        """``train_step(state, batch) -> (state, metrics)`` of the configured trainer path,
+        jitted: the state donated and laid out as ``state_shardings``, metrics replicated."""
+        make = onepass.make_train_step if self.cfg.train.flat_params else make_train_step
+        step = make(self.graphdef, self.tx, self.cfg.train.grad_accum)
+        return jax.jit(step,
+                       in_shardings=(self.state_shardings, self.batch_sharding),
+                       out_shardings=(self.state_shardings, shd.replicated(self.mesh)),
+                       donate_argnums=0)
+
+    @functools.cached_property
+    def eval_step(self):
+        """``eval_step(params, batch, fp8) -> (sums, probabilities)`` (``step.make_eval_step``),
+        jitted: sums replicated, probabilities split over the batch like the batch."""
+        make = onepass.make_eval_step if self.cfg.train.flat_params else make_eval_step
+        return jax.jit(make(self.graphdef),
+                       in_shardings=(self.state_shardings.params, self.batch_sharding,
+                                     self.state_shardings.fp8),
+                       out_shardings=(shd.replicated(self.mesh), self.batch_sharding))
+
+    def evaluate(self, state: TrainState | None = None) -> dict:
+        """Accuracy and mean loss on the eval split of ``state``'s parameters and fp8 state
+        (default ``self.state``): sum of weighted cross entropy (and of correct predictions)
+        over every eval batch / total weight."""
+        state = self.state if state is None else state
+        totals = {"loss_sum": 0.0, "correct": 0.0, "count": 0.0}
+        for batch in self.eval_data.batches(0):
+            sums, _ = self.eval_step(state.params, self.put_batch(batch), state.fp8)
+            for k, v in jax.device_get(sums).items():
+                totals[k] += float(v)
+        n = max(totals["count"], 1.0)
+        return {"accuracy": totals["correct"] / n, "loss": totals["loss_sum"] / n,
+                "examples": int(totals["count"])}
 
 
-def _data(cfg: Config, tokenizer, max_positions: int):
-    """(train, eval) BatchIterators for this process, and the label names."""
-    d, t = cfg.data, cfg.train
-    if d.name == "synthetic":
-        vocab = tokenizer.vocab_size if tokenizer is not None else 30522
-        make = lambda split, seed: synthetic(vocab_size=vocab, seq_len=d.synthetic_seq_len,
-                                             num_examples=d.synthetic_examples, seed=seed,
-                                             num_classes=cfg.model.num_labels)
-        train_tok, eval_tok = make("train", cfg.seed), make("test", cfg.seed + 1)
-        label_names = tuple(str(i) for i in range(cfg.model.num_labels))
-    else:
-        ds = load_text_dataset(d.name, data_dir=d.data_dir or None,
-                               manual_dir=d.manual_dir or None)
-        if ds.num_classes > cfg.model.num_labels:
-            raise ValueError(f"data {d.name!r} has {ds.num_classes} classes but "
-                             f"model.num_labels={cfg.model.num_labels}.")
-        train_tok = tokenize(tokenizer, *ds["train"], max_len=d.max_len,
-                             max_positions=max_positions)
-        eval_tok = tokenize(tokenizer, *ds[d.eval_split], max_len=d.max_len,
-                            max_positions=max_positions)
-        label_names = ds.label_names
-    common = dict(pad_multiple=d.pad_multiple, process_index=jax.process_index(),
-                  process_count=jax.process_count())
-    train = BatchIterator(train_tok, t.batch_size, shuffle=True, seed=cfg.seed,
-                          drop_remainder=True, bucket_window=50 if d.bucket else 0, **common)
-    # Eval order does not matter: sort by length (one window over the split) to pad least.
-    evals = BatchIterator(eval_tok, t.eval_batch_size, shuffle=False, drop_remainder=False,
-                          bucket_window=len(eval_tok) // t.eval_batch_size + 1, **common)
-    return train, evals, label_names
+def _policy(cfg: Config):
+    return dataclasses.replace(get_policy(cfg.precision.policy),
+                               amax_history_length=cfg.precision.fp8_amax_history)
 
 
-def check_batch_fits(cfg: Config, mesh) -> None:
-    """Each global batch (and micro-batch) must split evenly over the batch axes' devices."""
-    shards = math.prod(mesh.shape[a] for a in shd.BATCH_AXES)
-    t = cfg.train
-    sizes = {"train.batch_size": t.batch_size, "train.eval_batch_size": t.eval_batch_size,
-             "train.batch_size / train.grad_accum": t.batch_size // t.grad_accum}
-    for key, size in sizes.items():
-        if size % shards:
-            raise ValueError(
-                f"{key}={size} does not split over the {shards} devices of the mesh's batch "
-                f"axes {dict((a, mesh.shape[a]) for a in shd.BATCH_AXES)}; use a multiple of "
-                f"{shards} (e.g. {-(-size // shards) * shards}), or set the mesh (mesh.data=...).")
-
-
-def build(cfg: Config, devices=None, model=None, tokenizer_dir: str | None = None) -> Run:
-    """Build mesh (over ``devices``, default all), model, optimizer, sharded state and data.
-
-    ``model`` and ``tokenizer_dir`` (eval of a run folder) replace what ``cfg.model`` names,
-    so a run folder needs neither the original checkpoint nor its tokenizer."""
-    run_dir = os.path.join(cfg.workdir, cfg.name)
+def _mesh(cfg: Config, devices, training: bool) -> jax.sharding.Mesh:
+    """The configured mesh over ``devices`` (default all), checked against the batch sizes."""
     mesh = shd.make_mesh(dict(cfg.mesh), devices)
-    check_batch_fits(cfg, mesh)
-    policy = dataclasses.replace(get_policy(cfg.precision.policy),
-                                 amax_history_length=cfg.precision.fp8_amax_history)
-    if model is None:
-        model, default_tokenizer_dir = create_model(cfg.model, policy, cfg.seed)
-        tokenizer_dir = tokenizer_dir or default_tokenizer_dir
+    splits.check_batch_fits(cfg.train, {a: mesh.shape[a] for a in shd.BATCH_AXES},
+                            training=training)
+    return mesh
+
+
+def _split_model(model, mesh):
+    """``(graphdef, params, fp8, param_shardings)``: the model's parameters and fp8 state as
+    pure dicts, and the parameters' shardings on ``mesh`` by the logical-axis rules."""
     shd.check_model_fits(model.config, mesh)
+    graphdef, params_state, fp8_state = nnx.split(model, nnx.Param, Fp8Meta)
+    params = nnx.to_pure_dict(params_state)
+    logical = nnx.to_pure_dict(nnx.get_partition_spec(params_state))
+    return graphdef, params, nnx.to_pure_dict(fp8_state), shd.tree_shardings(mesh, logical,
+                                                                              params)
+
+
+def build(cfg: Config, devices=None) -> Run:
+    """A training run: mesh (over ``devices``, default all), model, optimizer, sharded train
+    state and both splits' batches, built under the mesh."""
+    mesh = _mesh(cfg, devices, training=True)
+    with jax.set_mesh(mesh):
+        return _build(cfg, mesh)
+
+
+def _build(cfg: Config, mesh) -> Run:
+    policy = _policy(cfg)
+    model, tokenizer_dir = create_model(cfg.model, policy, cfg.seed)
+    graphdef, params, fp8, param_shardings = _split_model(model, mesh)
+    fp8 = fp8 if policy.fp8 else None
     tokenizer = load_tokenizer(tokenizer_dir)
-    train_data, eval_data, label_names = _data(
-        cfg, tokenizer if cfg.data.name != "synthetic" else None,
-        model.config.max_position_embeddings)
+    max_positions = model.config.max_position_embeddings
+    train_data, label_names = splits.train_batches(cfg, tokenizer, max_positions)
+    eval_data, _ = splits.eval_batches(cfg, tokenizer, max_positions)
 
     t = cfg.train
     total_steps = t.max_steps if t.max_steps > 0 else t.epochs * train_data.steps_per_epoch
     schedule = make_schedule(t.schedule, t.learning_rate, total_steps,
                              int(t.warmup_ratio * total_steps))
-    graphdef, params_state, fp8_state = nnx.split(model, nnx.Param, Fp8Meta)
-    fp8 = nnx.to_pure_dict(fp8_state) if policy.fp8 else None
     loss_scale = LossScale.create(cfg.precision.loss_scale_init,
                                   cfg.precision.loss_scale_growth_interval) \
         if policy.loss_scaling else None
-    params = nnx.to_pure_dict(params_state)
-    logical = nnx.to_pure_dict(nnx.get_partition_spec(params_state))
-    param_shardings = shd.tree_shardings(mesh, logical, params)
     # flat_params: the one-pass Adan (train/onepass.py), same arguments, its own state layout.
     tx = (make_onepass if t.flat_params else make_optimizer)(
         t.optimizer, schedule, weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm,
@@ -176,35 +202,32 @@ def build(cfg: Config, devices=None, model=None, tokenizer_dir: str | None = Non
                                loss_scale=replicated(abstract.loss_scale),
                                fp8=replicated(abstract.fp8))
         state = jax.jit(create, out_shardings=shardings)(params)
-    return Run(cfg, run_dir, mesh, graphdef, state, shardings, train_data, eval_data,
-               schedule, total_steps, tokenizer, tx, model.spec, label_names)
+    return Run(cfg, os.path.join(cfg.workdir, cfg.name), mesh, graphdef, state, shardings,
+               eval_data, tokenizer, model.spec, label_names,
+               train_data=train_data, tx=tx, schedule=schedule, total_steps=total_steps)
 
 
-def step_builders(cfg: Config):
-    """``(make_train_step, make_eval_step)`` of the configured trainer path (the eval step
-    takes the state's ``params``)."""
+def build_eval(cfg: Config, model, tokenizer_dir: str, devices=None) -> Run:
+    """A run that only evaluates ``model`` (its parameters and fp8 state, e.g. a checkpoint's
+    from ``inference.load_run``) on ``cfg``'s eval split: no optimizer state, and the training
+    split is neither read nor tokenized. Per-parameter form only (``train.flat_params`` off)."""
     if cfg.train.flat_params:
-        return onepass.make_train_step, onepass.make_eval_step
-    return make_train_step, make_eval_step
-
-
-def _global_batch(batch: dict, sharding) -> dict:
-    return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in batch.items()}
-
-
-def evaluate(run: Run, params, eval_step=None, fp8=None) -> dict:
-    """Accuracy and mean loss of ``params`` (and the fp8 state ``fp8``) on the eval split."""
-    eval_step = eval_step or jax.jit(make_eval_step(run.graphdef))
-    bsh = shd.batch_sharding(run.mesh)
-    totals = {"loss_sum": 0.0, "correct": 0.0, "count": 0.0}
-    for batch in run.eval_data.batches(0):
-        with jax.set_mesh(run.mesh):
-            sums, _ = eval_step(params, _global_batch(batch, bsh), fp8)
-        for k, v in jax.device_get(sums).items():
-            totals[k] += float(v)
-    n = max(totals["count"], 1.0)
-    return {"accuracy": totals["correct"] / n, "loss": totals["loss_sum"] / n,
-            "examples": int(totals["count"])}
+        raise ValueError("build_eval: train.flat_params=true; evaluation takes the "
+                         "per-parameter form, set train.flat_params=false.")
+    mesh = _mesh(cfg, devices, training=False)
+    graphdef, params, fp8, param_shardings = _split_model(model, mesh)
+    replicated = lambda tree: jax.tree_util.tree_map(lambda _: shd.replicated(mesh), tree)
+    fp8 = fp8 if _policy(cfg).fp8 else None
+    shardings = TrainState(step=None, params=param_shardings, opt_state=None, rng=None,
+                           fp8=replicated(fp8))
+    state = jax.device_put(TrainState(step=None, params=params, opt_state=None, rng=None,
+                                      fp8=fp8), shardings)
+    tokenizer = load_tokenizer(tokenizer_dir, light=True) if cfg.data.name != "synthetic" \
+        else None
+    eval_data, label_names = splits.eval_batches(cfg, tokenizer,
+                                                 model.config.max_position_embeddings)
+    return Run(cfg, os.path.join(cfg.workdir, cfg.name), mesh, graphdef, state, shardings,
+               eval_data, tokenizer, model.spec, label_names)
 
 
 class _Preemption:
@@ -240,7 +263,9 @@ class _Preemption:
 def _record(run: Run, epoch: int, step_in_epoch: int) -> dict:
     """The JSON saved beside each checkpoint: data position and what rebuilds the model (its
     spec, under "architecture")."""
-    return {"epoch": epoch, "step_in_epoch": step_in_epoch, "config": run.cfg.to_dict(),
+    return {"epoch": epoch, "step_in_epoch": step_in_epoch,
+            "step": epoch * run.train_data.steps_per_epoch + step_in_epoch,
+            "config": run.cfg.to_dict(),
             "architecture": run.spec.to_dict(), "label_names": list(run.label_names)}
 
 
@@ -260,7 +285,9 @@ def train(cfg: Config) -> dict:
     with rundir.RunLock(run_dir) if main else contextlib.nullcontext():
         changes = rundir.prepare(run_dir, cfg.to_dict()) if main else {}
         _sync("jaxaccel_run_dir_ready")
-        return _train(build(cfg), changes)
+        run = build(cfg)
+        with jax.set_mesh(run.mesh):      # the one mesh of every step and evaluation
+            return _train(run, changes)
 
 
 def _resume_note(run: Run, start: int, changes: dict) -> None:
@@ -298,13 +325,6 @@ def _train(run: Run, changes: dict) -> dict:
     start = int(jax.device_get(state.step))
     _resume_note(run, start, changes)
     steps_per_epoch = run.train_data.steps_per_epoch
-    bsh = shd.batch_sharding(run.mesh)
-    make_train, make_eval = step_builders(cfg)
-    train_step = jax.jit(make_train(run.graphdef, run.tx, t.grad_accum),
-                         in_shardings=(run.state_shardings, bsh),
-                         out_shardings=(run.state_shardings, shd.replicated(run.mesh)),
-                         donate_argnums=0)
-    eval_step = jax.jit(make_eval(run.graphdef))
 
     def save(step):
         e, s = divmod(step, steps_per_epoch)
@@ -350,8 +370,7 @@ def _train(run: Run, changes: dict) -> dict:
             while step < run.total_steps and not preempt.requested:
                 for batch in run.train_data.batches(epoch, step - epoch * steps_per_epoch):
                     rows = batch["weights"].shape[0] * jax.process_count()
-                    with jax.set_mesh(run.mesh):
-                        state, metrics = train_step(state, _global_batch(batch, bsh))
+                    state, metrics = run.train_step(state, run.put_batch(batch))
                     step += 1
                     if pending is not None:
                         drain(pending)
@@ -369,7 +388,7 @@ def _train(run: Run, changes: dict) -> dict:
                 if step % steps_per_epoch == 0 or step >= run.total_steps:
                     save(step)
                     if t.eval_every_epoch and step < run.total_steps:
-                        ev = evaluate(run, state.params, eval_step, state.fp8)
+                        ev = run.evaluate(state)
                         writer.write(step, ev, prefix="eval/")
                         if main:
                             tqdm.write(f"epoch {epoch}: eval accuracy {ev['accuracy']:.4f} "
@@ -379,7 +398,7 @@ def _train(run: Run, changes: dict) -> dict:
                 result.update(status="preempted", signal=preempt.requested, step=step)
                 return result
         bar.close()
-        final = evaluate(run, state.params, eval_step, state.fp8)
+        final = run.evaluate(state)
         writer.write(step, final, prefix="eval/")
         result.update(step=step, eval_accuracy=final["accuracy"], eval_loss=final["loss"],
                       eval_examples=final["examples"])

@@ -12,7 +12,7 @@ against the optax path's pack grads -> update -> unpack 201 updates -> ``apply_u
 Same numbers as ``train.optimizer=adan`` with the same ``optimizer_impl`` (tested), same
 checkpoints (``on_disk`` holds the per-parameter form, so either path resumes the other's).
 The state is the ordinary ``TrainState`` with ``params`` a ``FlatParams``; only the step
-builders differ, picked by ``loop.step_builders``.
+builders differ, picked by ``loop.Run.train_step`` and ``eval_step``.
 """
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ def make_train_step(graphdef, tx: OnePass, grad_accum: int = 1):
 
     def loss_fn(buffers, params, batch, rng, denom):
         view = dataclasses.replace(params, buffers=buffers).view()
-        logits = step_lib._forward(graphdef, view, batch, deterministic=False, rng=rng)
+        logits = step_lib.forward(graphdef, view, batch, deterministic=False, rng=rng)
         ce_sum, correct, _ = step_lib._sums(logits, batch)
         return ce_sum / denom, correct
 

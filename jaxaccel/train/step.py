@@ -36,7 +36,9 @@ def is_state_metric(name: str) -> bool:
     return name in STATE_METRICS or name.startswith("fp8/")
 
 
-def _forward(graphdef, params, batch, *, deterministic, rng=None, fp8=None):
+def forward(graphdef, params, batch, *, deterministic, rng=None, fp8=None):
+    """float32 logits [batch, labels] of the model ``graphdef`` with ``params`` (and the fp8
+    state ``fp8``) on ``batch``; dropout from ``rng`` unless ``deterministic``."""
     model = nnx.merge(graphdef, params, *(() if fp8 is None else (fp8,)))
     rngs = None if deterministic else nnx.Rngs(dropout=rng)
     out = model(*(batch[k] for k in INPUTS), deterministic=deterministic, rngs=rngs)
@@ -59,7 +61,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, grad_accum: int 
     """``step(state, batch) -> (state, metrics)``; jit it with the state donated."""
 
     def loss_fn(params, fp8, micro, rng, denom, scale):
-        logits = _forward(graphdef, params, micro, deterministic=False, rng=rng, fp8=fp8)
+        logits = forward(graphdef, params, micro, deterministic=False, rng=rng, fp8=fp8)
         ce_sum, correct, _ = _sums(logits, micro)
         loss = ce_sum / denom
         return loss * scale, (loss, correct)
@@ -122,7 +124,7 @@ def make_eval_step(graphdef):
     train state's fp8 state under the fp8 policy."""
 
     def eval_step(params, batch, fp8=None):
-        logits = _forward(graphdef, params, batch, deterministic=True, fp8=fp8)
+        logits = forward(graphdef, params, batch, deterministic=True, fp8=fp8)
         ce_sum, correct, weight = _sums(logits, batch)
         return {"loss_sum": ce_sum, "correct": correct, "count": weight}, jax.nn.softmax(logits)
 

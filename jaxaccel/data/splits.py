@@ -1,0 +1,100 @@
+"""A run's data, from its config: which examples each split holds and how they are batched.
+
+    train, label_names = train_batches(cfg, tokenizer, max_positions)
+    evals, label_names = eval_batches(cfg, tokenizer, max_positions)   # no training split read
+    check_batch_fits(cfg.train, {"data": 2, "fsdp": 4})                 # before anything compiles
+
+Examples: ``data.name=synthetic`` makes random token ids (train from ``seed``, eval from
+``seed + 1``); a text dataset is read from its TFDS cache and only the split asked for is
+tokenized. Batching, per process (``jax.process_index()`` of ``jax.process_count()``):
+
+* train: shuffled per (seed, epoch), whole batches only, length-bucketed over windows of 50
+  batches when ``data.bucket`` (less padding);
+* eval: in no particular order, so sorted by length over the whole split (one window) to pad
+  least, the last batch completed with weight-0 rows.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+
+from jaxaccel.data import load_text_dataset
+from jaxaccel.data.pipeline import BatchIterator, Tokenized, tokenize
+from jaxaccel.data.synthetic import synthetic
+
+SYNTHETIC_VOCAB = 30522      # BERT's uncased vocabulary: synthetic ids lie in [0, 30522)
+TRAIN_BUCKET_WINDOW = 50     # global batches sorted by length together (data.bucket)
+
+
+def _examples(cfg, tokenizer, max_positions: int, split: str) -> tuple[Tokenized, tuple]:
+    """``(examples, label_names)`` of ``split``; text is truncated to ``data.max_len`` (at
+    most the model's ``max_positions``)."""
+    d = cfg.data
+    if d.name == "synthetic":
+        examples = synthetic(vocab_size=SYNTHETIC_VOCAB, seq_len=d.synthetic_seq_len,
+                             num_examples=d.synthetic_examples,
+                             seed=cfg.seed if split == "train" else cfg.seed + 1,
+                             num_classes=cfg.model.num_labels)
+        return examples, tuple(str(i) for i in range(cfg.model.num_labels))
+    ds = load_text_dataset(d.name, data_dir=d.data_dir or None, manual_dir=d.manual_dir or None,
+                           splits=(split,))
+    if ds.num_classes > cfg.model.num_labels:
+        raise ValueError(f"data {d.name!r} has {ds.num_classes} classes but "
+                         f"model.num_labels={cfg.model.num_labels}; set model.num_labels="
+                         f"{ds.num_classes}.")
+    return (tokenize(tokenizer, *ds[split], max_len=d.max_len, max_positions=max_positions),
+            ds.label_names)
+
+
+def _process_shard(cfg) -> dict:
+    return dict(pad_multiple=cfg.data.pad_multiple, process_index=jax.process_index(),
+                process_count=jax.process_count())
+
+
+def train_batches(cfg, tokenizer, max_positions: int) -> tuple[BatchIterator, tuple]:
+    """This process's training batches (shuffled, bucketed, full) and the label names."""
+    examples, label_names = _examples(cfg, tokenizer, max_positions, "train")
+    t = cfg.train
+    batches = BatchIterator(examples, t.batch_size, shuffle=True, seed=cfg.seed,
+                            drop_remainder=True,
+                            bucket_window=TRAIN_BUCKET_WINDOW if cfg.data.bucket else 0,
+                            **_process_shard(cfg))
+    return batches, label_names
+
+
+def eval_batches(cfg, tokenizer, max_positions: int) -> tuple[BatchIterator, tuple]:
+    """This process's batches of ``data.eval_split`` (length-sorted, every example once) and
+    the label names; the training split is neither read nor tokenized."""
+    examples, label_names = _examples(cfg, tokenizer, max_positions, cfg.data.eval_split)
+    size = cfg.train.eval_batch_size
+    batches = BatchIterator(examples, size, shuffle=False, drop_remainder=False,
+                            bucket_window=len(examples) // size + 1, **_process_shard(cfg))
+    return batches, label_names
+
+
+def check_batch_fits(train_cfg, batch_axes: dict[str, int], *, training: bool = True) -> None:
+    """Each global batch (and, ``training``, each micro-batch of ``train.grad_accum``) must
+    split evenly over the devices of the mesh's batch axes (``batch_axes``: axis -> size)."""
+    shards = math.prod(batch_axes.values())
+    t = train_cfg
+    sizes = {"train.batch_size": t.batch_size, "train.eval_batch_size": t.eval_batch_size,
+             "train.batch_size / train.grad_accum": t.batch_size // t.grad_accum}
+    if not training:
+        sizes = {"train.eval_batch_size": t.eval_batch_size}
+    for key, size in sizes.items():
+        if size % shards:
+            raise ValueError(
+                f"{key}={size} does not split over the {shards} devices of the mesh's batch "
+                f"axes {batch_axes}; use a multiple of {shards} (e.g. "
+                f"{-(-size // shards) * shards}), or set the mesh (mesh.data=...).")
+
+
+def steps_per_epoch(cfg) -> int:
+    """Training steps per epoch (whole global batches of the training split), counted without
+    tokenizing it."""
+    d = cfg.data
+    n = d.synthetic_examples if d.name == "synthetic" else len(load_text_dataset(
+        d.name, data_dir=d.data_dir or None, manual_dir=d.manual_dir or None,
+        splits=("train",))["train"][1])
+    return n // cfg.train.batch_size
