@@ -21,7 +21,6 @@ import dataclasses
 import logging
 import math
 import os
-import signal
 import sys
 import time
 
@@ -41,6 +40,7 @@ from jaxaccel.precision import LossScale, get_policy
 from jaxaccel.train import onepass, rundir
 from jaxaccel.train.checkpoint import Checkpointer, NonFiniteState, on_disk, restore_state
 from jaxaccel.train.metrics import MetricsWriter
+from jaxaccel.train.preemption import Preemption
 from jaxaccel.train.state import TrainState
 from jaxaccel.train.step import is_state_metric, make_eval_step, make_train_step
 
@@ -207,36 +207,6 @@ def evaluate(run: Run, params, eval_step=None, fp8=None) -> dict:
             "examples": int(totals["count"])}
 
 
-class _Preemption:
-    """Turns SIGTERM and a first SIGINT (Ctrl-C) into a flag the loop polls after every step
-    (it then saves and returns); a second SIGINT raises ``KeyboardInterrupt`` at once."""
-
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-    def __init__(self):
-        self.requested = None       # name of the signal received, once one is
-        self._previous = {}
-
-    def __enter__(self):
-        try:
-            self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
-        except ValueError:          # not the main thread: no handler, nothing to restore
-            self._previous = {}
-        return self
-
-    def _handle(self, signum, frame):
-        if signum == signal.SIGINT and self.requested == "SIGINT":
-            raise KeyboardInterrupt
-        self.requested = signal.Signals(signum).name
-        if signum == signal.SIGINT:
-            print("\nCtrl-C: saving a checkpoint after this step and stopping (Ctrl-C again "
-                  "aborts without saving).", file=sys.stderr, flush=True)
-
-    def __exit__(self, *exc):
-        for s, previous in self._previous.items():
-            signal.signal(s, previous)
-
-
 def _record(run: Run, epoch: int, step_in_epoch: int) -> dict:
     """The JSON saved beside each checkpoint: data position and what rebuilds the model (its
     spec, under "architecture")."""
@@ -345,9 +315,9 @@ def _train(run: Run, changes: dict) -> dict:
             window.clear()
 
     try:
-        with _Preemption() as preempt:
+        with Preemption() as preempt:
             epoch = start // steps_per_epoch
-            while step < run.total_steps and not preempt.requested:
+            while step < run.total_steps and not preempt.stop:
                 for batch in run.train_data.batches(epoch, step - epoch * steps_per_epoch):
                     rows = batch["weights"].shape[0] * jax.process_count()
                     with jax.set_mesh(run.mesh):
@@ -360,7 +330,7 @@ def _train(run: Run, changes: dict) -> dict:
                         drain(pending)
                         pending = None
                         save(step)
-                    if step >= run.total_steps or preempt.requested:
+                    if preempt.reached() or step >= run.total_steps:
                         break
                 if pending is not None:
                     drain(pending)
@@ -374,12 +344,14 @@ def _train(run: Run, changes: dict) -> dict:
                         if main:
                             tqdm.write(f"epoch {epoch}: eval accuracy {ev['accuracy']:.4f} "
                                        f"loss {ev['loss']:.4f}", file=sys.stderr)
-            if preempt.requested:
+            if preempt.stop:
                 save(step)
+                ckpt.wait()
                 result.update(status="preempted", signal=preempt.requested, step=step)
                 return result
         bar.close()
-        final = evaluate(run, state.params, eval_step, state.fp8)
+        final = evaluate(run, state.params, eval_step, state.fp8)   # while the last save writes
+        ckpt.wait()
         writer.write(step, final, prefix="eval/")
         result.update(step=step, eval_accuracy=final["accuracy"], eval_loss=final["loss"],
                       eval_examples=final["examples"])
