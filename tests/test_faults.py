@@ -3,7 +3,9 @@
 
 One trained run (module fixture) is shared; tests that change a run work on a copy. The
 fixture's model comes from a Hugging Face checkpoint folder that is deleted after training, so
-every eval/predict here also checks that a run folder is self-contained.
+every eval/predict here also checks that a run folder is self-contained. The subprocesses share
+a persistent compilation cache (one per module run), so each compiles the tiny model's steps
+only once instead of once per command.
 """
 import json
 import os
@@ -22,6 +24,13 @@ TINY = os.path.join(ROOT, "configs", "tiny_synthetic.py")
 ENV = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "",
        "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
        "SLURM_NTASKS": "4"}   # stray: a single-process run must ignore it (item 8)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compilation_cache(tmp_path_factory):
+    ENV.update(JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.mktemp("jax_cache")),
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
 
 
 def jaxaccel(*args, stdin=None, env=None):
