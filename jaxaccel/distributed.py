@@ -17,7 +17,9 @@ reach the coordinator; then it fails with a message naming the coordinator, inst
 
 Each process then loads only its rows of every global batch (``BatchIterator`` takes the process
 index and count); metrics are written by process 0; Orbax checkpoints are written by all
-processes together, each its own shards.
+processes together, each its own shards. JAX's preemption service is switched on (its default):
+it catches SIGTERM so that all processes stop and save after the same step
+(``jaxaccel.train.preemption``).
 """
 from __future__ import annotations
 
@@ -83,6 +85,7 @@ def initialize_from_env(env=os.environ) -> bool:
     watchdog = threading.Timer(timeout, give_up)
     watchdog.daemon = True
     watchdog.start()
+    jax.config.update("jax_enable_preemption_service", True)
     try:
         jax.distributed.initialize(initialization_timeout=timeout + 30, **kwargs)
     except (RuntimeError, ValueError) as e:

@@ -1,4 +1,5 @@
-"""Multi-process start-up: environment detection, and two real processes on localhost.
+"""Multi-process start-up: environment detection, and two real processes on localhost that stop
+together when one of them gets SIGTERM.
 
 The processes are CPU processes on every machine (``JAX_PLATFORMS=cpu`` in each subprocess, the
 one-process reference and the one-device eval included): the test is about the multi-process
@@ -6,9 +7,11 @@ machinery (gloo collectives, per-process data, a checkpoint written by both), an
 runs must share one platform for their losses to be compared."""
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -41,49 +44,92 @@ def test_incomplete_explicit_environment_is_named():
         initialize_from_env({"JAXACCEL_COORDINATOR": "h:1", "JAXACCEL_NUM_PROCESSES": "2"})
 
 
+@pytest.fixture(scope="module", autouse=True)
+def compilation_cache(tmp_path_factory):
+    """One persistent compilation cache for this module's subprocesses: a resumed run and the
+    eval load the steps the first runs compiled."""
+    CACHE.update(JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.mktemp("jax_cache")),
+                 JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                 JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+
+
+CACHE = {}
+
+
 def _cpu_env(devices=None, **extra):
     """This process's environment for a CPU-only subprocess with ``devices`` fake devices
-    (None: one, XLA's default)."""
+    (None: one, XLA's default), sharing the module's compilation cache."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(CACHE)
     if devices is not None:
         env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
     return dict(env, JAX_PLATFORMS="cpu", **extra)
 
 
-def test_two_processes_on_localhost_match_one_process(tmp_path):
-    """Two real processes (4 CPU devices each, gloo collectives) == one process, 8 devices, with
-    FSDP over both processes and the fused Adan state split across them; the checkpoint they
-    write together evaluates on one device to the accuracy the one-process run reached."""
+def _port():
     with socket.socket() as s:
         s.bind(("localhost", 0))
-        port = s.getsockname()[1]
+        return s.getsockname()[1]
+
+
+def test_two_processes_stop_together_on_sigterm_to_one_and_resume_like_one_process(tmp_path):
+    """Two real processes (2 CPU devices each, gloo collectives) on a (data=2, fsdp=2) mesh with
+    the fused Adan state sharded over it, against one process with 4 devices run without a
+    break.
+
+    SIGTERM to process 1 alone, once process 0 has logged a step: both stop after the same step
+    (JAX's preemption sync point), save it together and exit 0; started again, they resume and
+    finish. Their losses equal the one-process run's at every step (metrics written once, by
+    process 0), and the checkpoint they wrote evaluates on one device to the accuracy the
+    one-process run reached."""
+    steps = 6
+    sets = (f"train.max_steps={steps}", "train.log_every=1", "train.progress=false",
+            "mesh.fsdp=2", *ADAN)
 
     def cmd(workdir):
         return [sys.executable, "-m", "jaxaccel.cli", "train", "--config", CONFIG,
-                "--set", f"workdir={workdir}", "--set", "train.max_steps=4",
-                "--set", "train.log_every=1", "--set", "train.progress=false",
-                "--set", "mesh.fsdp=2", *(f"--set={x}" for x in ADAN)]
-    procs = []
-    for i in range(2):
-        env = _cpu_env(4, JAXACCEL_COORDINATOR=f"localhost:{port}", JAXACCEL_NUM_PROCESSES="2",
-                       JAXACCEL_PROCESS_ID=str(i))
-        procs.append(subprocess.Popen(cmd(tmp_path / "two"), env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))
-    one = subprocess.run(cmd(tmp_path / "one"), env=_cpu_env(8), capture_output=True, text=True,
-                         timeout=300)
-    assert one.returncode == 0, one.stderr[-2000:]
-    for p in procs:
-        _, err = p.communicate(timeout=300)
-        assert p.returncode == 0, err[-2000:]
-    losses = {name: [r["train/loss"] for r in read_metrics(str(tmp_path / name /
-                                                               "tiny_synthetic"))
-                     if "train/loss" in r] for name in ("one", "two")}
-    assert len(losses["two"]) == 4        # metrics written once, by process 0
-    np.testing.assert_allclose(losses["two"], losses["one"], rtol=1e-5)
+                f"--set=workdir={workdir}", *(f"--set={x}" for x in sets)]
+
+    def start_two():
+        port = _port()
+        return [subprocess.Popen(cmd(tmp_path / "two"), stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True,
+                                 env=_cpu_env(2, JAXACCEL_COORDINATOR=f"localhost:{port}",
+                                              JAXACCEL_NUM_PROCESSES="2",
+                                              JAXACCEL_PROCESS_ID=str(i)))
+                for i in range(2)]
+
+    def finish(procs):
+        outs = []
+        for p in procs:
+            out, err = p.communicate(timeout=300)
+            assert p.returncode == 0, err[-3000:]
+            outs.append(json.JSONDecoder().raw_decode(out[out.index("{"):])[0])
+        return outs
+
+    two = tmp_path / "two" / "tiny_synthetic"
+    procs = start_two()
+    one = subprocess.Popen(cmd(tmp_path / "one"), env=_cpu_env(4), stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
+    while not ((two / "metrics.jsonl").exists() and (two / "metrics.jsonl").read_text()):
+        assert all(p.poll() is None for p in procs), [p.communicate() for p in procs]
+        time.sleep(0.05)
+    procs[1].send_signal(signal.SIGTERM)
+    stopped = finish(procs)
+    assert [r["status"] for r in stopped] == ["preempted"] * 2, stopped
+    assert stopped[0]["step"] == stopped[1]["step"] < steps, stopped
+    resumed = finish(start_two())
+    assert [r["status"] for r in resumed] == ["completed"] * 2, resumed
+    assert finish([one])[0]["status"] == "completed"
+
+    rows = {name: [r for r in read_metrics(str(tmp_path / name / "tiny_synthetic"))
+                   if "train/loss" in r] for name in ("one", "two")}
+    assert [r["step"] for r in rows["two"]] == list(range(1, steps + 1))
+    np.testing.assert_allclose([r["train/loss"] for r in rows["two"]],
+                               [r["train/loss"] for r in rows["one"]], rtol=1e-5)
     final = [r["eval/accuracy"] for r in read_metrics(str(tmp_path / "one" / "tiny_synthetic"))
              if "eval/accuracy" in r][-1]
     ev = subprocess.run([sys.executable, "-m", "jaxaccel.cli", "eval", "--checkpoint",
-                         str(tmp_path / "two" / "tiny_synthetic")], env=_cpu_env(),
-                        capture_output=True, text=True, timeout=300)
+                         str(two)], env=_cpu_env(), capture_output=True, text=True, timeout=300)
     assert ev.returncode == 0, ev.stderr[-2000:]
     assert json.loads(ev.stdout)["accuracy"] == pytest.approx(final, abs=1e-6)

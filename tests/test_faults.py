@@ -3,7 +3,9 @@
 
 One trained run (module fixture) is shared; tests that change a run work on a copy. The
 fixture's model comes from a Hugging Face checkpoint folder that is deleted after training, so
-every eval/predict here also checks that a run folder is self-contained.
+every eval/predict here also checks that a run folder is self-contained. The subprocesses share
+a persistent compilation cache (one per module run), so each compiles the tiny model's steps
+only once instead of once per command.
 """
 import json
 import os
@@ -22,6 +24,13 @@ TINY = os.path.join(ROOT, "configs", "tiny_synthetic.py")
 ENV = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "",
        "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
        "SLURM_NTASKS": "4"}   # stray: a single-process run must ignore it (item 8)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compilation_cache(tmp_path_factory):
+    ENV.update(JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.mktemp("jax_cache")),
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
 
 
 def jaxaccel(*args, stdin=None, env=None):
@@ -165,6 +174,32 @@ def test_nonfinite_parameters_are_never_saved(tmp_path):
     assert ckpt.all_steps() == []
 
 
+def test_async_save_holds_its_own_copy_and_reads_wait_for_it(tmp_path):
+    """``save`` returns while the write goes on in the background; it has copied the state to
+    host memory by then, so the caller may donate (here: delete) the arrays; a read in the same
+    process waits for the write and sees the saved values."""
+    import collections
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxaccel.train.checkpoint import Checkpointer, abstract_like
+    State = collections.namedtuple("State", "params")
+    state = State({"w": jnp.arange(1 << 20, dtype=jnp.float32), "b": jnp.ones(3)})
+    expected = jax.device_get(state)
+    abstract = abstract_like(state, jax.tree_util.tree_map(lambda x: x.sharding, state))
+    ckpt = Checkpointer(str(tmp_path / "checkpoints"))
+    ckpt.save(4, state, {"epoch": 1})
+    for x in jax.tree_util.tree_leaves(state):
+        x.delete()
+    restored, meta = ckpt.restore(abstract)
+    assert meta == {"epoch": 1} and ckpt.all_steps() == [4]
+    for a, b in zip(jax.tree_util.tree_leaves(restored), jax.tree_util.tree_leaves(expected)):
+        np.testing.assert_array_equal(a, b)
+    ckpt.close()
+
+
 def _truncate_largest(folder):
     files = [os.path.join(d, f) for d, _, fs in os.walk(folder) for f in fs]
     victim = max(files, key=os.path.getsize)
@@ -260,12 +295,15 @@ def test_ctrl_c_saves_and_exits_cleanly(tmp_path):
 
 
 def test_second_ctrl_c_aborts():
-    from jaxaccel.train.loop import _Preemption
-    with _Preemption() as p:
+    from jaxaccel.train.preemption import Preemption
+    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    with Preemption() as p:
+        assert not p.reached()
         os.kill(os.getpid(), signal.SIGINT)
-        assert p.requested == "SIGINT"
+        assert p.requested == "SIGINT" and p.reached() and p.reached()
         with pytest.raises(KeyboardInterrupt):
             os.kill(os.getpid(), signal.SIGINT)
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
 
 
 def test_predict_at_scale(trained, tmp_path):

@@ -1,15 +1,21 @@
 """Orbax checkpoints of the train state plus a small JSON record (data position, config).
 
 Writes are atomic: Orbax writes into a temporary folder and renames it when complete, so an
-interrupted write leaves the previous checkpoint as the latest readable one. Only the writer
-(the trainer holding the run folder's lock) cleans unfinished temporary folders up; readers
-(eval, predict) open the folder read-only and never delete, clean or create anything, so they
-can run while the trainer saves. Saving is synchronous here, so that a SIGTERM handler or a
-NaN stop can rely on what is on disk, and a state whose parameters are not all finite is never
-saved. Restores go straight to the shardings of the abstract state given, so a checkpoint
-saved on one mesh restores onto another; a checkpoint that cannot be read is skipped for the
-newest one that can (a writer moves the unreadable ones to ``skipped_checkpoints/`` beside
-``checkpoints/`` so that their steps can be written again).
+interrupted write leaves the previous checkpoint as the latest readable one, and no reader ever
+sees a step before it is complete. Only the writer (the trainer holding the run folder's lock)
+cleans unfinished temporary folders up; readers (eval, predict) open the folder read-only and
+never delete, clean or create anything, so they can run while the trainer saves.
+
+Saves are asynchronous: ``save`` checks that the parameters are all finite (a state that is not
+is never saved), copies the state to host memory (after which the caller may donate or
+overwrite its arrays) and returns; the files are written by a background thread while training
+goes on. Everything that reads or changes the folder (``all_steps``, ``latest_step``,
+``restore*``, ``set_aside``), ``wait`` and ``close`` first wait for that write to be complete,
+and so do exit paths (a preempted or finished run returns with its checkpoint on disk). Restores
+go straight to the shardings of the abstract state given, so a checkpoint saved on one mesh
+restores onto another; a checkpoint that cannot be read is skipped for the newest one that can
+(a writer moves the unreadable ones to ``skipped_checkpoints/`` beside ``checkpoints/`` so that
+their steps can be written again).
 
 A train state is saved as ``on_disk(state)``: whatever lives in a flat multi-tensor layout
 (Adan's state, flat parameters) in its per-parameter form (``jaxaccel.optim.flat.portable``),
@@ -51,11 +57,26 @@ def _reason(e: Exception) -> str:
     return f"{type(e).__name__}: {text[:200]}"
 
 
+class _Manager(ocp.CheckpointManager):
+    """Orbax's manager, minus its own calls to JAX's preemption sync point.
+
+    Orbax calls ``reached_preemption_sync_point(step)`` in ``save`` and again from its
+    background finalize thread, with the (older) step it is finishing. The sync manager keeps one
+    counter per process, the last value it was given, and sets the sync point from the largest:
+    a counter moved back by that thread could make the sync point one this process has already
+    passed, and the run would hang. The trainer's ``Preemption`` is the only caller."""
+
+    def reached_preemption(self, step: int) -> bool:
+        return False
+
+
 class Checkpointer:
     """The checkpoints of one run folder. ``read_only=True`` (eval, predict) never creates,
-    cleans or deletes anything; the writer keeps the newest ``keep`` steps."""
+    cleans or deletes anything; the writer keeps the newest ``keep`` steps and saves in the
+    background unless ``async_save=False``."""
 
-    def __init__(self, directory: str, keep: int = 2, read_only: bool = False):
+    def __init__(self, directory: str, keep: int = 2, read_only: bool = False,
+                 async_save: bool = True):
         self.directory = os.path.abspath(directory)
         self.read_only = read_only
         if read_only:
@@ -66,28 +87,36 @@ class Checkpointer:
                                                    enable_async_checkpointing=False)
         else:
             options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
-                                                   enable_async_checkpointing=False,
+                                                   enable_async_checkpointing=async_save,
                                                    cleanup_tmp_directories=True)
-        self._mngr = ocp.CheckpointManager(
+        self._mngr = _Manager(
             self.directory, options=options,
             item_handlers={"state": ocp.StandardCheckpointHandler(),
                            "meta": ocp.JsonCheckpointHandler()})
 
     def latest_step(self) -> int | None:
+        self.wait()
         return self._mngr.latest_step()
 
     def all_steps(self) -> list[int]:
+        """The steps on disk (after any save in progress is complete)."""
+        self.wait()
         return sorted(self._mngr.all_steps())
 
     def save(self, step: int, state, meta: dict) -> None:
-        """Save ``state`` as ``step``; raises ``NonFiniteState`` (saving nothing) if its
-        parameters are not all finite."""
+        """Start saving ``state`` as ``step`` (``wait`` for it to be on disk); raises
+        ``NonFiniteState`` (saving nothing) if its parameters are not all finite. Returns once
+        ``state`` is copied to host memory; a previous save still writing is waited for first."""
         if step in self._mngr.all_steps():
             return
         if not bool(all_finite(state.params)):
             raise NonFiniteState(f"parameters at step {step} are not all finite; not saved")
         self._mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                       meta=ocp.args.JsonSave(meta)))
+
+    def wait(self) -> None:
+        """Block until the save in progress, if any, is complete on disk (raising its error
+        if it failed)."""
         self._mngr.wait_until_finished()
 
     def set_aside(self, step: int, reason: str) -> str:
@@ -95,6 +124,7 @@ class Checkpointer:
         checkpoints folder), keeping it for inspection; the writer only. Returns where."""
         if self.read_only:
             raise RuntimeError("a read-only Checkpointer never moves checkpoints.")
+        self.wait()
         dest = os.path.join(os.path.dirname(self.directory), "skipped_checkpoints", str(step))
         if jax.process_index() == 0:
             if os.path.exists(dest):
@@ -114,6 +144,7 @@ class Checkpointer:
         """``(step, read(step))`` for ``step``, or by default for the newest step that can be
         read, warning about each newer one skipped (and, as the writer, setting it aside).
         ``None`` if there is no checkpoint; ``ValueError`` naming every reason if none reads."""
+        self.wait()
         steps = [step] if step is not None else sorted(self._mngr.all_steps(), reverse=True)
         if not steps:
             return None

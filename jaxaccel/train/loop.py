@@ -22,7 +22,6 @@ import functools
 import logging
 import math
 import os
-import signal
 import sys
 import time
 
@@ -41,6 +40,7 @@ from jaxaccel.precision import LossScale, get_policy
 from jaxaccel.train import onepass, rundir
 from jaxaccel.train.checkpoint import Checkpointer, NonFiniteState, on_disk, restore_state
 from jaxaccel.train.metrics import MetricsWriter
+from jaxaccel.train.preemption import Preemption
 from jaxaccel.train.state import TrainState
 from jaxaccel.train.step import is_state_metric, make_eval_step, make_train_step
 
@@ -230,36 +230,6 @@ def build_eval(cfg: Config, model, tokenizer_dir: str, devices=None) -> Run:
                eval_data, tokenizer, model.spec, label_names)
 
 
-class _Preemption:
-    """Turns SIGTERM and a first SIGINT (Ctrl-C) into a flag the loop polls after every step
-    (it then saves and returns); a second SIGINT raises ``KeyboardInterrupt`` at once."""
-
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-    def __init__(self):
-        self.requested = None       # name of the signal received, once one is
-        self._previous = {}
-
-    def __enter__(self):
-        try:
-            self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
-        except ValueError:          # not the main thread: no handler, nothing to restore
-            self._previous = {}
-        return self
-
-    def _handle(self, signum, frame):
-        if signum == signal.SIGINT and self.requested == "SIGINT":
-            raise KeyboardInterrupt
-        self.requested = signal.Signals(signum).name
-        if signum == signal.SIGINT:
-            print("\nCtrl-C: saving a checkpoint after this step and stopping (Ctrl-C again "
-                  "aborts without saving).", file=sys.stderr, flush=True)
-
-    def __exit__(self, *exc):
-        for s, previous in self._previous.items():
-            signal.signal(s, previous)
-
-
 def _record(run: Run, epoch: int, step_in_epoch: int) -> dict:
     """The JSON saved beside each checkpoint: data position and what rebuilds the model (its
     spec, under "architecture")."""
@@ -365,9 +335,9 @@ def _train(run: Run, changes: dict) -> dict:
             window.clear()
 
     try:
-        with _Preemption() as preempt:
+        with Preemption() as preempt:
             epoch = start // steps_per_epoch
-            while step < run.total_steps and not preempt.requested:
+            while step < run.total_steps and not preempt.stop:
                 for batch in run.train_data.batches(epoch, step - epoch * steps_per_epoch):
                     rows = batch["weights"].shape[0] * jax.process_count()
                     state, metrics = run.train_step(state, run.put_batch(batch))
@@ -379,7 +349,7 @@ def _train(run: Run, changes: dict) -> dict:
                         drain(pending)
                         pending = None
                         save(step)
-                    if step >= run.total_steps or preempt.requested:
+                    if preempt.reached() or step >= run.total_steps:
                         break
                 if pending is not None:
                     drain(pending)
@@ -393,12 +363,14 @@ def _train(run: Run, changes: dict) -> dict:
                         if main:
                             tqdm.write(f"epoch {epoch}: eval accuracy {ev['accuracy']:.4f} "
                                        f"loss {ev['loss']:.4f}", file=sys.stderr)
-            if preempt.requested:
+            if preempt.stop:
                 save(step)
+                ckpt.wait()
                 result.update(status="preempted", signal=preempt.requested, step=step)
                 return result
         bar.close()
-        final = run.evaluate(state)
+        final = run.evaluate(state)     # while the last save writes
+        ckpt.wait()
         writer.write(step, final, prefix="eval/")
         result.update(step=step, eval_accuracy=final["accuracy"], eval_loss=final["loss"],
                       eval_examples=final["examples"])
