@@ -5,19 +5,15 @@
 
 Adan with the thesis's fine-tuning hyperparameters (b1=0.98, b2=0.92, b3=0.99, lr 1e-4,
 weight decay 0.01); the fused Pallas update on GPU/TPU (``train.optimizer_impl=auto``).
+Everything else is configs/bert_base_imdb.py (imported plainly: the config loader puts this
+folder on the import path).
 Expected runtime: not measured yet on a GPU/TPU node.
 """
-import importlib.util
-import os
-
-_base = importlib.util.spec_from_file_location(
-    "bert_base_imdb", os.path.join(os.path.dirname(__file__), "bert_base_imdb.py"))
+import bert_base_imdb
 
 
 def get_config():
-    module = importlib.util.module_from_spec(_base)
-    _base.loader.exec_module(module)
-    config = module.get_config()
+    config = bert_base_imdb.get_config()
     config.update({
         "name": "bert_base_imdb_adan",
         "train.optimizer": "adan",

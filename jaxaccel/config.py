@@ -9,10 +9,12 @@ fail loudly and list close matches; values are type-checked against the base.
 from __future__ import annotations
 
 import ast
+import contextlib
 import copy
 import difflib
 import importlib.util
 import os
+import sys
 from typing import Any
 
 from jaxaccel import optim
@@ -181,31 +183,55 @@ def parse_override(text: str) -> tuple[str, Any]:
         return key.strip(), raw
 
 
+@contextlib.contextmanager
+def _importable_folder(folder: str):
+    """Put a config file's folder first on ``sys.path`` while the file runs, so configs import
+    each other plainly (``import bert_base_imdb``), big_vision style, from any working
+    directory. Modules imported from that folder are dropped afterwards: the next load reads
+    the files again, and a same-named file in another folder is never shadowed."""
+    before = set(sys.modules)
+    sys.path.insert(0, folder)
+    try:
+        yield
+    finally:
+        sys.path.remove(folder)
+        for name in set(sys.modules) - before:
+            file = getattr(sys.modules[name], "__file__", None)
+            if file and os.path.abspath(file).startswith(folder + os.sep):
+                del sys.modules[name]
+
+
 def load_file(path: str) -> dict:
-    """Run a config file and return the overrides its ``get_config()`` gives."""
+    """Run a config file and return the overrides its ``get_config()`` gives.
+
+    The file's folder is importable while it runs: ``configs/bert_base_imdb_adan.py`` starts
+    from ``import bert_base_imdb``.
+    """
     if not os.path.isfile(path):
         here = os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs")
         known = sorted(f[:-3] for f in os.listdir(here) if f.endswith(".py")) \
             if os.path.isdir(here) else []
         raise FileNotFoundError(f"config file {path!r} not found. Known configs in {here}: "
                                 f"{known}")
+    path = os.path.abspath(path)
     spec = importlib.util.spec_from_file_location(f"jaxaccel_config_{abs(hash(path))}", path)
     module = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(module)
-    except SyntaxError as e:
-        raise ValueError(f"config file {path!r} has a syntax error at line {e.lineno}: "
-                         f"{e.msg}: {(e.text or '').strip()!r}. Fix the file.") from None
-    except Exception as e:
-        raise ValueError(f"config file {path!r} failed to run: {type(e).__name__}: {e}. "
-                         "Fix the file.") from None
-    if not callable(getattr(module, "get_config", None)):
-        raise ValueError(f"config file {path!r} defines no get_config() function.")
-    try:
-        overrides = module.get_config()
-    except Exception as e:
-        raise ValueError(f"config file {path!r}: get_config() raised {type(e).__name__}: {e}. "
-                         "Fix the file.") from None
+    with _importable_folder(os.path.dirname(path)):
+        try:
+            spec.loader.exec_module(module)
+        except SyntaxError as e:
+            raise ValueError(f"config file {path!r} has a syntax error at line {e.lineno}: "
+                             f"{e.msg}: {(e.text or '').strip()!r}. Fix the file.") from None
+        except Exception as e:
+            raise ValueError(f"config file {path!r} failed to run: {type(e).__name__}: {e}. "
+                             "Fix the file.") from None
+        if not callable(getattr(module, "get_config", None)):
+            raise ValueError(f"config file {path!r} defines no get_config() function.")
+        try:
+            overrides = module.get_config()
+        except Exception as e:
+            raise ValueError(f"config file {path!r}: get_config() raised {type(e).__name__}: "
+                             f"{e}. Fix the file.") from None
     if not isinstance(overrides, dict):
         raise ValueError(f"config file {path!r}: get_config() returned {overrides!r}; expected "
                          "a dict of overrides, e.g. {'train.epochs': 3}.")

@@ -1,5 +1,6 @@
 import glob
 import os
+import sys
 
 import pytest
 
@@ -54,3 +55,33 @@ def test_bad_values_fail_before_building(override, match):
 def test_missing_config_file_names_known_ones():
     with pytest.raises(FileNotFoundError, match="minilm_rt"):
         config.load("configs/nope.py")
+
+
+def test_configs_import_each_other_plainly_from_any_directory(tmp_path, monkeypatch):
+    """configs/bert_base_imdb_adan.py starts from ``import bert_base_imdb``: the loader puts the
+    config's folder on the import path while it runs, whatever the working directory."""
+    monkeypatch.chdir(tmp_path)
+    adan = config.load(os.path.join(ROOT, "configs", "bert_base_imdb_adan.py"))
+    base = config.load(os.path.join(ROOT, "configs", "bert_base_imdb.py"))
+    assert (adan.name, adan.train.optimizer, adan.train.b1) == ("bert_base_imdb_adan", "adan", 0.98)
+    assert adan.data == base.data and adan.train.epochs == base.train.epochs == 3
+    monkeypatch.chdir(os.path.join(ROOT, "configs"))
+    assert config.load("bert_base_imdb_adan.py").to_dict() == adan.to_dict()
+
+
+def test_config_imports_leave_no_trace_and_reread_the_files(tmp_path):
+    """The folder leaves sys.path afterwards and its modules leave sys.modules, so an edited base
+    is read again and a same-named base in another folder is not shadowed."""
+    for folder, epochs in (("a", 2), ("b", 5)):
+        os.makedirs(tmp_path / folder)
+        (tmp_path / folder / "base_cfg.py").write_text(
+            f"def get_config():\n    return {{'train.epochs': {epochs}}}\n")
+        (tmp_path / folder / "child.py").write_text(
+            "import base_cfg\n\ndef get_config():\n"
+            "    return {**base_cfg.get_config(), 'name': 'child'}\n")
+    assert config.load(str(tmp_path / "a" / "child.py")).train.epochs == 2
+    assert config.load(str(tmp_path / "b" / "child.py")).train.epochs == 5
+    (tmp_path / "a" / "base_cfg.py").write_text("def get_config():\n    return {'train.epochs': 7}\n")
+    assert config.load(str(tmp_path / "a" / "child.py")).train.epochs == 7
+    assert "base_cfg" not in sys.modules
+    assert not any(str(tmp_path) in p for p in sys.path)
