@@ -39,6 +39,10 @@ log = logging.getLogger("jaxaccel")
 logging.getLogger("absl").addFilter(lambda r: "is read only" not in r.getMessage())
 
 
+# How often a reader lists the steps again when the trainer deletes one under it.
+_LISTING_ATTEMPTS = 5
+
+
 class NonFiniteState(RuntimeError):
     """Raised instead of saving a state whose parameters are not all finite."""
 
@@ -89,10 +93,27 @@ class Checkpointer:
             options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
                                                    enable_async_checkpointing=async_save,
                                                    cleanup_tmp_directories=True)
-        self._mngr = _Manager(
+        self._mngr = self._listing(lambda: _Manager(
             self.directory, options=options,
             item_handlers={"state": ocp.StandardCheckpointHandler(),
-                           "meta": ocp.JsonCheckpointHandler()})
+                           "meta": ocp.JsonCheckpointHandler()}))
+
+    def _listing(self, list_steps):
+        """``list_steps()``, listed again if a step folder vanished while it ran.
+
+        A reader lists the steps (Orbax stats each step folder) while the trainer may delete the
+        oldest one (``train.keep_checkpoints``): that raises FileNotFoundError for a folder
+        that was there a moment before. The writer owns its folder (the run lock), so for it
+        the error is real."""
+        for attempt in range(_LISTING_ATTEMPTS):
+            try:
+                return list_steps()
+            except FileNotFoundError:
+                if not self.read_only or attempt == _LISTING_ATTEMPTS - 1 \
+                        or not os.path.isdir(self.directory):
+                    raise
+                log.info("a checkpoint step in %s was removed while listing; listing again",
+                         self.directory)
 
     def latest_step(self) -> int | None:
         self.wait()
@@ -145,14 +166,29 @@ class Checkpointer:
         read, warning about each newer one skipped (and, as the writer, setting it aside).
         ``None`` if there is no checkpoint; ``ValueError`` naming every reason if none reads."""
         self.wait()
-        steps = [step] if step is not None else sorted(self._mngr.all_steps(), reverse=True)
-        if not steps:
-            return None
+        for attempt in range(_LISTING_ATTEMPTS):
+            steps = [step] if step is not None else sorted(self._mngr.all_steps(), reverse=True)
+            if not steps:
+                return None
+            found = self._first_of(read, steps, last=step is not None
+                                   or attempt == _LISTING_ATTEMPTS - 1)
+            if found is not None:
+                return found
+            # A reader's newest listed step was deleted by the trainer while being read, so
+            # newer steps exist: list them and start again.
+            self._listing(self._mngr.reload)
+
+    def _first_of(self, read, steps, last):
+        """``_first_readable`` over one listing of ``steps``; ``None`` if a reader should list
+        again (a step folder vanished under it, unless ``last``)."""
         skipped = []
         for s in steps:
             try:
                 out = read(s)
             except Exception as e:  # noqa: BLE001 -- Orbax/TensorStore/JSON raise many types
+                if self.read_only and not last and not os.path.isdir(
+                        os.path.join(self.directory, str(s))):
+                    return None
                 reason = _reason(e)
                 log.warning("checkpoint step %d in %s cannot be read, skipped: %s",
                             s, self.directory, reason)
