@@ -83,7 +83,16 @@ def check(b=1, sq=77, sk=None, hq=2, hkv=None, d=64, dtype=jnp.float32, causal=F
     for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
         assert g.dtype == dtype and g.shape == w.shape, name
         assert np.isfinite(np.asarray(g, np.float32)).all(), name
-        assert rel(g, w) < tol, f"{name}: rel err {rel(g, w):.2e} >= {tol}"
+        if not np.any(np.asarray(w)):
+            # Exactly zero in exact arithmetic (one key: the softmax is constant, so dq = 0):
+            # the kernel's dP - delta cancels terms of the size of do.v, leaving rounding
+            # (3e-7 per element seen at XLA's CPU optimisation level 0), so the error is
+            # measured on the scale of the incoming gradient.
+            err = np.linalg.norm(np.asarray(g, np.float64)) / np.linalg.norm(
+                np.asarray(do, np.float64))
+            assert err < tol, f"{name}: |{name}| / |do| = {err:.2e} >= {tol} (exact: 0)"
+        else:
+            assert rel(g, w) < tol, f"{name}: rel err {rel(g, w):.2e} >= {tol}"
     return got
 
 

@@ -44,26 +44,15 @@ def test_incomplete_explicit_environment_is_named():
         initialize_from_env({"JAXACCEL_COORDINATOR": "h:1", "JAXACCEL_NUM_PROCESSES": "2"})
 
 
-@pytest.fixture(scope="module", autouse=True)
-def compilation_cache(tmp_path_factory):
-    """One persistent compilation cache for this module's subprocesses: a resumed run and the
-    eval load the steps the first runs compiled."""
-    CACHE.update(JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.mktemp("jax_cache")),
-                 JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-                 JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
-
-
-CACHE = {}
-
-
 def _cpu_env(devices=None, **extra):
     """This process's environment for a CPU-only subprocess with ``devices`` fake devices
-    (None: one, XLA's default), sharing the module's compilation cache."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env.update(CACHE)
+    (None: one, XLA's default), keeping the other XLA flags and the session's compilation
+    cache (conftest): a resumed run and the eval load the steps the first runs compiled."""
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+             if not f.startswith("--xla_force_host_platform_device_count")]
     if devices is not None:
-        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
-    return dict(env, JAX_PLATFORMS="cpu", **extra)
+        flags.append(f"--xla_force_host_platform_device_count={devices}")
+    return dict(os.environ, XLA_FLAGS=" ".join(flags), JAX_PLATFORMS="cpu", **extra)
 
 
 def _port():
