@@ -212,7 +212,8 @@ def test_impossible_combinations_fail_before_building(sets, message):
 
 @pytest.mark.slow
 def test_fp16_and_fp8_match_fp32_accuracy_on_the_main_job(tmp_path):
-    """MiniLM-L6 on the RT snippets (configs/minilm_rt.py, ~8 min per policy on a 2-core CPU):
+    """MiniLM-L6 on the RT snippets (configs/minilm_rt.py on the 8 fake CPU devices,
+    far slower than the command line's one device: tens of minutes per policy on a 2-core CPU):
     fp16 and fp8 reach test accuracy within 1 point of fp32."""
     path = os.path.join(os.path.dirname(__file__), "..", "configs", "minilm_rt.py")
     acc = {}
