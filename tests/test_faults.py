@@ -7,6 +7,7 @@ every eval/predict here also checks that a run folder is self-contained. The sub
 the session's persistent compilation cache (conftest), so each compiles the tiny model's steps
 only once instead of once per command.
 """
+import collections
 import json
 import os
 import shutil
@@ -26,6 +27,8 @@ ENV = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu",
                              if not f.startswith("--xla_force_host_platform_device_count")),
        "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
        "SLURM_NTASKS": "4"}   # stray: a single-process run must ignore it (item 8)
+# A train state as far as Checkpointer is concerned (it checks ``params`` are finite).
+State = collections.namedtuple("State", "params")
 
 
 def jaxaccel(*args, stdin=None, env=None):
@@ -159,14 +162,13 @@ def test_nonfinite_stop_without_a_good_checkpoint_says_so(tmp_path):
 def test_readers_list_again_when_the_trainer_deletes_a_step_under_them(tmp_path):
     """A reader lists the steps while the writer deletes its oldest (keep_checkpoints): the
     vanished folder raised FileNotFoundError in the reader (4-9 of 150 reads before the fix,
-    one of them in the test above). Readers list again; every read gets a whole step."""
-    import collections
+    once in test_readers_open_read_only_while_a_trainer_saves). Readers list again; every read
+    gets a whole step."""
     import threading
 
     import jax.numpy as jnp
 
     from jaxaccel.train.checkpoint import Checkpointer
-    State = collections.namedtuple("State", "params")
     folder = str(tmp_path / "checkpoints")
     writer = Checkpointer(folder, keep=2, async_save=False)
     writer.save(0, State({"w": jnp.zeros(256)}), {"step": 0})
@@ -214,14 +216,11 @@ def test_async_save_holds_its_own_copy_and_reads_wait_for_it(tmp_path):
     """``save`` returns while the write goes on in the background; it has copied the state to
     host memory by then, so the caller may donate (here: delete) the arrays; a read in the same
     process waits for the write and sees the saved values."""
-    import collections
-
     import jax
     import jax.numpy as jnp
     import numpy as np
 
     from jaxaccel.train.checkpoint import Checkpointer, abstract_like
-    State = collections.namedtuple("State", "params")
     state = State({"w": jnp.arange(1 << 20, dtype=jnp.float32), "b": jnp.ones(3)})
     expected = jax.device_get(state)
     abstract = abstract_like(state, jax.tree_util.tree_map(lambda x: x.sharding, state))
