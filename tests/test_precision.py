@@ -219,8 +219,8 @@ def test_impossible_combinations_fail_before_building(sets, message):
 @pytest.mark.slow
 def test_fp16_and_fp8_match_fp32_accuracy_on_the_main_job(tmp_path):
     """MiniLM-L6 on the RT snippets: the README's main-job command (configs/minilm_rt.py on one
-    CPU device, as a user runs it; ~8 minutes per policy on an idle 2-core CPU) under each
-    policy: fp16 and fp8 reach test accuracy within 1 point of fp32."""
+    CPU device, as a user runs it) under each policy: fp16 and fp8 reach test accuracy within 1
+    point of fp32. 7.5 to 12 minutes per policy, 29 in all, on the idle 2-core CPU."""
     path = os.path.join(ROOT, "configs", "minilm_rt.py")
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
              if not f.startswith("--xla_force_host_platform_device_count")]
