@@ -19,14 +19,12 @@ import time
 import pytest
 
 from jaxaccel import cli
+from test_distributed import _cpu_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "configs", "tiny_synthetic.py")
-ENV = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu",
-       "XLA_FLAGS": " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()   # one device
-                             if not f.startswith("--xla_force_host_platform_device_count")),
-       "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-       "SLURM_NTASKS": "4"}   # stray: a single-process run must ignore it (item 8)
+ENV = _cpu_env(PYTHONPATH=ROOT, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+               TOKENIZERS_PARALLELISM="false", SLURM_NTASKS="4")   # stray: a single-process run must ignore it (item 8)
 # A train state as far as Checkpointer is concerned (it checks ``params`` are finite).
 State = collections.namedtuple("State", "params")
 

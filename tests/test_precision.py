@@ -18,9 +18,10 @@ from jaxaccel import config
 from jaxaccel.models.fp8 import Fp8Linear
 from jaxaccel.precision import POLICIES, LossScale, get_policy
 from jaxaccel.train import loop
-from jaxaccel.train.checkpoint import Checkpointer, abstract_like
+from jaxaccel.train.checkpoint import abstract_like
 from jaxaccel.train.inference import evaluate_run
 from jaxaccel.train.metrics import read_metrics
+from test_distributed import _cpu_env
 from test_train import TINY, _losses, _sigterm_at, tiny_cfg
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
@@ -222,9 +223,6 @@ def test_fp16_and_fp8_match_fp32_accuracy_on_the_main_job(tmp_path):
     CPU device, as a user runs it) under each policy: fp16 and fp8 reach test accuracy within 1
     point of fp32. 7.5 to 12 minutes per policy, 29 in all, on the idle 2-core CPU."""
     path = os.path.join(ROOT, "configs", "minilm_rt.py")
-    flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
-             if not f.startswith("--xla_force_host_platform_device_count")]
-    env = dict(os.environ, XLA_FLAGS=" ".join(flags), JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
     acc = {}
     for policy in ("fp32", "fp16", "fp8"):
         start = time.perf_counter()
@@ -232,7 +230,7 @@ def test_fp16_and_fp8_match_fp32_accuracy_on_the_main_job(tmp_path):
             [sys.executable, "-m", "jaxaccel.cli", "train", "--config", path,
              "--set", f"workdir={tmp_path}", "--set", f"name={policy}",
              "--set", f"precision.policy={policy}", "--set", "train.progress=false"],
-            capture_output=True, text=True, env=env)
+            capture_output=True, text=True, env=_cpu_env(PYTHONPATH=ROOT))
         assert proc.returncode == 0, proc.stdout + proc.stderr
         result, _ = json.JSONDecoder().raw_decode(proc.stdout)   # then where the files are
         assert result["status"] == "completed", result
