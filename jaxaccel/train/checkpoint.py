@@ -103,12 +103,13 @@ class Checkpointer:
 
         A reader lists the steps (Orbax stats each step folder) while the trainer may delete the
         oldest one (``train.keep_checkpoints``): that raises FileNotFoundError for a folder
-        that was there a moment before. The writer owns its folder (the run lock), so for it
-        the error is real."""
+        that was there a moment before, or NotADirectoryError when it vanishes between Orbax's
+        ``exists()`` and ``is_dir()``. The writer owns its folder (the run lock), so for it the
+        error is real."""
         for attempt in range(_LISTING_ATTEMPTS):
             try:
                 return list_steps()
-            except FileNotFoundError:
+            except (FileNotFoundError, NotADirectoryError):
                 if not self.read_only or attempt == _LISTING_ATTEMPTS - 1 \
                         or not os.path.isdir(self.directory):
                     raise
