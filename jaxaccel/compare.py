@@ -115,8 +115,21 @@ def load_results(paths: list[str]) -> list[tuple[str, dict]]:
         if missing:
             raise ValueError(f"result file {path!r} lacks {missing}; expected the bench JSON "
                              '{"bench", "device", ..., "rows": [...]}.')
+        if not result["rows"]:
+            raise ValueError(f"result file {path!r} has no rows: nothing to compare from it "
+                             "(did its bench run fail?). Run the bench again, or leave the "
+                             "file out.")
         out.append((path, result))
     return out
+
+
+def check_comparable(report: dict) -> None:
+    """``ValueError`` saying why, when no two rows of the report could be compared."""
+    if not report["groups"]:
+        why = "; ".join(f"{x['row']} ({x['file']}): {x['why']}" for x in report["left_out"])
+        raise ValueError(f"nothing to compare: no two rows ran the same work with the same "
+                         f"software. {why or 'No rows.'} Pass result files of the same bench "
+                         "and work from two devices or configurations.")
 
 
 def work_of(result: dict, row: dict) -> dict:

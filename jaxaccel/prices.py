@@ -41,28 +41,76 @@ PRICES = [
 ]
 
 
+def _price(path: str, where: str, device, usd, source, date) -> Price:
+    """One price file entry, or ``ValueError`` naming ``where`` it is and what it holds."""
+    try:
+        price = Price(str(device), float(usd), source or path, date or "")
+    except (TypeError, ValueError):
+        price = None
+    if price is None or not device or not price.usd_per_hour > 0:
+        raise ValueError(f"--prices {path!r} {where}: expected a device name and a price in "
+                         "USD per device-hour > 0 (CSV: device,usd_per_hour[,source,date]; "
+                         'JSON: {"device kind": usd_per_hour}). Fix or delete that entry.')
+    return price
+
+
+def _csv_entries(path: str, text: str) -> list[tuple[str, Price]]:
+    lines = text.splitlines()
+    reader = csv.reader(lines)
+    header = [h.strip() for h in next(reader, [])]
+    if header[:2] != ["device", "usd_per_hour"]:
+        raise ValueError(f"--prices {path!r} line 1: {lines[0] if lines else ''!r} is not the "
+                         "header device,usd_per_hour[,source,date].")
+    out = []
+    for row in reader:
+        if not any(cell.strip() for cell in row):
+            continue
+        where = f"line {reader.line_num}: {lines[reader.line_num - 1]!r}"
+        cells = [c.strip() for c in row] + [""] * (4 - len(row))
+        if len(row) > len(header) or len(row) < 2:
+            raise ValueError(f"--prices {path!r} {where}: {len(row)} fields where the header "
+                             f"has {len(header)} ({','.join(header)}). Fix that line.")
+        out.append((where, _price(path, where, *cells[:4])))
+    return out
+
+
+class _Pairs(list):
+    """A JSON object's (key, value) pairs in file order, duplicates kept."""
+
+
+def _json_entries(path: str, text: str) -> list[tuple[str, Price]]:
+    try:
+        pairs = json.loads(text, object_pairs_hook=_Pairs)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--prices {path!r} is not valid JSON: {e.msg} at line {e.lineno}. "
+                         "Fix the file.") from None
+    if not isinstance(pairs, _Pairs):
+        raise ValueError(f"--prices {path!r}: expected a JSON object "
+                         '{"device kind": usd_per_hour, ...}.')
+    out = []
+    for device, usd in pairs:
+        where = f"entry {device!r}: {usd!r}"
+        out.append((where, _price(path, where, device, usd, path, "")))
+    return out
+
+
 def load(path: str) -> list[Price]:
-    """Prices from a user file (CSV or JSON, see the module docstring)."""
+    """Prices from a user file (CSV or JSON, see the module docstring); a bad entry or a
+    device listed twice is refused, naming its line(s)."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"--prices {path!r} does not exist; pass a CSV with columns "
                                 "device,usd_per_hour[,source,date] or a JSON object.")
     with open(path) as f:
         text = f.read()
-    try:
-        if path.endswith(".json"):
-            items = [(k, v, path, "") for k, v in json.loads(text).items()]
-        else:
-            items = [(r["device"], r["usd_per_hour"], r.get("source") or path, r.get("date") or "")
-                     for r in csv.DictReader(text.splitlines())]
-        prices = [Price(d, float(p), s, t) for d, p, s, t in items]
-    except (KeyError, TypeError, ValueError, AttributeError) as e:
-        raise ValueError(f"--prices {path!r}: cannot read a price table ({e!r}); expected CSV "
-                         "with header device,usd_per_hour[,source,date] or JSON "
-                         '{"device kind": usd_per_hour}.') from None
-    bad = [p for p in prices if not p.usd_per_hour > 0]
-    if bad:
-        raise ValueError(f"--prices {path!r}: usd_per_hour must be > 0, got {bad}.")
-    return prices
+    entries = (_json_entries if path.endswith(".json") else _csv_entries)(path, text)
+    first = {}
+    for where, price in entries:
+        key = price.device.lower()
+        if key in first:
+            raise ValueError(f"--prices {path!r} lists device {price.device!r} twice: "
+                             f"{first[key]} and {where}. Keep one of them.")
+        first[key] = where
+    return [price for _, price in entries]
 
 
 def lookup(device_kind: str, table: list[Price]) -> Price:

@@ -225,3 +225,41 @@ def test_meter_reads_nvml_energy_and_utilisation(monkeypatch):
     assert r["energy_j"] == pytest.approx(4.0)            # 2 J x 2 devices between reads
     assert r["avg_power_w"] == pytest.approx(4.0 / r["seconds"])
     assert r["gpu_util_pct"] == pytest.approx(70.0)
+
+
+def test_cli_says_when_there_is_nothing_to_compare(tmp_path, capsys):
+    """Fault probe 2, item 12: an empty result file, or rows that share no work, wrote an
+    empty report and exited 0."""
+    empty = tmp_path / "empty.json"
+    empty.write_text(json.dumps({"bench": "train_step", "device": "cpu", "rows": []}))
+    out = tmp_path / "out"
+    assert cli.main(["compare", str(empty), "--out", str(out)]) == cli.EXIT_ERROR
+    assert f"result file {str(empty)!r} has no rows" in capsys.readouterr().err
+    a = _result(tmp_path, "a.json", device="TPU v5 lite")
+    b = _result(tmp_path, "b.json", device="TPU v6 lite", seq=512)
+    assert cli.main(["compare", a, b, "--out", str(out)]) == cli.EXIT_ERROR
+    err = capsys.readouterr().err
+    assert "nothing to compare" in err and "nothing else ran the same work" in err, err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("body, says", [
+    ("device,usd_per_hour\ncpu,0.1\nTPU v5 lite\n", "line 3: 'TPU v5 lite'"),
+    ("device,usd_per_hour\ncpu,free\n", "line 2: 'cpu,free'"),
+    ("device,usd_per_hour\ncpu,0.1\nTPU v5 lite,1,a,b,c\n", "line 3: 'TPU v5 lite,1,a,b,c'"),
+    ("device,usd_per_hour\ncpu,0.1\nTPU v5 lite,2\nCPU,0.2\n",
+     "lists device 'CPU' twice: line 2: 'cpu,0.1' and line 4: 'CPU,0.2'"),
+    ('{"cpu": 0.1, "cpu": 0.2}', "lists device 'cpu' twice"),
+    ('{"cpu": null}', "entry 'cpu': None"),
+])
+def test_bad_price_files_name_the_line(tmp_path, capsys, body, says):
+    """Fault probe 2, item 12: a bad line gave Python's TypeError text; a device listed twice
+    silently took the first."""
+    prices_file = tmp_path / ("p.json" if body.startswith("{") else "p.csv")
+    prices_file.write_text(body)
+    a = _result(tmp_path, "a.json", device="cpu")
+    b = _result(tmp_path, "b.json", device="TPU v5 lite")
+    assert cli.main(["compare", a, b, "--prices", str(prices_file), "--no-plots",
+                     "--out", str(tmp_path / "out")]) == cli.EXIT_ERROR
+    err = capsys.readouterr().err
+    assert says in err and "TypeError" not in err, err
