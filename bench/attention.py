@@ -25,8 +25,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import (PEAK_BF16_FLOPS, device_kind, markdown, time_fn,  # noqa: E402
-                          write_results)
+from bench.common import (PEAK_BF16_FLOPS, add_out_argument, device_kind,  # noqa: E402
+                          markdown, time_fn, write_results)
 from kernels_pallas import registry  # noqa: E402
 from kernels_pallas.attention import REGISTRY, attention, attention_reference  # noqa: E402
 
@@ -59,6 +59,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--small", action="store_true", help="small shapes for a CPU run")
     ap.add_argument("-n", type=int, default=20, help="timed repetitions")
+    add_out_argument(ap)
     args = ap.parse_args(argv)
 
     platform = registry.platform()
@@ -96,7 +97,7 @@ def main(argv=None):
     extra = {"small": args.small, "note": note}
     if os.environ.get("JAXACCEL_SHA"):   # a copy of the tree without .git (a device machine)
         extra["jaxaccel"] = os.environ["JAXACCEL_SHA"]
-    path = write_results("attention", rows, extra)
+    path = write_results("attention", rows, extra, out=args.out)
     print(markdown(rows, ["name", "median_s", "min_s", "max_s", "n", "tflops", "mfu",
                           "rel_err"]))
     print(f"wrote {path}")

@@ -78,6 +78,7 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=26)
     p.add_argument("--every", type=int, default=5)
     p.add_argument("--model", default="minilm-l6")
+    common.add_out_argument(p)
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as workdir:
         rows = run("sync", args, workdir) + run("async", args, workdir)
@@ -90,7 +91,7 @@ def main(argv=None):
                                  "checkpoint_mb"]))
     print("wrote", common.write_results("checkpoint_save", rows,
                                         {"steps": args.steps, "every": args.every,
-                                         "model": args.model}))
+                                         "model": args.model}, out=args.out))
 
 
 if __name__ == "__main__":

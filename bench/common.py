@@ -96,24 +96,38 @@ def git_sha() -> str:
         return "unknown"
 
 
+DEFAULT_OUT = os.path.join("runs", "bench")
+"""Where a measurement goes unless ``--out`` says: under the current folder, beside the runs
+(``workdir``'s default); never ``bench/results/``, whose files are committed and change only
+on purpose (``--out bench/results``)."""
+
+
+def add_out_argument(parser) -> None:
+    """Every suite's ``--out DIR``."""
+    parser.add_argument("--out", default=DEFAULT_OUT, metavar="DIR",
+                        help=f"folder for the result JSON (default: {DEFAULT_OUT}/ under the "
+                        "current folder; bench/results only to update the committed results "
+                        "on purpose)")
+
+
 def write_results(bench: str, rows: list[dict], extra: dict | None = None,
-                  stem: str | None = None) -> str:
-    """Write ``bench/results/<stem or bench>-<device>.json`` and return its path. Rows without a
-    measured energy get the labelled estimate first; ``energy_source`` at the top says
+                  stem: str | None = None, *, out: str) -> str:
+    """Write ``<out>/<stem or bench>-<device>.json`` and return its absolute path. Rows without
+    a measured energy get the labelled estimate first; ``energy_source`` at the top says
     ``nvml``, ``estimate:tdp`` or ``mixed``."""
     kind = device_kind()
     fill_energy(rows, kind, energy_devices())
     sources = sorted({r["energy_source"] for r in rows})
-    out = {"bench": bench, "device": kind, "backend": jax.default_backend(),
-           "jax": jax.__version__, "jaxaccel": git_sha(),
-           "date": datetime.date.today().isoformat(), **environment(),
-           "energy_source": sources[0] if len(sources) == 1 else "mixed",
-           **(extra or {}), "rows": rows}
+    result = {"bench": bench, "device": kind, "backend": jax.default_backend(),
+              "jax": jax.__version__, "jaxaccel": git_sha(),
+              "date": datetime.date.today().isoformat(), **environment(),
+              "energy_source": sources[0] if len(sources) == 1 else "mixed",
+              **(extra or {}), "rows": rows}
     slug = re.sub(r"[^A-Za-z0-9]+", "_", kind).strip("_").lower()
-    path = os.path.join(os.path.dirname(__file__), "results", f"{stem or bench}-{slug}.json")
+    path = os.path.abspath(os.path.join(out, f"{stem or bench}-{slug}.json"))
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
-        json.dump(out, f, indent=2)
+        json.dump(result, f, indent=2)
     return path
 
 

@@ -32,7 +32,8 @@ import jax
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import PEAK_BF16_FLOPS, device_kind, markdown, write_results  # noqa: E402
+from bench.common import (PEAK_BF16_FLOPS, add_out_argument, device_kind,  # noqa: E402
+                          markdown, write_results)
 from bench.train_step import model_flops  # noqa: E402
 from jaxaccel import config as config_lib  # noqa: E402
 from jaxaccel import energy  # noqa: E402
@@ -76,6 +77,7 @@ def main(argv=None):
                     help="eval accuracy for time-to-accuracy (default 0.8)")
     ap.add_argument("--workdir", help="run folder root (default: a fresh temporary folder, "
                     "deleted afterwards)")
+    add_out_argument(ap)
     args = ap.parse_args(argv)
     workdir = args.workdir or tempfile.mkdtemp(prefix="jaxaccel-job-")
     cfg = config_lib.load(args.config, args.set + [f"workdir={workdir!r}"])
@@ -107,7 +109,8 @@ def main(argv=None):
             "data": cfg.data.name, "epochs": t.epochs, "max_steps": t.max_steps,
             "batch_size": t.batch_size, "seed": cfg.seed}
     path = write_results("job", [row], {"config": os.path.relpath(args.config, ROOT),
-                                        "sets": args.set, "work": work}, stem=f"job-{name}")
+                                        "sets": args.set, "work": work}, stem=f"job-{name}",
+                         out=args.out)
     print(markdown([row], ["name", "time_s", "time_to_accuracy_s", "final_accuracy",
                            "tokens_per_s", "mfu", "energy_j", "energy_source"]))
     print(f"wrote {path}")

@@ -31,8 +31,8 @@ import optax
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import (PEAK_BANDWIDTH, count_kernels, device_kind, markdown,  # noqa: E402
-                          time_fn, write_results)
+from bench.common import (PEAK_BANDWIDTH, add_out_argument, count_kernels,  # noqa: E402
+                          device_kind, markdown, time_fn, write_results)
 from jaxaccel.models import PRESETS, BertConfig, BertModel, ModelSpec  # noqa: E402
 from jaxaccel.optim import decay_mask  # noqa: E402
 from jaxaccel.optim.adan import adan, adan_onepass  # noqa: E402
@@ -108,6 +108,7 @@ def main(argv=None):
     ap.add_argument("--block-rows", help="one-pass kernel sweep: rows per block, e.g. 16,64")
     ap.add_argument("--num-warps", help="one-pass kernel sweep (GPU): e.g. 4,8")
     ap.add_argument("--num-stages", help="one-pass kernel sweep (GPU): e.g. 1,2")
+    add_out_argument(ap)
     args = ap.parse_args(argv)
     sweep = kernel_sweep(args)
 
@@ -161,7 +162,7 @@ def main(argv=None):
         r["speedup_vs_per_leaf"] = base / r["median_s"]
     path = write_results("optimizer", rows, {"parameters": num, "leaves": len(leaves),
                                               "model": "bert-base" if not args.small else
-                                              "bert-small(256x4)"})
+                                              "bert-small(256x4)"}, out=args.out)
     print(markdown(rows, ["name", "median_s", "min_s", "max_s", "fusions_and_custom_calls",
                           "entry_ops", "achieved_GBps", "roofline_fraction",
                           "speedup_vs_per_leaf"]))

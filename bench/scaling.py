@@ -32,7 +32,7 @@ from flax import nnx
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import markdown, time_fn, write_results  # noqa: E402
+from bench.common import add_out_argument, markdown, time_fn, write_results  # noqa: E402
 from jaxaccel import config as config_lib  # noqa: E402
 from jaxaccel.models import PRESETS  # noqa: E402
 from jaxaccel.models.bert import BertLayer  # noqa: E402
@@ -120,6 +120,7 @@ def main(argv=None):
     ap.add_argument("-n", type=int, default=20)
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="config override for every run, e.g. train.optimizer=adan")
+    add_out_argument(ap)
     args = ap.parse_args(argv)
     total = jax.device_count()
     counts = [c for c in (1, 2, 4, 8, 16, 32, 64) if c <= total]
@@ -153,7 +154,8 @@ def main(argv=None):
             if jax.default_backend() == "cpu" else "")
     path = write_results("scaling", rows, {"model": args.model, "seq": args.seq,
                                            "per_device_batch": args.per_device_batch,
-                                           "overrides": args.set, "note": note})
+                                           "overrides": args.set, "note": note},
+                         out=args.out)
     print(markdown(rows, ["name", "mesh", "median_s", "scaling_efficiency",
                           "predicted_backward_s", "measured_backward_s"]))
     if note:

@@ -41,7 +41,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import PEAK_BF16_FLOPS, device_kind, markdown, time_fn, write_results  # noqa
+from bench.common import (PEAK_BF16_FLOPS, add_out_argument, device_kind,  # noqa: E402
+                          markdown, time_fn, write_results)
 from bench.hlo_profile import profile_ops  # noqa: E402
 from jaxaccel.models import PRESETS, BertConfig, BertModel, ModelSpec  # noqa: E402
 from jaxaccel.models.fp8 import Fp8Meta  # noqa: E402
@@ -164,6 +165,7 @@ def main(argv=None):
     ap.add_argument("--profile", action="store_true",
                     help="per-category device time of every jax row (bench/hlo_profile.py)")
     ap.add_argument("--profile-dir", help="also keep the traces and optimized HLO here")
+    add_out_argument(ap)
     args = ap.parse_args(argv)
     if args.torch:     # leave the GPU's memory to both frameworks in one process
         os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.45")
@@ -219,7 +221,8 @@ def main(argv=None):
     path = write_results("train_step", rows, {
         "model": "bert-base" if not args.small else "bert-small(256x4)",
         "batch": batches, "seq": args.seq,
-        "model_flops_per_step": {b: model_flops(config, b, args.seq) for b in batches}})
+        "model_flops_per_step": {b: model_flops(config, b, args.seq) for b in batches}},
+        out=args.out)
     for key, prof in profiles.items():
         print(f"\n### {key}\n{prof.table(top=15)}")
     print(markdown(rows, ["name", "batch", "median_s", "min_s", "max_s", "tokens_per_s",

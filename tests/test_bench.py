@@ -4,6 +4,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -55,3 +56,30 @@ ENTRY %main (a: f32[8]) -> f32[8] {
     assert categorize("cc", instrs, comps) == "attention (cuDNN)"
     assert categorize("t", instrs, comps) == "copy/transpose/slice"
     assert categorize("missing", instrs, comps) == "other"
+
+
+SUITES = ("train_step", "attention", "optimizer", "job", "scaling", "checkpoint_save")
+
+
+def test_results_go_where_the_user_says_never_to_committed_results(tmp_path, monkeypatch,
+                                                                    capsys):
+    """Fault probe 2, item 3: `jaxaccel bench train_step --small` overwrote the committed
+    bench/results/train_step-cpu.json. By default a measurement goes under runs/bench/ of the
+    current folder; --out DIR elsewhere; every suite takes --out."""
+    import importlib
+
+    from bench import common
+    committed = os.path.join(os.path.dirname(common.__file__), "results")
+    before = {f: os.path.getmtime(os.path.join(committed, f)) for f in os.listdir(committed)}
+    monkeypatch.chdir(tmp_path)
+    for suite in SUITES:
+        with pytest.raises(SystemExit):
+            importlib.import_module(f"bench.{suite}").main(["--help"])
+        assert "--out DIR" in capsys.readouterr().out, suite
+    rows = [{"name": "x", "median_s": 1.0, "min_s": 1.0, "max_s": 1.0, "n": 1}]
+    path = common.write_results("train_step", rows, out=common.DEFAULT_OUT)
+    assert path == str(tmp_path / "runs" / "bench" / os.path.basename(path))
+    mine = common.write_results("train_step", rows, out=str(tmp_path / "mine"))
+    assert os.path.dirname(mine) == str(tmp_path / "mine")
+    after = {f: os.path.getmtime(os.path.join(committed, f)) for f in os.listdir(committed)}
+    assert after == before
