@@ -4,7 +4,8 @@ Called by the CLI before anything touches a device. Recognised, in this order:
 
 * ``JAXACCEL_COORDINATOR=host:port`` with ``JAXACCEL_NUM_PROCESSES`` and ``JAXACCEL_PROCESS_ID``
   (GPU nodes, or several processes on one machine): explicit initialisation. On CPU the
-  processes talk through gloo collectives.
+  processes talk through gloo collectives. ``JAXACCEL_NUM_PROCESSES`` > 1 without a coordinator
+  is a single process, with a warning.
 * A SLURM job step with more than one task (``SLURM_NTASKS`` > 1 with the ``SLURM_JOB_ID``,
   ``SLURM_PROCID`` and ``SLURM_STEP_NODELIST`` that ``srun`` sets) and Cloud TPU pod slices
   (``TPU_WORKER_HOSTNAMES`` with several hosts): JAX's own cluster auto-detection. A stray
@@ -35,11 +36,26 @@ EXIT_NO_PEERS = 2
 SLURM_STEP_VARS = ("SLURM_JOB_ID", "SLURM_PROCID", "SLURM_STEP_NODELIST")
 
 
+def _int(env, name: str, default: int) -> int:
+    """The integer environment variable ``name`` (``default`` if unset or empty)."""
+    raw = env.get(name, "")
+    try:
+        return int(raw) if raw.strip() else default
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not an integer; set it to a whole number (e.g. "
+                         f"{name}={default}) or unset it.") from None
+
+
 def multi_process_env(env=os.environ) -> str | None:
     """Which kind of multi-process job the environment describes, if any."""
     if env.get("JAXACCEL_COORDINATOR"):
         return "explicit"
-    if int(env.get("SLURM_NTASKS", "1") or 1) > 1:
+    if _int(env, "JAXACCEL_NUM_PROCESSES", 1) > 1:
+        log.warning("JAXACCEL_NUM_PROCESSES=%s but JAXACCEL_COORDINATOR is not set: running as "
+                    "a single process. For a multi-process run set JAXACCEL_COORDINATOR="
+                    "host:port (process 0's address) for every process.",
+                    env["JAXACCEL_NUM_PROCESSES"])
+    if _int(env, "SLURM_NTASKS", 1) > 1:
         missing = [k for k in SLURM_STEP_VARS if k not in env]
         if not missing:
             return "slurm"
@@ -56,21 +72,21 @@ def initialize_from_env(env=os.environ) -> bool:
     kind = multi_process_env(env)
     if kind is None:
         return False
+    timeout = _int(env, "JAXACCEL_INIT_TIMEOUT", 300)
     if kind == "explicit":
         missing = [k for k in ("JAXACCEL_NUM_PROCESSES", "JAXACCEL_PROCESS_ID") if k not in env]
         if missing:
             raise ValueError(f"JAXACCEL_COORDINATOR={env['JAXACCEL_COORDINATOR']!r} is set but "
                              f"{missing} are not; set all three for a multi-process run.")
+        kwargs = dict(coordinator_address=env["JAXACCEL_COORDINATOR"],
+                      num_processes=_int(env, "JAXACCEL_NUM_PROCESSES", 1),
+                      process_id=_int(env, "JAXACCEL_PROCESS_ID", 0))
+        where = (f"coordinator {kwargs['coordinator_address']} as process "
+                 f"{kwargs['process_id']} of {kwargs['num_processes']}")
         if env.get("JAX_PLATFORMS", "").startswith("cpu") or not _has_accelerator_plugin():
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        where = (f"coordinator {env['JAXACCEL_COORDINATOR']} as process "
-                 f"{env['JAXACCEL_PROCESS_ID']} of {env['JAXACCEL_NUM_PROCESSES']}")
-        kwargs = dict(coordinator_address=env["JAXACCEL_COORDINATOR"],
-                      num_processes=int(env["JAXACCEL_NUM_PROCESSES"]),
-                      process_id=int(env["JAXACCEL_PROCESS_ID"]))
     else:
         where, kwargs = f"the {kind} cluster's coordinator (auto-detected)", {}
-    timeout = int(env.get("JAXACCEL_INIT_TIMEOUT", "300"))
     advice = ("Check that every process was started with the same coordinator address and "
               "process count, that process 0 runs, and that its port is reachable "
               "(JAXACCEL_INIT_TIMEOUT sets the wait in seconds).")
@@ -84,6 +100,8 @@ def initialize_from_env(env=os.environ) -> bool:
         os._exit(EXIT_NO_PEERS)
     watchdog = threading.Timer(timeout, give_up)
     watchdog.daemon = True
+    log.info("waiting up to %d s (JAXACCEL_INIT_TIMEOUT) for every process to join at %s",
+             timeout, where)
     watchdog.start()
     jax.config.update("jax_enable_preemption_service", True)
     try:

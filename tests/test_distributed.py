@@ -44,6 +44,24 @@ def test_incomplete_explicit_environment_is_named():
         initialize_from_env({"JAXACCEL_COORDINATOR": "h:1", "JAXACCEL_NUM_PROCESSES": "2"})
 
 
+@pytest.mark.parametrize("bad", [{"JAXACCEL_NUM_PROCESSES": "two"},
+                                 {"JAXACCEL_PROCESS_ID": "first"},
+                                 {"JAXACCEL_INIT_TIMEOUT": "abc"}])
+def test_non_integer_variables_are_named(bad):
+    """Fault probe 2, item 8: "invalid literal for int()" named no variable."""
+    env = {"JAXACCEL_COORDINATOR": "h:1", "JAXACCEL_NUM_PROCESSES": "2",
+           "JAXACCEL_PROCESS_ID": "0", **bad}
+    (name, value), = bad.items()
+    with pytest.raises(ValueError, match=f"{name}='{value}' is not an integer"):
+        initialize_from_env(env)
+
+
+def test_process_count_without_a_coordinator_warns(caplog):
+    """Fault probe 2, item 8: it ran as one process silently (the SLURM case warns)."""
+    assert multi_process_env({"JAXACCEL_NUM_PROCESSES": "2", "JAXACCEL_PROCESS_ID": "0"}) is None
+    assert "JAXACCEL_COORDINATOR is not set: running as a single process" in caplog.text
+
+
 def _cpu_env(devices=None, **extra):
     """This process's environment for a CPU-only subprocess with ``devices`` fake devices
     (None: one, XLA's default), keeping the other XLA flags and the session's compilation
