@@ -1,10 +1,12 @@
 """Configuration: one commented base holding every knob, thin Python config files, key=value overrides.
 
-A config file (``configs/NAME.py``) defines ``get_config()`` returning a dict of overrides of
-``BASE``, nested (``{"train": {"epochs": 3}}``) or dotted (``{"train.epochs": 3}``); its
-docstring says how to run it and what it reaches. On the command line, ``--set key=value``
-overrides anything (values parsed as Python literals, else taken as strings). Unknown keys
-fail loudly and list close matches; values are type-checked against the base.
+A config file (``configs/NAME.py``, or just ``NAME`` for one there) defines ``get_config()``
+returning a dict of overrides of ``BASE``, nested (``{"train": {"epochs": 3}}``) or dotted
+(``{"train.epochs": 3}``); its docstring says how to run it and what it reaches. A ``.json``
+file holding such a dict is a config file too (a run folder's ``config.json`` is one). On the
+command line, ``--set key=value`` overrides anything (values parsed as Python literals, else
+taken as strings). Unknown keys fail loudly and list close matches; values are type-checked
+against the base.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import contextlib
 import copy
 import difflib
 import importlib.util
+import json
 import os
 import sys
 from typing import Any
@@ -201,19 +204,32 @@ def _importable_folder(folder: str):
                 del sys.modules[name]
 
 
-def load_file(path: str) -> dict:
-    """Run a config file and return the overrides its ``get_config()`` gives.
+def resolve(path: str) -> str:
+    """The config file ``path`` names: the path itself, or for the bare name of a known config
+    (``minilm_rt``) ``configs/minilm_rt.py``; ``FileNotFoundError`` listing them otherwise."""
+    if os.path.isfile(path):
+        return path
+    here = os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs")
+    known = sorted(f[:-3] for f in os.listdir(here) if f.endswith(".py")) \
+        if os.path.isdir(here) else []
+    if path in known:
+        return os.path.join(here, path + ".py")
+    raise FileNotFoundError(f"config file {path!r} not found. Pass a file's path, or the name "
+                            f"of one in {here}: {known}")
 
-    The file's folder is importable while it runs: ``configs/bert_base_imdb_adan.py`` starts
-    from ``import bert_base_imdb``.
-    """
-    if not os.path.isfile(path):
-        here = os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs")
-        known = sorted(f[:-3] for f in os.listdir(here) if f.endswith(".py")) \
-            if os.path.isdir(here) else []
-        raise FileNotFoundError(f"config file {path!r} not found. Known configs in {here}: "
-                                f"{known}")
-    path = os.path.abspath(path)
+
+def _load_json(path: str) -> dict:
+    """A JSON config file: the same overrides a ``get_config()`` returns (a run folder's
+    ``config.json`` is one)."""
+    with open(path) as f:
+        try:
+            return json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"config file {path!r} is not valid JSON: {e.msg} at line "
+                             f"{e.lineno} column {e.colno}. Fix the file.") from None
+
+
+def _load_python(path: str) -> dict:
     spec = importlib.util.spec_from_file_location(f"jaxaccel_config_{abs(hash(path))}", path)
     module = importlib.util.module_from_spec(spec)
     with _importable_folder(os.path.dirname(path)):
@@ -228,13 +244,30 @@ def load_file(path: str) -> dict:
         if not callable(getattr(module, "get_config", None)):
             raise ValueError(f"config file {path!r} defines no get_config() function.")
         try:
-            overrides = module.get_config()
+            return module.get_config()
         except Exception as e:
             raise ValueError(f"config file {path!r}: get_config() raised {type(e).__name__}: "
                              f"{e}. Fix the file.") from None
+
+
+def load_file(path: str) -> dict:
+    """The overrides a config file gives: a Python file's ``get_config()``, or a JSON file's
+    object. ``path`` may be the bare name of a config in ``configs/`` (``resolve``).
+
+    A Python file's folder is importable while it runs: ``configs/bert_base_imdb_adan.py``
+    starts from ``import bert_base_imdb``.
+    """
+    path = os.path.abspath(resolve(path))
+    overrides = _load_json(path) if path.endswith(".json") else _load_python(path)
+    what = "its JSON" if path.endswith(".json") else "get_config()"
     if not isinstance(overrides, dict):
-        raise ValueError(f"config file {path!r}: get_config() returned {overrides!r}; expected "
-                         "a dict of overrides, e.g. {'train.epochs': 3}.")
+        raise ValueError(f"config file {path!r}: {what} gave {overrides!r}; expected a dict of "
+                         "overrides, e.g. {'train.epochs': 3}.")
+    bad = [k for k in overrides if not isinstance(k, str)]
+    if bad:
+        raise ValueError(f"config file {path!r}: {what} gave the key(s) {bad}, which are not "
+                         "config key names; use strings such as 'train.epochs' (or nested "
+                         "{'train': {'epochs': 3}}).")
     return overrides
 
 
@@ -272,13 +305,16 @@ def validate(cfg: Config) -> None:
     if t.epochs < 1 and t.max_steps < 1:
         raise ValueError(f"train.epochs={t.epochs} and train.max_steps={t.max_steps}: set one "
                          "of them >= 1.")
-    non_negative = {"train.epochs": t.epochs, "train.max_steps": t.max_steps,
-                    "train.checkpoint_every": t.checkpoint_every,
-                    "train.weight_decay": t.weight_decay, "train.max_grad_norm": t.max_grad_norm}
-    for key, value in non_negative.items():
+    non_negative = {"seed": (cfg.seed, "the seed of initialisation, dropout and data order"),
+                    "train.epochs": (t.epochs, "0 when train.max_steps > 0 sets the length"),
+                    "train.max_steps": (t.max_steps, "0: train.epochs decides"),
+                    "train.checkpoint_every": (t.checkpoint_every,
+                                               "0: epoch ends and the end only"),
+                    "train.weight_decay": (t.weight_decay, "0: no weight decay"),
+                    "train.max_grad_norm": (t.max_grad_norm, "0: no clipping")}
+    for key, (value, meaning) in non_negative.items():
         if value < 0:
-            raise ValueError(f"{key}={value} must be >= 0 (checkpoint_every=0: epoch ends and "
-                             "the end only; max_grad_norm=0: no clipping).")
+            raise ValueError(f"{key}={value} must be >= 0 ({meaning}).")
     if t.keep_checkpoints < 1:
         raise ValueError(f"train.keep_checkpoints={t.keep_checkpoints} must be >= 1: a run "
                          "keeps at least its latest checkpoint.")

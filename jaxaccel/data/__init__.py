@@ -90,8 +90,8 @@ def load_text_dataset(
         close = difflib.get_close_matches(name, DATASETS + ("synthetic",), n=2, cutoff=0.5)
         hint = f" Did you mean {' or '.join(map(repr, close))}?" if close else ""
         raise ValueError(
-            f"Unknown dataset {name!r}; known: {', '.join(DATASETS)} "
-            f"(and `synthetic(...)` for token ids).{hint}"
+            f"data.name={name!r} is not a dataset; known: {', '.join(DATASETS)}, synthetic "
+            f"(random token ids).{hint} Set data.name to one of them."
         )
     return TextDataset(name, {s: _read_split(builder, s) for s in splits}, labels)
 
