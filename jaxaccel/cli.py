@@ -27,7 +27,8 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="jaxaccel", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="fine-tune a model as a config file says")
-    t.add_argument("--config", help="Python config file (configs/NAME.py)")
+    t.add_argument("--config", help="config file (configs/NAME.py, or NAME; or a .json); "
+                   "default: the base config alone")
     t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config value, e.g. train.epochs=3 (repeatable)")
     e = sub.add_parser("eval", help="evaluate a run's latest checkpoint on its eval split")
@@ -73,6 +74,11 @@ def cmd_train(args) -> int:
     from jaxaccel import config
     from jaxaccel.train.loop import train
     cfg = config.load(args.config, args.set)
+    if args.config is None:
+        logging.getLogger("jaxaccel").warning(
+            "no --config: training the base config (jaxaccel/config.py BASE: model %s on %s, "
+            "run folder %s) with the --set overrides; pass --config configs/NAME.py (or NAME) "
+            "for another.", cfg.model.name, cfg.data.name, os.path.join(cfg.workdir, cfg.name))
     result = train(cfg)
     print(json.dumps(result, indent=2))
     if result["status"] == "nonfinite":
@@ -80,8 +86,7 @@ def cmd_train(args) -> int:
         where = (f"Last good checkpoint: step {good} in {result['checkpoint_dir']}."
                  if good is not None else
                  "No good checkpoint was saved before the loss diverged.")
-        print(f"error: {result['error']}; training stopped. {where} Lower "
-              "train.learning_rate (or raise warm-up) and train again.", file=sys.stderr)
+        print(f"error: training stopped: {result['error']} {where}", file=sys.stderr)
         return EXIT_NONFINITE
     if result["status"] == "preempted":
         print(f"{result['signal']}: saved step {result['step']} to {result['checkpoint_dir']}; "
@@ -94,8 +99,11 @@ def cmd_train(args) -> int:
 
 
 def cmd_eval(args) -> int:
+    from jaxaccel.train import rundir
     from jaxaccel.train.inference import evaluate_run
-    print(json.dumps(evaluate_run(_run_dir(args.checkpoint), args.set), indent=2))
+    run_dir = _run_dir(args.checkpoint)
+    with rundir.library_log(run_dir):
+        print(json.dumps(evaluate_run(run_dir, args.set), indent=2))
     return 0
 
 
@@ -126,9 +134,12 @@ def _read_texts(args) -> list[str | UnicodeError]:
 
 
 def cmd_predict(args) -> int:
+    from jaxaccel.train import rundir
     from jaxaccel.train.inference import Predictor, prediction_record
     texts = _read_texts(args)
-    predictor = Predictor(_run_dir(args.checkpoint), batch_size=args.batch_size)
+    run_dir = _run_dir(args.checkpoint)
+    with rundir.library_log(run_dir):
+        predictor = Predictor(run_dir, batch_size=args.batch_size)
     good = [i for i, t in enumerate(texts) if isinstance(t, str)]
     results = dict(zip(good, predictor([texts[i] for i in good])))
     for i, text in enumerate(texts):
@@ -158,6 +169,7 @@ def cmd_bench(args) -> int:
 def cmd_compare(args) -> int:
     from jaxaccel import compare
     report = compare.compare(args.results, args.prices, args.weights, args.mixed_versions)
+    compare.check_comparable(report)
     print(compare.markdown(report))
     written = compare.write(report, args.out, plots=not args.no_plots, html_page=args.html)
     print(f"\nwrote {len(written)} files to {args.out}/")

@@ -9,6 +9,7 @@ only once instead of once per command.
 """
 import collections
 import json
+import math
 import os
 import shutil
 import signal
@@ -276,6 +277,11 @@ def test_corrupt_latest_checkpoint_falls_back(run_copy):
     _truncate_largest(os.path.join(run_copy, "checkpoints", "32", "state"))
     ev, err = evaluate(run_copy)
     assert ev["step"] == 16 and "step 32" in err and "skipped" in err, err
+    # Second probe, item 11: one warning line for the skipped step, its traceback in the log.
+    lines = [line for line in err.splitlines() if "32" in line]
+    assert len(lines) == 1 and "skipped" in lines[0], err
+    with open(os.path.join(run_copy, "library.log")) as f:
+        assert "Traceback" in f.read()
     proc = jaxaccel(*train_args(os.path.dirname(run_copy)))
     assert proc.returncode == 0, text(proc)
     assert "step 32" in text(proc) and steps(run_copy) == [16, 32]
@@ -320,6 +326,8 @@ def test_changed_config_resume(run_copy):
 
     proc = jaxaccel(*train_args(workdir, "train.epochs=1"))
     assert proc.returncode == cli.EXIT_ERROR and "ends at step 16" in text(proc), text(proc)
+    with open(os.path.join(run_copy, "config.json")) as f:      # second probe, item 2
+        assert json.load(f)["train"]["epochs"] == 3, "a refused resume rewrote config.json"
 
 
 def test_one_writer_per_run_folder(run_copy):
@@ -394,6 +402,7 @@ def test_missing_peer_times_out_naming_the_coordinator(trained):
     proc = jaxaccel("eval", "--checkpoint", trained, env=env)
     assert proc.returncode == cli.EXIT_ERROR
     assert "coordinator localhost:29519" in text(proc) and "within 3 s" in text(proc)
+    assert "waiting up to 3 s" in text(proc)       # second probe, item 8: said at the start
 
 
 def test_prediction_record_nan_is_null():
@@ -411,6 +420,9 @@ def test_prediction_record_nan_is_null():
     (["train.b1=2.0"], "train.b1=2.0 must be in [0, 1)"),
     (["model.hidden_dropout=2.0"], "model.hidden_dropout=2.0 must be in [0, 1)"),
     (["train.batch_size=12"], "train.batch_size=12 does not split over the 8 devices"),
+    # second probe, item 10: the key named; no other key's hint in the message
+    (["seed=-1"], "seed=-1 must be >= 0 (the seed of"),
+    (["train.weight_decay=-1"], "train.weight_decay=-1.0 must be >= 0 (0: no weight decay)."),
 ])
 def test_bad_values_are_clear_errors(capsys, tmp_path, sets, message):
     """Items 7 and 8 (in process: these fail before anything is built; 8 fake devices)."""
@@ -426,6 +438,7 @@ def test_bad_values_are_clear_errors(capsys, tmp_path, sets, message):
     ("def get_config():\n    return 1 / 0\n", "get_config() raised ZeroDivisionError"),
     ("def get_config():\n    return None\n", "expected a dict of overrides"),
     ("import no_such_module\n", "failed to run: ModuleNotFoundError"),
+    ("def get_config():\n    return {1: 2}\n", "gave the key(s) [1]"),     # second probe, 6
 ])
 def test_broken_config_files_are_clear_errors(capsys, tmp_path, body, message):
     path = tmp_path / "bad.py"
@@ -440,3 +453,158 @@ def test_occupied_output_path_is_a_clear_error(capsys, tmp_path):
     assert cli.main(train_args(tmp_path / "file")) == cli.EXIT_ERROR
     err = capsys.readouterr().err
     assert "cannot write the run folder" in err and "workdir=" in err, err
+
+
+# Second fault probe (issue 23).
+
+FP16_DIVERGING = ("precision.policy=fp16", "train.learning_rate=1e30")
+
+
+def test_fp16_nan_loss_is_divergence_and_the_last_good_checkpoint_evaluates(tmp_path):
+    """Item 1: under fp16 a NaN loss was taken for an overflow (skipped step), 25 of them
+    stopped the run and the NaN-giving checkpoint of step 26 was called good."""
+    proc = jaxaccel(*train_args(tmp_path, *FP16_DIVERGING, "train.checkpoint_every=1"))
+    assert proc.returncode == cli.EXIT_NONFINITE, text(proc)
+    result = json.loads(proc.stdout)
+    assert result["error"].startswith("loss is nan at step 3"), result
+    run_dir = str(tmp_path / "tiny_synthetic")
+    assert result["last_good_checkpoint"] == 1 and steps(run_dir) == [1], result
+    assert os.path.isdir(os.path.join(run_dir, "skipped_checkpoints", "2"))
+    ev, _ = evaluate(run_dir)
+    assert ev["step"] == 1 and math.isfinite(ev["loss"]), ev
+
+
+def test_fp16_stop_at_a_huge_initial_loss_scale_names_that_knob(tmp_path):
+    """Item 9: every step skipped because precision.loss_scale_init=1e30 overflows fp16; the
+    message blamed train.learning_rate. (Same compiled step as the test above.)"""
+    proc = jaxaccel(*train_args(tmp_path, *FP16_DIVERGING, "precision.loss_scale_init=1e30",
+                                "precision.max_consecutive_skips=3"))
+    assert proc.returncode == cli.EXIT_NONFINITE, text(proc)
+    error = json.loads(proc.stdout)["error"]
+    assert "Lower precision.loss_scale_init" in error and "learning_rate" not in error, error
+
+
+def test_resume_without_config_json_compares_with_the_checkpoint_record(run_copy):
+    """Item 2: with config.json gone, a changed optimizer called both good checkpoints
+    unreadable and advised deleting them; the correct command was refused afterwards."""
+    os.remove(os.path.join(run_copy, "config.json"))
+    workdir = os.path.dirname(run_copy)
+    proc = jaxaccel(*train_args(workdir, "train.optimizer=adan"))
+    assert proc.returncode == cli.EXIT_ERROR, text(proc)
+    assert "train.optimizer: 'adamw' -> 'adan'" in text(proc), text(proc)
+    assert "cannot be read" not in text(proc) and "Traceback" not in text(proc)
+    assert steps(run_copy) == [16, 32] and not os.path.exists(os.path.join(run_copy, "config.json"))
+    assert not os.path.exists(os.path.join(run_copy, "skipped_checkpoints"))
+    proc = jaxaccel(*train_args(workdir))
+    assert proc.returncode == 0, text(proc)
+    assert os.path.exists(os.path.join(run_copy, "config.json"))
+
+
+@pytest.mark.parametrize("override", ["model.num_labels=5", "precision.policy=bf16",
+                                      "train.learning_rate=0.1"])
+def test_eval_refuses_overrides_it_cannot_honour(trained, capsys, override):
+    """Item 4: a 2-label model scored on 5-label data (loss NaN), a policy silently ignored."""
+    assert cli.main(["eval", "--checkpoint", trained, "--set", override]) == cli.EXIT_ERROR
+    err = capsys.readouterr().err
+    assert f"eval cannot honour --set {override}" in err and "checkpoint" in err, err
+
+
+def test_a_used_folder_without_checkpoints_is_not_resumed(tmp_path, capsys):
+    """Item 5: metrics but an empty checkpoints/ was "resumed" from step 0, appending to the
+    old run's metrics."""
+    run_dir = tmp_path / "tiny_synthetic"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    (run_dir / "metrics.jsonl").write_text('{"step": 4, "train/loss": 0.7}\n')
+    assert cli.main(train_args(tmp_path, "train.learning_rate=0.01")) == cli.EXIT_ERROR
+    err = capsys.readouterr().err
+    assert "no checkpoint to resume from" in err and "train.overwrite=true" in err, err
+    assert (run_dir / "metrics.jsonl").read_text() == '{"step": 4, "train/loss": 0.7}\n'
+
+
+def test_json_config_files(tmp_path, capsys):
+    """Item 6: a .json config gave an AttributeError traceback; now it is a config file (a run
+    folder's config.json is one), and broken JSON is named with its line."""
+    from jaxaccel import config
+    good = tmp_path / "run.json"
+    good.write_text(json.dumps({"name": "j", "train": {"epochs": 3}, "model.num_labels": 3}))
+    cfg = config.load(str(good))
+    assert (cfg.name, cfg.train.epochs, cfg.model.num_labels) == ("j", 3, 3)
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"name": "j",\n "train": }')
+    assert cli.main(["train", "--config", str(bad)]) == cli.EXIT_ERROR
+    err = capsys.readouterr().err
+    assert f"config file {str(bad)!r} is not valid JSON" in err and "line 2" in err, err
+
+
+def test_a_known_config_by_its_bare_name(capsys):
+    """Item 7: --config tiny_synthetic was "not found" while listed as known."""
+    from jaxaccel import config
+    assert config.load("tiny_synthetic") == config.load(TINY)
+    assert cli.main(["train", "--config", "tiny_synthetc"]) == cli.EXIT_ERROR
+    err = capsys.readouterr().err
+    assert "'tiny_synthetc' not found" in err and "'tiny_synthetic'" in err, err
+
+
+def test_flat_params_and_optax_adan_resume_each_other():
+    """Item 9: the README says the flat-buffer Adan and the optax Adan resume each other's
+    checkpoints (tested in test_flat.test_checkpoints_cross_paths_and_meshes), but switching
+    train.flat_params was refused."""
+    from jaxaccel import config
+    from jaxaccel.train import rundir
+    adan = ["train.optimizer=adan", "train.optimizer_impl=xla"]
+    optax_path = config.build(None, adan).to_dict()
+    flat_path = config.build(None, [*adan, "train.flat_params=true"]).to_dict()
+    assert rundir.check_resume_config(flat_path, optax_path) == {
+        "train.flat_params": (True, False)}
+    assert rundir.check_resume_config(optax_path, flat_path) == {
+        "train.flat_params": (False, True)}
+
+
+def test_train_without_config_says_it_trains_the_base(tmp_path, caplog):
+    """Item 9: no --config silently trained the base config."""
+    argv = ["train", "--set", f"workdir={tmp_path}", "--set", "train.batch_size=12"]
+    assert cli.main(argv) == cli.EXIT_ERROR            # 12 rows do not split over 8 devices
+    assert "no --config: training the base config" in caplog.text, caplog.text
+
+
+def test_unknown_dataset_names_the_key_and_what_to_type():
+    """Item 10: data.name=foo listed `synthetic(...)`, not a value to type."""
+    from jaxaccel.data import load_text_dataset
+    with pytest.raises(ValueError, match=r"data.name='foo' .*imdb_reviews, synthetic "):
+        load_text_dataset("foo")
+
+
+def test_disk_full_while_saving_is_one_error_naming_folder_size_and_intact_steps(run_copy):
+    """Item 11: a save failing with ENOSPC (injected into Orbax's background write) ended a
+    resumed run after ~700 lines of Orbax tracebacks and no advice."""
+    inject = """
+import errno, sys
+import orbax.checkpoint as ocp
+
+class Full:
+    def result(self, timeout=None):
+        raise OSError(errno.ENOSPC, "No space left on device", "ocdbt.process_0/d/0")
+
+    def cancel(self):
+        pass
+
+async def full(self, *args, **kwargs):
+    return [Full()]
+
+ocp.StandardCheckpointHandler.async_save = full
+from jaxaccel import cli
+sys.exit(cli.main(sys.argv[1:]))
+"""
+    proc = subprocess.run([sys.executable, "-c", inject,
+                           *train_args(os.path.dirname(run_copy), "train.epochs=3")],
+                          capture_output=True, env=ENV, timeout=300)
+    assert proc.returncode == cli.EXIT_ERROR, text(proc)
+    err = proc.stderr.decode()
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in err, err
+    folder = os.path.join(run_copy, "checkpoints")
+    assert f"no space left on the device of {folder} to save checkpoint step 48" in errors[0]
+    assert "MiB free" in errors[0] and "[16, 32] are intact" in errors[0], errors[0]
+    assert steps(run_copy) == [16, 32]
+    with open(os.path.join(run_copy, "library.log")) as f:
+        assert "No space left on device" in f.read()

@@ -24,6 +24,8 @@ back into the layout and shardings of a target state.
 """
 from __future__ import annotations
 
+import contextlib
+import errno
 import logging
 import os
 import shutil
@@ -35,6 +37,11 @@ import orbax.checkpoint as ocp
 from jaxaccel.optim import flat
 
 log = logging.getLogger("jaxaccel")
+# Tracebacks of failed reads and writes: kept out of the console; the run folder's library.log
+# while ``rundir.library_log`` is active (the CLI's train, eval, predict).
+details = logging.getLogger("jaxaccel.details")
+details.propagate = False
+details.addHandler(logging.NullHandler())
 # Orbax warns "Given directory is read only" for every read-only manager: that is the point.
 logging.getLogger("absl").addFilter(lambda r: "is read only" not in r.getMessage())
 
@@ -47,6 +54,25 @@ class NonFiniteState(RuntimeError):
     """Raised instead of saving a state whose parameters are not all finite."""
 
 
+class DiskFull(OSError):
+    """A checkpoint could not be written for lack of space; the message names the folder, the
+    space one checkpoint needs and the steps still intact."""
+
+
+def _is_disk_full(e: BaseException) -> bool:
+    """Whether ``e`` (or an exception it was raised from) is ENOSPC, as an OSError or in the
+    text of a TensorStore error."""
+    while e is not None:
+        if getattr(e, "errno", None) == errno.ENOSPC or "No space left on device" in str(e):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2 ** 20:.1f} MiB"
+
+
 @jax.jit
 def all_finite(tree) -> jax.Array:
     """True iff every element of every leaf of ``tree`` is finite (one fused reduction)."""
@@ -57,7 +83,7 @@ def all_finite(tree) -> jax.Array:
 def _reason(e: Exception) -> str:
     """One line saying why a checkpoint could not be read (Orbax errors run to pages)."""
     lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
-    text = lines[0] if lines else ""
+    text = lines[0].split(" See full TensorStore details")[0] if lines else ""
     return f"{type(e).__name__}: {text[:200]}"
 
 
@@ -83,6 +109,7 @@ class Checkpointer:
                  async_save: bool = True):
         self.directory = os.path.abspath(directory)
         self.read_only = read_only
+        self._writing = None        # (step, bytes) of the save in progress
         if read_only:
             if not os.path.isdir(self.directory):
                 raise FileNotFoundError(f"no checkpoint folder {self.directory}.")
@@ -116,6 +143,30 @@ class Checkpointer:
                 log.info("a checkpoint step in %s was removed while listing; listing again",
                          self.directory)
 
+    @contextlib.contextmanager
+    def _disk_full_is_one_error(self):
+        """Turn a save failing for lack of space (Orbax raises it in ``save``, ``wait`` or
+        ``close``, after logging pages of it) into one ``DiskFull`` naming what to do."""
+        try:
+            yield
+        except Exception as e:  # noqa: BLE001 -- Orbax/TensorStore raise many types
+            if self._writing is None or not _is_disk_full(e):
+                raise
+            step, nbytes = self._writing
+            self._writing = None
+            details.error("saving checkpoint step %d in %s failed", step, self.directory,
+                          exc_info=True)
+            intact = sorted(int(n) for n in os.listdir(self.directory)
+                            if n.isdigit() and int(n) != step)
+            kept = (f"the earlier step(s) {intact} are intact (resume continues from step "
+                    f"{intact[-1]})" if intact else "no earlier step was saved")
+            raise DiskFull(
+                errno.ENOSPC,
+                f"no space left on the device of {self.directory} to save checkpoint step "
+                f"{step}: one checkpoint needs about {_mib(nbytes)} free; {kept}. Free that "
+                "much space (or give workdir=... on a disk with room, copying the run folder "
+                "there) and run the same command again.") from None
+
     def latest_step(self) -> int | None:
         self.wait()
         return self._mngr.latest_step()
@@ -133,13 +184,18 @@ class Checkpointer:
             return
         if not bool(all_finite(state.params)):
             raise NonFiniteState(f"parameters at step {step} are not all finite; not saved")
-        self._mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                      meta=ocp.args.JsonSave(meta)))
+        self.wait()
+        self._writing = (step, sum(x.nbytes for x in jax.tree_util.tree_leaves(state)))
+        with self._disk_full_is_one_error():
+            self._mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                          meta=ocp.args.JsonSave(meta)))
 
     def wait(self) -> None:
         """Block until the save in progress, if any, is complete on disk (raising its error
-        if it failed)."""
-        self._mngr.wait_until_finished()
+        if it failed: ``DiskFull`` for lack of space)."""
+        with self._disk_full_is_one_error():
+            self._mngr.wait_until_finished()
+        self._writing = None
 
     def set_aside(self, step: int, reason: str) -> str:
         """Move checkpoint ``step`` out of the way (to ``skipped_checkpoints/STEP`` beside the
@@ -181,7 +237,8 @@ class Checkpointer:
 
     def _first_of(self, read, steps, last):
         """``_first_readable`` over one listing of ``steps``; ``None`` if a reader should list
-        again (a step folder vanished under it, unless ``last``)."""
+        again (a step folder vanished under it, unless ``last``). One warning line per step
+        skipped (the writer sets it aside); the tracebacks go to ``details``."""
         skipped = []
         for s in steps:
             try:
@@ -190,22 +247,24 @@ class Checkpointer:
                 if self.read_only and not last and not os.path.isdir(
                         os.path.join(self.directory, str(s))):
                     return None
-                reason = _reason(e)
-                log.warning("checkpoint step %d in %s cannot be read, skipped: %s",
-                            s, self.directory, reason)
-                skipped.append((s, reason))
+                details.warning("checkpoint step %d in %s cannot be read", s, self.directory,
+                                exc_info=True)
+                skipped.append((s, _reason(e)))
                 continue
-            if skipped:
-                log.warning("using checkpoint step %d (newer step(s) %s could not be read)",
-                            s, [k for k, _ in skipped])
-                if not self.read_only:
-                    for k, reason in skipped:
-                        self.set_aside(k, f"unreadable at resume: {reason}")
+            for k, reason in skipped:
+                if self.read_only:
+                    log.warning("checkpoint step %d in %s cannot be read, skipped (using step "
+                                "%d): %s", k, self.directory, s, reason)
+                else:
+                    self.set_aside(k, f"unreadable at resume, skipped (using step {s}): "
+                                      f"{reason}")
             return s, out
         raise ValueError(f"no checkpoint in {self.directory} can be read: "
                          + "; ".join(f"step {k}: {r}" for k, r in skipped)
-                         + ". Train again (train.resume=false, train.overwrite=true) or restore "
-                           "the folder from a copy.")
+                         + ". If the config changed since they were saved (model, optimizer, "
+                           "precision), run with the config they were saved with (their "
+                           "record has it); else restore the folder from a copy, or train "
+                           "again (train.resume=false train.overwrite=true deletes them).")
 
     def restore(self, abstract_state, step: int | None = None):
         """``(state, meta)`` of ``step`` (default the newest readable), or ``None`` if there is
@@ -253,7 +312,8 @@ class Checkpointer:
         return items["params"], meta
 
     def close(self) -> None:
-        self._mngr.close()
+        with self._disk_full_is_one_error():
+            self._mngr.close()
 
 
 def abstract_like(tree, shardings):

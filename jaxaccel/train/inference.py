@@ -45,12 +45,31 @@ def load_run(run_dir: str):
     return model, cfg, meta
 
 
+EVAL_SETTABLE = ("data", "mesh", "train.eval_batch_size")
+"""What ``evaluate_run``'s overrides may set (a key or a section): the data evaluated on, the
+devices and the eval batch. The model, its labels and its precision are the checkpoint's."""
+
+
+def check_eval_sets(sets: list[str]) -> None:
+    """``ValueError`` naming the first ``key=value`` evaluation cannot honour."""
+    for text in sets:
+        key, _ = config_lib.parse_override(text)
+        if not any(key == k or key.startswith(k + ".") for k in EVAL_SETTABLE):
+            raise ValueError(
+                f"eval cannot honour --set {text}: the model, its labels and its precision "
+                "come from the checkpoint (and the rest of the config only shaped its "
+                f"training). eval takes only {', '.join(EVAL_SETTABLE)} (and the keys in "
+                "those sections); drop the override, or train a run with that setting.")
+
+
 def evaluate_run(run_dir: str, sets: list[str] | None = None, devices=None) -> dict:
     """Accuracy and loss of the run's latest checkpoint on its eval split, data parallel over
     ``devices`` (default all at hand, not the training mesh, which may need more) unless
-    ``sets`` say. Builds only the evaluation side (``loop.build_eval``): the model from the
-    run folder, the eval split; no optimizer state, no training split."""
+    ``sets`` say (only ``EVAL_SETTABLE`` keys). Builds only the evaluation side
+    (``loop.build_eval``): the model from the run folder, the eval split; no optimizer state,
+    no training split."""
     from jaxaccel.train.loop import build_eval
+    check_eval_sets(sets or [])
     model, cfg, meta = load_run(run_dir)
     # The checkpoint's parameters are in the per-parameter form whatever the trainer path.
     cfg = config_lib.build(cfg.to_dict(), ["mesh.data=-1", "mesh.fsdp=1", "mesh.tensor=1",

@@ -4,8 +4,9 @@
 at each epoch end and at the end, resumes from the newest readable checkpoint of its run folder
 (model, optimizer, RNG and data position, so losses equal an uninterrupted run's), saves and
 returns on SIGTERM or a first Ctrl-C (a second Ctrl-C aborts), and stops at the first
-non-finite loss keeping the last good checkpoint (under fp16 a step with non-finite gradients
-is skipped instead, and ``precision.max_consecutive_skips`` of them in a row stop the run). The
+non-finite loss, under every policy, keeping the last good checkpoint (under fp16 a step whose
+gradients are non-finite but whose loss is finite is an overflow: it is skipped, and
+``precision.max_consecutive_skips`` of them in a row stop the run). The
 run folder's rules (one writer, no mixed runs, which config changes a resume allows) are in
 ``jaxaccel.train.rundir``.
 
@@ -26,6 +27,7 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
@@ -252,7 +254,8 @@ def train(cfg: Config) -> dict:
     main = jax.process_index() == 0
     if main:
         rundir.make_run_dir(run_dir)
-    with rundir.RunLock(run_dir) if main else contextlib.nullcontext():
+    with rundir.RunLock(run_dir) if main else contextlib.nullcontext(), \
+            rundir.library_log(run_dir) if main else contextlib.nullcontext():
         changes = rundir.prepare(run_dir, cfg.to_dict()) if main else {}
         _sync("jaxaccel_run_dir_ready")
         run = build(cfg)
@@ -278,11 +281,26 @@ def _resume_note(run: Run, start: int, changes: dict) -> None:
                  float(run.schedule(start)))
 
 
+def _skips_message(cfg: Config, skips: int, scale: float, step: int) -> str:
+    """Why ``skips`` fp16 steps in a row up to ``step`` had non-finite gradients with finite
+    losses, the last at loss scale ``scale``: a scale still above what fp16 holds (65504) is the
+    suspect (a large ``precision.loss_scale_init``); one already halved below 1 means the
+    gradients themselves overflow, i.e. divergence."""
+    p = cfg.precision
+    head = (f"fp16: {skips} steps in a row up to step {step} had non-finite gradients "
+            f"(finite losses; loss scale {scale:g} at the last, started at "
+            f"precision.loss_scale_init={p.loss_scale_init:g})")
+    if scale > float(jnp.finfo(jnp.float16).max):
+        return (f"{head}: the scaled gradients overflow fp16 (max 65504) and the scale did not "
+                f"halve below it within precision.max_consecutive_skips={p.max_consecutive_skips}"
+                " steps. Lower precision.loss_scale_init (default 32768).")
+    return (f"{head}: the gradients overflow even at that small scale, so the run is diverging, "
+            "not overflowing: lower train.learning_rate or use precision.policy=bf16.")
+
+
 def _train(run: Run, changes: dict) -> dict:
     cfg, t = run.cfg, run.cfg.train
     main = jax.process_index() == 0
-    if main:
-        rundir.write_files(run.run_dir, cfg.to_dict(), run.tokenizer)
     ckpt = Checkpointer(os.path.join(run.run_dir, "checkpoints"), keep=t.keep_checkpoints)
     writer = MetricsWriter(run.run_dir)
 
@@ -294,6 +312,8 @@ def _train(run: Run, changes: dict) -> dict:
             log.info("resumed from %s at step %d", ckpt.directory, int(state.step))
     start = int(jax.device_get(state.step))
     _resume_note(run, start, changes)
+    if main:            # only now: a refused resume leaves the saved config as it was
+        rundir.write_files(run.run_dir, cfg.to_dict(), run.tokenizer)
     steps_per_epoch = run.train_data.steps_per_epoch
 
     def save(step):
@@ -312,14 +332,13 @@ def _train(run: Run, changes: dict) -> dict:
         nonlocal t_last
         step_no, metrics, rows = pending
         m = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        # A non-finite loss is divergence under every policy, fp16 included (there a step
+        # whose gradients alone are non-finite is an overflow, and is skipped).
+        if not math.isfinite(m["loss"]):
+            raise NonFiniteLoss(step_no, m["loss"])
         skips = m.get("consecutive_skips", 0)      # fp16: this step was skipped, not applied
         if skips >= cfg.precision.max_consecutive_skips:
-            raise TooManySkippedSteps(
-                f"fp16: {int(skips)} steps in a row had non-finite gradients (loss scale now "
-                f"{m['loss_scale'] * 0.5:g}) up to step {step_no}; the run is diverging, not "
-                "overflowing: lower train.learning_rate or use precision.policy=bf16.")
-        if not skips and not math.isfinite(m["loss"]):
-            raise NonFiniteLoss(step_no, m["loss"])
+            raise TooManySkippedSteps(_skips_message(cfg, int(skips), m["loss_scale"], step_no))
         now = time.perf_counter()
         dt, t_last = now - t_last, now
         window.append(m)
@@ -381,7 +400,10 @@ def _train(run: Run, changes: dict) -> dict:
         if bad in ckpt.all_steps():
             ckpt.set_aside(bad, f"its parameters give a non-finite loss ({e})")
         good = [s for s in ckpt.all_steps() if bad is None or s < bad]
-        result.update(status="nonfinite", error=str(e), step=step,
+        error = str(e) if isinstance(e, TooManySkippedSteps) else (
+            f"{e}: the run diverged. Lower train.learning_rate (or raise train.warmup_ratio) "
+            "and train again.")
+        result.update(status="nonfinite", error=error, step=step,
                       last_good_checkpoint=good[-1] if good else None)
         return result
     finally:

@@ -2,7 +2,10 @@
 
     {workdir}/{name}/
         lock                  {"pid", "host", "started"} of the trainer writing here
-        config.json           the config of the run (written only after the checks below)
+        config.json           the config of the run (written only after the checks below
+                              and the resume's own: the checkpoint's step within the run)
+        library.log           what Orbax, absl and TensorStore log (a failed read's
+                              tracebacks); the console gets one line per problem
         tokenizer/            the tokenizer's files (predict needs nothing else)
         checkpoints/STEP/     Orbax checkpoints; each one's JSON record holds the config, the
                               model architecture and the label names
@@ -18,9 +21,12 @@ Rules:
   Readers (eval, predict) take no lock.
 * **Never mix runs.** ``train.resume=false`` on a folder that has checkpoints is refused
   unless ``train.overwrite=true``, which first deletes the folder's run files (checkpoints,
-  metrics, config, tokenizer) so the new run starts clean.
+  metrics, config, tokenizer) so the new run starts clean. So is a resume of a folder that
+  holds a run's metrics but no checkpoint step (it would start again at step 0 and append to
+  the old run's metrics).
 * **Resume only the same run.** Before anything is written, the new config is compared with
-  the saved ``config.json``. Keys that only change how the run is observed, stored or laid
+  the saved ``config.json`` (if it is missing, with the config recorded beside the newest
+  checkpoint step). Keys that only change how the run is observed, stored or laid
   out on devices may change (``RESUMABLE``); so may the length of the run
   (``train.epochs``, ``train.max_steps``): the learning-rate schedule is always defined over
   the run's total steps (``max_steps``, else ``epochs x steps per epoch``; warm-up
@@ -31,6 +37,7 @@ Rules:
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import json
@@ -46,16 +53,19 @@ RESUMABLE = frozenset({
     "name", "workdir",
     "train.epochs", "train.max_steps", "train.eval_batch_size", "train.log_every",
     "train.checkpoint_every", "train.keep_checkpoints", "train.resume", "train.overwrite",
-    "train.eval_every_epoch", "train.progress", "train.optimizer_impl",
+    "train.eval_every_epoch", "train.progress", "train.optimizer_impl", "train.flat_params",
     "model.attention_impl", "model.remat", "model.checkpoint", "model.tokenizer",
     "data.data_dir", "data.manual_dir", "data.eval_split",
     "mesh.data", "mesh.fsdp", "mesh.tensor", "sharding.zero1",
 })
 """Config keys a resumed run may change: run length, observation, storage, device layout,
-kernel choice and where files are (checkpoints are portable across meshes and kernels)."""
+kernel choice, trainer path (``train.flat_params``: the flat-buffer and the optax Adan resume
+each other's checkpoints, which hold the per-parameter form) and where files are (checkpoints
+are portable across meshes and kernels)."""
 
 RUN_FILES = ("checkpoints", "skipped_checkpoints", "metrics.jsonl", "tensorboard",
-             "config.json", "tokenizer")
+             "config.json", "tokenizer", "library.log")
+LIBRARY_LOG = "library.log"
 
 
 class RunFolderError(ValueError):
@@ -81,25 +91,55 @@ def config_changes(saved: dict, new: dict) -> dict[str, tuple]:
             if a.get(k, absent) != b.get(k, absent)}
 
 
-def check_resume_config(saved: dict, new: dict) -> dict[str, tuple]:
-    """The changes of ``new`` against ``saved`` that a resume allows; ``RunFolderError``
-    listing the others if there are any."""
+def check_resume_config(saved: dict, new: dict,
+                        source: str = "config.json") -> dict[str, tuple]:
+    """The changes of ``new`` against ``saved`` (read from ``source``) that a resume allows;
+    ``RunFolderError`` listing the others if there are any."""
     changes = config_changes(saved, new)
     refused = {k: v for k, v in changes.items() if k not in RESUMABLE}
     if refused:
         listed = "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in refused.items())
         raise RunFolderError(
-            f"cannot resume: the config differs from the run's saved config.json in {listed}. "
+            f"cannot resume: the config differs from the run's saved {source} in {listed}. "
             f"A resumed run may change only {sorted(RESUMABLE)}. Start a new run (another "
             "name=...), or train.resume=false train.overwrite=true to replace this one.")
     return changes
 
 
+def _step_folders(run_dir: str) -> list[str]:
+    """The checkpoint step folders of ``run_dir`` (finished or not), newest first."""
+    ckpts = os.path.join(run_dir, "checkpoints")
+    names = os.listdir(ckpts) if os.path.isdir(ckpts) else []
+    return sorted((e for e in names if e.split(".")[0].isdigit()),
+                  key=lambda e: int(e.split(".")[0]), reverse=True)
+
+
 def has_run(run_dir: str) -> bool:
     """Whether ``run_dir`` holds a run's outputs (a step folder, or metrics)."""
-    ckpts = os.path.join(run_dir, "checkpoints")
-    steps = os.path.isdir(ckpts) and any(e.split(".")[0].isdigit() for e in os.listdir(ckpts))
-    return steps or os.path.exists(os.path.join(run_dir, "metrics.jsonl"))
+    return bool(_step_folders(run_dir)) or os.path.exists(os.path.join(run_dir, "metrics.jsonl"))
+
+
+def saved_config(run_dir: str) -> tuple[dict, str] | None:
+    """``(config, where it was read)``: the run's ``config.json``, else the config recorded
+    beside its newest checkpoint step that has a readable record (every save writes one);
+    ``None`` if neither exists. ``RunFolderError`` if ``config.json`` exists but is not
+    readable."""
+    path = os.path.join(run_dir, "config.json")
+    if os.path.exists(path):
+        try:
+            with open(path) as f:
+                return json.load(f), path
+        except (OSError, ValueError) as e:
+            raise RunFolderError(f"cannot read {path} to compare configs before resuming: "
+                                 f"{e}. Restore the file or start a new run.") from None
+    for step in _step_folders(run_dir):
+        record = os.path.join(run_dir, "checkpoints", step, "meta", "metadata")
+        try:
+            with open(record) as f:
+                return json.load(f)["config"], f"checkpoint record {record}"
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return None
 
 
 def make_run_dir(run_dir: str) -> None:
@@ -120,7 +160,6 @@ def prepare(run_dir: str, cfg: dict) -> dict[str, tuple]:
     """Apply the resume/overwrite rules to ``run_dir`` (held under its lock) before the run
     writes anything; returns the config changes a resume accepted (empty otherwise)."""
     t = cfg["train"]
-    saved_path = os.path.join(run_dir, "config.json")
     if not has_run(run_dir):
         return {}
     if t["overwrite"]:
@@ -137,15 +176,14 @@ def prepare(run_dir: str, cfg: dict) -> dict[str, tuple]:
             f"run folder {run_dir!r} already holds a run (checkpoints/metrics) and "
             "train.resume=false: pass a new name=... (or workdir=...) for a new run, "
             "train.resume=true to continue it, or train.overwrite=true to replace it.")
-    if not os.path.exists(saved_path):
-        return {}
-    try:
-        with open(saved_path) as f:
-            saved = json.load(f)
-    except (OSError, ValueError) as e:
-        raise RunFolderError(f"cannot read {saved_path} to compare configs before resuming: "
-                             f"{e}. Restore the file or start a new run.") from None
-    return check_resume_config(saved, cfg)
+    if not _step_folders(run_dir):
+        raise RunFolderError(
+            f"run folder {run_dir!r} holds a run's metrics but no checkpoint to resume from "
+            "(checkpoints/ is empty): resuming would start again at step 0 and append to the "
+            "old run's metrics.jsonl. Pass train.overwrite=true to replace that run, or a new "
+            "name=... (or workdir=...).")
+    saved = saved_config(run_dir)
+    return {} if saved is None else check_resume_config(saved[0], cfg, source=saved[1])
 
 
 def write_files(run_dir: str, cfg: dict, tokenizer) -> None:
@@ -154,6 +192,48 @@ def write_files(run_dir: str, cfg: dict, tokenizer) -> None:
         json.dump(cfg, f, indent=2)
     if tokenizer is not None:
         tokenizer.save_pretrained(os.path.join(run_dir, "tokenizer"))
+
+
+LIBRARY_LOGGERS = ("absl", "orbax", "tensorstore", "asyncio", "jaxaccel.details")
+"""Loggers whose records go to ``library.log``: Orbax (through absl), TensorStore, asyncio
+(Orbax's event loops), and the tracebacks jaxaccel keeps out of the console."""
+
+
+@contextlib.contextmanager
+def library_log(run_dir: str):
+    """Within the block, what ``LIBRARY_LOGGERS`` log (warnings and errors, with their
+    tracebacks) is appended to ``run_dir/library.log`` instead of the console, where
+    jaxaccel's own one-line messages stay; at the end one line says how many went there. A
+    folder that cannot be written leaves logging as it is."""
+    path = os.path.join(run_dir, LIBRARY_LOG)
+    if not os.access(run_dir, os.W_OK):
+        yield None
+        return
+    handler = logging.FileHandler(path, delay=True)      # created only if something is logged
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    count = [0]
+
+    def counted(record):
+        count[0] += 1
+        return True
+    handler.addFilter(counted)
+    loggers = [logging.getLogger(name) for name in LIBRARY_LOGGERS]
+    before = [(lg.propagate, lg.level) for lg in loggers]
+    for lg in loggers:
+        lg.addHandler(handler)
+        lg.propagate = False
+        lg.setLevel(min(lg.getEffectiveLevel(), logging.WARNING))
+    try:
+        yield path
+    finally:
+        for lg, (propagate, level) in zip(loggers, before):
+            lg.removeHandler(handler)
+            lg.propagate = propagate
+            lg.setLevel(level)
+        handler.close()
+        if count[0]:
+            log.info("%d message(s) of Orbax/absl/TensorStore (tracebacks) written to %s",
+                     count[0], path)
 
 
 def _alive(pid: int) -> bool:
