@@ -85,8 +85,9 @@ def cmd_train(args) -> int:
         good = result["last_good_checkpoint"]
         where = (f"Last good checkpoint: step {good} in {result['checkpoint_dir']}."
                  if good is not None else
-                 "No good checkpoint was saved before the loss diverged.")
-        print(f"error: training stopped: {result['error']} {where}", file=sys.stderr)
+                 "No good checkpoint was saved before the stop.")
+        print(f"error: training stopped: {result['error'].rstrip('.')}. {where} "
+              f"{result.get('advice', '')}".rstrip(), file=sys.stderr)
         return EXIT_NONFINITE
     if result["status"] == "preempted":
         print(f"{result['signal']}: saved step {result['step']} to {result['checkpoint_dir']}; "

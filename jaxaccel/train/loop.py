@@ -27,7 +27,6 @@ import sys
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
@@ -59,8 +58,9 @@ class NonFiniteLoss(RuntimeError):
 
 
 class TooManySkippedSteps(RuntimeError):
-    """fp16: ``precision.max_consecutive_skips`` steps in a row had non-finite gradients.
-    Skipped steps never touch the parameters, so every saved checkpoint stays good."""
+    """fp16: ``precision.max_consecutive_skips`` steps in a row had non-finite gradients (and
+    finite losses: a non-finite loss is ``NonFiniteLoss``). Skipped steps never touch the
+    parameters, so every saved checkpoint stays good."""
 
 
 @dataclasses.dataclass
@@ -283,19 +283,22 @@ def _resume_note(run: Run, start: int, changes: dict) -> None:
 
 def _skips_message(cfg: Config, skips: int, scale: float, step: int) -> str:
     """Why ``skips`` fp16 steps in a row up to ``step`` had non-finite gradients with finite
-    losses, the last at loss scale ``scale``: a scale still above what fp16 holds (65504) is the
-    suspect (a large ``precision.loss_scale_init``); one already halved below 1 means the
-    gradients themselves overflow, i.e. divergence."""
+    losses, the last at loss scale ``scale``, and which knob to turn: while the scale is still
+    above fp16's largest value (65504) the scale itself (``precision.loss_scale_init``) is the
+    suspect; below it, gradients that overflow are the run diverging."""
     p = cfg.precision
     head = (f"fp16: {skips} steps in a row up to step {step} had non-finite gradients "
             f"(finite losses; loss scale {scale:g} at the last, started at "
             f"precision.loss_scale_init={p.loss_scale_init:g})")
-    if scale > float(jnp.finfo(jnp.float16).max):
-        return (f"{head}: the scaled gradients overflow fp16 (max 65504) and the scale did not "
-                f"halve below it within precision.max_consecutive_skips={p.max_consecutive_skips}"
-                " steps. Lower precision.loss_scale_init (default 32768).")
-    return (f"{head}: the gradients overflow even at that small scale, so the run is diverging, "
-            "not overflowing: lower train.learning_rate or use precision.policy=bf16.")
+    fp16_max = float(np.finfo(np.float16).max)
+    if scale > fp16_max:
+        return (f"{head}: the scaled gradients overflow fp16 (max {fp16_max:g}) and the scale "
+                f"did not halve below that within precision.max_consecutive_skips="
+                f"{p.max_consecutive_skips} steps. Lower precision.loss_scale_init (default "
+                "32768).")
+    return (f"{head}: the gradients overflow even at a scale fp16 holds, so the run is "
+            "diverging, not overflowing: lower train.learning_rate or use "
+            "precision.policy=bf16.")
 
 
 def _train(run: Run, changes: dict) -> dict:
@@ -400,10 +403,10 @@ def _train(run: Run, changes: dict) -> dict:
         if bad in ckpt.all_steps():
             ckpt.set_aside(bad, f"its parameters give a non-finite loss ({e})")
         good = [s for s in ckpt.all_steps() if bad is None or s < bad]
-        error = str(e) if isinstance(e, TooManySkippedSteps) else (
-            f"{e}: the run diverged. Lower train.learning_rate (or raise train.warmup_ratio) "
-            "and train again.")
-        result.update(status="nonfinite", error=error, step=step,
+        if not isinstance(e, TooManySkippedSteps):     # whose message names its own fix
+            result["advice"] = ("The run diverged: lower train.learning_rate (or raise "
+                                "train.warmup_ratio) and train again.")
+        result.update(status="nonfinite", error=str(e), step=step,
                       last_good_checkpoint=good[-1] if good else None)
         return result
     finally:

@@ -64,8 +64,8 @@ each other's checkpoints, which hold the per-parameter form) and where files are
 are portable across meshes and kernels)."""
 
 RUN_FILES = ("checkpoints", "skipped_checkpoints", "metrics.jsonl", "tensorboard",
-             "config.json", "tokenizer", "library.log")
-LIBRARY_LOG = "library.log"
+             "config.json", "tokenizer")
+LIBRARY_LOG = "library.log"     # kept by train.overwrite, like the lock: the folder's history
 
 
 class RunFolderError(ValueError):
@@ -106,17 +106,20 @@ def check_resume_config(saved: dict, new: dict,
     return changes
 
 
-def _step_folders(run_dir: str) -> list[str]:
-    """The checkpoint step folders of ``run_dir`` (finished or not), newest first."""
+def _step_folders(run_dir: str, finished: bool = True) -> list[str]:
+    """The checkpoint step folders of ``run_dir``, newest first: the finished ones, or with
+    ``finished=False`` Orbax's unfinished temporary ones (``STEP.orbax-checkpoint-tmp-*``)
+    too."""
     ckpts = os.path.join(run_dir, "checkpoints")
     names = os.listdir(ckpts) if os.path.isdir(ckpts) else []
-    return sorted((e for e in names if e.split(".")[0].isdigit()),
+    return sorted((e for e in names if (e if finished else e.split(".")[0]).isdigit()),
                   key=lambda e: int(e.split(".")[0]), reverse=True)
 
 
 def has_run(run_dir: str) -> bool:
     """Whether ``run_dir`` holds a run's outputs (a step folder, or metrics)."""
-    return bool(_step_folders(run_dir)) or os.path.exists(os.path.join(run_dir, "metrics.jsonl"))
+    return bool(_step_folders(run_dir, finished=False)) or os.path.exists(
+        os.path.join(run_dir, "metrics.jsonl"))
 
 
 def saved_config(run_dir: str) -> tuple[dict, str] | None:
@@ -178,9 +181,9 @@ def prepare(run_dir: str, cfg: dict) -> dict[str, tuple]:
             "train.resume=true to continue it, or train.overwrite=true to replace it.")
     if not _step_folders(run_dir):
         raise RunFolderError(
-            f"run folder {run_dir!r} holds a run's metrics but no checkpoint to resume from "
-            "(checkpoints/ is empty): resuming would start again at step 0 and append to the "
-            "old run's metrics.jsonl. Pass train.overwrite=true to replace that run, or a new "
+            f"run folder {run_dir!r} holds a run's outputs (metrics, or an unfinished save) but "
+            "no finished checkpoint to resume from: resuming would start again at step 0 and "
+            "append to the old run's metrics.jsonl. Pass train.overwrite=true to replace that run, or a new "
             "name=... (or workdir=...).")
     saved = saved_config(run_dir)
     return {} if saved is None else check_resume_config(saved[0], cfg, source=saved[1])
