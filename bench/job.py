@@ -4,7 +4,7 @@
     jaxaccel bench job --config configs/tiny_synthetic.py --set precision.policy=bf16
 
 Runs ``jaxaccel.train.loop.train`` in a fresh work folder (never resumes) and writes
-``bench/results/job-<name>-<device>.json``, one row:
+``<--out>/job-<name>-<device>.json`` (default ``runs/bench/``), one row:
 
 - ``time_s``: wall time of the whole run (build, compile, train, per-epoch and final eval);
 - ``time_to_accuracy_s``: from the start to the first eval with accuracy >= ``--target``

@@ -42,7 +42,8 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("texts", nargs="*", help="texts to classify")
     b = sub.add_parser("bench", help="measure this machine's devices: one result file per suite",
                        description="Runs bench/<suite>.py (a source checkout) with the flags "
-                       "that follow; `jaxaccel bench SUITE --help` lists them.")
+                       "that follow; `jaxaccel bench SUITE --help` lists them. The result goes "
+                       "to --out DIR (default runs/bench/; the path is printed).")
     b.add_argument("suite", choices=BENCH_SUITES)
     b.add_argument("args", nargs=argparse.REMAINDER, help="the suite's own flags")
     c = sub.add_parser("compare", help="rank devices/configurations by time, cost, energy, "
