@@ -42,8 +42,10 @@ log = logging.getLogger("jaxaccel")
 details = logging.getLogger("jaxaccel.details")
 details.propagate = False
 details.addHandler(logging.NullHandler())
-# Orbax warns "Given directory is read only" for every read-only manager: that is the point.
-logging.getLogger("absl").addFilter(lambda r: "is read only" not in r.getMessage())
+# Orbax warns "Given directory is read only" (and that read_only=True sets save_interval_steps
+# to 0) for every read-only manager: that is the point.
+logging.getLogger("absl").addFilter(lambda r: "is read only" not in r.getMessage()
+                                    and "read_only=True" not in r.getMessage())
 
 
 # How often a reader lists the steps again when the trainer deletes one under it.

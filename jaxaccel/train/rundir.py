@@ -45,6 +45,7 @@ import logging
 import os
 import shutil
 import socket
+import sys
 import time
 
 log = logging.getLogger("jaxaccel")
@@ -206,8 +207,9 @@ LIBRARY_LOGGERS = ("absl", "orbax", "tensorstore", "asyncio", "jaxaccel.details"
 def library_log(run_dir: str):
     """Within the block, what ``LIBRARY_LOGGERS`` log (warnings and errors, with their
     tracebacks) is appended to ``run_dir/library.log`` instead of the console, where
-    jaxaccel's own one-line messages stay; at the end one line says how many went there. A
-    folder that cannot be written leaves logging as it is."""
+    jaxaccel's own one-line messages stay; at the end one line says where the errors and
+    tracebacks went, if there were any. A folder that cannot be written leaves logging as it
+    is."""
     path = os.path.join(run_dir, LIBRARY_LOG)
     if not os.access(run_dir, os.W_OK):
         yield None
@@ -217,7 +219,7 @@ def library_log(run_dir: str):
     count = [0]
 
     def counted(record):
-        count[0] += 1
+        count[0] += record.levelno >= logging.ERROR or bool(record.exc_info)
         return True
     handler.addFilter(counted)
     loggers = [logging.getLogger(name) for name in LIBRARY_LOGGERS]
@@ -226,17 +228,26 @@ def library_log(run_dir: str):
         lg.addHandler(handler)
         lg.propagate = False
         lg.setLevel(min(lg.getEffectiveLevel(), logging.WARNING))
+
+    def unraisable(u):
+        # Orbax's reads leave coroutines whose errors Python prints as "Exception ignored in"
+        # (tens of lines each, TensorStore specs included): the log's too.
+        logging.getLogger("jaxaccel.details").warning(
+            "%s: %r", u.err_msg or "Exception ignored in", u.object,
+            exc_info=(u.exc_type, u.exc_value, u.exc_traceback))
+    hook, sys.unraisablehook = sys.unraisablehook, unraisable
     try:
         yield path
     finally:
+        sys.unraisablehook = hook
         for lg, (propagate, level) in zip(loggers, before):
             lg.removeHandler(handler)
             lg.propagate = propagate
             lg.setLevel(level)
         handler.close()
         if count[0]:
-            log.info("%d message(s) of Orbax/absl/TensorStore (tracebacks) written to %s",
-                     count[0], path)
+            log.info("the details of the problem(s) above (%d error(s) or traceback(s) of "
+                     "Orbax/absl/TensorStore) are in %s", count[0], path)
 
 
 def _alive(pid: int) -> bool:
