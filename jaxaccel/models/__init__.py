@@ -50,6 +50,16 @@ def save_checkpoint(model, path, max_shard_size: int | None = None) -> None:
     family_of(model.spec).resolve("writer")(model, path, max_shard_size)
 
 
+def check_vocab(tokenizer_size: int, architecture, tokenizer_source) -> None:
+    """A tokenizer must not produce ids past the model's embedding table."""
+    if tokenizer_size > architecture.vocab_size:
+        raise ValueError(f"the tokenizer {str(tokenizer_source)!r} has {tokenizer_size} tokens "
+                         f"but the model's vocab_size is {architecture.vocab_size}: its ids "
+                         "would index past the embedding table. Use the checkpoint's own "
+                         "tokenizer (model.tokenizer) or a model whose vocab_size is at least "
+                         f"{tokenizer_size}.")
+
+
 def create_model(model_cfg, policy, seed: int):
     """``(model, tokenizer_dir)`` from the ``model`` section of a config.
 
@@ -66,5 +76,5 @@ def create_model(model_cfg, policy, seed: int):
 
 
 __all__ = ["BertConfig", "BertModel", "FAMILIES", "LLAMA_PRESETS", "LlamaConfig", "ModelSpec",
-           "PRESETS", "architecture_of", "build_model", "create_model", "from_pretrained",
+           "PRESETS", "architecture_of", "build_model", "check_vocab", "create_model", "from_pretrained",
            "load_checkpoint", "packaged_minilm_dir", "save_checkpoint"]

@@ -33,7 +33,7 @@ from tqdm.auto import tqdm
 from jaxaccel import sharding as shd
 from jaxaccel.config import Config
 from jaxaccel.data import BatchIterator, load_tokenizer, splits
-from jaxaccel.models import ModelSpec, create_model
+from jaxaccel.models import ModelSpec, check_vocab, create_model
 from jaxaccel.models.fp8 import Fp8Meta
 from jaxaccel.optim import make_onepass, make_optimizer, make_schedule, state_shardings
 from jaxaccel.precision import LossScale, get_policy
@@ -43,6 +43,7 @@ from jaxaccel.train.metrics import MetricsWriter
 from jaxaccel.train.preemption import Preemption
 from jaxaccel.train.state import TrainState
 from jaxaccel.train.step import is_state_metric, make_eval_step, make_train_step
+from jaxaccel.train.tasks import TASKS, Task
 
 log = logging.getLogger("jaxaccel")
 
@@ -88,6 +89,11 @@ class Run:
     schedule: object = None
     total_steps: int = 0
 
+    @property
+    def task(self) -> Task:
+        """The training task of the model (``tasks.TASKS[spec.task]``)."""
+        return TASKS[self.spec.task]
+
     @functools.cached_property
     def batch_sharding(self) -> jax.sharding.NamedSharding:
         return shd.batch_sharding(self.mesh)
@@ -103,7 +109,8 @@ class Run:
         """``train_step(state, batch) -> (state, metrics)`` of the configured trainer path,
         jitted: the state donated and laid out as ``state_shardings``, metrics replicated."""
         make = onepass.make_train_step if self.cfg.train.flat_params else make_train_step
-        step = make(self.graphdef, self.tx, self.cfg.train.grad_accum)
+        step = make(self.graphdef, self.tx, self.cfg.train.grad_accum, self.task,
+                    self.spec.family.resolve("model").fp8_group)
         return jax.jit(step,
                        in_shardings=(self.state_shardings, self.batch_sharding),
                        out_shardings=(self.state_shardings, shd.replicated(self.mesh)),
@@ -111,27 +118,25 @@ class Run:
 
     @functools.cached_property
     def eval_step(self):
-        """``eval_step(params, batch, fp8) -> (sums, probabilities)`` (``step.make_eval_step``),
-        jitted: sums replicated, probabilities split over the batch like the batch."""
+        """``eval_step(params, batch, fp8) -> sums`` (``step.make_eval_step``), jitted: sums
+        replicated."""
         make = onepass.make_eval_step if self.cfg.train.flat_params else make_eval_step
-        return jax.jit(make(self.graphdef),
+        return jax.jit(make(self.graphdef, self.task),
                        in_shardings=(self.state_shardings.params, self.batch_sharding,
                                      self.state_shardings.fp8),
-                       out_shardings=(shd.replicated(self.mesh), self.batch_sharding))
+                       out_shardings=shd.replicated(self.mesh))
 
     def evaluate(self, state: TrainState | None = None) -> dict:
-        """Accuracy and mean loss on the eval split of ``state``'s parameters and fp8 state
-        (default ``self.state``): sum of weighted cross entropy (and of correct predictions)
-        over every eval batch / total weight."""
+        """The task's report (``Task.report``: classification accuracy and mean loss, causal
+        LM loss and perplexity) on the eval split of ``state``'s parameters and fp8 state
+        (default ``self.state``), from the weighted sums over every eval batch."""
         state = self.state if state is None else state
         totals = {"loss_sum": 0.0, "correct": 0.0, "count": 0.0}
         for batch in self.eval_data.batches(0):
-            sums, _ = self.eval_step(state.params, self.put_batch(batch), state.fp8)
+            sums = self.eval_step(state.params, self.put_batch(batch), state.fp8)
             for k, v in jax.device_get(sums).items():
                 totals[k] += float(v)
-        n = max(totals["count"], 1.0)
-        return {"accuracy": totals["correct"] / n, "loss": totals["loss_sum"] / n,
-                "examples": int(totals["count"])}
+        return self.task.report(totals)
 
 
 def _policy(cfg: Config):
@@ -172,6 +177,7 @@ def _build(cfg: Config, mesh) -> Run:
     graphdef, params, fp8, param_shardings = _split_model(model, mesh)
     fp8 = fp8 if policy.fp8 else None
     tokenizer = load_tokenizer(tokenizer_dir)
+    check_vocab(len(tokenizer), model.config, tokenizer_dir)
     max_positions = model.config.max_position_embeddings
     train_data, label_names = splits.train_batches(cfg, tokenizer, max_positions)
     eval_data, _ = splits.eval_batches(cfg, tokenizer, max_positions)
@@ -339,7 +345,7 @@ def _train(run: Run, changes: dict) -> dict:
             epoch = start // steps_per_epoch
             while step < run.total_steps and not preempt.stop:
                 for batch in run.train_data.batches(epoch, step - epoch * steps_per_epoch):
-                    rows = batch["weights"].shape[0] * jax.process_count()
+                    rows = batch[run.task.weights].shape[0] * jax.process_count()
                     state, metrics = run.train_step(state, run.put_batch(batch))
                     step += 1
                     if pending is not None:
@@ -361,8 +367,8 @@ def _train(run: Run, changes: dict) -> dict:
                         ev = run.evaluate(state)
                         writer.write(step, ev, prefix="eval/")
                         if main:
-                            tqdm.write(f"epoch {epoch}: eval accuracy {ev['accuracy']:.4f} "
-                                       f"loss {ev['loss']:.4f}", file=sys.stderr)
+                            tqdm.write(f"epoch {epoch}: eval " + " ".join(
+                                f"{k} {v:.4f}" for k, v in ev.items()), file=sys.stderr)
             if preempt.stop:
                 save(step)
                 ckpt.wait()
@@ -372,8 +378,8 @@ def _train(run: Run, changes: dict) -> dict:
         final = run.evaluate(state)     # while the last save writes
         ckpt.wait()
         writer.write(step, final, prefix="eval/")
-        result.update(step=step, eval_accuracy=final["accuracy"], eval_loss=final["loss"],
-                      eval_examples=final["examples"])
+        result.update(step=step, task=run.task.name, summary=run.task.summary(final),
+                      **{f"eval_{k}": v for k, v in final.items()})
         return result
     except (NonFiniteLoss, NonFiniteState, TooManySkippedSteps) as e:
         # The loss of step k is computed from the parameters saved as step k - 1.
