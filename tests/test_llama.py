@@ -306,3 +306,82 @@ def test_bert_specs_saved_before_families_still_load():
     assert spec.from_saved(before, cfg.model) == expected
     assert spec.from_saved(arch, cfg.model) == expected
     assert expected.task == "classification" and expected.to_dict()["family"] == "bert"
+
+
+# ---- a causal-LM run folder: eval and generate ----
+
+WORDS = ["[UNK]", "</s>"] + [f"w{i}" for i in range(60)]
+
+
+@pytest.fixture(scope="module")
+def lm_run(tmp_path_factory, model):
+    """A run folder as the trainer writes it (checkpoint with its record, tokenizer/) holding
+    the tiny decoder and a 62-word word-level tokenizer."""
+    import tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from jaxaccel.train.checkpoint import Checkpointer, on_disk
+    run_dir = tmp_path_factory.mktemp("lm") / "run"
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(
+        {w: i for i, w in enumerate(WORDS)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", eos_token="</s>") \
+        .save_pretrained(str(run_dir / "tokenizer"))
+    cfg = config.build(sets=["model.name=llama-tiny", f"workdir={run_dir.parent}", "name=run"])
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    ckpt = Checkpointer(str(run_dir / "checkpoints"))
+    ckpt.save(3, on_disk(TrainState.create(params, optax.sgd(0.1), 0)),
+              {"epoch": 0, "step_in_epoch": 3, "step": 3, "config": cfg.to_dict(),
+               "architecture": model.spec.to_dict(), "label_names": []})
+    ckpt.wait()
+    ckpt.close()
+    return str(run_dir)
+
+
+class _Batches:
+    def __init__(self, batches):
+        self._batches = batches
+
+    def batches(self, epoch):
+        return iter(self._batches)
+
+
+def test_eval_of_a_causal_lm_run_reports_loss_and_perplexity(lm_run, model, monkeypatch,
+                                                             capsys):
+    """``jaxaccel eval`` on an LM run folder goes through the causal-LM task: the weighted
+    next-token loss over the eval batches and its exponential (eval batches stand in for the
+    LM corpus here)."""
+    from jaxaccel import cli
+    from jaxaccel.data import splits
+    batches = [packed([docs(20 + r, 6, 9) for r in range(8)], 16),
+               packed([docs(40 + r, 12) for r in range(8)], 16)]
+    monkeypatch.setattr(splits, "eval_batches", lambda *a: (_Batches(batches), ()))
+    assert cli.main(["eval", "--checkpoint", lm_run]) == 0
+    report = json.loads(capsys.readouterr().out)
+    sums = [LM.sums(jnp.asarray(logits(model, b)), b) for b in batches]
+    loss = sum(float(s[0]) for s in sums) / sum(float(s[2]) for s in sums)
+    assert report["tokens"] == 8 * (5 + 8) + 8 * 11 and report["step"] == 3
+    np.testing.assert_allclose(report["loss"], loss, rtol=1e-5)
+    np.testing.assert_allclose(report["perplexity"], np.exp(loss), rtol=1e-5)
+
+
+def test_generate_continues_prompts_from_a_run_folder(lm_run, model, capsys):
+    from jaxaccel import cli
+    from jaxaccel.data import load_tokenizer
+    prompts = ["w1 w2 w3", "w7 w8 w9 w10 w11 w12"]
+    assert cli.main(["generate", "--checkpoint", lm_run, "--greedy", "--max-new-tokens", "4",
+                     *prompts]) == 0
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    ids = [[WORDS.index(w) for w in p.split()] for p in prompts]
+    expected = Sampler(model)(ids, 4, eos_id=WORDS.index("</s>"))
+    assert [r["prompt"] for r in records] == prompts
+    tokenizer = load_tokenizer(os.path.join(lm_run, "tokenizer"), light=True)
+    assert [r["text"] for r in records] == [tokenizer.decode(n, skip_special_tokens=True)
+                                            for n in expected]
+    assert any(r["text"] for r in records)
+    # Too long for the model (128 positions): one error line, nothing on standard output.
+    assert cli.main(["generate", "--checkpoint", lm_run, "--max-new-tokens", "100",
+                     " ".join(["w3"] * 40)]) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and len(out.err.strip().splitlines()) == 1
+    assert "max_position_embeddings=128" in out.err
