@@ -385,3 +385,14 @@ def test_generate_continues_prompts_from_a_run_folder(lm_run, model, capsys):
     out = capsys.readouterr()
     assert out.out == "" and len(out.err.strip().splitlines()) == 1
     assert "max_position_embeddings=128" in out.err
+    assert cli.main(["predict", "--checkpoint", lm_run, "w1"]) == 2
+    assert "trained a causal_lm model; predict classifies texts. Use `jaxaccel generate`" in \
+        capsys.readouterr().err
+
+
+def test_a_tokenizer_larger_than_the_vocabulary_is_refused():
+    from jaxaccel.models import check_vocab
+    check_vocab(256, TINY, "tok")
+    with pytest.raises(ValueError, match=r"the tokenizer 'tok' has 257 tokens but the model's "
+                                         r"vocab_size is 256"):
+        check_vocab(257, TINY, "tok")
