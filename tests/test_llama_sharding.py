@@ -32,7 +32,7 @@ def on_eight_devices(eight_devices_module):
     DEVICES.clear()
 
 
-def sharded_step(spec, policy, mesh, abstract=False):
+def sharded_step(spec, policy, mesh, abstract=False, grad_accum=1):
     """``(jitted step, state or its abstract twin, batch sharding)`` of ``spec`` on ``mesh``,
     laid out as the trainer lays it out (``loop._split_model``'s logical-axis shardings)."""
     policy = get_policy(policy)
@@ -51,22 +51,23 @@ def sharded_step(spec, policy, mesh, abstract=False):
                            fp8=jax.tree_util.tree_map(lambda _: rep, shapes.fp8))
     state = abstract_like(shapes, shardings) if abstract else \
         jax.jit(create, out_shardings=shardings)(jax.device_put(params, p_sh), fp8)
-    step = jax.jit(make_train_step(graphdef, tx, task=LM, fp8_group=type(model).fp8_group),
+    step = jax.jit(make_train_step(graphdef, tx, grad_accum, LM, type(model).fp8_group),
                    in_shardings=(shardings, shd.batch_sharding(mesh)),
                    out_shardings=(shardings, rep), donate_argnums=0)
     return step, state, shd.batch_sharding(mesh)
 
 
-BATCHES = [packed([docs(10 * i + r, 5, 9, 2) for r in range(8)], 16) for i in range(3)]
+BATCH = packed([docs(r, 5, 9, 2) for r in range(8)], 16)
 TINY = ModelSpec(LLAMA_PRESETS["llama-tiny"])
 
 
-def train(mesh_shape, devices):
+def train(mesh_shape, devices, grad_accum=1):
+    """3 steps on one batch (8 rows of 3 documents) on the mesh ``mesh_shape``."""
     mesh = shd.make_mesh(dict(zip(shd.MESH_AXES, mesh_shape)), DEVICES[:devices])
     with jax.set_mesh(mesh):
-        step, state, batch_sharding = sharded_step(TINY, "fp32", mesh)
+        step, state, batch_sharding = sharded_step(TINY, "fp32", mesh, grad_accum=grad_accum)
         losses = []
-        for batch in BATCHES:
+        for batch in [BATCH] * 3:
             state, metrics = step(state, jax.device_put(batch, batch_sharding))
             losses.append(float(metrics["loss"]))
     return losses, jax.device_get(state.params)
@@ -77,9 +78,20 @@ def one_device():
     return train((1, 1, 1), 1)
 
 
-@pytest.mark.parametrize("mesh,devices", [((2, 2, 2), 8), ((1, 8, 1), 8), ((1, 1, 4), 4)])
-def test_sharded_decoder_steps_equal_one_device(one_device, mesh, devices):
-    losses, params = train(mesh, devices)
+def test_the_step_minimises_the_causal_lm_loss(one_device):
+    """The step's loss is the task's next-token loss of the model (from the log-softmax by
+    hand) and falls on a repeated batch."""
+    from tests.test_llama import lm_loss
+    losses = one_device[0]
+    np.testing.assert_allclose(losses[0], lm_loss(build_model(TINY, None, 0), BATCH), rtol=1e-5)
+    assert losses[2] < losses[0] - 0.1, losses
+
+
+@pytest.mark.parametrize("mesh,devices,grad_accum", [
+    ((2, 2, 2), 8, 1), ((1, 8, 1), 8, 1), ((1, 1, 4), 4, 1), ((8, 1, 1), 8, 2)])
+def test_sharded_decoder_steps_equal_one_device(one_device, mesh, devices, grad_accum):
+    """2x2x2, FSDP 8, tensor 4, and data 8 with two micro-batches per step."""
+    losses, params = train(mesh, devices, grad_accum)
     np.testing.assert_allclose(losses, one_device[0], rtol=1e-5)
     for a, b in zip(jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(one_device[1])):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
@@ -97,7 +109,7 @@ def test_1b_step_lowers_for_accelerators_with_fsdp_and_tensor_parallel(
     monkeypatch.setattr(registry, "platform", lambda: target)
     step, state, batch_sharding = sharded_step(spec, policy, mesh, abstract=True)
     batch = {k: jax.ShapeDtypeStruct((2, 2048), v.dtype, sharding=batch_sharding)
-             for k, v in BATCHES[0].items()}
+             for k, v in BATCH.items()}
     with jax.set_mesh(mesh):
         text = step.trace(state, batch).lower(lowering_platforms=(platform,)).as_text()
     calls = " ".join(line for line in text.splitlines() if f"custom_call @{kernel}" in line)
