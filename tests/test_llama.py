@@ -63,23 +63,21 @@ def test_packed_documents_are_isolated_and_positions_restart(model):
     logits (positions restarting at 0) equal those of B alone; without the segment ids B
     attends to A and its logits change (the check can fail)."""
     a, b, b2 = docs(0, 7, 9, 9)
-    row = logits(model, packed([[a, b]], 16))
-    other = logits(model, packed([[a, b2]], 16))
-    np.testing.assert_array_equal(row[:, :7], other[:, :7])
-    alone = logits(model, packed([[b]], 9))
-    np.testing.assert_allclose(row[:, 7:16], alone, atol=1e-5)
-    unsegmented = packed([[a, b]], 16)
-    unsegmented["segment_ids"][:] = 1
-    assert np.abs(logits(model, unsegmented)[:, 7:16] - alone).max() > 1e-2
+    row, alone = logits(model, packed([[a, b], [b]], 16))        # every call is [2, 16]
+    unsegmented = packed([[a, b2], [a, b]], 16)
+    unsegmented["segment_ids"][1] = 1
+    other, unsegmented = logits(model, unsegmented)
+    np.testing.assert_array_equal(row[:7], other[:7])
+    np.testing.assert_allclose(row[7:16], alone[:9], atol=1e-5)
+    assert np.abs(unsegmented[7:16] - alone[:9]).max() > 1e-2
 
 
 def test_attention_is_causal(model):
-    ids = np.asarray(docs(1, 16), np.int32)
-    changed = ids.copy()
-    changed[0, 10] = (changed[0, 10] + 1) % TINY.vocab_size
-    before, after = np.asarray(model(ids).logits), np.asarray(model(changed).logits)
-    np.testing.assert_array_equal(before[:, :10], after[:, :10])
-    assert np.abs(before[:, 10:] - after[:, 10:]).max() > 1e-3
+    ids = np.asarray(docs(1, 16) * 2, np.int32)
+    ids[1, 10] = (ids[1, 10] + 1) % TINY.vocab_size
+    before, after = np.asarray(model(ids).logits)
+    np.testing.assert_array_equal(before[:10], after[:10])
+    assert np.abs(before[10:] - after[10:]).max() > 1e-3
 
 
 def test_grouped_query_attention_equals_repeated_key_value_heads(model):
@@ -98,7 +96,7 @@ def test_grouped_query_attention_equals_repeated_key_value_heads(model):
     target = nnx.state(mha, nnx.Param)
     nnx.replace_by_pure_dict(target, state)
     nnx.update(mha, target)
-    batch = packed([docs(2, 5, 11)], 16)
+    batch = packed([docs(2, 5, 11), docs(3, 16)], 16)
     np.testing.assert_allclose(logits(mha, batch), logits(model, batch), atol=1e-5)
 
 
@@ -227,16 +225,18 @@ def test_causal_lm_loss_is_the_weighted_next_token_cross_entropy(model):
 # ---- generation ----
 
 def test_cached_decoding_equals_the_uncached_model(model):
-    """Left-padded batched prompts of different lengths, sampled with the KV cache: every
-    step's logits equal the full (uncached) forward pass over prompt + generated tokens, and
-    each row's tokens are what it generates alone."""
-    prompts = docs(7, 3, 11)
-    sampler = Sampler(model)
-    new, seen = sampler(prompts, 6, return_logits=True)
+    """Prompts of different lengths, left-padded into one batch and sampled with the KV cache:
+    every step's logits equal the full (uncached) forward pass over the row's prompt +
+    generated tokens alone, without left padding (right-padded, which a causal model
+    ignores)."""
+    prompts = docs(7, 3, 9)
+    new, seen = Sampler(model)(prompts, 6, return_logits=True)
+    ids = np.zeros((2, 16), np.int32)
     for i, (p, n) in enumerate(zip(prompts, new)):
-        full = np.asarray(model(np.asarray([p + n], np.int32)).logits)[0]
-        np.testing.assert_allclose(seen[i], full[len(p) - 1:len(p) - 1 + len(n)], atol=1e-5)
-        assert sampler([p], 6) == [n]
+        ids[i, :len(p) + len(n)] = p + n
+    full = np.asarray(model(ids).logits)
+    for i, (p, n) in enumerate(zip(prompts, new)):
+        np.testing.assert_allclose(seen[i], full[i, len(p) - 1:len(p) - 1 + len(n)], atol=1e-5)
     # A right-padded batch gives the same prompts back.
     ids = np.zeros((2, 11), np.int32)
     mask = np.zeros_like(ids)
