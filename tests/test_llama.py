@@ -100,6 +100,15 @@ def test_grouped_query_attention_equals_repeated_key_value_heads(model):
     np.testing.assert_allclose(logits(mha, batch), logits(model, batch), atol=1e-5)
 
 
+def test_pallas_attention_gives_the_reference_logits_and_decoding(model):
+    """The flash kernel (interpreted on CPU) on packed causal rows, and on cached decoding
+    (one query against the cache's filled slots by segment pair), equals the reference."""
+    pallas = build_model(ModelSpec(TINY, attention_impl="pallas"), None, 0)
+    batch = packed([docs(0, 7, 9), docs(3, 16)], 16)
+    np.testing.assert_allclose(logits(pallas, batch), logits(model, batch), atol=1e-5)
+    assert_decoding_equals_uncached(Sampler(pallas), model, docs(7, 3, 9), 3)
+
+
 # ---- Hugging Face checkpoints ----
 
 def _hf_model(tmp_path, tie: bool):
@@ -224,19 +233,26 @@ def test_causal_lm_loss_is_the_weighted_next_token_cross_entropy(model):
 
 # ---- generation ----
 
+def assert_decoding_equals_uncached(sampler, model, prompts, steps):
+    """Greedy cached decoding: each step's logits equal ``model``'s over the row's prompt and
+    generated tokens alone (right-padded into one [2, 16] batch, which a causal model
+    ignores)."""
+    new, seen = sampler(prompts, steps, return_logits=True)
+    ids = np.zeros((len(prompts), 16), np.int32)
+    for i, (p, n) in enumerate(zip(prompts, new)):
+        ids[i, :len(p) + len(n)] = p + n
+    full = np.asarray(model(ids).logits)
+    for i, (p, n) in enumerate(zip(prompts, new)):
+        np.testing.assert_allclose(seen[i], full[i, len(p) - 1:len(p) - 1 + len(n)], atol=1e-5)
+
+
 def test_cached_decoding_equals_the_uncached_model(model):
     """Prompts of different lengths, left-padded into one batch and sampled with the KV cache:
     every step's logits equal the full (uncached) forward pass over the row's prompt +
     generated tokens alone, without left padding (right-padded, which a causal model
     ignores)."""
     prompts = docs(7, 3, 9)
-    new, seen = Sampler(model)(prompts, 6, return_logits=True)
-    ids = np.zeros((2, 16), np.int32)
-    for i, (p, n) in enumerate(zip(prompts, new)):
-        ids[i, :len(p) + len(n)] = p + n
-    full = np.asarray(model(ids).logits)
-    for i, (p, n) in enumerate(zip(prompts, new)):
-        np.testing.assert_allclose(seen[i], full[i, len(p) - 1:len(p) - 1 + len(n)], atol=1e-5)
+    assert_decoding_equals_uncached(Sampler(model), model, prompts, 6)
     # A right-padded batch gives the same prompts back.
     ids = np.zeros((2, 11), np.int32)
     mask = np.zeros_like(ids)
