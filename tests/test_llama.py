@@ -1,6 +1,7 @@
 """The Llama-style decoder: attention isolation (causal, packed documents), grouped-query
 attention and RoPE positions, parity with transformers' LlamaForCausalLM and the checkpoint
 round trip, the causal-LM task, generation with a KV cache, and the family table's specs."""
+import dataclasses
 import json
 import os
 
@@ -15,6 +16,7 @@ from jaxaccel import config
 from jaxaccel.models import (LLAMA_PRESETS, PRESETS, ModelSpec, architecture_of, build_model,
                              load_checkpoint, save_checkpoint, spec)
 from jaxaccel.models.generate import Sampler, prompts_of
+from jaxaccel.models.llama import rope_frequencies
 from jaxaccel.train.state import TrainState
 from jaxaccel.train.tasks import TASKS
 
@@ -83,7 +85,6 @@ def test_attention_is_causal(model):
 def test_grouped_query_attention_equals_repeated_key_value_heads(model):
     """8 query heads sharing 4 key/value heads (query head h reads kv head h // 2) compute what
     an 8-kv-head model with each kv head's projection repeated for its group computes."""
-    import dataclasses
     mha = build_model(ModelSpec(dataclasses.replace(TINY, num_key_value_heads=8)), None, 1)
     state = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     groups, d = TINY.num_attention_heads // TINY.num_key_value_heads, TINY.head_dim
@@ -111,13 +112,19 @@ def test_pallas_attention_gives_the_reference_logits_and_decoding(model):
 
 # ---- Hugging Face checkpoints ----
 
-def _hf_model(tmp_path, tie: bool):
+# Llama 3's RoPE scaling at a scale where all three of its frequency bands occur (head_dim 8,
+# theta 500: wavelengths 6.3 | 30 | 140, 662 against 64/4 and 64/1).
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+
+
+def _hf_model(tmp_path, tie: bool, rope_scaling):
     import torch
     import transformers
     cfg = transformers.LlamaConfig(
         vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        rope_theta=500.0, rms_norm_eps=1e-5, tie_word_embeddings=tie)
+        rope_theta=500.0, rms_norm_eps=1e-5, tie_word_embeddings=tie, rope_scaling=rope_scaling)
     torch.manual_seed(0)
     ref = transformers.LlamaForCausalLM(cfg).eval()
     path = str(tmp_path / "hf")
@@ -132,17 +139,25 @@ def _torch_logits(ref, ids, positions=None):
         return ref(torch.as_tensor(ids).long(), **kw).logits.numpy()
 
 
-@pytest.mark.parametrize("tie", [False, True])
-def test_transformers_parity_and_exact_round_trip(tmp_path, tie):
-    """A random GQA Llama written by transformers (sharded) loads with logits within 1e-4 of
-    PyTorch's (fp32); ours saved back (sharded) loads in transformers with the same logits and
-    loads back into ours bit-exactly. Positions restarting mid-row (no segment ids, so the
-    second document attends to the first) match transformers' position_ids."""
-    ref, path = _hf_model(tmp_path, tie)
+@pytest.mark.parametrize("tie,rope_scaling", [(False, None), (True, LLAMA3_ROPE)])
+def test_transformers_parity_and_exact_round_trip(tmp_path, tie, rope_scaling):
+    """A random GQA Llama written by transformers (sharded; tied embeddings and Llama 3 RoPE
+    scaling in the second case) loads with logits within 1e-4 of PyTorch's (fp32); ours saved
+    back (sharded) loads in transformers with the same logits and loads back into ours
+    bit-exactly. Positions restarting mid-row (no segment ids, so the second document attends
+    to the first) match transformers' position_ids."""
+    ref, path = _hf_model(tmp_path, tie, rope_scaling)
+    arch = architecture_of(path)
+    assert (arch.rope_scaling is None) == (rope_scaling is None)
+    if rope_scaling:     # all three bands: kept, interpolated, slowed by the factor 8
+        plain = np.asarray(rope_frequencies(dataclasses.replace(arch, rope_scaling=None)))
+        scaled = np.asarray(rope_frequencies(arch))
+        assert scaled[0] == plain[0] and plain[1] / 8 < scaled[1] < plain[1]
+        np.testing.assert_allclose(scaled[2:], plain[2:] / 8, rtol=1e-6)
     assert os.path.isfile(os.path.join(path, "model.safetensors.index.json"))
     ours = load_checkpoint(path, ModelSpec(architecture_of(path)))
-    ids = np.asarray(docs(3, 12, vocab=96) + docs(4, 12, vocab=96), np.int32)
-    positions = np.tile(np.r_[np.arange(5), np.arange(7)], (2, 1)).astype(np.int32)
+    ids = np.asarray(docs(3, 40, vocab=96) + docs(4, 40, vocab=96), np.int32)
+    positions = np.tile(np.r_[np.arange(15), np.arange(25)], (2, 1)).astype(np.int32)
     for pos in (None, positions):
         got = np.asarray(ours(ids, positions=pos).logits)
         err = np.abs(got - _torch_logits(ref, ids, pos)).max()
@@ -186,8 +201,8 @@ def _edit(path, config_edit=None, tensors_edit=None):
     (lambda c: c.update(model_type="gpt2", architectures=["GPT2LMHeadModel"]), None,
      r"model_type='gpt2' \(architectures \['GPT2LMHeadModel'\]\) is not a family jaxaccel "
      r"reads; known families .*'llama': \('llama',\)"),
-    (lambda c: c.update(rope_scaling={"rope_type": "llama3", "factor": 8.0}), None,
-     "RoPE scaling 'llama3' is not supported"),
+    (lambda c: c.update(rope_scaling={"rope_type": "yarn", "factor": 8.0}), None,
+     r"RoPE scaling 'yarn' is not supported \(plain RoPE or \('llama3',\)\)"),
     (None, lambda t: t.update({"model.layers.0.self_attn.q_norm.weight": np.ones(8, np.float32)}),
      r"tensors a Llama model of this architecture does not have: "
      r"\['model.layers.0.self_attn.q_norm.weight'\]"),
@@ -201,7 +216,6 @@ def test_bad_checkpoints_are_named(saved_tiny, config_edit, tensors_edit, messag
 
 
 def test_checkpoint_of_another_architecture_than_the_spec(saved_tiny):
-    import dataclasses
     wider = ModelSpec(dataclasses.replace(TINY, intermediate_size=256))
     with pytest.raises(ValueError, match=r"intermediate_size=128 \(spec: 256\)"):
         load_checkpoint(saved_tiny, wider)

@@ -12,7 +12,8 @@ For hidden states ``x`` [batch, seq, hidden] and each layer::
     logits = rms(x_L) W_head        (W_head = W_embed^T when tie_word_embeddings)
 
 * RoPE: position ``p`` rotates each pair (x_i, x_{i + d/2}) of a head by ``p * theta_i``,
-  ``theta_i = rope_theta ** (-2i / d)``, i < d/2 (transformers' ``rotate_half`` layout). The
+  ``theta_i = rope_theta ** (-2i / d)``, i < d/2 (transformers' ``rotate_half`` layout; Llama
+  3's ``rope_scaling`` rescales the low frequencies, ``rope_frequencies``). The
   positions are an input: in a packed row they restart at 0 for every document, so a
   document's logits do not depend on where in the row it sits.
 * Attention: causal, and only within a document (``segment_ids``: 1, 2, ... per document of
@@ -95,12 +96,33 @@ def _rms_norm(cfg: LlamaConfig, policy: Policy, rngs):
                        rngs=rngs)
 
 
-def rope(x, positions, theta: float):
+def rope_frequencies(cfg: LlamaConfig):
+    """theta_i = rope_theta ** (-2i / head_dim), i < head_dim / 2 (float32); with Llama 3's
+    ``rope_scaling`` (factor s, low/high frequency factors l/h, original context C), by the
+    wavelength w_i = 2 pi / theta_i:
+
+        w_i < C / h:   theta_i                              (high frequencies kept)
+        w_i > C / l:   theta_i / s                          (low frequencies slowed)
+        otherwise:     (1 - a) theta_i / s + a theta_i,     a = (C / w_i - l) / (h - l)
+    """
+    d = cfg.head_dim
+    theta = 1.0 / cfg.rope_theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d)
+    if cfg.rope_scaling is None:
+        return theta
+    r = dict(cfg.rope_scaling)
+    s, lo, hi = r["factor"], r["low_freq_factor"], r["high_freq_factor"]
+    context = r["original_max_position_embeddings"]
+    wavelen = 2 * jnp.pi / theta
+    a = (context / wavelen - lo) / (hi - lo)
+    scaled = jnp.where(wavelen > context / lo, theta / s, theta)
+    medium = (wavelen >= context / hi) & (wavelen <= context / lo)
+    return jnp.where(medium, (1 - a) * scaled / s + a * scaled, scaled)
+
+
+def rope(x, positions, inv_freq):
     """Rotary position embedding of x [batch, seq, heads, d] at ``positions`` [batch, seq]:
     (x_i, x_{i+d/2}) -> (x_i cos a - x_{i+d/2} sin a, x_{i+d/2} cos a + x_i sin a),
-    a = p * theta ** (-2i / d); computed in float32, returned in x's dtype."""
-    d = x.shape[-1]
-    inv_freq = 1.0 / theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d)
+    a = p * inv_freq_i (``rope_frequencies``); float32, returned in x's dtype."""
     angles = positions.astype(jnp.float32)[..., None, None] * inv_freq      # [b, s, 1, d/2]
     cos, sin = jnp.cos(angles), jnp.sin(angles)
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
@@ -124,8 +146,9 @@ class LlamaAttention(nnx.Module):
         cfg = self.cfg
         b, s, _ = x.shape
         heads = lambda t, n: t.reshape(b, s, n, cfg.head_dim)
-        q = rope(heads(self.q_proj(x), cfg.num_attention_heads), positions, cfg.rope_theta)
-        k = rope(heads(self.k_proj(x), cfg.num_key_value_heads), positions, cfg.rope_theta)
+        freq = rope_frequencies(cfg)
+        q = rope(heads(self.q_proj(x), cfg.num_attention_heads), positions, freq)
+        k = rope(heads(self.k_proj(x), cfg.num_key_value_heads), positions, freq)
         v = heads(self.v_proj(x), cfg.num_key_value_heads)
         kv = (k, v)
         segments, causal = segment_ids, True
@@ -271,4 +294,5 @@ class LlamaForCausalLM(nnx.Module):
         return LlamaOutput(logits=logits, cache=new_cache)
 
 
-__all__ = ["FP8_GROUPS", "KVCache", "LlamaForCausalLM", "LlamaOutput", "rope"]
+__all__ = ["FP8_GROUPS", "KVCache", "LlamaForCausalLM", "LlamaOutput", "rope",
+           "rope_frequencies"]

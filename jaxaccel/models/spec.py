@@ -93,6 +93,9 @@ PRESETS = {
 
 BERT_PRESETS = PRESETS
 LLAMA_MODEL_TYPES = ("llama",)
+# Supported RoPE scalings: rope_type -> the keys of its rope_scaling dict.
+ROPE_SCALINGS = {"llama3": ("rope_type", "factor", "low_freq_factor", "high_freq_factor",
+                            "original_max_position_embeddings")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,8 +106,11 @@ class LlamaConfig:
     ``num_key_value_heads`` < ``num_attention_heads`` is grouped-query attention (query head
     ``h`` reads key/value head ``h // (num_attention_heads // num_key_value_heads)``);
     ``head_dim`` defaults to ``hidden_size // num_attention_heads``; ``rope_theta`` is the
-    rotary base (``theta_i = rope_theta ** (-2i / head_dim)``); only unscaled RoPE is
-    supported (no ``rope_scaling``)."""
+    rotary base (``theta_i = rope_theta ** (-2i / head_dim)``). ``rope_scaling`` is None
+    (plain RoPE) or Llama 3's frequency scaling (``rope_type`` "llama3" with ``factor``,
+    ``low_freq_factor``, ``high_freq_factor``, ``original_max_position_embeddings``; see
+    ``llama.rope_frequencies``), held as sorted (key, value) pairs so the architecture stays
+    hashable; a dict is accepted."""
 
     vocab_size: int = 32000
     hidden_size: int = 4096
@@ -122,8 +128,18 @@ class LlamaConfig:
     attention_bias: bool = False
     mlp_bias: bool = False
     attention_dropout: float = 0.0
+    rope_scaling: tuple | None = None
 
     def __post_init__(self):
+        if self.rope_scaling is not None:
+            items = self.rope_scaling.items() if isinstance(self.rope_scaling, dict) \
+                else self.rope_scaling
+            scaling = dict((k, v) for k, v in items)
+            if scaling.get("rope_type") not in ROPE_SCALINGS or \
+                    set(scaling) != set(ROPE_SCALINGS[scaling.get("rope_type")]):
+                raise ValueError(f"rope_scaling={scaling!r} is not supported; expected None or "
+                                 f"one of {ROPE_SCALINGS} (a rope_type and its keys).")
+            object.__setattr__(self, "rope_scaling", tuple(sorted(scaling.items())))
         if self.head_dim is None:
             if self.hidden_size % self.num_attention_heads:
                 raise ValueError(f"hidden_size={self.hidden_size} is not divisible by "
@@ -152,12 +168,15 @@ class LlamaConfig:
                              f"model; this loader reads {LLAMA_MODEL_TYPES}.")
         rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
         kind = rope.get("rope_type", rope.get("type", "default"))
-        if kind != "default":
-            raise ValueError(f"{source}: RoPE scaling {kind!r} is not supported (only unscaled "
-                             "RoPE); use a checkpoint without rope_scaling (e.g. TinyLlama).")
+        if kind != "default" and kind not in ROPE_SCALINGS:
+            raise ValueError(f"{source}: RoPE scaling {kind!r} is not supported (plain RoPE "
+                             f"or {tuple(ROPE_SCALINGS)}); use such a checkpoint (e.g. "
+                             "TinyLlama, Llama 3.x).")
         names = {f.name for f in dataclasses.fields(cls)}
         values = {k: v for k, v in d.items() if k in names and v is not None}
         values["rope_theta"] = float(d.get("rope_theta", rope.get("rope_theta", 10000.0)))
+        values["rope_scaling"] = None if kind == "default" else \
+            {"rope_type": kind, **{k: rope[k] for k in ROPE_SCALINGS[kind] if k != "rope_type"}}
         values.setdefault("num_key_value_heads", d.get("num_attention_heads",
                                                         cls.num_attention_heads))
         return cls(**values)
@@ -165,7 +184,8 @@ class LlamaConfig:
     def to_hf(self) -> dict[str, Any]:
         """The config.json of this architecture for transformers' ``LlamaForCausalLM``."""
         return {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
-                **dataclasses.asdict(self), "rope_scaling": None}
+                **dataclasses.asdict(self),
+                "rope_scaling": None if self.rope_scaling is None else dict(self.rope_scaling)}
 
 
 LLAMA_PRESETS = {
