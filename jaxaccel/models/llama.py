@@ -277,13 +277,14 @@ class LlamaForCausalLM(nnx.Module):
             kv_segments = jax.lax.dynamic_update_slice(cache.segment_ids,
                                                        segment_ids.astype(jnp.int32), (0, start))
         for i, layer in enumerate(self.layers):
-            if self.spec.remat and cache is None:
+            if cache is not None:
+                x, kv = layer(x, positions, segment_ids, deterministic, rngs,
+                              (cache.keys[i], cache.values[i], kv_segments, start))
+                new_kv.append(kv)
+            elif self.spec.remat:
                 x = _remat_layer(layer, x, positions, segment_ids, rngs, deterministic)
-                continue
-            layer_cache = None if cache is None else (cache.keys[i], cache.values[i],
-                                                      kv_segments, start)
-            x, kv = layer(x, positions, segment_ids, deterministic, rngs, layer_cache)
-            new_kv.append(kv)
+            else:
+                x = layer(x, positions, segment_ids, deterministic, rngs)[0]
         h = self.policy.cast_to_compute(self.norm(x))
         head = (self.embed_tokens.embedding[...].T if self.lm_head is None
                 else self.lm_head.kernel[...])
