@@ -135,3 +135,10 @@ def test_1b_step_lowers_for_accelerators_with_fsdp_and_tensor_parallel(
         dots = [line for line in text.splitlines() if "dot_general" in line]
         assert sum("f8E4M3FN" in line for line in dots) >= 7 * 22
         assert sum("f8E5M2" in line for line in dots) >= 7 * 22
+
+
+def test_tensor_parallelism_must_split_whole_key_value_heads():
+    mesh = shd.make_mesh({"data": 1, "fsdp": 1, "tensor": 8}, DEVICES)
+    with pytest.raises(ValueError, match="mesh.tensor=8 does not divide the model's "
+                                         "num_key_value_heads=4"):
+        shd.check_model_fits(TINY.architecture, mesh)
