@@ -2,15 +2,14 @@
 one-device step (as tests/test_sharding.py checks for BERT), and the ~1B preset's step (FSDP +
 tensor parallel, bf16 and fp8, Pallas causal attention, remat) lowers for TPU and CUDA from
 shapes alone (nothing 1B-sized is allocated)."""
-import itertools
 
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 from jaxaccel import sharding as shd
 from jaxaccel.models import LLAMA_PRESETS, ModelSpec, build_model
-from jaxaccel.models.fp8 import Fp8Meta
 from jaxaccel.optim import make_optimizer, state_shardings
 from jaxaccel.precision import get_policy
 from jaxaccel.train import loop
@@ -37,7 +36,6 @@ def sharded_step(spec, policy, mesh, abstract=False, grad_accum=1):
     laid out as the trainer lays it out (``loop._split_model``'s logical-axis shardings)."""
     policy = get_policy(policy)
     make = lambda: build_model(spec, policy, 0)
-    from flax import nnx
     model = nnx.eval_shape(make) if abstract else make()
     graphdef, params, fp8, p_sh = loop._split_model(model, mesh)
     fp8 = fp8 if policy.fp8 else None

@@ -76,5 +76,5 @@ def create_model(model_cfg, policy, seed: int):
 
 
 __all__ = ["BertConfig", "BertModel", "FAMILIES", "LLAMA_PRESETS", "LlamaConfig", "ModelSpec",
-           "PRESETS", "architecture_of", "build_model", "check_vocab", "create_model", "from_pretrained",
-           "load_checkpoint", "packaged_minilm_dir", "save_checkpoint"]
+           "PRESETS", "architecture_of", "build_model", "check_vocab", "create_model",
+           "from_pretrained", "load_checkpoint", "packaged_minilm_dir", "save_checkpoint"]

@@ -210,8 +210,6 @@ class LlamaForCausalLM(nnx.Module):
       rngs: parameter initialisation RNGs (default ``nnx.Rngs(params=0)``).
     """
 
-    FP8_GROUPS = FP8_GROUPS
-
     def __init__(self, spec: ModelSpec, policy: str | Policy | None = None,
                  rngs: nnx.Rngs | None = None):
         if not isinstance(spec, ModelSpec) or not isinstance(spec.architecture, LlamaConfig):
