@@ -113,9 +113,9 @@ def test_pallas_attention_gives_the_reference_logits_and_decoding(model):
 # ---- Hugging Face checkpoints ----
 
 # Llama 3's RoPE scaling at a scale where all three of its frequency bands occur (head_dim 8,
-# theta 500: wavelengths 6.3 | 30 | 140, 662 against 64/4 and 64/1).
+# theta 500: wavelengths 6.3 | 30 | 140, 662 against 32/4 and 32/1).
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
 
 
 def _hf_model(tmp_path, tie: bool, rope_scaling):
