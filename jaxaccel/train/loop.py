@@ -33,6 +33,7 @@ from tqdm.auto import tqdm
 from jaxaccel import sharding as shd
 from jaxaccel.config import Config
 from jaxaccel.data import BatchIterator, load_tokenizer, splits
+from jaxaccel.data.packing import PackedBatches
 from jaxaccel.models import ModelSpec, create_model
 from jaxaccel.models.fp8 import Fp8Meta
 from jaxaccel.optim import make_onepass, make_optimizer, make_schedule, state_shardings
@@ -79,11 +80,11 @@ class Run:
     graphdef: nnx.GraphDef
     state: TrainState
     state_shardings: TrainState
-    eval_data: BatchIterator
+    eval_data: BatchIterator | PackedBatches
     tokenizer: object
     spec: ModelSpec
     label_names: tuple
-    train_data: BatchIterator | None = None
+    train_data: BatchIterator | PackedBatches | None = None
     tx: object = None
     schedule: object = None
     total_steps: int = 0
@@ -171,10 +172,10 @@ def _build(cfg: Config, mesh) -> Run:
     model, tokenizer_dir = create_model(cfg.model, policy, cfg.seed)
     graphdef, params, fp8, param_shardings = _split_model(model, mesh)
     fp8 = fp8 if policy.fp8 else None
-    tokenizer = load_tokenizer(tokenizer_dir)
-    max_positions = model.config.max_position_embeddings
-    train_data, label_names = splits.train_batches(cfg, tokenizer, max_positions)
-    eval_data, _ = splits.eval_batches(cfg, tokenizer, max_positions)
+    tokenizer = load_tokenizer(splits.tokenizer_dir(cfg, tokenizer_dir))
+    shape = (model.config.max_position_embeddings, model.config.vocab_size)
+    train_data, label_names = splits.train_batches(cfg, tokenizer, *shape)
+    eval_data, _ = splits.eval_batches(cfg, tokenizer, *shape)
 
     t = cfg.train
     total_steps = t.max_steps if t.max_steps > 0 else t.epochs * train_data.steps_per_epoch
@@ -225,7 +226,8 @@ def build_eval(cfg: Config, model, tokenizer_dir: str, devices=None) -> Run:
     tokenizer = load_tokenizer(tokenizer_dir, light=True) if cfg.data.name != "synthetic" \
         else None
     eval_data, label_names = splits.eval_batches(cfg, tokenizer,
-                                                 model.config.max_position_embeddings)
+                                                 model.config.max_position_embeddings,
+                                                 model.config.vocab_size)
     return Run(cfg, os.path.join(cfg.workdir, cfg.name), mesh, graphdef, state, shardings,
                eval_data, tokenizer, model.spec, label_names)
 
