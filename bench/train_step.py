@@ -24,8 +24,9 @@ attention dropout (eager where compile was not run).
 prints device time per category (matmul, attention, scatter, reduction, elementwise, ...);
 ``--profile-dir`` keeps the traces and the optimized HLO.
 
-Model FLOPs per step (analytic, DESIGN.md): 6 x non-embedding params x tokens + 12 x layers x
-seq^2 x hidden x batch; MFU = FLOPs / time / peak bf16 FLOP/s of the device (when known).
+Model FLOPs per step: ``jaxaccel.flops.train_flops`` (6 x matmul weights x tokens + 12 x
+layers x seq^2 x hidden x batch); MFU = FLOPs / time / peak bf16 FLOP/s of the device
+(``jaxaccel.flops.peak_flops``, when known).
 """
 from __future__ import annotations
 
@@ -41,8 +42,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import PEAK_BF16_FLOPS, device_kind, markdown, time_fn, write_results  # noqa
+from bench.common import device_kind, markdown, time_fn, write_results  # noqa
 from bench.hlo_profile import profile_ops  # noqa: E402
+from jaxaccel.flops import model_shape, peak_flops, train_flops  # noqa: E402
 from jaxaccel.models import PRESETS, BertConfig, BertModel, ModelSpec  # noqa: E402
 from jaxaccel.models.fp8 import Fp8Meta  # noqa: E402
 from jaxaccel.precision import LossScale, get_policy  # noqa: E402
@@ -52,10 +54,7 @@ from jaxaccel.train.step import make_train_step  # noqa: E402
 
 
 def model_flops(config: BertConfig, batch: int, seq: int, num_labels: int = 2) -> float:
-    h, f, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
-    non_embedding = layers * (4 * h * h + 4 * h + 2 * h * f + f + h + 4 * h) + h * h + h \
-        + h * num_labels + num_labels
-    return 6.0 * non_embedding * batch * seq + 12.0 * layers * seq * seq * h * batch
+    return train_flops(model_shape(ModelSpec(config, num_labels=num_labels)), batch, seq)
 
 
 def batch_of(config, batch, seq):
@@ -176,7 +175,7 @@ def main(argv=None):
     policies = ["fp32", "bf16", "fp16", "fp8"] if backend != "cpu" else ["fp32"]
     policies = args.policies.split(",") if args.policies else policies
     batches = [int(b) for b in args.batch.split(",")]
-    peak = PEAK_BF16_FLOPS.get(device_kind())
+    peak = peak_flops(device_kind(), "bf16")
     rows, profiles = [], {}
     for batch in batches:
         for policy in policies:
