@@ -62,7 +62,8 @@ def train_flops(shape: Shape, batch: int, seq: int) -> float:
         + attention * batch * (0.5 if shape.causal else 1.0)
 
 
-def _bert_shape(spec) -> Shape:
+def bert_shape(spec) -> Shape:
+    """A BERT encoder (bidirectional, GELU MLP) with its classification or masked-LM head."""
     a = spec.architecture
     h = a.hidden_size
     head = h * a.vocab_size + h * h if spec.mlm_head else h * h + h * (spec.num_labels or 0)
@@ -72,17 +73,19 @@ def _bert_shape(spec) -> Shape:
                  causal=False)
 
 
-SHAPES = {"BertConfig": _bert_shape}
-"""Architecture class name -> ``(model spec) -> Shape``; one entry per model family."""
+def llama_shape(spec) -> Shape:
+    """A Llama decoder (causal, grouped-query attention, SwiGLU MLP) with its vocabulary
+    projection (tied to the embedding or not: a matmul either way)."""
+    a = spec.architecture
+    return Shape(hidden=a.hidden_size, layers=a.num_hidden_layers,
+                 heads=a.num_attention_heads, kv_heads=a.num_key_value_heads,
+                 head_dim=a.head_dim, intermediate=a.intermediate_size, mlp_matrices=3,
+                 head_weights=a.hidden_size * a.vocab_size, causal=True)
 
 
 def model_shape(spec) -> Shape:
-    """The FLOPs shape of a model spec, by its architecture's family (``SHAPES``)."""
-    kind = type(spec.architecture).__name__
-    if kind not in SHAPES:
-        raise KeyError(f"no FLOPs shape for architecture {kind}; known: {sorted(SHAPES)}. Add "
-                       "an entry to jaxaccel.flops.SHAPES.")
-    return SHAPES[kind](spec)
+    """The FLOPs shape of a model spec, by its family's entry (``models.spec.FAMILIES``)."""
+    return spec.family.resolve("flops")(spec)
 
 
 class Peak(NamedTuple):

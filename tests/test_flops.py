@@ -58,3 +58,24 @@ def test_throughput_skips_the_compile_step_and_reports_mfu_only_with_a_peak():
     cpu.add({"input_ids": batch["input_ids"], "attention_mask": np.ones((4, 10))}, 2.0)
     assert set(cpu.flush()) == {"tokens_per_s", "processed_tokens_per_s",
                                 "model_tflops_per_device"}
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_llama_shape_counts_the_models_matmul_weights(tied):
+    """N = every 2-D weight of the built model but the embedding table (a lookup), which
+    counts once as the output projection when tied."""
+    import dataclasses
+
+    import jax
+    from flax import nnx
+
+    from jaxaccel.models import LLAMA_PRESETS, build_model
+    arch = dataclasses.replace(LLAMA_PRESETS["llama-tiny"], tie_word_embeddings=tied)
+    spec = ModelSpec(arch)
+    model = build_model(spec)
+    weights = [x for x in jax.tree_util.tree_leaves(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+               if x.ndim >= 2]
+    lookup = 0 if tied else arch.vocab_size * arch.hidden_size
+    shape = flops.model_shape(spec)
+    assert shape.matmul_weights == sum(x.size for x in weights) - lookup
+    assert shape.causal and shape.kv_heads == 4 and shape.heads == 8 and shape.mlp_matrices == 3

@@ -129,18 +129,15 @@ class PackedBatches:
             yield batch
 
 
-def tokenize_documents(tokenizer, texts: Sequence[str], vocab_size: int) -> list[np.ndarray]:
+def tokenize_documents(tokenizer, texts: Sequence[str]) -> list[np.ndarray]:
     """Token ids of each text (with the tokenizer's own special tokens, e.g. a Llama BOS) and
-    its EOS, in one batched call; ``vocab_size`` is the model's, which every id must fit."""
+    its EOS, in one batched call. (That the ids fit the model's vocabulary is checked with the
+    model: ``models.check_vocab``.)"""
     if len(texts) == 0:
         raise ValueError("tokenize_documents: no texts; expected a non-empty split.")
     if tokenizer.eos_token_id is None:
         raise ValueError(f"tokenizer {type(tokenizer).__name__} has no EOS token; documents "
                          "need one to end them. Use a tokenizer with eos_token set.")
-    if len(tokenizer) > vocab_size:
-        raise ValueError(f"the tokenizer has {len(tokenizer)} tokens but the model's "
-                         f"vocab_size is {vocab_size}; use a model with vocab_size >= "
-                         f"{len(tokenizer)} or a smaller tokenizer (data.tokenizer_vocab).")
     eos = tokenizer.eos_token_id
     enc = tokenizer(list(texts), return_attention_mask=False, return_token_type_ids=False)
     return [np.asarray(ids if ids and ids[-1] == eos else ids + [eos], np.int32)

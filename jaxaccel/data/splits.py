@@ -78,8 +78,7 @@ def tokenizer_dir(cfg, model_tokenizer_dir: str) -> str:
                                           splits=("train",))["train"])
 
 
-def _packed(cfg, tokenizer, max_positions: int, vocab_size: int, split: str, *,
-            training: bool) -> PackedBatches:
+def _packed(cfg, tokenizer, max_positions: int, split: str, *, training: bool) -> PackedBatches:
     """A corpus split's documents, tokenized and packed into rows of ``data.max_len``."""
     d = cfg.data
     if d.max_len > max_positions:
@@ -87,20 +86,19 @@ def _packed(cfg, tokenizer, max_positions: int, vocab_size: int, split: str, *,
                          f"model's maximum sequence length {max_positions}; set data.max_len "
                          f"<= {max_positions}.")
     docs = tokenize_documents(
-        tokenizer, load_corpus(d.name, data_dir=d.data_dir or None, splits=(split,))[split],
-        vocab_size)
+        tokenizer, load_corpus(d.name, data_dir=d.data_dir or None, splits=(split,))[split])
     size = cfg.train.batch_size if training else cfg.train.eval_batch_size
     return PackedBatches(docs, d.max_len, size, shuffle=training, seed=cfg.seed,
                          drop_remainder=training, process_index=jax.process_index(),
                          process_count=jax.process_count())
 
 
-def train_batches(cfg, tokenizer, max_positions: int, vocab_size: int | None = None,
-                  ) -> tuple[BatchIterator | PackedBatches, tuple]:
+def train_batches(cfg, tokenizer, max_positions: int) -> tuple[BatchIterator | PackedBatches,
+                                                                tuple]:
     """This process's training batches (shuffled, bucketed, full) and the label names; for a
-    corpus, packed causal-LM rows (every id < ``vocab_size``, the model's) and no labels."""
+    corpus, packed causal-LM rows and no labels."""
     if _is_corpus(cfg):
-        return _packed(cfg, tokenizer, max_positions, vocab_size, "train", training=True), ()
+        return _packed(cfg, tokenizer, max_positions, "train", training=True), ()
     examples, label_names = _examples(cfg, tokenizer, max_positions, "train")
     t = cfg.train
     batches = BatchIterator(examples, t.batch_size, shuffle=True, seed=cfg.seed,
@@ -110,14 +108,13 @@ def train_batches(cfg, tokenizer, max_positions: int, vocab_size: int | None = N
     return batches, label_names
 
 
-def eval_batches(cfg, tokenizer, max_positions: int, vocab_size: int | None = None,
-                 ) -> tuple[BatchIterator | PackedBatches, tuple]:
+def eval_batches(cfg, tokenizer, max_positions: int) -> tuple[BatchIterator | PackedBatches,
+                                                               tuple]:
     """This process's batches of ``data.eval_split`` (length-sorted, every example once) and
     the label names; the training split is neither read nor tokenized. A corpus: packed rows
     in document order, every token once, and no labels."""
     if _is_corpus(cfg):
-        return _packed(cfg, tokenizer, max_positions, vocab_size, cfg.data.eval_split,
-                       training=False), ()
+        return _packed(cfg, tokenizer, max_positions, cfg.data.eval_split, training=False), ()
     examples, label_names = _examples(cfg, tokenizer, max_positions, cfg.data.eval_split)
     size = cfg.train.eval_batch_size
     batches = BatchIterator(examples, size, shuffle=False, drop_remainder=False,

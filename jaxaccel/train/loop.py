@@ -35,7 +35,7 @@ from jaxaccel import sharding as shd
 from jaxaccel.config import Config
 from jaxaccel.data import BatchIterator, load_tokenizer, splits
 from jaxaccel.data.packing import PackedBatches
-from jaxaccel.models import ModelSpec, create_model
+from jaxaccel.models import ModelSpec, check_vocab, create_model
 from jaxaccel.models.fp8 import Fp8Meta
 from jaxaccel.optim import make_onepass, make_optimizer, make_schedule, state_shardings
 from jaxaccel.precision import LossScale, get_policy
@@ -45,6 +45,7 @@ from jaxaccel.train.metrics import MetricsWriter
 from jaxaccel.train.preemption import Preemption
 from jaxaccel.train.state import TrainState
 from jaxaccel.train.step import is_state_metric, make_eval_step, make_train_step
+from jaxaccel.train.tasks import TASKS, Task
 
 log = logging.getLogger("jaxaccel")
 
@@ -90,6 +91,11 @@ class Run:
     schedule: object = None
     total_steps: int = 0
 
+    @property
+    def task(self) -> Task:
+        """The training task of the model (``tasks.TASKS[spec.task]``)."""
+        return TASKS[self.spec.task]
+
     @functools.cached_property
     def batch_sharding(self) -> jax.sharding.NamedSharding:
         return shd.batch_sharding(self.mesh)
@@ -105,7 +111,8 @@ class Run:
         """``train_step(state, batch) -> (state, metrics)`` of the configured trainer path,
         jitted: the state donated and laid out as ``state_shardings``, metrics replicated."""
         make = onepass.make_train_step if self.cfg.train.flat_params else make_train_step
-        step = make(self.graphdef, self.tx, self.cfg.train.grad_accum)
+        step = make(self.graphdef, self.tx, self.cfg.train.grad_accum, self.task,
+                    self.spec.family.resolve("model").fp8_group)
         return jax.jit(step,
                        in_shardings=(self.state_shardings, self.batch_sharding),
                        out_shardings=(self.state_shardings, shd.replicated(self.mesh)),
@@ -113,27 +120,25 @@ class Run:
 
     @functools.cached_property
     def eval_step(self):
-        """``eval_step(params, batch, fp8) -> (sums, probabilities)`` (``step.make_eval_step``),
-        jitted: sums replicated, probabilities split over the batch like the batch."""
+        """``eval_step(params, batch, fp8) -> sums`` (``step.make_eval_step``), jitted: sums
+        replicated."""
         make = onepass.make_eval_step if self.cfg.train.flat_params else make_eval_step
-        return jax.jit(make(self.graphdef),
+        return jax.jit(make(self.graphdef, self.task),
                        in_shardings=(self.state_shardings.params, self.batch_sharding,
                                      self.state_shardings.fp8),
-                       out_shardings=(shd.replicated(self.mesh), self.batch_sharding))
+                       out_shardings=shd.replicated(self.mesh))
 
     def evaluate(self, state: TrainState | None = None) -> dict:
-        """Accuracy and mean loss on the eval split of ``state``'s parameters and fp8 state
-        (default ``self.state``): sum of weighted cross entropy (and of correct predictions)
-        over every eval batch / total weight."""
+        """The task's report (``Task.report``: classification accuracy and mean loss, causal
+        LM loss and perplexity) on the eval split of ``state``'s parameters and fp8 state
+        (default ``self.state``), from the weighted sums over every eval batch."""
         state = self.state if state is None else state
         totals = {"loss_sum": 0.0, "correct": 0.0, "count": 0.0}
         for batch in self.eval_data.batches(0):
-            sums, _ = self.eval_step(state.params, self.put_batch(batch), state.fp8)
+            sums = self.eval_step(state.params, self.put_batch(batch), state.fp8)
             for k, v in jax.device_get(sums).items():
                 totals[k] += float(v)
-        n = max(totals["count"], 1.0)
-        return {"accuracy": totals["correct"] / n, "loss": totals["loss_sum"] / n,
-                "examples": int(totals["count"])}
+        return self.task.report(totals)
 
 
 def _policy(cfg: Config):
@@ -173,10 +178,12 @@ def _build(cfg: Config, mesh) -> Run:
     model, tokenizer_dir = create_model(cfg.model, policy, cfg.seed)
     graphdef, params, fp8, param_shardings = _split_model(model, mesh)
     fp8 = fp8 if policy.fp8 else None
-    tokenizer = load_tokenizer(splits.tokenizer_dir(cfg, tokenizer_dir))
-    shape = (model.config.max_position_embeddings, model.config.vocab_size)
-    train_data, label_names = splits.train_batches(cfg, tokenizer, *shape)
-    eval_data, _ = splits.eval_batches(cfg, tokenizer, *shape)
+    tokenizer_dir = splits.tokenizer_dir(cfg, tokenizer_dir)
+    tokenizer = load_tokenizer(tokenizer_dir)
+    check_vocab(len(tokenizer), model.config, tokenizer_dir)
+    max_positions = model.config.max_position_embeddings
+    train_data, label_names = splits.train_batches(cfg, tokenizer, max_positions)
+    eval_data, _ = splits.eval_batches(cfg, tokenizer, max_positions)
 
     t = cfg.train
     total_steps = t.max_steps if t.max_steps > 0 else t.epochs * train_data.steps_per_epoch
@@ -227,8 +234,7 @@ def build_eval(cfg: Config, model, tokenizer_dir: str, devices=None) -> Run:
     tokenizer = load_tokenizer(tokenizer_dir, light=True) if cfg.data.name != "synthetic" \
         else None
     eval_data, label_names = splits.eval_batches(cfg, tokenizer,
-                                                 model.config.max_position_embeddings,
-                                                 model.config.vocab_size)
+                                                 model.config.max_position_embeddings)
     return Run(cfg, os.path.join(cfg.workdir, cfg.name), mesh, graphdef, state, shardings,
                eval_data, tokenizer, model.spec, label_names)
 
@@ -378,8 +384,8 @@ def _train(run: Run, changes: dict) -> dict:
                         ev = run.evaluate(state)
                         writer.write(step, ev, prefix="eval/")
                         if main:
-                            tqdm.write(f"epoch {epoch}: eval accuracy {ev['accuracy']:.4f} "
-                                       f"loss {ev['loss']:.4f}", file=sys.stderr)
+                            tqdm.write(f"epoch {epoch}: eval " + " ".join(
+                                f"{k} {v:.4f}" for k, v in ev.items()), file=sys.stderr)
                 t_last = time.perf_counter()    # the next step's time excludes save and eval
             if preempt.stop:
                 save(step)
@@ -390,8 +396,8 @@ def _train(run: Run, changes: dict) -> dict:
         final = run.evaluate(state)     # while the last save writes
         ckpt.wait()
         writer.write(step, final, prefix="eval/")
-        result.update(step=step, eval_accuracy=final["accuracy"], eval_loss=final["loss"],
-                      eval_examples=final["examples"])
+        result.update(step=step, task=run.task.name, summary=run.task.summary(final),
+                      **{f"eval_{k}": v for k, v in final.items()})
         return result
     except (NonFiniteLoss, NonFiniteState, TooManySkippedSteps) as e:
         # The loss of step k is computed from the parameters saved as step k - 1.
