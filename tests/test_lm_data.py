@@ -222,3 +222,30 @@ def test_config_picks_packed_lm_batches(corpus_dir, bpe_dir):
     with pytest.raises(ValueError, match="data.max_len=64 .* exceeds the model's maximum "
                                          "sequence length 32; set data.max_len <= 32"):
         splits.train_batches(cfg, tok, 32)
+
+
+def test_finetune_config_trains_from_a_llama_checkpoint(tmp_path, corpus_dir, bpe_dir):
+    """configs/canterbury_lm_finetune.py on a tiny Llama checkpoint folder (weights written by
+    jaxaccel's HF writer, the corpus's BPE as its tokenizer): the run reads the folder's
+    tokenizer, trains, and evaluates every validation token once."""
+    import dataclasses
+    import math
+
+    from jaxaccel.models import LLAMA_PRESETS, ModelSpec, build_model, save_checkpoint
+    from jaxaccel.train import loop
+    ckpt = str(tmp_path / "llama")
+    arch = dataclasses.replace(LLAMA_PRESETS["llama-tiny"], vocab_size=1024)
+    save_checkpoint(build_model(ModelSpec(arch)), ckpt)
+    load_tokenizer(bpe_dir, light=True).save_pretrained(ckpt)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cfg = config.load(os.path.join(root, "configs", "canterbury_lm_finetune.py"), [
+        f"workdir={tmp_path}", f"model.checkpoint={ckpt}", f"data.data_dir={corpus_dir}",
+        "data.max_len=64", "train.max_steps=2", "train.batch_size=8",
+        "train.eval_batch_size=64", "precision.policy=fp32", "model.remat=false",
+        "model.attention_impl=xla", "train.progress=false"])
+    result = loop.train(cfg)
+    assert result["status"] == "completed" and result["task"] == "causal_lm"
+    docs = tokenize_documents(load_tokenizer(ckpt, light=True), load_corpus(
+        "canterbury", data_dir=corpus_dir, splits=("validation",))["validation"])
+    assert result["eval_tokens"] == sum(len(d) - 1 for d in docs)
+    assert math.isfinite(result["eval_perplexity"]) and result["eval_perplexity"] > 1
