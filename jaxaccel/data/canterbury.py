@@ -135,8 +135,8 @@ class Canterbury(tfds.core.GeneratorBasedBuilder):
     VERSION = tfds.core.Version("1.0.0")
     RELEASE_NOTES = {"1.0.0": "brotli 1.2.1 test data; seeded 268-document validation."}
 
-    def __init__(self, *, source: str | os.PathLike | None = None, **kwargs):
-        self._source = source
+    def __init__(self, *, texts: dict[str, bytes] | None = None, **kwargs):
+        self._texts = texts     # fetch_texts' output; read only when the dataset is built
         super().__init__(**kwargs)
 
     def _info(self) -> tfds.core.DatasetInfo:
@@ -154,7 +154,7 @@ class Canterbury(tfds.core.GeneratorBasedBuilder):
         )
 
     def _split_generators(self, dl_manager):
-        docs = all_documents(fetch_texts(self._source))
+        docs = all_documents(self._texts if self._texts is not None else fetch_texts())
         order = np.random.default_rng(SPLIT_SEED).permutation(len(docs))
         held_out = set(order[:NUM_VALIDATION].tolist())
         return {
@@ -170,8 +170,11 @@ class Canterbury(tfds.core.GeneratorBasedBuilder):
 
 
 def prepare(data_dir: str | None = None, source: str | os.PathLike | None = None) -> Canterbury:
-    """The builder, built into `data_dir` (TFDS default if None) on first use."""
-    builder = Canterbury(data_dir=data_dir, file_format="array_record", source=source)
+    """The builder, built into `data_dir` (TFDS default if None) on first use; the texts are
+    fetched and checked before TFDS writes anything, so a bad source leaves no folders."""
+    builder = Canterbury(data_dir=data_dir, file_format="array_record")
     if not builder.is_prepared():
+        builder = Canterbury(data_dir=data_dir, file_format="array_record",
+                             texts=fetch_texts(source))
         builder.download_and_prepare()
     return builder
