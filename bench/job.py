@@ -33,9 +33,8 @@ import jax
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import device_kind, markdown, write_results  # noqa: E402
-from bench.train_step import model_flops  # noqa: E402
 from jaxaccel import config as config_lib  # noqa: E402
-from jaxaccel.flops import peak_flops  # noqa: E402
+from jaxaccel.flops import model_shape, peak_flops, train_flops  # noqa: E402
 from jaxaccel import energy  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -51,7 +50,7 @@ def padded_tokens_and_flops(cfg) -> tuple[int, float]:
             b, length = batch["input_ids"].shape
             b *= jax.process_count()
             tokens += b * length
-            flops += model_flops(run.spec.architecture, b, length, cfg.model.num_labels)
+            flops += train_flops(model_shape(run.spec), b, length)
             step += 1
             if step >= run.total_steps:
                 break

@@ -26,18 +26,21 @@ BASE: dict[str, Any] = {
     "workdir": "runs",              # root folder for checkpoints, metrics, TensorBoard events
     "seed": 0,                      # parameter init, dropout and data order
     "model": {
-        "name": "minilm-l6",        # preset: minilm-l6, bert-base, bert-large, tiny
+        "name": "minilm-l6",        # preset: minilm-l6, bert-base, bert-large, tiny (BERT:
+                                    # classification); llama-tiny, llama-cpu, llama-125m,
+                                    # llama-350m, llama-1b (decoders: causal LM); models/spec.py
         "checkpoint": "",           # HF checkpoint dir; "" = the packaged MiniLM for minilm-l6,
                                     # random init for the other presets
         "tokenizer": "",            # tokenizer dir; "" = the checkpoint's (or the packaged
-                                    # MiniLM's uncased BERT vocab for random-init presets)
-        "num_labels": 2,
+                                    # MiniLM's uncased BERT vocab for random-init presets; a
+                                    # corpus's own BPE, data.tokenizer_vocab, for its LM run)
+        "num_labels": 2,            # BERT only (decoders have an LM head)
         "attention_impl": "xla",    # auto | xla | pallas | cudnn (kernels_pallas/attention.py)
         "pooling": "cls",           # what the classifier reads: cls (BERT pooler) | mean
                                     # (masked mean of the last hidden states)
         "hidden_dropout": None,     # None = the checkpoint's value
         "attention_dropout": None,  # None = the checkpoint's value
-        "remat": False,             # rematerialise each encoder layer in the backward pass
+        "remat": False,             # rematerialise each layer in the backward pass
     },
     "data": {
         "name": "rt_snippets",      # rt_snippets | imdb_reviews | synthetic (classification);
