@@ -250,3 +250,30 @@ def test_finetune_config_trains_from_a_llama_checkpoint(tmp_path, corpus_dir, bp
         "canterbury", data_dir=corpus_dir, splits=("validation",))["validation"])
     assert result["eval_tokens"] == sum(len(d) - 1 for d in docs)
     assert math.isfinite(result["eval_perplexity"]) and result["eval_perplexity"] > 1
+
+
+@pytest.mark.slow
+def test_fp16_and_fp8_match_fp32_perplexity_on_the_cpu_lm_job(tmp_path):
+    """The README's CPU pretraining command (configs/canterbury_lm.py on one CPU device) under
+    each policy: fp16 and fp8 reach a validation perplexity within 2% of fp32's."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.test_distributed import _cpu_env
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    ppl = {}
+    for policy in ("fp32", "fp16", "fp8"):
+        proc = subprocess.run(
+            [sys.executable, "-m", "jaxaccel.cli", "train", "--config",
+             os.path.join(root, "configs", "canterbury_lm.py"), "--set", f"workdir={tmp_path}",
+             "--set", f"name={policy}", "--set", f"precision.policy={policy}",
+             "--set", "train.progress=false"],
+            capture_output=True, text=True, env=_cpu_env(PYTHONPATH=root))
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        result, _ = json.JSONDecoder().raw_decode(proc.stdout)
+        assert result["status"] == "completed", result
+        ppl[policy] = result["eval_perplexity"]
+        print(f"{policy}: validation perplexity {ppl[policy]:.2f}", flush=True)
+    for policy in ("fp16", "fp8"):
+        assert abs(ppl[policy] - ppl["fp32"]) <= 0.02 * ppl["fp32"], ppl
