@@ -277,3 +277,14 @@ def test_fp16_and_fp8_match_fp32_perplexity_on_the_cpu_lm_job(tmp_path):
         print(f"{policy}: validation perplexity {ppl[policy]:.2f}", flush=True)
     for policy in ("fp16", "fp8"):
         assert abs(ppl[policy] - ppl["fp32"]) <= 0.02 * ppl["fp32"], ppl
+
+
+def test_data_and_model_tasks_must_agree():
+    lm = config.build(sets=["data.name=canterbury", "model.name=minilm-l6"])
+    with pytest.raises(ValueError, match="data.name='canterbury' gives causal_lm batches but "
+                                         "the model \\(model.name='minilm-l6'\\) trains "
+                                         "classification; use a decoder"):
+        splits.check_task(lm, "classification")
+    splits.check_task(lm, "causal_lm")
+    with pytest.raises(ValueError, match="'rt_snippets' gives classification batches"):
+        splits.check_task(config.build(sets=["model.name=llama-cpu"]), "causal_lm")

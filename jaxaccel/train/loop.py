@@ -176,6 +176,7 @@ def build(cfg: Config, devices=None) -> Run:
 def _build(cfg: Config, mesh) -> Run:
     policy = _policy(cfg)
     model, tokenizer_dir = create_model(cfg.model, policy, cfg.seed)
+    splits.check_task(cfg, model.spec.task)
     graphdef, params, fp8, param_shardings = _split_model(model, mesh)
     fp8 = fp8 if policy.fp8 else None
     tokenizer_dir = splits.tokenizer_dir(cfg, tokenizer_dir)
