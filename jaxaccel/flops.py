@@ -8,10 +8,10 @@ appendix B; MaxText's ``calculate_tflops_training_per_device``; DESIGN.md):
 * ``N`` counts the weights every token is multiplied by: per layer the q, k, v, o projections
   (h x h, 2 x h x kv_heads x head_dim, h x h) and the MLP (2 matrices h x f, or 3 when gated
   as SwiGLU), plus the output head: BERT's pooler and classifier (h x h + h x labels; they
-  see one token per row but are counted per token, as bench rows always did: < 0.1% of N),
-  or the vocabulary projection h x V of a language model, tied to the embedding or not. The
-  embedding lookup (no multiply), biases and norms (O(h)) are not counted. 6 = 2 (multiply +
-  add) x 3 (forward, and the backward's two matmuls per weight).
+  see one token per row but are counted per token, as bench rows always did: 0.7% of
+  bert-base's N), or the vocabulary projection h x V of a language model, tied to the
+  embedding or not. The embedding lookup (no multiply), biases and norms (O(h)) are not
+  counted. 6 = 2 (multiply + add) x 3 (forward, and the backward's two matmuls per weight).
 * Attention: QK^T and AV are 2 x L^2 x heads x head_dim each in the forward, x 3 for
   forward + backward. Causal attention needs only the lower triangle, so it is halved, as
   MaxText does (nanoGPT and PaLM do not halve); packed rows count the whole row as one
