@@ -28,11 +28,10 @@ prints device time per category (matmul, attention, scatter, reduction, elementw
 on a GPU or TPU, none on a CPU) of the causal-LM step on packed rows of ``--lm-seq`` tokens
 (2048), ``--lm-batch`` rows (8), with remat, per policy and attention implementation, AdamW.
 
-Model FLOPs per step (analytic, DESIGN.md): 6 x non-embedding params x tokens + 12 x layers x
-seq^2 x hidden x batch; MFU = FLOPs / time / peak bf16 FLOP/s of the device (when known). For
-the decoder rows the non-embedding parameters are every parameter but the input embedding
-table (the LM head's h x vocab matmul is compute; tied or not), and the attention term counts
-the full seq^2 (as for BERT; a causal kernel skips about half of it).
+Model FLOPs per step: ``jaxaccel.flops.train_flops`` (6 x matmul weights x tokens + 12 x
+layers x seq^2 x heads x head_dim x batch, halved for causal attention; the decoder rows' LM
+head, tied or not, is a matmul and counted); MFU = FLOPs / time / peak bf16 FLOP/s of the
+device (``jaxaccel.flops.peak_flops``, when known).
 """
 from __future__ import annotations
 
@@ -48,8 +47,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import PEAK_BF16_FLOPS, device_kind, markdown, time_fn, write_results  # noqa
+from bench.common import device_kind, markdown, time_fn, write_results  # noqa
 from bench.hlo_profile import profile_ops  # noqa: E402
+from jaxaccel.flops import model_shape, peak_flops, train_flops  # noqa: E402
 from jaxaccel.models import (LLAMA_PRESETS, PRESETS, BertConfig, BertModel,  # noqa: E402
                              ModelSpec, build_model)
 from jaxaccel.models.fp8 import Fp8Meta  # noqa: E402
@@ -61,10 +61,7 @@ from jaxaccel.train.tasks import TASKS  # noqa: E402
 
 
 def model_flops(config: BertConfig, batch: int, seq: int, num_labels: int = 2) -> float:
-    h, f, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
-    non_embedding = layers * (4 * h * h + 4 * h + 2 * h * f + f + h + 4 * h) + h * h + h \
-        + h * num_labels + num_labels
-    return 6.0 * non_embedding * batch * seq + 12.0 * layers * seq * seq * h * batch
+    return train_flops(model_shape(ModelSpec(config, num_labels=num_labels)), batch, seq)
 
 
 def batch_of(config, batch, seq):
@@ -74,17 +71,6 @@ def batch_of(config, batch, seq):
             "token_type_ids": np.zeros_like(ids),
             "labels": rng.integers(0, 2, size=batch, dtype=np.int32),
             "weights": np.ones(batch, np.float32)}
-
-
-def lm_flops(config, batch: int, seq: int) -> float:
-    """6 x (parameters but the input embeddings) x tokens + 12 x layers x seq^2 x hidden x batch
-    for a ``LlamaConfig``."""
-    h, f, layers, kv = (config.hidden_size, config.intermediate_size, config.num_hidden_layers,
-                        config.num_key_value_heads * config.head_dim)
-    q = config.num_attention_heads * config.head_dim
-    block = 2 * h * q + 2 * h * kv + 3 * h * f + 2 * h
-    non_embedding = layers * block + h + h * config.vocab_size
-    return 6.0 * non_embedding * batch * seq + 12.0 * layers * seq * seq * h * batch
 
 
 def lm_batch_of(config, batch, seq):
@@ -224,7 +210,7 @@ def main(argv=None):
     policies = ["fp32", "bf16", "fp16", "fp8"] if backend != "cpu" else ["fp32"]
     policies = args.policies.split(",") if args.policies else policies
     batches = [int(b) for b in args.batch.split(",")]
-    peak = PEAK_BF16_FLOPS.get(device_kind())
+    peak = peak_flops(device_kind(), "bf16")
     rows, profiles = [], {}
     lm = args.lm.split(",") if args.lm else ([] if backend == "cpu" else
                                             ["llama-125m", "llama-350m", "llama-1b"])
@@ -239,7 +225,8 @@ def main(argv=None):
                                        args.lm_seq)
                 rows.append({"name": name, "batch": args.lm_batch, "seq": args.lm_seq,
                              "model": preset, "attention_dropout": 0.0,
-                             "flops_per_step": lm_flops(cfg, args.lm_batch, args.lm_seq),
+                             "flops_per_step": train_flops(model_shape(ModelSpec(cfg)),
+                                                           args.lm_batch, args.lm_seq),
                              **time_fn(run, data, n=args.n)})
                 print(f"  {name} b{args.lm_batch}x{args.lm_seq}: "
                       f"{rows[-1]['median_s'] * 1e3:.1f} ms", flush=True)

@@ -232,6 +232,8 @@ class Family:
         rngs)``), the checkpoint reader (``load(path, spec, policy, seed) -> model``) and
         writer (``save(model, path, max_shard_size=None)``; None: none yet); ``resolve``
         imports them.
+      flops: ``"module:name"`` of ``shape(spec) -> jaxaccel.flops.Shape``, what the model
+        FLOPs formula (tokens/s, TFLOP/s and MFU of every run) reads from a spec.
     """
 
     name: str
@@ -244,6 +246,7 @@ class Family:
     model: str
     reader: str
     writer: str | None
+    flops: str
 
     def resolve(self, part: str):
         """The object ``part`` ("model", "reader" or "writer") names, imported."""
@@ -259,14 +262,15 @@ FAMILIES = {
                    dropouts=DROPOUTS, hf_model_types=BERT_MODEL_TYPES,
                    model="jaxaccel.models.bert:BertModel",
                    reader="jaxaccel.models.hf:load_checkpoint",
-                   writer=None),
+                   writer=None, flops="jaxaccel.flops:bert_shape"),
     "llama": Family("llama", LlamaConfig, LLAMA_PRESETS, tasks=("causal_lm",),
                     options=("attention_impl", "remat"),
                     dropouts={"attention_dropout": "attention_dropout"},
                     hf_model_types=LLAMA_MODEL_TYPES,
                     model="jaxaccel.models.llama:LlamaForCausalLM",
                     reader="jaxaccel.models.hf_llama:load_checkpoint",
-                    writer="jaxaccel.models.hf_llama:save_checkpoint"),
+                    writer="jaxaccel.models.hf_llama:save_checkpoint",
+                    flops="jaxaccel.flops:llama_shape"),
 }
 ARCHITECTURES = tuple(f.architecture for f in FAMILIES.values())
 

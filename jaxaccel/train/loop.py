@@ -30,9 +30,11 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
+from jaxaccel import flops
 from jaxaccel import sharding as shd
 from jaxaccel.config import Config
 from jaxaccel.data import BatchIterator, load_tokenizer, splits
+from jaxaccel.data.packing import PackedBatches
 from jaxaccel.models import ModelSpec, check_vocab, create_model
 from jaxaccel.models.fp8 import Fp8Meta
 from jaxaccel.optim import make_onepass, make_optimizer, make_schedule, state_shardings
@@ -80,11 +82,11 @@ class Run:
     graphdef: nnx.GraphDef
     state: TrainState
     state_shardings: TrainState
-    eval_data: BatchIterator
+    eval_data: BatchIterator | PackedBatches
     tokenizer: object
     spec: ModelSpec
     label_names: tuple
-    train_data: BatchIterator | None = None
+    train_data: BatchIterator | PackedBatches | None = None
     tx: object = None
     schedule: object = None
     total_steps: int = 0
@@ -174,8 +176,10 @@ def build(cfg: Config, devices=None) -> Run:
 def _build(cfg: Config, mesh) -> Run:
     policy = _policy(cfg)
     model, tokenizer_dir = create_model(cfg.model, policy, cfg.seed)
+    splits.check_task(cfg, model.spec.task)
     graphdef, params, fp8, param_shardings = _split_model(model, mesh)
     fp8 = fp8 if policy.fp8 else None
+    tokenizer_dir = splits.tokenizer_dir(cfg, tokenizer_dir)
     tokenizer = load_tokenizer(tokenizer_dir)
     check_vocab(len(tokenizer), model.config, tokenizer_dir)
     max_positions = model.config.max_position_embeddings
@@ -284,6 +288,17 @@ def _resume_note(run: Run, start: int, changes: dict) -> None:
                  float(run.schedule(start)))
 
 
+def _throughput(run: Run) -> flops.Throughput:
+    """The tokens/s, TFLOP/s and MFU meter of the run's train steps (``jaxaccel.flops``)."""
+    kind, policy = jax.devices()[0].device_kind, run.cfg.precision.policy
+    meter = flops.Throughput(flops.model_shape(run.spec), policy, kind, jax.device_count(),
+                             jax.process_count())
+    if meter.peak is None:
+        log.info("MFU: no peak FLOP/s known for device %r under policy %s (jaxaccel.flops."
+                 "PEAKS); metrics carry tokens/s and model TFLOP/s only", kind, policy)
+    return meter
+
+
 def _train(run: Run, changes: dict) -> dict:
     cfg, t = run.cfg, run.cfg.train
     main = jax.process_index() == 0
@@ -311,12 +326,14 @@ def _train(run: Run, changes: dict) -> dict:
     bar = tqdm(total=run.total_steps, initial=start, disable=not (t.progress and main),
                unit="step", dynamic_ncols=True, file=sys.stderr)
     window, pending, step = [], None, start
+    meter = _throughput(run)
     t_last = time.perf_counter()
 
     def drain(pending):
         """Fetch one step's metrics (one step late, so the device stays busy)."""
         nonlocal t_last
-        step_no, metrics, rows = pending
+        step_no, metrics, batch = pending
+        rows = batch["input_ids"].shape[0] * jax.process_count()
         m = {k: float(v) for k, v in jax.device_get(metrics).items()}
         skips = m.get("consecutive_skips", 0)      # fp16: this step was skipped, not applied
         if skips >= cfg.precision.max_consecutive_skips:
@@ -329,6 +346,7 @@ def _train(run: Run, changes: dict) -> dict:
         now = time.perf_counter()
         dt, t_last = now - t_last, now
         window.append(m)
+        meter.add(batch, dt)
         bar.update(1)
         bar.set_postfix(loss=f"{m['loss']:.4f}", step_ms=f"{dt * 1e3:.0f}",
                         ex_s=f"{rows / dt:.0f}")
@@ -337,6 +355,7 @@ def _train(run: Run, changes: dict) -> dict:
                     else float(np.mean([w[k] for w in window])) for k in window[0]}
             mean["learning_rate"] = float(run.schedule(step_no - 1))
             mean["examples_per_s"] = rows / dt
+            mean.update(meter.flush())
             writer.write(step_no, mean, prefix="train/")
             window.clear()
 
@@ -345,12 +364,11 @@ def _train(run: Run, changes: dict) -> dict:
             epoch = start // steps_per_epoch
             while step < run.total_steps and not preempt.stop:
                 for batch in run.train_data.batches(epoch, step - epoch * steps_per_epoch):
-                    rows = batch[run.task.weights].shape[0] * jax.process_count()
                     state, metrics = run.train_step(state, run.put_batch(batch))
                     step += 1
                     if pending is not None:
                         drain(pending)
-                    pending = (step, metrics, rows)
+                    pending = (step, metrics, batch)
                     if t.checkpoint_every and step % t.checkpoint_every == 0:
                         drain(pending)
                         pending = None
@@ -369,6 +387,7 @@ def _train(run: Run, changes: dict) -> dict:
                         if main:
                             tqdm.write(f"epoch {epoch}: eval " + " ".join(
                                 f"{k} {v:.4f}" for k, v in ev.items()), file=sys.stderr)
+                t_last = time.perf_counter()    # the next step's time excludes save and eval
             if preempt.stop:
                 save(step)
                 ckpt.wait()
