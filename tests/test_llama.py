@@ -13,6 +13,7 @@ import pytest
 from flax import nnx
 
 from jaxaccel import config
+from jaxaccel.data.packing import pack
 from jaxaccel.models import (LLAMA_PRESETS, PRESETS, ModelSpec, architecture_of, build_model,
                              load_checkpoint, save_checkpoint, spec)
 from jaxaccel.models.generate import Sampler, prompts_of
@@ -25,22 +26,12 @@ LM = TASKS["causal_lm"]
 
 
 def packed(rows, length):
-    """A packed causal-LM batch (the agreed interface, ``tasks.TASKS["causal_lm"]``) of rows of
-    documents (lists of token ids), each row padded to ``length``."""
-    b = {k: np.zeros((len(rows), length), np.int32) for k in
-         ("input_ids", "positions", "segment_ids", "targets")}
-    b["target_weights"] = np.zeros((len(rows), length), np.float32)
-    for r, docs in enumerate(rows):
-        at = 0
-        for s, doc in enumerate(docs, 1):
-            n = len(doc)
-            b["input_ids"][r, at:at + n] = doc
-            b["positions"][r, at:at + n] = np.arange(n)
-            b["segment_ids"][r, at:at + n] = s
-            b["targets"][r, at:at + n - 1] = doc[1:]
-            b["target_weights"][r, at:at + n - 1] = 1.0
-            at += n
-    return b
+    """A causal-LM batch of rows of documents (lists of token ids), each row's documents
+    packed by ``data.packing.pack`` into one row of ``length`` tokens."""
+    for docs_ in rows:
+        assert sum(map(len, docs_)) <= length, "each row's documents must fit in one row"
+    rows = [pack([np.asarray(d, np.int32) for d in docs_], length) for docs_ in rows]
+    return {k: np.concatenate([r[k] for r in rows]) for k in rows[0]}
 
 
 def docs(seed, *lengths, vocab=TINY.vocab_size):
