@@ -25,8 +25,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import (PEAK_BF16_FLOPS, add_out_argument, device_kind,  # noqa: E402
-                          markdown, time_fn, write_results)
+from bench.common import (add_out_argument, device_kind, markdown,  # noqa: E402
+                          time_fn, write_results)
+from jaxaccel.flops import peak_flops  # noqa: E402
 from kernels_pallas import registry  # noqa: E402
 from kernels_pallas.attention import REGISTRY, attention, attention_reference  # noqa: E402
 
@@ -63,7 +64,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
 
     platform = registry.platform()
-    peak = PEAK_BF16_FLOPS.get(device_kind())
+    peak = peak_flops(device_kind(), "bf16")
     rows = []
     for shape_name, (b, s, h, d, causal, padded) in (SMALL_SHAPES if args.small
                                                        else SHAPES).items():

@@ -11,8 +11,8 @@ Runs ``jaxaccel.train.loop.train`` in a fresh work folder (never resumes) and wr
   (None when never reached); ``final_accuracy`` on the eval split;
 - ``tokens_per_s`` = tokens / time_s, where tokens = sum of every train batch's padded
   [batch, length] (what the device computes on; counted from the same data pipeline);
-- ``mfu`` = model FLOPs / time_s / (peak bf16 FLOP/s x devices), FLOPs per batch by the
-  analytic count of bench/train_step.py: whole-job MFU, compile and eval included;
+- ``mfu`` = model FLOPs / time_s / (peak FLOP/s of the policy's dtype x devices), FLOPs per
+  batch by ``jaxaccel.flops.train_flops``: whole-job MFU, compile and eval included;
 - energy over the run (NVML; elsewhere the labelled TDP estimate at utilisation = MFU).
 
 The work (joined by ``jaxaccel compare``) is the config's model, data, epochs / steps, batch and
@@ -32,10 +32,10 @@ import jax
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import (PEAK_BF16_FLOPS, add_out_argument, device_kind,  # noqa: E402
-                          markdown, write_results)
-from bench.train_step import model_flops  # noqa: E402
+from bench.common import (add_out_argument, device_kind, markdown,  # noqa: E402
+                          write_results)
 from jaxaccel import config as config_lib  # noqa: E402
+from jaxaccel.flops import model_shape, peak_flops, train_flops  # noqa: E402
 from jaxaccel import energy  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -51,7 +51,7 @@ def padded_tokens_and_flops(cfg) -> tuple[int, float]:
             b, length = batch["input_ids"].shape
             b *= jax.process_count()
             tokens += b * length
-            flops += model_flops(run.spec.architecture, b, length, cfg.model.num_labels)
+            flops += train_flops(model_shape(run.spec), b, length)
             step += 1
             if step >= run.total_steps:
                 break
@@ -95,7 +95,7 @@ def main(argv=None):
         shutil.rmtree(workdir, ignore_errors=True)
     tokens, flops = padded_tokens_and_flops(cfg)
     seconds = meter.result["seconds"]
-    peak = PEAK_BF16_FLOPS.get(device_kind())
+    peak = peak_flops(device_kind(), cfg.precision.policy)
     name = f"{cfg.name}.{cfg.precision.policy}.{cfg.train.optimizer}"
     row = {"name": name, "time_s": seconds, "n": 1, "steps": result["step"],
            "time_to_accuracy_s": tta, "target_accuracy": args.target,

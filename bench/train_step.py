@@ -24,8 +24,14 @@ attention dropout (eager where compile was not run).
 prints device time per category (matmul, attention, scatter, reduction, elementwise, ...);
 ``--profile-dir`` keeps the traces and the optimized HLO.
 
-Model FLOPs per step (analytic, DESIGN.md): 6 x non-embedding params x tokens + 12 x layers x
-seq^2 x hidden x batch; MFU = FLOPs / time / peak bf16 FLOP/s of the device (when known).
+``--lm PRESETS`` adds decoder rows (``llama-125m``, ``llama-350m``, ``llama-1b``: the default
+on a GPU or TPU, none on a CPU) of the causal-LM step on packed rows of ``--lm-seq`` tokens
+(2048), ``--lm-batch`` rows (8), with remat, per policy and attention implementation, AdamW.
+
+Model FLOPs per step: ``jaxaccel.flops.train_flops`` (6 x matmul weights x tokens + 12 x
+layers x seq^2 x heads x head_dim x batch, halved for causal attention; the decoder rows' LM
+head, tied or not, is a matmul and counted); MFU = FLOPs / time / peak bf16 FLOP/s of the
+device (``jaxaccel.flops.peak_flops``, when known).
 """
 from __future__ import annotations
 
@@ -41,22 +47,22 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import (PEAK_BF16_FLOPS, add_out_argument, device_kind,  # noqa: E402
-                          markdown, time_fn, write_results)
+from bench.common import (add_out_argument, device_kind, markdown, time_fn,  # noqa: E402
+                          write_results)
 from bench.hlo_profile import profile_ops  # noqa: E402
-from jaxaccel.models import PRESETS, BertConfig, BertModel, ModelSpec  # noqa: E402
+from jaxaccel.flops import model_shape, peak_flops, train_flops  # noqa: E402
+from jaxaccel.models import (LLAMA_PRESETS, PRESETS, BertConfig, BertModel,  # noqa: E402
+                             ModelSpec, build_model)
 from jaxaccel.models.fp8 import Fp8Meta  # noqa: E402
 from jaxaccel.precision import LossScale, get_policy  # noqa: E402
 from jaxaccel.optim import make_optimizer  # noqa: E402
 from jaxaccel.train.state import TrainState  # noqa: E402
 from jaxaccel.train.step import make_train_step  # noqa: E402
+from jaxaccel.train.tasks import TASKS  # noqa: E402
 
 
 def model_flops(config: BertConfig, batch: int, seq: int, num_labels: int = 2) -> float:
-    h, f, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
-    non_embedding = layers * (4 * h * h + 4 * h + 2 * h * f + f + h + 4 * h) + h * h + h \
-        + h * num_labels + num_labels
-    return 6.0 * non_embedding * batch * seq + 12.0 * layers * seq * seq * h * batch
+    return train_flops(model_shape(ModelSpec(config, num_labels=num_labels)), batch, seq)
 
 
 def batch_of(config, batch, seq):
@@ -68,21 +74,45 @@ def batch_of(config, batch, seq):
             "weights": np.ones(batch, np.float32)}
 
 
+def lm_batch_of(config, batch, seq):
+    """A causal-LM batch (``tasks.TASKS["causal_lm"]``): one document per row."""
+    rng = np.random.default_rng(0)
+    ids = rng.integers(1, config.vocab_size, size=(batch, seq + 1), dtype=np.int32)
+    weights = np.ones((batch, seq), np.float32)
+    weights[:, -1] = 0.0
+    return {"input_ids": ids[:, :-1], "positions": np.tile(np.arange(seq, dtype=np.int32),
+                                                           (batch, 1)),
+            "segment_ids": np.ones((batch, seq), np.int32), "targets": ids[:, 1:],
+            "target_weights": weights}
+
+
 def jax_step(config, policy, optimizer, attention, batch, seq):
-    """``(run, data, hlo_text)``: one donated train step on a fixed batch, as the trainer jits
-    it. Fused attention implementations have no attention dropout, so their model drops it."""
-    from flax import nnx
+    """``(run, data, hlo_text)``: one donated BERT classification train step on a fixed batch,
+    as the trainer jits it. Fused attention implementations have no attention dropout, so
+    their model drops it."""
     cfg = config if attention == "xla" else dataclasses.replace(
         config, attention_probs_dropout_prob=0.0)
     model = BertModel(ModelSpec(cfg, num_labels=2, attention_impl=attention), policy)
+    return _step(model, policy, optimizer, batch_of(config, batch, seq))
+
+
+def lm_step(config, policy, optimizer, attention, batch, seq):
+    """``jax_step``'s for a decoder (remat on) and its causal-LM task."""
+    model = build_model(ModelSpec(config, attention_impl=attention, remat=True), policy)
+    return _step(model, policy, optimizer, lm_batch_of(config, batch, seq))
+
+
+def _step(model, policy, optimizer, batch):
+    from flax import nnx
     graphdef, params, fp8 = nnx.split(model, nnx.Param, Fp8Meta)
     params = nnx.to_pure_dict(params)
     tx = make_optimizer(optimizer, 1e-4, weight_decay=0.01, max_grad_norm=1.0)
     p = get_policy(policy)
     state = TrainState.create(params, tx, 0, LossScale.create() if p.loss_scaling else None,
                               nnx.to_pure_dict(fp8) if p.fp8 else None)
-    step = jax.jit(make_train_step(graphdef, tx), donate_argnums=0)
-    data = jax.device_put(batch_of(config, batch, seq))
+    step = jax.jit(make_train_step(graphdef, tx, task=TASKS[model.spec.task],
+                                   fp8_group=type(model).fp8_group), donate_argnums=0)
+    data = jax.device_put(batch)
     hlo = step.lower(state, data).compile().as_text()
     box = [state]
 
@@ -166,6 +196,10 @@ def main(argv=None):
                     help="per-category device time of every jax row (bench/hlo_profile.py)")
     ap.add_argument("--profile-dir", help="also keep the traces and optimized HLO here")
     add_out_argument(ap)
+    ap.add_argument("--lm", help="comma-separated decoder presets to add as rows (default on "
+                    "GPU/TPU: llama-125m,llama-350m,llama-1b; none on CPU)")
+    ap.add_argument("--lm-batch", type=int, default=8, help="decoder rows per step")
+    ap.add_argument("--lm-seq", type=int, default=2048, help="decoder tokens per row")
     args = ap.parse_args(argv)
     if args.torch:     # leave the GPU's memory to both frameworks in one process
         os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.45")
@@ -178,8 +212,26 @@ def main(argv=None):
     policies = ["fp32", "bf16", "fp16", "fp8"] if backend != "cpu" else ["fp32"]
     policies = args.policies.split(",") if args.policies else policies
     batches = [int(b) for b in args.batch.split(",")]
-    peak = PEAK_BF16_FLOPS.get(device_kind())
+    peak = peak_flops(device_kind(), "bf16")
     rows, profiles = [], {}
+    lm = args.lm.split(",") if args.lm else ([] if backend == "cpu" else
+                                            ["llama-125m", "llama-350m", "llama-1b"])
+    for preset in lm:
+        for policy in policies:
+            for attention in attentions:
+                if attention == "cudnn":
+                    continue          # packed rows need segment ids: xla and pallas only
+                name = f"jax.{policy}.adamw.{attention}.{preset}"
+                cfg = LLAMA_PRESETS[preset]
+                run, data, _ = lm_step(cfg, policy, "adamw", attention, args.lm_batch,
+                                       args.lm_seq)
+                rows.append({"name": name, "batch": args.lm_batch, "seq": args.lm_seq,
+                             "model": preset, "attention_dropout": 0.0,
+                             "flops_per_step": train_flops(model_shape(ModelSpec(cfg)),
+                                                           args.lm_batch, args.lm_seq),
+                             **time_fn(run, data, n=args.n)})
+                print(f"  {name} b{args.lm_batch}x{args.lm_seq}: "
+                      f"{rows[-1]['median_s'] * 1e3:.1f} ms", flush=True)
     for batch in batches:
         for policy in policies:
             for optimizer in args.optimizers.split(","):
@@ -212,16 +264,17 @@ def main(argv=None):
             rows += torch_rows(config, batch, args.seq, args.n, args.torch_modes.split(","),
                                drops)
     for r in rows:
-        flops = model_flops(config, r["batch"], args.seq)
-        r["tokens_per_s"] = r["batch"] * args.seq / r["median_s"]
+        flops = r.get("flops_per_step") or model_flops(config, r["batch"], args.seq)
+        r["tokens_per_s"] = r["batch"] * r.get("seq", args.seq) / r["median_s"]
         r["model_tflops"] = flops / r["median_s"] / 1e12
         r["mfu"] = flops / r["median_s"] / peak if peak else None
-        anchor = _anchor(rows, r["batch"], r["attention_dropout"])
+        anchor = None if "model" in r else _anchor(rows, r["batch"], r["attention_dropout"])
         r["speedup_vs_torch_compile"] = anchor / r["median_s"] if anchor else None
     path = write_results("train_step", rows, {
         "model": "bert-base" if not args.small else "bert-small(256x4)",
         "batch": batches, "seq": args.seq,
-        "model_flops_per_step": {b: model_flops(config, b, args.seq) for b in batches}},
+        "model_flops_per_step": {b: model_flops(config, b, args.seq) for b in batches},
+        "lm": {"presets": lm, "batch": args.lm_batch, "seq": args.lm_seq}},
         out=args.out)
     for key, prof in profiles.items():
         print(f"\n### {key}\n{prof.table(top=15)}")

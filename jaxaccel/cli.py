@@ -4,12 +4,15 @@
     jaxaccel eval --checkpoint runs/minilm_rt
     jaxaccel predict --checkpoint runs/minilm_rt "a gripping, beautifully shot film"
     jaxaccel predict --checkpoint runs/minilm_rt --input texts.txt   # one text a line; - = stdin
+    jaxaccel generate --checkpoint runs/llama_cpu "Once upon a time" "The river" [--greedy]
     jaxaccel bench train_step --small            # any suite's own flags follow its name
     jaxaccel compare bench/results/job-*.json [--prices FILE] [--weights balance] [--html]
 
 predict prints one JSON object a line, in input order: {"index", "text", "label",
 "probability"} (probability null if not finite), or {"index", "error"} for an input that is not
-valid UTF-8; the others are still classified, and the exit status is then 2.
+valid UTF-8; the others are still classified, and the exit status is then 2. generate prints
+{"index", "prompt", "text"} a line (text: the continuation), or one error line and nothing
+else when a prompt cannot be generated from (too long for the model, ...).
 """
 from __future__ import annotations
 
@@ -40,6 +43,16 @@ def _parser() -> argparse.ArgumentParser:
                    help="file with one text per line ('-' reads standard input)")
     r.add_argument("--batch-size", type=int, default=64, help="texts per forward pass")
     r.add_argument("texts", nargs="*", help="texts to classify")
+    g = sub.add_parser("generate", help="continue texts with a causal LM run's latest "
+                       "checkpoint (KV cache, batched)")
+    g.add_argument("--checkpoint", required=True, help="run folder (or its checkpoints folder)")
+    g.add_argument("--max-new-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
+    g.add_argument("--top-k", type=int, default=40, help="sample among the k likeliest "
+                   "tokens; 0: all")
+    g.add_argument("--greedy", action="store_true", help="temperature 0 (argmax)")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("prompts", nargs="+", help="texts to continue")
     b = sub.add_parser("bench", help="measure this machine's devices: one result file per suite",
                        description="Runs bench/<suite>.py (a source checkout) with the flags "
                        "that follow; `jaxaccel bench SUITE --help` lists them. The result goes "
@@ -94,8 +107,7 @@ def cmd_train(args) -> int:
         print(f"{result['signal']}: saved step {result['step']} to {result['checkpoint_dir']}; "
               "run the same command again to resume.", file=sys.stderr)
         return 0
-    print(f"final test accuracy: {result['eval_accuracy']:.4f} "
-          f"({result['eval_examples']} examples)\n"
+    print(f"{result['summary']}\n"
           f"checkpoints: {result['checkpoint_dir']}\nmetrics: {result['metrics_file']}")
     return 0
 
@@ -155,6 +167,16 @@ def cmd_predict(args) -> int:
     return 0 if len(good) == len(texts) else EXIT_ERROR
 
 
+def cmd_generate(args) -> int:
+    from jaxaccel.train.inference import Generator
+    texts = Generator(_run_dir(args.checkpoint))(
+        args.prompts, args.max_new_tokens, temperature=0.0 if args.greedy else args.temperature,
+        top_k=args.top_k, seed=args.seed)
+    for i, (prompt, text) in enumerate(zip(args.prompts, texts)):
+        print(json.dumps({"index": i, "prompt": prompt, "text": text}, ensure_ascii=False))
+    return 0
+
+
 def cmd_bench(args) -> int:
     import importlib
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -187,7 +209,8 @@ def main(argv=None) -> int:
         from jaxaccel.distributed import initialize_from_env
         initialize_from_env()
         return {"train": cmd_train, "eval": cmd_eval, "predict": cmd_predict,
-                "bench": cmd_bench, "compare": cmd_compare}[args.command](args)
+                "generate": cmd_generate, "bench": cmd_bench,
+                "compare": cmd_compare}[args.command](args)
     except (ValueError, KeyError, OSError) as e:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e
         print(f"error: {msg}", file=sys.stderr)

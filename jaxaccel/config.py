@@ -29,27 +29,34 @@ BASE: dict[str, Any] = {
     "workdir": "runs",              # root folder for checkpoints, metrics, TensorBoard events
     "seed": 0,                      # parameter init, dropout and data order
     "model": {
-        "name": "minilm-l6",        # preset: minilm-l6, bert-base, bert-large, tiny
+        "name": "minilm-l6",        # preset: minilm-l6, bert-base, bert-large, tiny (BERT:
+                                    # classification); llama-tiny, llama-cpu, llama-125m,
+                                    # llama-350m, llama-1b (decoders: causal LM); models/spec.py
         "checkpoint": "",           # HF checkpoint dir; "" = the packaged MiniLM for minilm-l6,
                                     # random init for the other presets
         "tokenizer": "",            # tokenizer dir; "" = the checkpoint's (or the packaged
-                                    # MiniLM's uncased BERT vocab for random-init presets)
-        "num_labels": 2,
+                                    # MiniLM's uncased BERT vocab for random-init presets; a
+                                    # corpus's own BPE, data.tokenizer_vocab, for its LM run)
+        "num_labels": 2,            # BERT only (decoders have an LM head)
         "attention_impl": "xla",    # auto | xla | pallas | cudnn (kernels_pallas/attention.py)
         "pooling": "cls",           # what the classifier reads: cls (BERT pooler) | mean
                                     # (masked mean of the last hidden states)
         "hidden_dropout": None,     # None = the checkpoint's value
         "attention_dropout": None,  # None = the checkpoint's value
-        "remat": False,             # rematerialise each encoder layer in the backward pass
+        "remat": False,             # rematerialise each layer in the backward pass
     },
     "data": {
-        "name": "rt_snippets",      # rt_snippets | imdb_reviews | synthetic
+        "name": "rt_snippets",      # rt_snippets | imdb_reviews | synthetic (classification);
+                                    # canterbury (a corpus: packed causal-LM rows)
         "data_dir": "",             # TFDS data dir ("" = TFDS default / $TFDS_DATA_DIR)
         "manual_dir": "",           # where manually downloaded archives are (imdb_reviews)
-        "max_len": 128,             # truncate longer sequences (clamped to the model's maximum)
+        "max_len": 128,             # truncate longer sequences (clamped to the model's maximum);
+                                    # a corpus: the packed row length (<= the model's maximum)
         "pad_multiple": 16,         # pad each batch to its longest row, rounded up to this
         "bucket": True,             # group similar lengths into batches (less padding)
-        "eval_split": "test",
+        "eval_split": "test",       # canterbury: validation
+        "tokenizer_vocab": 8192,    # corpus without model.tokenizer/checkpoint: tokens of the
+                                    # byte-level BPE trained on its train split (data/bpe.py)
         "synthetic_examples": 4096, # synthetic only: examples per split
         "synthetic_seq_len": 128,   # synthetic only
     },
@@ -298,6 +305,7 @@ def validate(cfg: Config) -> None:
                 "data.synthetic_seq_len": cfg.data.synthetic_seq_len,
                 "train.grad_accum": t.grad_accum, "train.log_every": t.log_every,
                 "data.max_len": cfg.data.max_len, "data.pad_multiple": cfg.data.pad_multiple,
+                "data.tokenizer_vocab": cfg.data.tokenizer_vocab,
                 "model.num_labels": cfg.model.num_labels}
     for key, value in positive.items():
         if value < 1:

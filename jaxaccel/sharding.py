@@ -1,14 +1,14 @@
 """Device mesh from config and the logical-axis rules that place parameters and batches on it.
 
-Models name the axes of every parameter logically (``vocab``, ``embed``, ``heads``, ``kv``,
-``mlp``); this module alone knows the mesh axes (``data``, ``fsdp``, ``tensor``). One rules
+Models name the axes of every parameter logically (``vocab``, ``embed``, ``heads``,
+``kv_heads``, ``kv``, ``mlp``); this module alone knows the mesh axes (``data``, ``fsdp``, ``tensor``). One rules
 table maps the first to the second, MaxText-style:
 
 * data parallel: batch split over ``data``; params replicated.
 * FSDP / ZeRO-3: ``embed`` dimension of every weight split over ``fsdp``; batch split over
   ``data`` x ``fsdp``.
-* Megatron tensor parallel: ``heads`` and ``mlp`` (attention QKV/out, MLP in/out) and ``vocab``
-  split over ``tensor``: column-parallel in, row-parallel out.
+* Megatron tensor parallel: ``heads``, ``kv_heads`` and ``mlp`` (attention QKV/out, MLP in/out)
+  and ``vocab`` split over ``tensor``: column-parallel in, row-parallel out.
 
 ``per_shard`` runs a function on each device's shards (``shard_map``): the one way both Pallas
 kernels (flash attention, the fused Adan on its flat layout) run on sharded operands. It finds
@@ -33,6 +33,7 @@ DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("vocab", "tensor"),
     ("embed", "fsdp"),
     ("heads", "tensor"),
+    ("kv_heads", "tensor"),         # a decoder's key/value heads (grouped-query attention)
     ("kv", None),
     ("mlp", "tensor"),
 )
@@ -70,11 +71,12 @@ def make_mesh(sizes: dict[str, int], devices: Sequence[jax.Device] | None = None
 
 
 def check_model_fits(config, mesh: Mesh) -> None:
-    """Tensor parallelism splits whole heads and the MLP hidden size: they must divide."""
+    """Tensor parallelism splits whole (query and key/value) heads and the MLP hidden size:
+    they must divide."""
     t = mesh.shape["tensor"]
-    for name in ("num_attention_heads", "intermediate_size"):
-        value = getattr(config, name)
-        if value % t:
+    for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+        value = getattr(config, name, None)
+        if value is not None and value % t:
             raise ValueError(f"mesh.tensor={t} does not divide the model's {name}={value}; "
                              f"use a tensor size that divides {value}.")
 

@@ -10,8 +10,9 @@ import jax
 import numpy as np
 import pytest
 
-from jaxaccel import config
+from jaxaccel import config, flops
 from jaxaccel.data import splits
+from jaxaccel.models import PRESETS, ModelSpec
 from jaxaccel.train import loop
 from jaxaccel.train.checkpoint import Checkpointer
 from jaxaccel.train.inference import evaluate_run
@@ -39,6 +40,25 @@ def test_training_lowers_the_loss(tmp_path):
     assert last < first - 0.1, (first, last)
     assert 0.0 <= result["eval_accuracy"] <= 1.0 and result["eval_examples"] == 64
     assert os.path.isdir(os.path.join(result["run_dir"], "tensorboard"))
+    logged = read_metrics(result["run_dir"])[-2]                       # the last train record
+    assert logged["train/model_tflops_per_device"] > 0 and "train/mfu" not in logged  # CPU
+
+
+def test_metrics_carry_tokens_per_second_tflops_and_mfu(tmp_path, monkeypatch):
+    """Every run logs throughput; MFU where the device kind has a peak (CPU: none; here the
+    peak table is patched to give this CPU one)."""
+    kind = jax.devices()[0].device_kind
+    monkeypatch.setattr(flops, "PEAKS", [flops.Peak(kind, {"fp32": 1e9}, "test")])
+    run_dir = loop.train(tiny_cfg(tmp_path, "train.max_steps=4", "train.log_every=2"))["run_dir"]
+    records = [r for r in read_metrics(run_dir) if "train/loss" in r]
+    assert [r["step"] for r in records] == [2, 4]
+    second = records[1]                                # steps 3 and 4 (step 1, compiling, and
+    assert second["train/tokens_per_s"] == second["train/processed_tokens_per_s"] > 0  # 2: 1st)
+    shape = flops.model_shape(ModelSpec(PRESETS["tiny"], num_labels=2))
+    tflops = second["train/model_tflops_per_device"] * 1e12
+    seconds = flops.train_flops(shape, 16, 16) * 2 / (tflops * jax.device_count())
+    assert second["train/processed_tokens_per_s"] == pytest.approx(2 * 16 * 16 / seconds)
+    assert second["train/mfu"] == pytest.approx(tflops / 1e9)
 
 
 def test_grad_accumulation_equals_one_big_batch(tmp_path):

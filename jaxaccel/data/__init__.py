@@ -1,6 +1,7 @@
 """Datasets (TFDS ArrayRecord, no TensorFlow), tokenization and batching.
 
 ds = load_text_dataset("rt_snippets")                 # built once, then cached
+docs = load_corpus("canterbury")                      # {"train": [text, ...], "validation": ...}
 tok = load_tokenizer(checkpoint_dir)
 train = tokenize(tok, *ds["train"], max_len=128, max_positions=512)
 it = BatchIterator(train, 32, seed=0, bucket_window=50, process_index=i, process_count=n)
@@ -17,6 +18,7 @@ import importlib.resources
 import importlib.util
 import os
 import sys
+from collections.abc import Callable
 
 import numpy as np
 
@@ -26,12 +28,49 @@ import numpy as np
 if importlib.util.find_spec("importlib_resources") is None:
     sys.modules["importlib_resources"] = importlib.resources
 
-from jaxaccel.data import imdb, rt_snippets
+from jaxaccel.data import canterbury, imdb, rt_snippets
 from jaxaccel.data.pipeline import BatchIterator, Tokenized, load_tokenizer, tokenize
 from jaxaccel.data.synthetic import synthetic
 
-DATASETS = ("rt_snippets", "imdb_reviews")
-"""Text datasets for load_text_dataset; `synthetic(...)` makes token ids directly."""
+
+@dataclasses.dataclass(frozen=True)
+class DatasetEntry:
+    """One TFDS text dataset: how its builder is prepared and what its records hold.
+
+    prepare: ``(data_dir, manual_dir, source) -> builder``, built on first use.
+    label_names: a labelled dataset's classes; None for a corpus of documents (causal LM:
+      records hold text only, read with ``load_corpus``).
+    """
+
+    prepare: Callable
+    label_names: tuple[str, ...] | None
+
+    @property
+    def is_corpus(self) -> bool:
+        return self.label_names is None
+
+
+DATASETS: dict[str, DatasetEntry] = {
+    "rt_snippets": DatasetEntry(lambda data_dir, manual_dir, source: rt_snippets.prepare(
+        data_dir, source), rt_snippets.LABEL_NAMES),
+    "imdb_reviews": DatasetEntry(lambda data_dir, manual_dir, source: imdb.prepare(
+        data_dir, manual_dir), imdb.LABEL_NAMES),
+    "canterbury": DatasetEntry(lambda data_dir, manual_dir, source: canterbury.prepare(
+        data_dir, source), None),
+}
+"""Text datasets by name (``data.name``); `synthetic(...)` makes token ids directly."""
+
+
+def dataset_entry(name: str) -> DatasetEntry:
+    """The DATASETS entry of ``name``; an unknown name lists the known ones."""
+    if name not in DATASETS:
+        close = difflib.get_close_matches(name, [*DATASETS, "synthetic"], n=2, cutoff=0.5)
+        hint = f" Did you mean {' or '.join(map(repr, close))}?" if close else ""
+        raise ValueError(
+            f"data.name={name!r} is not a dataset; known: {', '.join(DATASETS)}, synthetic "
+            f"(random token ids).{hint} Set data.name to one of them."
+        )
+    return DATASETS[name]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,28 +118,57 @@ def load_text_dataset(
     data_dir: TFDS data dir (default $TFDS_DATA_DIR or ~/tensorflow_datasets).
     manual_dir: imdb_reviews only, the folder holding aclImdb_v1.tar.gz.
     source: rt_snippets only, a local vaderSentiment sdist or ground-truth .txt
-      (default $JAXACCEL_RT_SOURCE, else pip download).
+      (default $JAXACCEL_RT_SOURCE, else pip download); canterbury (load_corpus): the brotli
+      sdist or a folder of its texts (default $JAXACCEL_CANTERBURY_SOURCE, else pip download).
     splits: the splits read (e.g. only the eval split, for evaluation).
     """
-    if name == "rt_snippets":
-        builder, labels = rt_snippets.prepare(data_dir, source), rt_snippets.LABEL_NAMES
-    elif name == "imdb_reviews":
-        builder, labels = imdb.prepare(data_dir, manual_dir), imdb.LABEL_NAMES
-    else:
-        close = difflib.get_close_matches(name, DATASETS + ("synthetic",), n=2, cutoff=0.5)
-        hint = f" Did you mean {' or '.join(map(repr, close))}?" if close else ""
-        raise ValueError(
-            f"data.name={name!r} is not a dataset; known: {', '.join(DATASETS)}, synthetic "
-            f"(random token ids).{hint} Set data.name to one of them."
-        )
+    entry = dataset_entry(name)
+    if entry.is_corpus:
+        raise ValueError(f"{name!r} is a corpus of unlabelled documents (causal LM); read it "
+                         "with load_corpus, or pick a labelled dataset for classification: "
+                         f"{', '.join(n for n, e in DATASETS.items() if not e.is_corpus)}.")
+    builder = entry.prepare(data_dir, manual_dir, source)
+    labels = entry.label_names
     return TextDataset(name, {s: _read_split(builder, s) for s in splits}, labels)
+
+
+def load_corpus(name: str, *, data_dir: str | None = None,
+                source: str | os.PathLike | None = None,
+                splits: tuple[str, ...] = ("train", "validation")) -> dict[str, list[str]]:
+    """The documents (texts, in id order) of ``splits`` of a corpus entry of DATASETS, its
+    TFDS cache built on first use; arguments as ``load_text_dataset``'s."""
+    entry = dataset_entry(name)
+    if not entry.is_corpus:
+        raise ValueError(f"{name!r} is a labelled dataset (classification), not a corpus of "
+                         "documents; read it with load_text_dataset, or pick a corpus for "
+                         f"causal LM: {', '.join(n for n, e in DATASETS.items() if e.is_corpus)}.")
+    builder = entry.prepare(data_dir, None, source)
+    out = {}
+    for split in splits:
+        if split not in builder.info.splits:
+            raise ValueError(f"{name} has no split {split!r}; known: "
+                             f"{sorted(builder.info.splits)}.")
+        source_ = builder.as_data_source(split)
+        records = sorted(source_.__getitems__(range(len(source_))), key=lambda r: r["id"])
+        out[split] = [r["text"].decode("utf-8") for r in records]
+    return out
+
+
+def corpus_folder(name: str, data_dir: str | None = None) -> str:
+    """The folder of a corpus's built TFDS dataset (its version folder), where tokenizers
+    trained on it are cached."""
+    return os.fspath(dataset_entry(name).prepare(data_dir, None, None).data_dir)
 
 
 __all__ = [
     "DATASETS",
+    "DatasetEntry",
     "BatchIterator",
     "TextDataset",
     "Tokenized",
+    "corpus_folder",
+    "dataset_entry",
+    "load_corpus",
     "load_text_dataset",
     "load_tokenizer",
     "synthetic",

@@ -26,13 +26,13 @@ from __future__ import annotations
 import hashlib
 import io
 import os
-import subprocess
-import sys
 import tarfile
 import tempfile
 
 import numpy as np
 import tensorflow_datasets as tfds
+
+from jaxaccel.data.sdist import pip_download
 
 SOURCE_ENV = "JAXACCEL_RT_SOURCE"
 SDIST_REQUIREMENT = "vadersentiment==3.3.2"
@@ -47,29 +47,7 @@ LABEL_NAMES = ("neg", "pos")
 
 
 def _download_sdist(dest: str) -> str:
-    cmd = [
-        sys.executable,
-        "-m",
-        "pip",
-        "download",
-        "--no-deps",
-        "--no-binary",
-        ":all:",
-        SDIST_REQUIREMENT,
-        "-d",
-        dest,
-        "--disable-pip-version-check",
-        "-q",
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    path = os.path.join(dest, SDIST_NAME)
-    if proc.returncode != 0 or not os.path.exists(path):
-        raise RuntimeError(
-            f"`{' '.join(cmd[1:])}` failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}\n"
-            f"Without PyPI access, copy {SDIST_NAME} (sha256 {SDIST_SHA256}) to this machine "
-            f"and set {SOURCE_ENV}=/path/to/{SDIST_NAME}."
-        )
-    return path
+    return pip_download(SDIST_REQUIREMENT, SDIST_NAME, SDIST_SHA256, SOURCE_ENV, dest)
 
 
 def fetch_source(source: str | os.PathLike | None = None) -> bytes:

@@ -6,12 +6,20 @@
 
 Examples: ``data.name=synthetic`` makes random token ids (train from ``seed``, eval from
 ``seed + 1``); a text dataset is read from its TFDS cache and only the split asked for is
-tokenized. Batching, per process (``jax.process_index()`` of ``jax.process_count()``):
+tokenized. A corpus of documents (``DATASETS`` entries without labels, e.g. ``canterbury``)
+gives causal-LM batches instead: its documents tokenized (with EOS) and packed into rows of
+``data.max_len`` tokens (``jaxaccel.data.packing``), by the model's tokenizer when the config
+names one (``model.tokenizer`` / ``model.checkpoint``), else by a byte-level BPE of
+``data.tokenizer_vocab`` tokens trained on the corpus's train split (``tokenizer_dir``).
+Batching, per process (``jax.process_index()`` of ``jax.process_count()``):
 
 * train: shuffled per (seed, epoch), whole batches only, length-bucketed over windows of 50
   batches when ``data.bucket`` (less padding);
 * eval: in no particular order, so sorted by length over the whole split (one window) to pad
   least, the last batch completed with weight-0 rows.
+
+Packed corpora: train rows from a document order shuffled per (seed, epoch), whole batches
+only; eval rows in document order, the last batch completed with padding rows.
 """
 from __future__ import annotations
 
@@ -19,7 +27,8 @@ import math
 
 import jax
 
-from jaxaccel.data import load_text_dataset
+from jaxaccel.data import bpe, corpus_folder, dataset_entry, load_corpus, load_text_dataset
+from jaxaccel.data.packing import PackedBatches, tokenize_documents
 from jaxaccel.data.pipeline import BatchIterator, Tokenized, tokenize
 from jaxaccel.data.synthetic import synthetic
 
@@ -52,8 +61,56 @@ def _process_shard(cfg) -> dict:
                 process_count=jax.process_count())
 
 
-def train_batches(cfg, tokenizer, max_positions: int) -> tuple[BatchIterator, tuple]:
-    """This process's training batches (shuffled, bucketed, full) and the label names."""
+def _is_corpus(cfg) -> bool:
+    return cfg.data.name != "synthetic" and dataset_entry(cfg.data.name).is_corpus
+
+
+def check_task(cfg, task: str) -> None:
+    """The model's training task (``train.tasks.TASKS``) must be the one the data is for: a
+    corpus gives ``causal_lm`` batches, the other datasets ``classification`` ones."""
+    data_task = "causal_lm" if _is_corpus(cfg) else "classification"
+    if task != data_task:
+        fix = ("a decoder (e.g. model.name=llama-cpu) for it, or a labelled dataset" if task ==
+               "classification" else "a BERT model (e.g. model.name=minilm-l6) for it, or a "
+               "corpus (data.name=canterbury)")
+        raise ValueError(f"data.name={cfg.data.name!r} gives {data_task} batches but the model "
+                         f"(model.name={cfg.model.name!r}) trains {task}; use {fix}.")
+
+
+def tokenizer_dir(cfg, model_tokenizer_dir: str) -> str:
+    """The tokenizer folder of a run: ``model_tokenizer_dir`` (the model's, from
+    ``create_model``), except for a corpus when the config names neither ``model.tokenizer``
+    nor ``model.checkpoint``: then the corpus's BPE of ``data.tokenizer_vocab`` tokens, trained
+    on its train split the first time."""
+    m, d = cfg.model, cfg.data
+    if not _is_corpus(cfg) or m.tokenizer or m.checkpoint:
+        return model_tokenizer_dir
+    return bpe.cached(corpus_folder(d.name, d.data_dir or None), d.tokenizer_vocab,
+                      lambda: load_corpus(d.name, data_dir=d.data_dir or None,
+                                          splits=("train",))["train"])
+
+
+def _packed(cfg, tokenizer, max_positions: int, split: str, *, training: bool) -> PackedBatches:
+    """A corpus split's documents, tokenized and packed into rows of ``data.max_len``."""
+    d = cfg.data
+    if d.max_len > max_positions:
+        raise ValueError(f"data.max_len={d.max_len} (the packed row length) exceeds the "
+                         f"model's maximum sequence length {max_positions}; set data.max_len "
+                         f"<= {max_positions}.")
+    docs = tokenize_documents(
+        tokenizer, load_corpus(d.name, data_dir=d.data_dir or None, splits=(split,))[split])
+    size = cfg.train.batch_size if training else cfg.train.eval_batch_size
+    return PackedBatches(docs, d.max_len, size, shuffle=training, seed=cfg.seed,
+                         drop_remainder=training, process_index=jax.process_index(),
+                         process_count=jax.process_count())
+
+
+def train_batches(cfg, tokenizer, max_positions: int) -> tuple[BatchIterator | PackedBatches,
+                                                                tuple]:
+    """This process's training batches (shuffled, bucketed, full) and the label names; for a
+    corpus, packed causal-LM rows and no labels."""
+    if _is_corpus(cfg):
+        return _packed(cfg, tokenizer, max_positions, "train", training=True), ()
     examples, label_names = _examples(cfg, tokenizer, max_positions, "train")
     t = cfg.train
     batches = BatchIterator(examples, t.batch_size, shuffle=True, seed=cfg.seed,
@@ -63,9 +120,13 @@ def train_batches(cfg, tokenizer, max_positions: int) -> tuple[BatchIterator, tu
     return batches, label_names
 
 
-def eval_batches(cfg, tokenizer, max_positions: int) -> tuple[BatchIterator, tuple]:
+def eval_batches(cfg, tokenizer, max_positions: int) -> tuple[BatchIterator | PackedBatches,
+                                                               tuple]:
     """This process's batches of ``data.eval_split`` (length-sorted, every example once) and
-    the label names; the training split is neither read nor tokenized."""
+    the label names; the training split is neither read nor tokenized. A corpus: packed rows
+    in document order, every token once, and no labels."""
+    if _is_corpus(cfg):
+        return _packed(cfg, tokenizer, max_positions, cfg.data.eval_split, training=False), ()
     examples, label_names = _examples(cfg, tokenizer, max_positions, cfg.data.eval_split)
     size = cfg.train.eval_batch_size
     batches = BatchIterator(examples, size, shuffle=False, drop_remainder=False,

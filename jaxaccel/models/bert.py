@@ -188,6 +188,8 @@ class BertModel(nnx.Module):
       rngs: parameter initialisation RNGs (default ``nnx.Rngs(params=0)``).
     """
 
+    fp8_group = staticmethod(fp8_group)
+
     def __init__(self, spec: ModelSpec, policy: str | Policy | None = None,
                  rngs: nnx.Rngs | None = None):
         if not isinstance(spec, ModelSpec):

@@ -145,21 +145,67 @@ def load_checkpoint(path, spec: ModelSpec, policy: str | Policy | None = None,
     if missing:
         log.info("newly initialised (absent from %s): %s", path, missing)
 
+    assign(model, tensors, mapping, f"{path}: ", f" (num_labels={spec.num_labels})")
+    return model
+
+
+def flat_params(model) -> dict[str, jax.Array]:
+    """The model's parameters by '/'-joined path (``layers/0/attention/query/kernel``)."""
     state = nnx.state(model, nnx.Param)
-    flat = {"/".join(map(str, p)): v for p, v in
+    return {"/".join(map(str, p)): v for p, v in
             jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(state))[0]
             for p in [tuple(getattr(k, "key", getattr(k, "idx", k)) for k in p)]}
+
+
+def assign(model, tensors: dict[str, np.ndarray], mapping, where: str = "",
+           note: str = "") -> None:
+    """Set the model's parameters from checkpoint ``tensors`` by ``mapping`` (HF name ->
+    (our path, transpose?)); tensors absent from ``tensors`` keep their values. A shape
+    mismatch is an error naming the tensor (``where`` prefixes it, ``note`` ends it)."""
+    state = nnx.state(model, nnx.Param)
+    flat = flat_params(model)
     for hf_name, (ours, transpose) in mapping.items():
         if hf_name not in tensors:
             continue
         value = tensors[hf_name].T if transpose else tensors[hf_name]
         if value.shape != flat[ours].shape:
-            raise ValueError(f"{path}: tensor {hf_name!r} has shape {tensors[hf_name].shape}; "
+            raise ValueError(f"{where}tensor {hf_name!r} has shape {tensors[hf_name].shape}; "
                              f"the model expects {flat[ours].shape[::-1] if transpose else flat[ours].shape}"
-                             f" (num_labels={spec.num_labels}).")
+                             f"{note}.")
         flat[ours] = value.astype(flat[ours].dtype)
     nnx.update(model, _unflatten(flat, state))
-    return model
+
+
+def write_checkpoint(path, config_json: dict, tensors: dict[str, np.ndarray],
+                     max_shard_size: int | None = None) -> None:
+    """Write a Hugging Face checkpoint directory: config.json and ``model.safetensors``, or,
+    when the tensors exceed ``max_shard_size`` bytes, ``model-0000i-of-0000n.safetensors``
+    shards and their ``model.safetensors.index.json`` (as ``save_pretrained`` does)."""
+    from safetensors.numpy import save_file
+    path = os.fspath(path)
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config_json, f, indent=2)
+    shards, size = [{}], 0
+    for name in sorted(tensors):
+        nbytes = tensors[name].nbytes
+        if max_shard_size and shards[-1] and size + nbytes > max_shard_size:
+            shards.append({})
+            size = 0
+        shards[-1][name] = np.ascontiguousarray(tensors[name])
+        size += nbytes
+    meta = {"format": "pt"}
+    if len(shards) == 1:
+        save_file(shards[0], os.path.join(path, "model.safetensors"), metadata=meta)
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards, 1):
+        name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, os.path.join(path, name), metadata=meta)
+        weight_map.update({k: name for k in shard})
+    total = sum(t.nbytes for t in tensors.values())
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
 
 
 def _check_architecture(spec: BertConfig, checkpoint: BertConfig, source: str) -> None:

@@ -1,27 +1,38 @@
-"""What a model is: its architecture and the options that shape it, as one frozen ``ModelSpec``.
+"""What a model is: its family, architecture, task and the options that shape it, as one frozen
+``ModelSpec``; and the one table of model families.
+
+``FAMILIES`` holds, per family (``bert``, ``llama``): the architecture dataclass (field names
+are those of the family's transformers config, what a checkpoint's config.json holds), the
+presets ``model.name`` can name, the training tasks its model has a head for, the ``ModelSpec``
+options it takes, and where its model class and Hugging Face checkpoint reader/writer live
+(``"module:name"``, imported when first used, so this module stays plain data, no JAX). A new
+family is one entry here plus its model file; nothing else branches on the family.
 
 ``from_config(cfg.model, architecture)`` is the one place a config's ``model`` section
 becomes a spec; the spec is saved beside every checkpoint (``to_dict`` / ``from_dict``, plain
-JSON) so that a run folder rebuilds its model from the spec alone. Option names are the config
-keys (``num_labels``, ``pooling``, ``attention_impl``, ``remat``); the two dropout options
-(``model.hidden_dropout``, ``model.attention_dropout``) are folded into the architecture, whose
-field names are those of transformers' ``BertConfig`` (what a checkpoint's config.json holds).
+JSON, naming its family and task) so that a run folder rebuilds its model from the spec alone.
+Option names are the config keys (``num_labels``, ``pooling``, ``attention_impl``, ``remat``);
+the dropout options (``model.hidden_dropout``, ``model.attention_dropout``) are folded into
+the architecture.
 
-Plain data, no JAX: ``bert.BertModel(spec, policy, rngs)`` builds the model and
-``hf.load_checkpoint(path, spec, policy, seed)`` builds it with a checkpoint's weights.
+    family = family_of(spec)                     # FAMILIES entry of the spec's architecture
+    model = family.resolve("model")(spec, policy, nnx.Rngs(params=seed))
+    model = family.resolve("reader")(path, spec, policy, seed)      # a HF checkpoint's weights
 """
 from __future__ import annotations
 
 import dataclasses
 import difflib
-from typing import Any
+import importlib
+from typing import Any, Mapping
 
 BERT_MODEL_TYPES = ("bert",)
 POOLINGS = ("cls", "mean")
 HIDDEN_ACTS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu")
-# config key (None = keep the checkpoint's or preset's value) -> architecture field
+# BERT's dropouts: config key (None = keep the checkpoint's or preset's value) -> field
 DROPOUTS = {"hidden_dropout": "hidden_dropout_prob",
             "attention_dropout": "attention_probs_dropout_prob"}
+DROPOUT_KEYS = ("hidden_dropout", "attention_dropout")     # the config's dropout keys
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,36 +91,270 @@ PRESETS = {
 }
 
 
+BERT_PRESETS = PRESETS
+LLAMA_MODEL_TYPES = ("llama",)
+# Supported RoPE scalings: rope_type -> the keys of its rope_scaling dict.
+ROPE_SCALINGS = {"llama3": ("rope_type", "factor", "low_freq_factor", "high_freq_factor",
+                            "original_max_position_embeddings")}
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    """A Llama-style decoder's architecture; field names are those of transformers'
+    ``LlamaConfig`` (what a Llama checkpoint's config.json holds).
+
+    ``num_key_value_heads`` < ``num_attention_heads`` is grouped-query attention (query head
+    ``h`` reads key/value head ``h // (num_attention_heads // num_key_value_heads)``);
+    ``head_dim`` defaults to ``hidden_size // num_attention_heads``; ``rope_theta`` is the
+    rotary base (``theta_i = rope_theta ** (-2i / head_dim)``). ``rope_scaling`` is None
+    (plain RoPE) or Llama 3's frequency scaling (``rope_type`` "llama3" with ``factor``,
+    ``low_freq_factor``, ``high_freq_factor``, ``original_max_position_embeddings``; see
+    ``llama.rope_frequencies``), held as sorted (key, value) pairs so the architecture stays
+    hashable; a dict is accepted."""
+
+    vocab_size: int = 32000
+    hidden_size: int = 4096
+    intermediate_size: int = 11008
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 32
+    num_key_value_heads: int = 32
+    head_dim: int | None = None
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 2048
+    initializer_range: float = 0.02
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    rope_theta: float = 10000.0
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    attention_dropout: float = 0.0
+    rope_scaling: tuple | None = None
+
+    def __post_init__(self):
+        if self.rope_scaling is not None:
+            items = self.rope_scaling.items() if isinstance(self.rope_scaling, dict) \
+                else self.rope_scaling
+            scaling = dict((k, v) for k, v in items)
+            if scaling.get("rope_type") not in ROPE_SCALINGS or \
+                    set(scaling) != set(ROPE_SCALINGS[scaling.get("rope_type")]):
+                raise ValueError(f"rope_scaling={scaling!r} is not supported; expected None or "
+                                 f"one of {ROPE_SCALINGS} (a rope_type and its keys).")
+            object.__setattr__(self, "rope_scaling", tuple(sorted(scaling.items())))
+        if self.head_dim is None:
+            if self.hidden_size % self.num_attention_heads:
+                raise ValueError(f"hidden_size={self.hidden_size} is not divisible by "
+                                 f"num_attention_heads={self.num_attention_heads}; give "
+                                 "head_dim explicitly.")
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a "
+                             f"multiple of num_key_value_heads={self.num_key_value_heads} "
+                             "(grouped-query attention shares each key/value head among a "
+                             "whole group of query heads).")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even (RoPE rotates pairs).")
+        if self.hidden_act != "silu":
+            raise ValueError(f"hidden_act={self.hidden_act!r} is not supported; the Llama MLP "
+                             "here is SwiGLU (hidden_act='silu').")
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], source: str = "config") -> "LlamaConfig":
+        """Build from a transformers config.json dict (other keys ignored). RoPE settings are
+        read from ``rope_theta``/``rope_scaling`` (transformers < 5) or ``rope_parameters``
+        (transformers >= 5)."""
+        model_type = d.get("model_type")
+        if model_type not in LLAMA_MODEL_TYPES:
+            raise ValueError(f"{source}: model_type={model_type!r} is not a Llama-family "
+                             f"model; this loader reads {LLAMA_MODEL_TYPES}.")
+        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        if kind != "default" and kind not in ROPE_SCALINGS:
+            raise ValueError(f"{source}: RoPE scaling {kind!r} is not supported (plain RoPE "
+                             f"or {tuple(ROPE_SCALINGS)}); use such a checkpoint (e.g. "
+                             "TinyLlama, Llama 3.x).")
+        names = {f.name for f in dataclasses.fields(cls)}
+        values = {k: v for k, v in d.items() if k in names and v is not None}
+        values["rope_theta"] = float(d.get("rope_theta", rope.get("rope_theta", 10000.0)))
+        values["rope_scaling"] = None if kind == "default" else \
+            {"rope_type": kind, **{k: rope[k] for k in ROPE_SCALINGS[kind] if k != "rope_type"}}
+        values.setdefault("num_key_value_heads", d.get("num_attention_heads",
+                                                        cls.num_attention_heads))
+        return cls(**values)
+
+    def to_hf(self) -> dict[str, Any]:
+        """The config.json of this architecture for transformers' ``LlamaForCausalLM``."""
+        return {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+                **dataclasses.asdict(self),
+                "rope_scaling": None if self.rope_scaling is None else dict(self.rope_scaling)}
+
+
+LLAMA_PRESETS = {
+    # Tests: 8 query heads sharing 4 key/value heads (GQA), everything divisible by 4 (TP).
+    "llama-tiny": LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                              num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
+                              max_position_embeddings=128),
+    # Trains on a 2-core CPU in minutes at 256 tokens: 4 layers, d=256, 8k vocabulary (tied).
+    "llama-cpu": LlamaConfig(vocab_size=8192, hidden_size=256, intermediate_size=768,
+                             num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                             max_position_embeddings=512, tie_word_embeddings=True),
+    # GPT-3 Small (Brown et al. 2020, table 2.1: 12 layers, d=768, 12 heads, 2048 tokens) in
+    # Llama form: SwiGLU at 8/3 d, RMSNorm, RoPE, tied embeddings, Llama-2's 32k vocabulary.
+    "llama-125m": LlamaConfig(vocab_size=32000, hidden_size=768, intermediate_size=2048,
+                              num_hidden_layers=12, num_attention_heads=12,
+                              num_key_value_heads=12, tie_word_embeddings=True),
+    # GPT-3 Medium (24 layers, d=1024, 16 heads; OPT-350m's depth and width) in Llama form.
+    "llama-350m": LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816,
+                              num_hidden_layers=24, num_attention_heads=16,
+                              num_key_value_heads=16, tie_word_embeddings=True),
+    # TinyLlama-1.1B (TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T config.json):
+    # 22 layers, d=2048, 32 query / 4 key-value heads, SwiGLU 5632, 32k vocabulary.
+    "llama-1b": LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632,
+                            num_hidden_layers=22, num_attention_heads=32, num_key_value_heads=4,
+                            rms_norm_eps=1e-5),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """One model family's entry in ``FAMILIES``.
+
+    Attributes:
+      name: the family's name (saved in every spec).
+      architecture: its architecture dataclass, with ``from_dict(config_json, source)``.
+      presets: ``model.name`` -> architecture.
+      tasks: the training tasks (``jaxaccel.train.tasks``) its model has a head for; the
+        first is the default.
+      options: the ``ModelSpec`` options (config keys of the same names) it takes; the
+        others must keep their defaults.
+      dropouts: config key -> architecture field the configured dropout goes to.
+      hf_model_types: the config.json ``model_type`` values it reads.
+      model, reader, writer: ``"module:name"`` of the model class (``Model(spec, policy,
+        rngs)``), the checkpoint reader (``load(path, spec, policy, seed) -> model``) and
+        writer (``save(model, path, max_shard_size=None)``; None: none yet); ``resolve``
+        imports them.
+      flops: ``"module:name"`` of ``shape(spec) -> jaxaccel.flops.Shape``, what the model
+        FLOPs formula (tokens/s, TFLOP/s and MFU of every run) reads from a spec.
+    """
+
+    name: str
+    architecture: type
+    presets: Mapping[str, Any]
+    tasks: tuple[str, ...]
+    options: tuple[str, ...]
+    dropouts: Mapping[str, str]
+    hf_model_types: tuple[str, ...]
+    model: str
+    reader: str
+    writer: str | None
+    flops: str
+
+    def resolve(self, part: str):
+        """The object ``part`` ("model", "reader" or "writer") names, imported."""
+        if getattr(self, part) is None:
+            raise NotImplementedError(f"the {self.name} family has no checkpoint {part} yet.")
+        module, name = getattr(self, part).split(":")
+        return getattr(importlib.import_module(module), name)
+
+
+FAMILIES = {
+    "bert": Family("bert", BertConfig, BERT_PRESETS, tasks=("classification",),
+                   options=("num_labels", "pooling", "attention_impl", "remat", "mlm_head"),
+                   dropouts=DROPOUTS, hf_model_types=BERT_MODEL_TYPES,
+                   model="jaxaccel.models.bert:BertModel",
+                   reader="jaxaccel.models.hf:load_checkpoint",
+                   writer=None, flops="jaxaccel.flops:bert_shape"),
+    "llama": Family("llama", LlamaConfig, LLAMA_PRESETS, tasks=("causal_lm",),
+                    options=("attention_impl", "remat"),
+                    dropouts={"attention_dropout": "attention_dropout"},
+                    hf_model_types=LLAMA_MODEL_TYPES,
+                    model="jaxaccel.models.llama:LlamaForCausalLM",
+                    reader="jaxaccel.models.hf_llama:load_checkpoint",
+                    writer="jaxaccel.models.hf_llama:save_checkpoint",
+                    flops="jaxaccel.flops:llama_shape"),
+}
+ARCHITECTURES = tuple(f.architecture for f in FAMILIES.values())
+
+
+def family_of(architecture) -> Family:
+    """The ``FAMILIES`` entry of an architecture (or of a spec's)."""
+    architecture = getattr(architecture, "architecture", architecture)
+    for family in FAMILIES.values():
+        if isinstance(architecture, family.architecture):
+            return family
+    first = ARCHITECTURES[0].__name__
+    raise TypeError(f"architecture={architecture!r} is not a {first}; build one with "
+                    f"{first}(...) or {first}.from_dict(config_json), or another family's "
+                    f"architecture ({', '.join(a.__name__ for a in ARCHITECTURES[1:])}).")
+
+
+def architecture_from_hf(config_json: dict[str, Any], source: str = "config"):
+    """The architecture a transformers config.json describes, by its ``model_type``."""
+    model_type = config_json.get("model_type", "bert")
+    for family in FAMILIES.values():
+        if model_type in family.hf_model_types:
+            return family.architecture.from_dict(config_json, source=source)
+    known = {f.name: f.hf_model_types for f in FAMILIES.values()}
+    raise ValueError(f"{source}: model_type={model_type!r} (architectures "
+                     f"{config_json.get('architectures')}) is not a family jaxaccel reads; "
+                     f"known families and their model types: {known}.")
+
+
+def preset(name: str):
+    """The architecture of preset ``name`` (``model.name``) of any family."""
+    for family in FAMILIES.values():
+        if name in family.presets:
+            return family.presets[name]
+    names = sorted(n for f in FAMILIES.values() for n in f.presets)
+    close = difflib.get_close_matches(name, names, n=2, cutoff=0.5)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    raise ValueError(f"model.name={name!r} is unknown; presets: {names}.{hint} "
+                     "For any other BERT- or Llama-family model set model.checkpoint to its "
+                     "Hugging Face directory.")
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
     """Everything that builds a model (the precision policy and the seed aside).
 
     Attributes:
-      architecture: the ``BertConfig``, dropouts included.
-      num_labels: if given, a sequence-classification head (dropout + dense on the pooled
-        output) and ``logits`` [batch, num_labels].
-      pooling: what the classification head reads: ``"cls"`` (BERT's pooler output, as
+      architecture: a family's architecture (``BertConfig``, ``LlamaConfig``), dropouts
+        included; it decides the family (``family_of``).
+      num_labels: (bert) if given, a sequence-classification head (dropout + dense on the
+        pooled output) and ``logits`` [batch, num_labels].
+      pooling: (bert) what the classification head reads: ``"cls"`` (BERT's pooler output, as
         transformers' ``BertForSequenceClassification``) or ``"mean"`` (the mask-weighted mean
         of the last hidden states, sum_s m_s x_s / sum_s m_s, for checkpoints trained with mean
         pooling such as sentence-transformers models).
       attention_impl: the attention implementation (``models.attention.ATTENTION_IMPLS``),
         checked when the model is built.
-      remat: rematerialise each encoder layer's activations in the backward pass (memory for
+      remat: rematerialise each layer's activations in the backward pass (memory for
         compute).
-      mlm_head: add the masked-LM head; ``logits`` are then [batch, seq, vocab].
+      mlm_head: (bert) add the masked-LM head; ``logits`` are then [batch, seq, vocab].
+      task: the training task (``jaxaccel.train.tasks.TASKS``); None: the family's default
+        (bert: classification, llama: causal_lm).
     """
 
-    architecture: BertConfig
+    architecture: Any
     num_labels: int | None = None
     pooling: str = "cls"
     attention_impl: str = "xla"
     remat: bool = False
     mlm_head: bool = False
+    task: str | None = None
 
     def __post_init__(self):
-        if not isinstance(self.architecture, BertConfig):
-            raise TypeError(f"architecture={self.architecture!r} is not a BertConfig; build one "
-                            "with BertConfig(...) or BertConfig.from_dict(config_json).")
+        family = family_of(self.architecture)
+        if self.task is None:
+            object.__setattr__(self, "task", family.tasks[0])
+        if self.task not in family.tasks:
+            raise ValueError(f"task={self.task!r}: the {family.name} family's model has heads "
+                             f"for {family.tasks} only.")
+        defaults = {f.name: f.default for f in dataclasses.fields(ModelSpec)}
+        foreign = [k for k in defaults if k not in family.options + ("architecture", "task")
+                   and getattr(self, k) != defaults[k]]
+        if foreign:
+            raise ValueError(f"the {family.name} family takes no option(s) {foreign} (it takes "
+                             f"{family.options}); leave them at their defaults.")
         if self.pooling not in POOLINGS:
             raise ValueError(f"pooling={self.pooling!r} is not one of {POOLINGS} (config: "
                              "model.pooling); use 'cls' (BERT's pooler) or 'mean' (masked mean "
@@ -123,19 +368,31 @@ class ModelSpec:
             raise ValueError(f"num_labels={self.num_labels} and mlm_head=True: choose one head, "
                              "num_labels (classification) or mlm_head=True (masked LM).")
 
+    @property
+    def family(self) -> Family:
+        return family_of(self.architecture)
+
     def to_dict(self) -> dict[str, Any]:
-        """Plain JSON: ``{"architecture": {...BertConfig fields}, "num_labels": ..., ...}``."""
-        return dataclasses.asdict(self)
+        """Plain JSON: ``{"family": ..., "architecture": {...fields}, "num_labels": ...,
+        "task": ..., ...}``."""
+        return {"family": self.family.name, **dataclasses.asdict(self)}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ModelSpec":
-        """The inverse of ``to_dict``; unknown keys are an error that names them."""
+        """The inverse of ``to_dict``; unknown keys are an error that names them. Specs saved
+        before families existed (no ``"family"``/``"task"``) are BERT classification ones."""
         if "architecture" not in d:
             raise ValueError(f"model spec: no 'architecture' key in {sorted(d)}; expected the "
                              "output of ModelSpec.to_dict().")
+        d = dict(d)
+        name = d.pop("family", "bert")
+        if name not in FAMILIES:
+            raise ValueError(f"model spec: family={name!r} is unknown; known: "
+                             f"{sorted(FAMILIES)}. Was it written by a newer jaxaccel?")
+        architecture = FAMILIES[name].architecture
         _check_keys(cls, d, "model spec")
-        _check_keys(BertConfig, d["architecture"], "model spec architecture")
-        return cls(**{**d, "architecture": BertConfig(**d["architecture"])})
+        _check_keys(architecture, d["architecture"], "model spec architecture")
+        return cls(**{**d, "architecture": architecture(**d["architecture"])})
 
 
 def _check_keys(cls, d: dict, what: str) -> None:
@@ -146,18 +403,12 @@ def _check_keys(cls, d: dict, what: str) -> None:
                          f"{names}. Was it written by a newer jaxaccel?")
 
 
-def from_config(model_cfg, architecture: BertConfig | None = None) -> ModelSpec:
+def from_config(model_cfg, architecture=None) -> ModelSpec:
     """The spec of a config's ``model`` section: ``architecture`` (a checkpoint's, from
-    ``hf.architecture_of``) or else the preset ``model.name``'s, with the configured dropouts,
-    and the options of the same names."""
-    name = model_cfg.name
-    if name not in PRESETS:
-        close = difflib.get_close_matches(name, PRESETS, n=2, cutoff=0.5)
-        hint = f" Did you mean {close[0]!r}?" if close else ""
-        raise ValueError(f"model.name={name!r} is unknown; presets: {sorted(PRESETS)}.{hint} "
-                         "For any other BERT-family model set model.checkpoint to its "
-                         "Hugging Face directory.")
-    return _with_options(PRESETS[name] if architecture is None else architecture, model_cfg)
+    ``architecture_of``) or else the preset ``model.name``'s (of any family), with the
+    configured dropouts, and the options of the same names the family takes."""
+    return _with_options(preset(model_cfg.name) if architecture is None else architecture,
+                         model_cfg)
 
 
 def from_saved(saved: dict[str, Any], model_cfg) -> ModelSpec:
@@ -170,12 +421,20 @@ def from_saved(saved: dict[str, Any], model_cfg) -> ModelSpec:
     return _with_options(BertConfig(**saved), model_cfg)
 
 
-def _with_options(architecture: BertConfig, model_cfg) -> ModelSpec:
-    dropouts = {field: model_cfg[key] for key, field in DROPOUTS.items()
-                if model_cfg[key] is not None}
-    return ModelSpec(dataclasses.replace(architecture, **dropouts),
-                     num_labels=model_cfg.num_labels, pooling=model_cfg.pooling,
-                     attention_impl=model_cfg.attention_impl, remat=model_cfg.remat)
+def _with_options(architecture, model_cfg) -> ModelSpec:
+    family = family_of(architecture)
+    dropouts = {}
+    for key in DROPOUT_KEYS:
+        if model_cfg[key] is None:
+            continue
+        if key not in family.dropouts:
+            raise ValueError(f"model.{key}={model_cfg[key]}: the {family.name} family has no "
+                             f"such dropout (it has {sorted(family.dropouts)}); leave it None.")
+        dropouts[family.dropouts[key]] = model_cfg[key]
+    options = {k: model_cfg[k] for k in family.options if k in model_cfg}
+    return ModelSpec(dataclasses.replace(architecture, **dropouts), **options)
 
 
-__all__ = ["BertConfig", "ModelSpec", "POOLINGS", "PRESETS", "from_config", "from_saved"]
+__all__ = ["ARCHITECTURES", "BertConfig", "FAMILIES", "Family", "LLAMA_PRESETS", "LlamaConfig",
+           "ModelSpec", "POOLINGS", "PRESETS", "architecture_from_hf", "family_of",
+           "from_config", "from_saved", "preset"]

@@ -1,6 +1,6 @@
-"""Evaluation and prediction from a run folder alone (its newest readable checkpoint, the
-config and architecture saved with it, and its tokenizer/ folder). Checkpoints are opened
-read-only, so these run safely beside the trainer writing the folder."""
+"""Evaluation, prediction and generation from a run folder alone (its newest readable
+checkpoint, the config and model spec saved with it, and its tokenizer/ folder). Checkpoints
+are opened read-only, so these run safely beside the trainer writing the folder."""
 from __future__ import annotations
 
 import dataclasses
@@ -13,7 +13,8 @@ from flax import nnx
 
 from jaxaccel import config as config_lib
 from jaxaccel.data import load_tokenizer, splits
-from jaxaccel.models import BertModel, spec
+from jaxaccel.models import build_model, check_vocab, spec
+from jaxaccel.models.generate import Sampler
 from jaxaccel.models.fp8 import Fp8Meta
 from jaxaccel.precision import get_policy
 from jaxaccel.train.checkpoint import Checkpointer, like
@@ -32,7 +33,7 @@ def load_run(run_dir: str):
                                      amax_history_length=cfg.precision.fp8_amax_history)
         # Shapes only, no random initialisation: every value comes from the checkpoint.
         model = nnx.eval_shape(
-            lambda: BertModel(spec.from_saved(meta["architecture"], cfg.model), policy))
+            lambda: build_model(spec.from_saved(meta["architecture"], cfg.model), policy))
         restored = [(nnx.Param, saved["params"])]
         if policy.fp8:
             restored.append((Fp8Meta, saved["fp8"]))
@@ -63,7 +64,8 @@ def check_eval_sets(sets: list[str]) -> None:
 
 
 def evaluate_run(run_dir: str, sets: list[str] | None = None, devices=None) -> dict:
-    """Accuracy and loss of the run's latest checkpoint on its eval split, data parallel over
+    """The task's report (classification: accuracy and loss; causal LM: loss and perplexity,
+    ``tasks.TASKS``) of the run's latest checkpoint on its eval split, data parallel over
     ``devices`` (default all at hand, not the training mesh, which may need more) unless
     ``sets`` say (only ``EVAL_SETTABLE`` keys). Builds only the evaluation side
     (``loop.build_eval``): the model from the run folder, the eval split; no optimizer state,
@@ -102,6 +104,9 @@ class Predictor:
         if batch_size < 1:
             raise ValueError(f"batch_size={batch_size} must be >= 1.")
         model, cfg, meta = load_run(run_dir)
+        if model.spec.task != "classification":
+            raise ValueError(f"run {run_dir!r} trained a {model.spec.task} model; predict "
+                             "classifies texts. Use `jaxaccel generate` (or `jaxaccel eval`).")
         self.batch_size = batch_size
         self.label_names = meta.get("label_names") or [str(i) for i in
                                                       range(cfg.model.num_labels)]
@@ -132,6 +137,28 @@ class Predictor:
                 best = int(np.nan_to_num(p[r], nan=-1.0).argmax())
                 out[i] = (self.label_names[best], float(p[r, best]))
         return out
+
+
+class Generator:
+    """``Generator(run_dir)(texts, max_new_tokens, ...) -> [continuation, ...]``: the run's
+    causal LM continues each text (``models.generate.Sampler``: one batch, KV cache; options
+    ``temperature``, ``top_k``, ``seed``); generation stops at the tokenizer's end-of-text
+    token. Every prompt is checked (length, vocabulary) before anything runs."""
+
+    def __init__(self, run_dir: str):
+        model, _, _ = load_run(run_dir)
+        if not hasattr(model, "init_cache"):
+            raise ValueError(f"run {run_dir!r} trained a {model.spec.task} model, which does "
+                             "not generate text; use `jaxaccel predict` or `jaxaccel eval`.")
+        self.tokenizer = load_tokenizer(tokenizer_dir(run_dir), light=True)
+        check_vocab(len(self.tokenizer), model.config, tokenizer_dir(run_dir))
+        self.sampler = Sampler(model)
+
+    def __call__(self, texts: list[str], max_new_tokens: int = 64, **options) -> list[str]:
+        prompts = self.tokenizer(list(texts))["input_ids"]
+        new = self.sampler(prompts, max_new_tokens, eos_id=self.tokenizer.eos_token_id,
+                           **options)
+        return [self.tokenizer.decode(ids, skip_special_tokens=True) for ids in new]
 
 
 def prediction_record(text: str, label: str, probability: float) -> dict:

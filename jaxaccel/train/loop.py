@@ -31,10 +31,12 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
+from jaxaccel import flops
 from jaxaccel import sharding as shd
 from jaxaccel.config import Config
 from jaxaccel.data import BatchIterator, load_tokenizer, splits
-from jaxaccel.models import ModelSpec, create_model
+from jaxaccel.data.packing import PackedBatches
+from jaxaccel.models import ModelSpec, check_vocab, create_model
 from jaxaccel.models.fp8 import Fp8Meta
 from jaxaccel.optim import make_onepass, make_optimizer, make_schedule, state_shardings
 from jaxaccel.precision import LossScale, get_policy
@@ -44,6 +46,7 @@ from jaxaccel.train.metrics import MetricsWriter
 from jaxaccel.train.preemption import Preemption
 from jaxaccel.train.state import TrainState
 from jaxaccel.train.step import is_state_metric, make_eval_step, make_train_step
+from jaxaccel.train.tasks import TASKS, Task
 
 log = logging.getLogger("jaxaccel")
 
@@ -81,14 +84,19 @@ class Run:
     graphdef: nnx.GraphDef
     state: TrainState
     state_shardings: TrainState
-    eval_data: BatchIterator
+    eval_data: BatchIterator | PackedBatches
     tokenizer: object
     spec: ModelSpec
     label_names: tuple
-    train_data: BatchIterator | None = None
+    train_data: BatchIterator | PackedBatches | None = None
     tx: object = None
     schedule: object = None
     total_steps: int = 0
+
+    @property
+    def task(self) -> Task:
+        """The training task of the model (``tasks.TASKS[spec.task]``)."""
+        return TASKS[self.spec.task]
 
     @functools.cached_property
     def batch_sharding(self) -> jax.sharding.NamedSharding:
@@ -105,7 +113,8 @@ class Run:
         """``train_step(state, batch) -> (state, metrics)`` of the configured trainer path,
         jitted: the state donated and laid out as ``state_shardings``, metrics replicated."""
         make = onepass.make_train_step if self.cfg.train.flat_params else make_train_step
-        step = make(self.graphdef, self.tx, self.cfg.train.grad_accum)
+        step = make(self.graphdef, self.tx, self.cfg.train.grad_accum, self.task,
+                    self.spec.family.resolve("model").fp8_group)
         return jax.jit(step,
                        in_shardings=(self.state_shardings, self.batch_sharding),
                        out_shardings=(self.state_shardings, shd.replicated(self.mesh)),
@@ -113,27 +122,25 @@ class Run:
 
     @functools.cached_property
     def eval_step(self):
-        """``eval_step(params, batch, fp8) -> (sums, probabilities)`` (``step.make_eval_step``),
-        jitted: sums replicated, probabilities split over the batch like the batch."""
+        """``eval_step(params, batch, fp8) -> sums`` (``step.make_eval_step``), jitted: sums
+        replicated."""
         make = onepass.make_eval_step if self.cfg.train.flat_params else make_eval_step
-        return jax.jit(make(self.graphdef),
+        return jax.jit(make(self.graphdef, self.task),
                        in_shardings=(self.state_shardings.params, self.batch_sharding,
                                      self.state_shardings.fp8),
-                       out_shardings=(shd.replicated(self.mesh), self.batch_sharding))
+                       out_shardings=shd.replicated(self.mesh))
 
     def evaluate(self, state: TrainState | None = None) -> dict:
-        """Accuracy and mean loss on the eval split of ``state``'s parameters and fp8 state
-        (default ``self.state``): sum of weighted cross entropy (and of correct predictions)
-        over every eval batch / total weight."""
+        """The task's report (``Task.report``: classification accuracy and mean loss, causal
+        LM loss and perplexity) on the eval split of ``state``'s parameters and fp8 state
+        (default ``self.state``), from the weighted sums over every eval batch."""
         state = self.state if state is None else state
         totals = {"loss_sum": 0.0, "correct": 0.0, "count": 0.0}
         for batch in self.eval_data.batches(0):
-            sums, _ = self.eval_step(state.params, self.put_batch(batch), state.fp8)
+            sums = self.eval_step(state.params, self.put_batch(batch), state.fp8)
             for k, v in jax.device_get(sums).items():
                 totals[k] += float(v)
-        n = max(totals["count"], 1.0)
-        return {"accuracy": totals["correct"] / n, "loss": totals["loss_sum"] / n,
-                "examples": int(totals["count"])}
+        return self.task.report(totals)
 
 
 def _policy(cfg: Config):
@@ -171,9 +178,12 @@ def build(cfg: Config, devices=None) -> Run:
 def _build(cfg: Config, mesh) -> Run:
     policy = _policy(cfg)
     model, tokenizer_dir = create_model(cfg.model, policy, cfg.seed)
+    splits.check_task(cfg, model.spec.task)
     graphdef, params, fp8, param_shardings = _split_model(model, mesh)
     fp8 = fp8 if policy.fp8 else None
+    tokenizer_dir = splits.tokenizer_dir(cfg, tokenizer_dir)
     tokenizer = load_tokenizer(tokenizer_dir)
+    check_vocab(len(tokenizer), model.config, tokenizer_dir)
     max_positions = model.config.max_position_embeddings
     train_data, label_names = splits.train_batches(cfg, tokenizer, max_positions)
     eval_data, _ = splits.eval_batches(cfg, tokenizer, max_positions)
@@ -301,6 +311,17 @@ def _skips_message(cfg: Config, skips: int, scale: float, step: int) -> str:
             "precision.policy=bf16.")
 
 
+def _throughput(run: Run) -> flops.Throughput:
+    """The tokens/s, TFLOP/s and MFU meter of the run's train steps (``jaxaccel.flops``)."""
+    kind, policy = jax.devices()[0].device_kind, run.cfg.precision.policy
+    meter = flops.Throughput(flops.model_shape(run.spec), policy, kind, jax.device_count(),
+                             jax.process_count())
+    if meter.peak is None:
+        log.info("MFU: no peak FLOP/s known for device %r under policy %s (jaxaccel.flops."
+                 "PEAKS); metrics carry tokens/s and model TFLOP/s only", kind, policy)
+    return meter
+
+
 def _train(run: Run, changes: dict) -> dict:
     cfg, t = run.cfg, run.cfg.train
     main = jax.process_index() == 0
@@ -328,12 +349,14 @@ def _train(run: Run, changes: dict) -> dict:
     bar = tqdm(total=run.total_steps, initial=start, disable=not (t.progress and main),
                unit="step", dynamic_ncols=True, file=sys.stderr)
     window, pending, step = [], None, start
+    meter = _throughput(run)
     t_last = time.perf_counter()
 
     def drain(pending):
         """Fetch one step's metrics (one step late, so the device stays busy)."""
         nonlocal t_last
-        step_no, metrics, rows = pending
+        step_no, metrics, batch = pending
+        rows = batch["input_ids"].shape[0] * jax.process_count()
         m = {k: float(v) for k, v in jax.device_get(metrics).items()}
         # A non-finite loss is divergence under every policy, fp16 included (there a step
         # whose gradients alone are non-finite is an overflow, and is skipped).
@@ -345,6 +368,7 @@ def _train(run: Run, changes: dict) -> dict:
         now = time.perf_counter()
         dt, t_last = now - t_last, now
         window.append(m)
+        meter.add(batch, dt)
         bar.update(1)
         bar.set_postfix(loss=f"{m['loss']:.4f}", step_ms=f"{dt * 1e3:.0f}",
                         ex_s=f"{rows / dt:.0f}")
@@ -353,6 +377,7 @@ def _train(run: Run, changes: dict) -> dict:
                     else float(np.mean([w[k] for w in window])) for k in window[0]}
             mean["learning_rate"] = float(run.schedule(step_no - 1))
             mean["examples_per_s"] = rows / dt
+            mean.update(meter.flush())
             writer.write(step_no, mean, prefix="train/")
             window.clear()
 
@@ -361,12 +386,11 @@ def _train(run: Run, changes: dict) -> dict:
             epoch = start // steps_per_epoch
             while step < run.total_steps and not preempt.stop:
                 for batch in run.train_data.batches(epoch, step - epoch * steps_per_epoch):
-                    rows = batch["weights"].shape[0] * jax.process_count()
                     state, metrics = run.train_step(state, run.put_batch(batch))
                     step += 1
                     if pending is not None:
                         drain(pending)
-                    pending = (step, metrics, rows)
+                    pending = (step, metrics, batch)
                     if t.checkpoint_every and step % t.checkpoint_every == 0:
                         drain(pending)
                         pending = None
@@ -383,8 +407,9 @@ def _train(run: Run, changes: dict) -> dict:
                         ev = run.evaluate(state)
                         writer.write(step, ev, prefix="eval/")
                         if main:
-                            tqdm.write(f"epoch {epoch}: eval accuracy {ev['accuracy']:.4f} "
-                                       f"loss {ev['loss']:.4f}", file=sys.stderr)
+                            tqdm.write(f"epoch {epoch}: eval " + " ".join(
+                                f"{k} {v:.4f}" for k, v in ev.items()), file=sys.stderr)
+                t_last = time.perf_counter()    # the next step's time excludes save and eval
             if preempt.stop:
                 save(step)
                 ckpt.wait()
@@ -394,8 +419,8 @@ def _train(run: Run, changes: dict) -> dict:
         final = run.evaluate(state)     # while the last save writes
         ckpt.wait()
         writer.write(step, final, prefix="eval/")
-        result.update(step=step, eval_accuracy=final["accuracy"], eval_loss=final["loss"],
-                      eval_examples=final["examples"])
+        result.update(step=step, task=run.task.name, summary=run.task.summary(final),
+                      **{f"eval_{k}": v for k, v in final.items()})
         return result
     except (NonFiniteLoss, NonFiniteState, TooManySkippedSteps) as e:
         # The loss of step k is computed from the parameters saved as step k - 1.

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jaxaccel.optim import OnePass, state_shardings
 from jaxaccel.train import step as step_lib
 from jaxaccel.train.state import TrainState
+from jaxaccel.train.tasks import Task, weight_sum
 
 
 def init_state(tx: OnePass, params, seed: int, mesh) -> tuple[TrainState, TrainState]:
@@ -40,9 +41,11 @@ def init_state(tx: OnePass, params, seed: int, mesh) -> tuple[TrainState, TrainS
     return jax.jit(create, out_shardings=shardings)(params), shardings
 
 
-def make_train_step(graphdef, tx: OnePass, grad_accum: int = 1):
+def make_train_step(graphdef, tx: OnePass, grad_accum: int = 1,
+                    task: Task = step_lib.CLASSIFICATION, fp8_group=None):
     """``step(state, batch) -> (state, metrics)`` as ``step.make_train_step``'s, with the
-    gradient taken w.r.t. the flat buffers; jit it with the state donated."""
+    gradient taken w.r.t. the flat buffers; jit it with the state donated. (No fp8 state on
+    this path: ``fp8_group`` is unused.)"""
     if grad_accum != 1:
         raise ValueError(f"train.grad_accum={grad_accum}: the flat-parameter path has no "
                          "gradient accumulation yet; set train.flat_params=false to "
@@ -50,15 +53,16 @@ def make_train_step(graphdef, tx: OnePass, grad_accum: int = 1):
 
     def loss_fn(buffers, params, batch, rng, denom):
         view = dataclasses.replace(params, buffers=buffers).view()
-        logits = step_lib.forward(graphdef, view, batch, deterministic=False, rng=rng)
-        ce_sum, correct, _ = step_lib._sums(logits, batch)
+        logits = step_lib.forward(graphdef, view, batch, deterministic=False, rng=rng,
+                                  task=task)
+        ce_sum, correct, _ = task.sums(logits, batch)
         return ce_sum / denom, correct
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
     def step(state: TrainState, batch):
         rng = jax.random.fold_in(state.rng, state.step)
-        denom = jnp.maximum(jnp.sum(batch["weights"].astype(jnp.float32)), 1.0)
+        denom = weight_sum(task, batch)
         (loss, correct), grads = grad_fn(state.params.buffers, state.params, batch, rng, denom)
         grad_norm = jnp.sqrt(sum(jnp.vdot(g, g) for g in grads))
         params, opt_state = tx.apply(grads, state.opt_state, state.params)
@@ -68,7 +72,7 @@ def make_train_step(graphdef, tx: OnePass, grad_accum: int = 1):
     return step
 
 
-def make_eval_step(graphdef):
+def make_eval_step(graphdef, task: Task = step_lib.CLASSIFICATION):
     """``step.make_eval_step``'s on the view of flat parameters."""
-    inner = step_lib.make_eval_step(graphdef)
+    inner = step_lib.make_eval_step(graphdef, task)
     return lambda params, batch, fp8=None: inner(params.view(), batch, fp8)

@@ -1,9 +1,10 @@
-"""Jitted train and eval steps for sequence classification.
+"""Jitted train and eval steps of a task (``jaxaccel.train.tasks``: classification, causal LM).
 
-The loss is the weighted mean cross entropy (float32) over the rows of the global batch
-(``weights`` is 0 for padding rows); with gradient accumulation the batch is cut into
-micro-batches and the per-row sums are accumulated, so the gradient equals the one-batch
-gradient (up to summation order).
+The loss is the task's weighted mean cross entropy (float32) over the global batch (for
+classification over rows, ``weights`` 0 for padding rows; for a causal LM over next-token
+targets, ``target_weights``); with gradient accumulation the batch is cut into micro-batches
+and the weighted sums are accumulated, so the gradient equals the one-batch gradient (up to
+summation order).
 
 Precision policies add to the step (``jaxaccel.precision``):
 
@@ -23,11 +24,12 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from jaxaccel.models.bert import fp8_group
+from jaxaccel.models.bert import fp8_group as bert_fp8_group
 from jaxaccel.models.fp8 import summary as fp8_summary
 from jaxaccel.train.state import TrainState
+from jaxaccel.train.tasks import TASKS, Task, weight_sum
 
-INPUTS = ("input_ids", "attention_mask", "token_type_ids")
+CLASSIFICATION = TASKS["classification"]
 # Metrics that are states, not per-step values: the loop logs their latest value.
 STATE_METRICS = ("loss_scale", "skipped_steps", "consecutive_skips")
 
@@ -36,33 +38,28 @@ def is_state_metric(name: str) -> bool:
     return name in STATE_METRICS or name.startswith("fp8/")
 
 
-def forward(graphdef, params, batch, *, deterministic, rng=None, fp8=None):
-    """float32 logits [batch, labels] of the model ``graphdef`` with ``params`` (and the fp8
-    state ``fp8``) on ``batch``; dropout from ``rng`` unless ``deterministic``."""
+def forward(graphdef, params, batch, *, deterministic, rng=None, fp8=None,
+            task: Task = CLASSIFICATION):
+    """The task's float32 logits of the model ``graphdef`` with ``params`` (and the fp8 state
+    ``fp8``) on ``batch``; dropout from ``rng`` unless ``deterministic``."""
     model = nnx.merge(graphdef, params, *(() if fp8 is None else (fp8,)))
     rngs = None if deterministic else nnx.Rngs(dropout=rng)
-    out = model(*(batch[k] for k in INPUTS), deterministic=deterministic, rngs=rngs)
-    return out.logits.astype(jnp.float32)
-
-
-def _sums(logits, batch):
-    """Per-batch sums: weighted cross entropy, weighted correct count, total weight."""
-    w = batch["weights"].astype(jnp.float32)
-    ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"])
-    correct = (jnp.argmax(logits, -1) == batch["labels"]).astype(jnp.float32)
-    return jnp.sum(ce * w), jnp.sum(correct * w), jnp.sum(w)
+    return task.logits(model, batch, deterministic, rngs)
 
 
 def _all_finite(tree) -> jax.Array:
     return jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree_util.tree_leaves(tree)]))
 
 
-def make_train_step(graphdef, tx: optax.GradientTransformation, grad_accum: int = 1):
-    """``step(state, batch) -> (state, metrics)``; jit it with the state donated."""
+def make_train_step(graphdef, tx: optax.GradientTransformation, grad_accum: int = 1,
+                    task: Task = CLASSIFICATION, fp8_group=bert_fp8_group):
+    """``step(state, batch) -> (state, metrics)`` of ``task``; jit it with the state donated.
+    ``fp8_group`` names the metric group of an fp8 layer path (the model class's)."""
 
     def loss_fn(params, fp8, micro, rng, denom, scale):
-        logits = forward(graphdef, params, micro, deterministic=False, rng=rng, fp8=fp8)
-        ce_sum, correct, _ = _sums(logits, micro)
+        logits = forward(graphdef, params, micro, deterministic=False, rng=rng, fp8=fp8,
+                         task=task)
+        ce_sum, correct, _ = task.sums(logits, micro)
         loss = ce_sum / denom
         return loss * scale, (loss, correct)
 
@@ -71,7 +68,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, grad_accum: int 
 
     def step(state: TrainState, batch):
         rng = jax.random.fold_in(state.rng, state.step)
-        denom = jnp.maximum(jnp.sum(batch["weights"].astype(jnp.float32)), 1.0)
+        denom = weight_sum(task, batch)
         scale = 1.0 if state.loss_scale is None else state.loss_scale.scale
         if grad_accum == 1:
             (grads, fp8), (loss, correct) = grad_fn(state.params, state.fp8, batch, rng, denom,
@@ -119,13 +116,12 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, grad_accum: int 
     return step
 
 
-def make_eval_step(graphdef):
-    """``eval_step(params, batch, fp8=None) -> (sums dict, probabilities)``; ``fp8`` is the
-    train state's fp8 state under the fp8 policy."""
+def make_eval_step(graphdef, task: Task = CLASSIFICATION):
+    """``eval_step(params, batch, fp8=None) -> sums``: the task's {"loss_sum", "correct",
+    "count"} of the batch; ``fp8`` is the train state's fp8 state under the fp8 policy."""
 
     def eval_step(params, batch, fp8=None):
-        logits = forward(graphdef, params, batch, deterministic=True, fp8=fp8)
-        ce_sum, correct, weight = _sums(logits, batch)
-        return {"loss_sum": ce_sum, "correct": correct, "count": weight}, jax.nn.softmax(logits)
+        logits = forward(graphdef, params, batch, deterministic=True, fp8=fp8, task=task)
+        return dict(zip(("loss_sum", "correct", "count"), task.sums(logits, batch)))
 
     return eval_step

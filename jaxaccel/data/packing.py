@@ -1,0 +1,144 @@
+"""Causal-LM rows: documents packed into fixed-length rows, batched per process.
+
+Packing (``pack``) is concatenate-and-chunk, as GPT-2/nanoGPT and Hugging Face's run_clm
+(``group_texts``) prepare pretraining data, plus MaxText's segment ids: the documents of an
+epoch, each ending with EOS, are laid end to end and the stream is cut into rows of
+``seq_len`` tokens. Nothing is padded but the end of the last row, and every token of every
+document appears exactly once, in order. Within a row each document (each piece of one) is a
+segment: ``segment_ids`` 1, 2, ... (0 = padding), ``positions`` from 0 at its first token, so
+attention never crosses a document boundary and rotary positions restart per document. A
+document that runs past the end of a row continues at the start of the next row as a new
+segment whose positions start again at 0 (the model sees no context from the previous row,
+as at the start of any row, so its positions are those of a fresh context); its last token in
+the first row still has the document's next token as target.
+
+Batch (numpy, this process's rows of the global batch; shape [b, L], b = global batch /
+process count):
+
+* ``input_ids`` int32: tokens (0 on padding);
+* ``positions`` int32: position within the segment;
+* ``segment_ids`` int32: 1, 2, ... per segment in the row, 0 on padding;
+* ``targets`` int32: the next token of the same document, 0 where there is none (a
+  document's EOS, padding);
+* ``target_weights`` float32: 1 where ``targets`` is such a token, else 0.
+
+``PackedBatches`` plans an epoch like ``pipeline.BatchIterator``: the documents' order is a
+permutation drawn from (seed, epoch) (``shuffle``), the rows are packed from that order,
+global batch ``i`` is rows [i*B, (i+1)*B), process p of P keeps rows [p*B/P, (p+1)*B/P) of
+it, and ``batches(epoch, start_step)`` resumes mid-epoch with the same batches. The number of
+rows depends only on the total number of tokens, so every epoch has the same steps.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+
+KEYS = ("input_ids", "positions", "segment_ids", "targets", "target_weights")
+
+
+def pack(docs: Sequence[np.ndarray], seq_len: int) -> dict[str, np.ndarray]:
+    """The rows [R, seq_len] of ``docs`` (int token ids, each ending with its EOS) laid end to
+    end in the order given, R = ceil(total tokens / seq_len); keys as ``KEYS``."""
+    if seq_len < 1:
+        raise ValueError(f"pack: seq_len={seq_len}; expected >= 1.")
+    lengths = np.fromiter(map(len, docs), np.int64, len(docs))
+    n = int(lengths.sum())
+    if n == 0:
+        raise ValueError("pack: no tokens; expected at least one non-empty document.")
+    total = -(-n // seq_len) * seq_len
+    ids = np.zeros(total, np.int32)
+    ids[:n] = np.concatenate(docs)
+    doc = np.full(total, -1, np.int64)
+    doc[:n] = np.repeat(np.arange(len(docs)), lengths)
+    real = doc >= 0
+    same_doc_next = np.zeros(total, bool)
+    same_doc_next[:-1] = real[:-1] & (doc[1:] == doc[:-1])
+    targets = np.zeros(total, np.int32)
+    targets[:-1] = np.where(same_doc_next[:-1], ids[1:], 0)
+    index = np.arange(total)
+    starts = real & ((index % seq_len == 0) | (doc != np.roll(doc, 1)))
+    segment_ids = np.cumsum(starts.reshape(-1, seq_len), axis=1).reshape(-1) * real
+    positions = (index - np.maximum.accumulate(np.where(starts, index, 0))) * real
+    shape = (-1, seq_len)
+    return {"input_ids": ids.reshape(shape),
+            "positions": positions.astype(np.int32).reshape(shape),
+            "segment_ids": segment_ids.astype(np.int32).reshape(shape),
+            "targets": targets.reshape(shape),
+            "target_weights": same_doc_next.astype(np.float32).reshape(shape)}
+
+
+class PackedBatches:
+    """Epochs of packed causal-LM batches (module doc) of this process."""
+
+    def __init__(self, docs: Sequence[np.ndarray], seq_len: int, global_batch_size: int, *,
+                 shuffle: bool = True, seed: int = 0, drop_remainder: bool = True,
+                 process_index: int = 0, process_count: int = 1):
+        if len(docs) == 0:
+            raise ValueError("PackedBatches: no documents; expected a non-empty split.")
+        if seq_len < 1 or global_batch_size < 1:
+            raise ValueError(f"PackedBatches: seq_len={seq_len}, global_batch_size="
+                             f"{global_batch_size}; expected both >= 1.")
+        if process_count < 1 or not 0 <= process_index < process_count:
+            raise ValueError(f"PackedBatches: process_index={process_index}, process_count="
+                             f"{process_count}; expected 0 <= process_index < process_count.")
+        if global_batch_size % process_count:
+            raise ValueError(f"PackedBatches: global_batch_size={global_batch_size} does not "
+                             f"divide by process_count={process_count}; use a multiple of "
+                             f"{process_count}.")
+        self.docs = [np.asarray(d, np.int32) for d in docs]
+        self.seq_len, self.global_batch_size = seq_len, global_batch_size
+        self.local_batch_size = global_batch_size // process_count
+        self.shuffle, self.seed, self.drop_remainder = shuffle, seed, drop_remainder
+        self.process_index = process_index
+        self.tokens = sum(map(len, self.docs))
+        self.rows_per_epoch = -(-self.tokens // seq_len)
+        if drop_remainder and self.rows_per_epoch < global_batch_size:
+            raise ValueError(f"PackedBatches: {self.tokens} tokens make {self.rows_per_epoch} "
+                             f"rows of {seq_len} < global_batch_size={global_batch_size} with "
+                             "drop_remainder=True gives no batch; use a smaller batch or "
+                             "shorter rows.")
+
+    @property
+    def steps_per_epoch(self) -> int:
+        r, b = self.rows_per_epoch, self.global_batch_size
+        return r // b if self.drop_remainder else -(-r // b)
+
+    def rows(self, epoch: int) -> dict[str, np.ndarray]:
+        """Every row of ``epoch`` (all processes'), packed from that epoch's document order."""
+        if epoch < 0:
+            raise ValueError(f"epoch={epoch}; expected >= 0.")
+        order = np.random.default_rng((self.seed, epoch)).permutation(len(self.docs)) \
+            if self.shuffle else range(len(self.docs))
+        return pack([self.docs[i] for i in order], self.seq_len)
+
+    def batches(self, epoch: int, start_step: int = 0) -> Iterator[dict[str, np.ndarray]]:
+        """This process's rows of each batch of ``epoch``, from ``start_step`` on; without
+        drop_remainder the last batch is completed with padding rows (all weights 0)."""
+        if not 0 <= start_step <= self.steps_per_epoch:
+            raise ValueError(f"start_step={start_step}; expected 0..{self.steps_per_epoch}.")
+        rows = self.rows(epoch)
+        b, lo = self.global_batch_size, self.process_index * self.local_batch_size
+        for step in range(start_step, self.steps_per_epoch):
+            first = step * b + lo
+            batch = {k: v[first:first + self.local_batch_size] for k, v in rows.items()}
+            short = self.local_batch_size - len(batch["input_ids"])
+            if short:
+                batch = {k: np.concatenate([v, np.zeros((short, self.seq_len), v.dtype)])
+                         for k, v in batch.items()}
+            yield batch
+
+
+def tokenize_documents(tokenizer, texts: Sequence[str]) -> list[np.ndarray]:
+    """Token ids of each text (with the tokenizer's own special tokens, e.g. a Llama BOS) and
+    its EOS, in one batched call. (That the ids fit the model's vocabulary is checked with the
+    model: ``models.check_vocab``.)"""
+    if len(texts) == 0:
+        raise ValueError("tokenize_documents: no texts; expected a non-empty split.")
+    if tokenizer.eos_token_id is None:
+        raise ValueError(f"tokenizer {type(tokenizer).__name__} has no EOS token; documents "
+                         "need one to end them. Use a tokenizer with eos_token set.")
+    eos = tokenizer.eos_token_id
+    enc = tokenizer(list(texts), return_attention_mask=False, return_token_type_ids=False)
+    return [np.asarray(ids if ids and ids[-1] == eos else ids + [eos], np.int32)
+            for ids in enc["input_ids"]]

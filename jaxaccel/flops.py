@@ -1,0 +1,173 @@
+"""Model FLOPs, throughput and MFU: one analytic formula, one peak table.
+
+Training FLOPs of a batch of ``B`` rows of ``L`` tokens (PaLM, Chowdhery et al. 2022,
+appendix B; MaxText's ``calculate_tflops_training_per_device``; DESIGN.md):
+
+    6 x N x B x L  +  12 x layers x L^2 x (heads x head_dim) x B  (x 1/2 if causal)
+
+* ``N`` counts the weights every token is multiplied by: per layer the q, k, v, o projections
+  (h x h, 2 x h x kv_heads x head_dim, h x h) and the MLP (2 matrices h x f, or 3 when gated
+  as SwiGLU), plus the output head: BERT's pooler and classifier (h x h + h x labels; they
+  see one token per row but are counted per token, as bench rows always did: 0.7% of
+  bert-base's N), or the vocabulary projection h x V of a language model, tied to the
+  embedding or not. The embedding lookup (no multiply), biases and norms (O(h)) are not
+  counted. 6 = 2 (multiply + add) x 3 (forward, and the backward's two matmuls per weight).
+* Attention: QK^T and AV are 2 x L^2 x heads x head_dim each in the forward, x 3 for
+  forward + backward. Causal attention needs only the lower triangle, so it is halved, as
+  MaxText does (nanoGPT and PaLM do not halve); packed rows count the whole row as one
+  sequence whatever their documents (the kernels compute it so).
+
+Rematerialisation's recomputed forward is not counted (model FLOPs, not hardware FLOPs).
+Tokens are counted twice in the metrics: ``processed_tokens_per_s`` (B x L, padding included:
+the work the FLOPs count) and ``tokens_per_s`` (non-padding tokens only: what a user means by
+throughput). MFU = model FLOP/s / (devices x the device's peak for the policy's dtype);
+``peak_flops`` returns None where no peak is known (CPUs, or a dtype a device has no units
+for), and then MFU is left out, never estimated.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """What the FLOPs formula reads from an architecture."""
+
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    mlp_matrices: int          # 2 (dense in/out) or 3 (gated: gate, up, down)
+    head_weights: int          # weights of the output head per token
+    causal: bool
+
+    @property
+    def matmul_weights(self) -> int:
+        """N of the formula."""
+        h, d = self.hidden, self.head_dim
+        attention = 2 * h * self.heads * d + 2 * h * self.kv_heads * d
+        return self.layers * (attention + self.mlp_matrices * h * self.intermediate) \
+            + self.head_weights
+
+
+def train_flops(shape: Shape, batch: int, seq: int) -> float:
+    """Model FLOPs of one training step on ``batch`` rows of ``seq`` tokens (module doc)."""
+    attention = 12.0 * shape.layers * seq * seq * shape.heads * shape.head_dim
+    return 6.0 * shape.matmul_weights * batch * seq \
+        + attention * batch * (0.5 if shape.causal else 1.0)
+
+
+def bert_shape(spec) -> Shape:
+    """A BERT encoder (bidirectional, GELU MLP) with its classification or masked-LM head."""
+    a = spec.architecture
+    h = a.hidden_size
+    head = h * a.vocab_size + h * h if spec.mlm_head else h * h + h * (spec.num_labels or 0)
+    return Shape(hidden=h, layers=a.num_hidden_layers, heads=a.num_attention_heads,
+                 kv_heads=a.num_attention_heads, head_dim=a.head_dim,
+                 intermediate=a.intermediate_size, mlp_matrices=2, head_weights=head,
+                 causal=False)
+
+
+def llama_shape(spec) -> Shape:
+    """A Llama decoder (causal, grouped-query attention, SwiGLU MLP) with its vocabulary
+    projection (tied to the embedding or not: a matmul either way)."""
+    a = spec.architecture
+    return Shape(hidden=a.hidden_size, layers=a.num_hidden_layers,
+                 heads=a.num_attention_heads, kv_heads=a.num_key_value_heads,
+                 head_dim=a.head_dim, intermediate=a.intermediate_size, mlp_matrices=3,
+                 head_weights=a.hidden_size * a.vocab_size, causal=True)
+
+
+def model_shape(spec) -> Shape:
+    """The FLOPs shape of a model spec, by its family's entry (``models.spec.FAMILIES``)."""
+    return spec.family.resolve("flops")(spec)
+
+
+class Peak(NamedTuple):
+    device: str                # matched as a case-insensitive substring of jax's device_kind
+    flops: dict                # policy dtype -> dense FLOP/s of one chip / GPU
+    source: str
+
+
+_NV = "NVIDIA {} datasheet, dense Tensor Core FLOP/s (half the 'with sparsity' figures)"
+_TPU = "https://cloud.google.com/tpu/docs/{}, peak compute per chip"
+# The "fp32" entry is the rate f32 matmuls run at under JAX's default precision: TF32 tensor
+# cores on NVIDIA Ampere and later, one bfloat16 pass on TPUs.
+PEAKS = [
+    Peak("H100 PCIe", {"fp32": 378e12, "bf16": 756e12, "fp16": 756e12, "fp8": 1513e12},
+         _NV.format("H100 (PCIe)") + ", https://www.nvidia.com/en-us/data-center/h100/"),
+    Peak("H100", {"fp32": 495e12, "bf16": 989e12, "fp16": 989e12, "fp8": 1979e12},
+         _NV.format("H100 (SXM)") + ", https://www.nvidia.com/en-us/data-center/h100/"),
+    Peak("H200", {"fp32": 495e12, "bf16": 989e12, "fp16": 989e12, "fp8": 1979e12},
+         _NV.format("H200 (SXM)") + ", https://www.nvidia.com/en-us/data-center/h200/"),
+    Peak("A100", {"fp32": 156e12, "bf16": 312e12, "fp16": 312e12},
+         _NV.format("A100") + " (no fp8 units), https://www.nvidia.com/en-us/data-center/a100/"),
+    Peak("TPU v4", {"fp32": 275e12, "bf16": 275e12}, _TPU.format("v4")),
+    Peak("TPU v5 lite", {"fp32": 197e12, "bf16": 197e12}, _TPU.format("v5e")),
+    Peak("TPU v5e", {"fp32": 197e12, "bf16": 197e12}, _TPU.format("v5e")),
+    Peak("TPU v5", {"fp32": 459e12, "bf16": 459e12}, _TPU.format("v5p")),  # jax: v5p = "TPU v5"
+    Peak("TPU v6 lite", {"fp32": 918e12, "bf16": 918e12}, _TPU.format("v6e")),
+    Peak("TPU v6e", {"fp32": 918e12, "bf16": 918e12}, _TPU.format("v6e")),
+]
+"""Dense peak FLOP/s per device kind and policy dtype, first match wins (so "H100 PCIe" before
+"H100", "TPU v5 lite" before "TPU v5"). No entry, no peak: CPUs; fp16 and fp8 on TPUs."""
+
+
+def peak_flops(device_kind: str, dtype: str) -> float | None:
+    """Peak FLOP/s of one device of ``device_kind`` (jax's) for the policy dtype ``dtype``
+    (fp32 | bf16 | fp16 | fp8), or None when no peak is known."""
+    for p in PEAKS:
+        if p.device.lower() in device_kind.lower():
+            return p.flops.get(dtype)
+    return None
+
+
+def batch_tokens(batch: dict) -> tuple[int, int]:
+    """``(processed, real)`` tokens of a host batch: rows x padded length, and the tokens that
+    are not padding (``attention_mask`` of a classification batch, ``segment_ids > 0`` of a
+    packed one)."""
+    ids = batch["input_ids"]
+    real = batch["attention_mask"] if "attention_mask" in batch else batch["segment_ids"] > 0
+    return int(ids.size), int(np.count_nonzero(real))
+
+
+class Throughput:
+    """Tokens/s, model TFLOP/s per device and MFU over the steps since the last ``flush``.
+
+    ``add(batch, seconds)`` per step: ``batch`` is this process's rows (scaled by
+    ``processes``, as every process holds as many), ``seconds`` the step's wall time. The
+    first step added is ignored: it includes compilation.
+    """
+
+    def __init__(self, shape: Shape, policy: str, device_kind: str, devices: int,
+                 processes: int = 1):
+        self.shape, self.devices, self.processes = shape, devices, processes
+        self.peak = peak_flops(device_kind, policy)
+        self._skip_next = True
+        self._sums = np.zeros(4)           # processed, real tokens, FLOPs, seconds
+
+    def add(self, batch: dict, seconds: float) -> None:
+        if self._skip_next:
+            self._skip_next = False
+            return
+        processed, real = batch_tokens(batch)
+        rows, length = batch["input_ids"].shape
+        flops = train_flops(self.shape, rows * self.processes, length)
+        self._sums += (processed * self.processes, real * self.processes, flops, seconds)
+
+    def flush(self) -> dict:
+        """The window's metrics (none if it holds no timed step), and a new window."""
+        processed, real, flops, seconds = self._sums
+        self._sums = np.zeros(4)
+        if seconds <= 0:
+            return {}
+        out = {"tokens_per_s": real / seconds, "processed_tokens_per_s": processed / seconds,
+               "model_tflops_per_device": flops / seconds / self.devices / 1e12}
+        if self.peak:
+            out["mfu"] = flops / seconds / (self.devices * self.peak)
+        return out
