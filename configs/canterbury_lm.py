@@ -28,7 +28,7 @@ def get_config():
         "data.max_len": 128,
         "data.tokenizer_vocab": 8192,
         "train.epochs": 1,
-        "train.max_steps": 200,          # 204,800 tokens: 0.79 of an epoch (253 steps)
+        "train.max_steps": 200,          # 204,800 tokens: 0.79 of an epoch (254 steps)
         "train.batch_size": 8,
         "train.eval_batch_size": 64,
         "train.learning_rate": 1e-3,
