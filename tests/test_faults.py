@@ -555,6 +555,20 @@ def test_flat_params_and_optax_adan_resume_each_other():
         "train.flat_params": (False, True)}
 
 
+def test_a_key_added_to_the_base_later_resumes_at_its_default():
+    """A run folder saved before a base key existed (here data.tokenizer_vocab) resumes when
+    the key keeps its default, and is refused when it changes."""
+    from jaxaccel import config
+    from jaxaccel.train import rundir
+    new = config.build(None, []).to_dict()
+    old = config.build(None, []).to_dict()
+    del old["data"]["tokenizer_vocab"]
+    assert rundir.check_resume_config(old, new) == {}
+    changed = config.build(None, ["data.tokenizer_vocab=4096"]).to_dict()
+    with pytest.raises(rundir.RunFolderError, match=r"data.tokenizer_vocab: 8192 -> 4096"):
+        rundir.check_resume_config(old, changed)
+
+
 def test_train_without_config_says_it_trains_the_base(tmp_path, caplog):
     """Item 9: no --config silently trained the base config."""
     argv = ["train", "--set", f"workdir={tmp_path}", "--set", "train.batch_size=12"]

@@ -48,6 +48,8 @@ import socket
 import sys
 import time
 
+from jaxaccel.config import BASE
+
 log = logging.getLogger("jaxaccel")
 
 RESUMABLE = frozenset({
@@ -84,9 +86,12 @@ def _flat(d: dict, prefix: str = "") -> dict:
 
 
 def config_changes(saved: dict, new: dict) -> dict[str, tuple]:
-    """``{dotted key: (saved value, new value)}`` for every key that differs (a key missing on
-    one side, e.g. added to the base config later, shows as ``"<absent>"``)."""
-    a, b = _flat(saved), _flat(new)
+    """``{dotted key: (saved value, new value)}`` for every key that differs. A key the saved
+    config lacks because it was added to the base config later stands for its base default
+    (the value the run had before the key existed); any other key missing on one side shows
+    as ``"<absent>"``."""
+    b = _flat(new)
+    a = {**{k: v for k, v in _flat(BASE).items() if k in b}, **_flat(saved)}
     absent = "<absent>"
     return {k: (a.get(k, absent), b.get(k, absent)) for k in sorted(a.keys() | b.keys())
             if a.get(k, absent) != b.get(k, absent)}
