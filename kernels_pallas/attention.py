@@ -165,11 +165,14 @@ def attention_reference(q, k, v, *, key_lengths=None, segment_ids=None, causal=F
         mask &= (segs[0][:, :, None] == segs[1][:, None, :])[:, None, None]
     if causal:
         mask &= jnp.arange(sq)[:, None] >= jnp.arange(sk)[None, :]
-    s = jnp.where(mask, s, -jnp.inf)
-    m = lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
-    p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0))
-    l = jnp.sum(p, axis=-1, keepdims=True)
-    p = p / jnp.where(l == 0.0, 1.0, l)
+    # jax.nn.softmax: exp(s - max) / sum, as written out, but with the one-reduction backward
+    # P * (dP - rowsum(P * dP)) (its custom JVP); differentiating the written-out division
+    # costs a second, slow reduction per layer (bench/README.md). Masked scores are finite
+    # (MASK_VALUE), so exp underflows to exactly 0 in every row that has a key; a row with
+    # none (all MASK_VALUE, a uniform softmax) is zeroed.
+    p = jax.nn.softmax(jnp.where(mask, s, MASK_VALUE), axis=-1)
+    if key_lengths is not None or segs is not None:
+        p = jnp.where(jnp.any(mask, axis=-1, keepdims=True), p, 0.0)
     if dropout_rate > 0:
         if dropout_rng is None:
             raise ValueError(f"dropout_rate={dropout_rate} needs dropout_rng (a PRNG key).")
