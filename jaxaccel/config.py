@@ -25,6 +25,10 @@ BASE: dict[str, Any] = {
     "name": "run",                  # run name: outputs go to {workdir}/{name}
     "workdir": "runs",              # root folder for checkpoints, metrics, TensorBoard events
     "seed": 0,                      # parameter init, dropout and data order
+    "compilation_cache": "auto",    # jaxaccel CLI: JAX's persistent compilation cache, so a
+                                    # second run recompiles nothing. auto: an already set
+                                    # $JAX_COMPILATION_CACHE_DIR, else $XDG_CACHE_HOME/jaxaccel/
+                                    # jax (~/.cache/jaxaccel/jax); a folder; or "off"
     "model": {
         "name": "minilm-l6",        # preset: minilm-l6, bert-base, bert-large, tiny
         "checkpoint": "",           # HF checkpoint dir; "" = the packaged MiniLM for minilm-l6,
