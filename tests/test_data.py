@@ -326,3 +326,16 @@ def test_rt_end_to_end(rt_dir, tokenizer):
         for b in batches
     )
     assert np.mean([b["attention_mask"].mean() for b in batches]) > 0.6
+
+
+def test_batch_lengths_are_the_lengths_of_those_steps():
+    """What the loop compiles ahead (train.loop.batch_lengths): the padded lengths of the
+    global batches start..stop, counted over epochs."""
+    from jaxaccel.train.loop import batch_lengths
+    it = BatchIterator(_toy(), 8, seed=3, bucket_window=2)
+    per = it.steps_per_epoch
+    steps = _epoch(it, 0) + _epoch(it, 1) + _epoch(it, 2)
+    for start, stop in ((0, 3), (per - 2, per + 3), (1, 3 * per)):
+        want = {b["input_ids"].shape[1] for b in steps[start:stop]}
+        assert batch_lengths(it, start, stop) == want
+    assert len(batch_lengths(it, 0, 3 * per)) > 1
