@@ -2,6 +2,7 @@
 
     jaxaccel bench job                                        # configs/minilm_rt.py
     jaxaccel bench job --config configs/tiny_synthetic.py --set precision.policy=bf16
+    jaxaccel bench job --compile-only          # only what the run compiles, and how long
 
 Runs ``jaxaccel.train.loop.train`` in a fresh work folder (never resumes) and writes
 ``bench/results/job-<name>-<device>.json``, one row:
@@ -101,6 +102,9 @@ def main(argv=None):
                     help="eval accuracy for time-to-accuracy (default 0.8)")
     ap.add_argument("--workdir", help="run folder root (default: a fresh temporary folder, "
                     "deleted afterwards)")
+    ap.add_argument("--compile-only", action="store_true",
+                    help="build the run and compile what it would compile (the loop's "
+                    "compile_ahead), print the compile seconds and stop; no result file")
     args = ap.parse_args(argv)
     workdir = args.workdir or tempfile.mkdtemp(prefix="jaxaccel-job-")
     cfg = config_lib.load(args.config, args.set + [f"workdir={workdir!r}"])
@@ -111,6 +115,15 @@ def main(argv=None):
     from jaxaccel.train.loop import train
     enable_compilation_cache(cfg.compilation_cache)
     clock = CompileClock()
+    if args.compile_only:
+        from jaxaccel.train.loop import build, compile_ahead
+        run = build(cfg)
+        start = time.perf_counter()
+        with jax.set_mesh(run.mesh):
+            programs = compile_ahead(run, run.state, 0)
+        print(json.dumps({"programs": programs, "wall_s": time.perf_counter() - start,
+                          "cache": jax.config.jax_compilation_cache_dir, **clock.totals}))
+        return
     start = time.time()
     with energy.Meter(jax.default_backend(), jax.local_device_count()) as meter:
         result = train(cfg)
