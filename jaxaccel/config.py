@@ -50,7 +50,9 @@ BASE: dict[str, Any] = {
         "max_len": 128,             # truncate longer sequences (clamped to the model's maximum)
         "pad_multiple": 16,         # pad each batch to its longest row, rounded up to this
         "bucket": True,             # group similar lengths into batches (less padding)
-        "eval_split": "test",
+        "eval_split": "test",       # test | validation (needs validation_size > 0)
+        "validation_size": 0,       # > 0: hold these many training examples out as the
+                                    # "validation" split (fixed rows, data/splits.py)
         "synthetic_examples": 4096, # synthetic only: examples per split
         "synthetic_seq_len": 128,   # synthetic only
     },
@@ -270,6 +272,8 @@ def validate(cfg: Config) -> None:
                 "train.grad_accum": t.grad_accum, "train.log_every": t.log_every,
                 "data.max_len": cfg.data.max_len, "data.pad_multiple": cfg.data.pad_multiple,
                 "model.num_labels": cfg.model.num_labels}
+    if cfg.data.validation_size < 0:
+        raise ValueError(f"data.validation_size={cfg.data.validation_size} must be >= 0.")
     for key, value in positive.items():
         if value < 1:
             raise ValueError(f"{key}={value} must be >= 1.")
