@@ -2,6 +2,7 @@
 
     python bench/hf_flax.py                  # train-step medians at batch 16 x 64 (a few minutes)
     python bench/hf_flax.py --job            # also both whole jobs, one after the other
+    jaxaccel bench hf_flax [flags]           # the same
 
 The baseline is transformers 4.57.6's ``FlaxBertForSequenceClassification`` (the last
 transformers with Flax models) on the packaged MiniLM-L6 checkpoint, trained as its example
@@ -248,12 +249,13 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=6, help="interleaved rounds (default 6)")
     ap.add_argument("--steps", type=int, default=5, help="steps per side per round")
     ap.add_argument("--job", action="store_true", help="also time both whole jobs")
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = ap.parse_args(argv)
     if os.environ.get(IN_VENV) != "1":
         python = ensure_venv()
         env = {**os.environ, IN_VENV: "1",
                "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
-        os.execve(python, [python, os.path.abspath(__file__), *sys.argv[1:]], env)
+        os.execve(python, [python, os.path.abspath(__file__), *argv], env)
 
     sys.path.insert(0, ROOT)
     import jax

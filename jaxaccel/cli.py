@@ -20,7 +20,7 @@ import os
 import sys
 
 EXIT_ERROR, EXIT_NONFINITE, EXIT_INTERRUPTED = 2, 3, 130
-BENCH_SUITES = ("train_step", "attention", "optimizer", "job", "scaling")
+BENCH_SUITES = ("train_step", "attention", "optimizer", "job", "scaling", "hf_flax")
 
 
 def _parser() -> argparse.ArgumentParser:
