@@ -155,12 +155,13 @@ def compile_ahead(run: Run, state: TrainState, start: int) -> int:
     and the eval step for every eval length, in parallel threads (XLA compiles a program on
     one core), before the first step; the jitted steps then find them compiled (or read them
     from the persistent compilation cache). Returns how many programs were compiled."""
-    def spec(batch_size, length):        # a batch as put_batch makes it (zeros)
-        rows = batch_size // jax.process_count()
-        ids = np.zeros((rows, length), np.int32)
-        return run.put_batch({"input_ids": ids, "attention_mask": ids, "token_type_ids": ids,
-                              "labels": np.zeros(rows, np.int32),
-                              "weights": np.zeros(rows, np.float32)})
+    def spec(batch_size, length):           # a global batch as put_batch makes it
+        shape = lambda *s, dtype=np.int32: jax.ShapeDtypeStruct(s, dtype,
+                                                                sharding=run.batch_sharding)
+        return {"input_ids": shape(batch_size, length),
+                "attention_mask": shape(batch_size, length),
+                "token_type_ids": shape(batch_size, length),
+                "labels": shape(batch_size), "weights": shape(batch_size, dtype=np.float32)}
     t = run.cfg.train
     jobs = [functools.partial(run.train_step.lower, state, spec(t.batch_size, n))
             for n in sorted(batch_lengths(run.train_data, start, run.total_steps))]
@@ -332,9 +333,6 @@ def _train(run: Run, changes: dict) -> dict:
             log.info("resumed from %s at step %d", ckpt.directory, int(state.step))
     start = int(jax.device_get(state.step))
     _resume_note(run, start, changes)
-    t0 = time.perf_counter()
-    log.info("compiled %d programs ahead in %.1f s", compile_ahead(run, state, start),
-             time.perf_counter() - t0)
     steps_per_epoch = run.train_data.steps_per_epoch
 
     def save(step):
@@ -376,7 +374,10 @@ def _train(run: Run, changes: dict) -> dict:
             window.clear()
 
     try:
-        with Preemption() as preempt:
+        with Preemption() as preempt:     # a signal while compiling: saved right after
+            t0 = time.perf_counter()
+            log.info("compiled %d programs ahead in %.1f s", compile_ahead(run, state, start),
+                     time.perf_counter() - t0)
             epoch = start // steps_per_epoch
             while step < run.total_steps and not preempt.stop:
                 for batch in run.train_data.batches(epoch, step - epoch * steps_per_epoch):
