@@ -2,6 +2,7 @@
 
     jaxaccel bench job                                        # configs/minilm_rt.py
     jaxaccel bench job --config configs/tiny_synthetic.py --set precision.policy=bf16
+    jaxaccel bench job --compile-only          # only what the run compiles, and how long
 
 Runs ``jaxaccel.train.loop.train`` in a fresh work folder (never resumes) and writes
 ``<--out>/job-<name>-<device>.json`` (default ``runs/bench/``), one row:
@@ -13,7 +14,11 @@ Runs ``jaxaccel.train.loop.train`` in a fresh work folder (never resumes) and wr
   [batch, length] (what the device computes on; counted from the same data pipeline);
 - ``mfu`` = model FLOPs / time_s / (peak FLOP/s of the policy's dtype x devices), FLOPs per
   batch by ``jaxaccel.flops.train_flops``: whole-job MFU, compile and eval included;
-- energy over the run (NVML; elsewhere the labelled TDP estimate at utilisation = MFU).
+- energy over the run (NVML; elsewhere the labelled TDP estimate at utilisation = MFU);
+- ``compile_s``: seconds in XLA compilation or, on a hit, reading the persistent compilation
+  cache (``compilation_cache``, on by default as in the CLI; the cache folder of a first run
+  should be empty or ``compilation_cache=off``), ``compile_share`` = compile_s / time_s,
+  ``trace_lower_s`` (tracing and lowering to StableHLO: every run pays it), ``cache_hits``.
 
 The work (joined by ``jaxaccel compare``) is the config's model, data, epochs / steps, batch and
 seed; precision policy and optimizer name the row, so runs that differ only there compare.
@@ -69,6 +74,27 @@ def time_to_accuracy(metrics_file: str, start: float, target: float) -> float | 
     return None
 
 
+class CompileClock:
+    """Sums JAX's compile-time events from its creation on (jax.monitoring listeners)."""
+
+    EVENTS = {"/jax/core/compile/backend_compile_duration": "compile_s",
+              "/jax/core/compile/jaxpr_trace_duration": "trace_lower_s",
+              "/jax/core/compile/jaxpr_to_mlir_module_duration": "trace_lower_s"}
+
+    def __init__(self):
+        self.totals = {"compile_s": 0.0, "trace_lower_s": 0.0, "cache_hits": 0}
+        jax.monitoring.register_event_duration_secs_listener(self._duration)
+        jax.monitoring.register_event_listener(self._event)
+
+    def _duration(self, event, seconds, **_):
+        if event in self.EVENTS:
+            self.totals[self.EVENTS[event]] += seconds
+
+    def _event(self, event, **_):
+        if event == "/jax/compilation_cache/cache_hits":
+            self.totals["cache_hits"] += 1
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default=os.path.join(ROOT, "configs", "minilm_rt.py"))
@@ -78,13 +104,28 @@ def main(argv=None):
     ap.add_argument("--workdir", help="run folder root (default: a fresh temporary folder, "
                     "deleted afterwards)")
     add_out_argument(ap)
+    ap.add_argument("--compile-only", action="store_true",
+                    help="build the run and compile what it would compile (the loop's "
+                    "compile_ahead), print the compile seconds and stop; no result file")
     args = ap.parse_args(argv)
     workdir = args.workdir or tempfile.mkdtemp(prefix="jaxaccel-job-")
     cfg = config_lib.load(args.config, args.set + [f"workdir={workdir!r}"])
     if os.path.exists(os.path.join(workdir, cfg.name)):
         raise FileExistsError(f"{os.path.join(workdir, cfg.name)!r} exists and would be "
                               "resumed; pass an empty --workdir.")
+    from jaxaccel.cli import enable_compilation_cache
     from jaxaccel.train.loop import train
+    enable_compilation_cache(cfg.compilation_cache)
+    clock = CompileClock()
+    if args.compile_only:
+        from jaxaccel.train.loop import build, compile_ahead
+        run = build(cfg)
+        start = time.perf_counter()
+        with jax.set_mesh(run.mesh):
+            programs = compile_ahead(run, run.state, 0)
+        print(json.dumps({"programs": programs, "wall_s": time.perf_counter() - start,
+                          "cache": jax.config.jax_compilation_cache_dir, **clock.totals}))
+        return
     start = time.time()
     with energy.Meter(jax.default_backend(), jax.local_device_count()) as meter:
         result = train(cfg)
@@ -101,7 +142,8 @@ def main(argv=None):
            "time_to_accuracy_s": tta, "target_accuracy": args.target,
            "final_accuracy": result["eval_accuracy"], "eval_examples": result["eval_examples"],
            "tokens": tokens, "tokens_per_s": tokens / seconds, "model_flops": flops,
-           "model_tflops": flops / seconds / 1e12,
+           "model_tflops": flops / seconds / 1e12, **clock.totals,
+           "compile_share": clock.totals["compile_s"] / seconds,
            "mfu": flops / seconds / (peak * jax.device_count()) if peak else None,
            **{k: v for k, v in meter.result.items() if k != "seconds"}}
     t = cfg.train
@@ -112,7 +154,8 @@ def main(argv=None):
                                         "sets": args.set, "work": work}, stem=f"job-{name}",
                          out=args.out)
     print(markdown([row], ["name", "time_s", "time_to_accuracy_s", "final_accuracy",
-                           "tokens_per_s", "mfu", "energy_j", "energy_source"]))
+                           "tokens_per_s", "mfu", "compile_s", "compile_share", "energy_j",
+                           "energy_source"]))
     print(f"wrote {path}")
 
 

@@ -28,6 +28,10 @@ BASE: dict[str, Any] = {
     "name": "run",                  # run name: outputs go to {workdir}/{name}
     "workdir": "runs",              # root folder for checkpoints, metrics, TensorBoard events
     "seed": 0,                      # parameter init, dropout and data order
+    "compilation_cache": "auto",    # jaxaccel CLI: JAX's persistent compilation cache, so a
+                                    # second run recompiles nothing. auto: an already set
+                                    # $JAX_COMPILATION_CACHE_DIR, else $XDG_CACHE_HOME/jaxaccel/
+                                    # jax (~/.cache/jaxaccel/jax); a folder; or "off"
     "model": {
         "name": "minilm-l6",        # preset: minilm-l6, bert-base, bert-large, tiny (BERT:
                                     # classification); llama-tiny, llama-cpu, llama-125m,
@@ -54,7 +58,10 @@ BASE: dict[str, Any] = {
                                     # a corpus: the packed row length (<= the model's maximum)
         "pad_multiple": 16,         # pad each batch to its longest row, rounded up to this
         "bucket": True,             # group similar lengths into batches (less padding)
-        "eval_split": "test",       # canterbury: validation
+        "eval_split": "test",       # test | validation (needs validation_size > 0); a corpus
+                                    # (canterbury): validation
+        "validation_size": 0,       # > 0: hold these many training examples out as the
+                                    # "validation" split (fixed rows, data/splits.py)
         "tokenizer_vocab": 8192,    # corpus without model.tokenizer/checkpoint: tokens of the
                                     # byte-level BPE trained on its train split (data/bpe.py)
         "synthetic_examples": 4096, # synthetic only: examples per split
@@ -307,6 +314,8 @@ def validate(cfg: Config) -> None:
                 "data.max_len": cfg.data.max_len, "data.pad_multiple": cfg.data.pad_multiple,
                 "data.tokenizer_vocab": cfg.data.tokenizer_vocab,
                 "model.num_labels": cfg.model.num_labels}
+    if cfg.data.validation_size < 0:
+        raise ValueError(f"data.validation_size={cfg.data.validation_size} must be >= 0.")
     for key, value in positive.items():
         if value < 1:
             raise ValueError(f"{key}={value} must be >= 1.")

@@ -154,31 +154,36 @@ def attention_reference(q, k, v, *, key_lengths=None, segment_ids=None, causal=F
     b, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
-    qg = q.reshape(b, sq, hkv, hq // hkv, d)
-    s = _scores(qg, k) * scale
-    mask = jnp.ones((b, 1, 1, sq, sk), bool)
+    g = hq // hkv
+    # Scores [B, Hkv, G, Sq, Sk] are handled as [B, Hq, Sq, Sk] (query head h = (h // G, h % G),
+    # a free reshape): XLA:CPU reduced the 5-D form's softmax rows about 4x slower.
+    s = _scores(q.reshape(b, sq, hkv, g, d), k).reshape(b, hq, sq, sk) * scale
+    mask = jnp.ones((b, 1, sq, sk), bool)
     if key_lengths is not None:
         lengths = jnp.asarray(key_lengths, jnp.int32)
-        mask &= (jnp.arange(sk)[None, :] < lengths[:, None])[:, None, None, None, :]
+        mask &= (jnp.arange(sk)[None, :] < lengths[:, None])[:, None, None, :]
     segs = _segments(segment_ids, sq, sk)
     if segs is not None:
-        mask &= (segs[0][:, :, None] == segs[1][:, None, :])[:, None, None]
+        mask &= (segs[0][:, :, None] == segs[1][:, None, :])[:, None]
     if causal:
         mask &= jnp.arange(sq)[:, None] >= jnp.arange(sk)[None, :]
-    s = jnp.where(mask, s, -jnp.inf)
-    m = lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
-    p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0))
-    l = jnp.sum(p, axis=-1, keepdims=True)
-    p = p / jnp.where(l == 0.0, 1.0, l)
+    # jax.nn.softmax: exp(s - max) / sum, as written out, but with the one-reduction backward
+    # P * (dP - rowsum(P * dP)) (its custom JVP); differentiating the written-out division
+    # costs a second reduction per layer (bench/README.md). Masked scores are finite
+    # (MASK_VALUE), so exp underflows to exactly 0 in every row that has a key; a row with
+    # none (all MASK_VALUE, a uniform softmax) is zeroed.
+    p = jax.nn.softmax(jnp.where(mask, s, MASK_VALUE), axis=-1)
+    if key_lengths is not None or segs is not None:
+        p = jnp.where(jnp.any(mask, axis=-1, keepdims=True), p, 0.0)
     if dropout_rate > 0:
         if dropout_rng is None:
             raise ValueError(f"dropout_rate={dropout_rate} needs dropout_rng (a PRNG key).")
         # Drawn per query head, [B, Hq, Sq, Sk], whatever the grouping.
         keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, (b, hq, sq, sk))
-        p = jnp.where(keep.reshape(p.shape), p / (1.0 - dropout_rate), 0.0)
+        p = jnp.where(keep, p / (1.0 - dropout_rate), 0.0)
     # P V in v's dtype: the matmul accumulates in float32 and rounds once, and its backward
     # (dP = dO V^T, dV = P^T dO) multiplies input-dtype operands.
-    o = jnp.einsum("bhgqk,bkhd->bqhgd", p.astype(v.dtype), v)
+    o = jnp.einsum("bhgqk,bkhd->bqhgd", p.reshape(b, hkv, g, sq, sk).astype(v.dtype), v)
     return o.reshape(b, sq, hq, d).astype(q.dtype)
 
 

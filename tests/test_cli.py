@@ -101,3 +101,26 @@ def test_training_with_pallas_attention(capsys, tmp_path):
                          "--set", "model.attention_dropout=0.0", "--set", "train.max_steps=2",
                          "--set", "train.progress=false")
     assert code == 0, err
+
+
+def test_compilation_cache_is_on_by_default_in_a_per_user_folder(tmp_path):
+    from jaxaccel import config
+    assert config.BASE["compilation_cache"] == "auto"
+    env = {"XDG_CACHE_HOME": str(tmp_path)}
+    assert cli.compilation_cache_dir("auto", env) == os.path.join(tmp_path, "jaxaccel", "jax")
+    # a cache folder already set (tests/conftest.py sets one) is kept
+    assert cli.compilation_cache_dir("auto", {**env, "JAX_COMPILATION_CACHE_DIR": "/c"}) == "/c"
+    assert cli.compilation_cache_dir("off", env) is None
+    assert cli.compilation_cache_dir(str(tmp_path / "mine"), env) == str(tmp_path / "mine")
+
+
+def test_enable_compilation_cache_sets_jax_and_off_leaves_it(tmp_path):
+    import jax
+    before = jax.config.jax_compilation_cache_dir
+    try:
+        assert cli.enable_compilation_cache("off") is None
+        assert jax.config.jax_compilation_cache_dir == before
+        assert cli.enable_compilation_cache(str(tmp_path)) == str(tmp_path)
+        assert jax.config.jax_compilation_cache_dir == str(tmp_path)
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before)

@@ -326,3 +326,40 @@ def test_rt_end_to_end(rt_dir, tokenizer):
         for b in batches
     )
     assert np.mean([b["attention_mask"].mean() for b in batches]) > 0.6
+
+
+def test_batch_lengths_are_the_lengths_of_those_steps():
+    """What the loop compiles ahead (train.loop.batch_lengths): the padded lengths of the
+    global batches start..stop, counted over epochs."""
+    from jaxaccel.train.loop import batch_lengths
+    it = BatchIterator(_toy(), 8, seed=3, bucket_window=2)
+    per = it.steps_per_epoch
+    steps = _epoch(it, 0) + _epoch(it, 1) + _epoch(it, 2)
+    for start, stop in ((0, 3), (per - 2, per + 3), (1, 3 * per)):
+        want = {b["input_ids"].shape[1] for b in steps[start:stop]}
+        assert batch_lengths(it, start, stop) == want
+    assert len(batch_lengths(it, 0, 3 * per)) > 1
+
+
+def test_validation_split_is_fixed_and_disjoint_from_training(monkeypatch):
+    """data.validation_size holds the same rows out whatever the seed; train + validation
+    partition the original training split; eval_split=validation without it is refused."""
+    from jaxaccel import config
+    from jaxaccel.data import TextDataset, splits
+    texts = [f"text {i}" for i in range(50)]
+    fake = TextDataset("rt_snippets", {"train": (texts, np.arange(50, dtype=np.int32) % 2)},
+                       ("neg", "pos"))
+    monkeypatch.setattr(splits, "load_text_dataset", lambda *a, **k: fake)
+    monkeypatch.setattr(splits, "tokenize", lambda tok, texts, labels, **k: (texts, labels))
+
+    def rows(split, *sets):
+        cfg = config.build(sets=["data.validation_size=10", *sets])
+        return splits._examples(cfg, None, 512, split)[0]
+    (val, val_labels), (train, _) = rows("validation"), rows("train")
+    assert len(val) == 10 and len(train) == 40 and sorted(val + train) == sorted(texts)
+    assert rows("validation", "seed=7")[0] == val                   # not the run's seed
+    assert val_labels.tolist() == [int(t.split()[1]) % 2 for t in val]
+    assert (splits.validation_rows(50, 10) == splits.validation_rows(50, 10)).all()
+    with pytest.raises(ValueError, match="validation_size > 0"):
+        splits._examples(config.build(sets=["data.eval_split=validation"]), None, 512,
+                         "validation")

@@ -32,8 +32,22 @@ def _losses(run_dir):
     return {r["step"]: r["train/loss"] for r in read_metrics(run_dir) if "train/loss" in r}
 
 
-def test_training_lowers_the_loss(tmp_path):
-    result = loop.train(tiny_cfg(tmp_path, "train.epochs=6"))
+def test_training_lowers_the_loss(tmp_path, monkeypatch):
+    """... and compiles its steps ahead: no step compiles once the loop runs."""
+    compiled, ahead = [], []
+    real_ahead = loop.compile_ahead
+    monkeypatch.setattr(loop, "compile_ahead", lambda *a: ahead.append(real_ahead(*a)) or ahead[0])
+
+    def listen(event, seconds, **kw):
+        if event == "/jax/core/compile/backend_compile_duration" and ahead:
+            compiled.append(kw.get("fun_name"))
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        result = loop.train(tiny_cfg(tmp_path, "train.epochs=6"))
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert ahead == [2], ahead                 # one length: a train and an eval step
+    assert not {"jit(step)", "jit(eval_step)"} & set(compiled), compiled
     assert result["status"] == "completed" and result["step"] == 24
     losses = _losses(result["run_dir"])
     first, last = np.mean([losses[s] for s in (1, 2, 3)]), np.mean([losses[s] for s in (22, 23, 24)])

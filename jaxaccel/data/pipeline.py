@@ -192,9 +192,14 @@ class BatchIterator:
         for idx in self.plan(epoch)[start_step:]:
             yield self._assemble(idx)
 
-    def _assemble(self, idx: np.ndarray) -> dict[str, np.ndarray]:
+    def padded_length(self, idx: np.ndarray) -> int:
+        """The [b, L] length of the batch of examples ``idx``: its longest row rounded up to
+        ``pad_multiple``, at most ``max_len``."""
         m = self.pad_multiple
-        length = min(-(-max(int(self.lengths[idx].max()), 1) // m) * m, self.data.max_len)
+        return min(-(-max(int(self.lengths[idx].max()), 1) // m) * m, self.data.max_len)
+
+    def _assemble(self, idx: np.ndarray) -> dict[str, np.ndarray]:
+        length = self.padded_length(idx)
         real = len(idx)
         idx = np.concatenate([idx, np.full(self.global_batch_size - real, idx[0])])
         weights = (np.arange(self.global_batch_size) < real).astype(np.float32)

@@ -15,6 +15,9 @@ Batching, per process (``jax.process_index()`` of ``jax.process_count()``):
 
 * train: shuffled per (seed, epoch), whole batches only, length-bucketed over windows of 50
   batches when ``data.bucket`` (less padding);
+* validation (``data.eval_split=validation``): ``data.validation_size`` examples held out of
+  the training split by a fixed permutation (``validation_rows``), which then trains on the
+  rest: a recipe is chosen on it, the test split is read once at the end;
 * eval: in no particular order, so sorted by length over the whole split (one window) to pad
   least, the last batch completed with weight-0 rows.
 
@@ -26,6 +29,7 @@ from __future__ import annotations
 import math
 
 import jax
+import numpy as np
 
 from jaxaccel.data import bpe, corpus_folder, dataset_entry, load_corpus, load_text_dataset
 from jaxaccel.data.packing import PackedBatches, tokenize_documents
@@ -34,6 +38,26 @@ from jaxaccel.data.synthetic import synthetic
 
 SYNTHETIC_VOCAB = 30522      # BERT's uncased vocabulary: synthetic ids lie in [0, 30522)
 TRAIN_BUCKET_WINDOW = 50     # global batches sorted by length together (data.bucket)
+VALIDATION_SEED = 0          # the held-out validation rows are the same for every run seed
+
+
+def validation_rows(n: int, size: int) -> np.ndarray:
+    """Sorted indices of the ``size`` training examples (of ``n``) that ``data.validation_size``
+    holds out as the ``"validation"`` split: the first ``size`` of a fixed permutation
+    (``VALIDATION_SEED``), so the split does not move with ``seed``; the training split is
+    the other ``n - size``."""
+    if not 0 < size < n:
+        raise ValueError(f"data.validation_size={size} must be in [1, {n - 1}] for a training "
+                         f"split of {n} examples (0 holds out nothing).")
+    return np.sort(np.random.default_rng(VALIDATION_SEED).permutation(n)[:size])
+
+
+def _rows(texts: list[str], labels: np.ndarray, split: str, validation_size: int):
+    """``(texts, labels)`` of ``split`` read from the training split's ``texts``/``labels``:
+    the held-out validation rows, or the rest."""
+    held = validation_rows(len(labels), validation_size)
+    keep = held if split == "validation" else np.setdiff1d(np.arange(len(labels)), held)
+    return [texts[i] for i in keep], labels[keep]
 
 
 def _examples(cfg, tokenizer, max_positions: int, split: str) -> tuple[Tokenized, tuple]:
@@ -46,13 +70,20 @@ def _examples(cfg, tokenizer, max_positions: int, split: str) -> tuple[Tokenized
                              seed=cfg.seed if split == "train" else cfg.seed + 1,
                              num_classes=cfg.model.num_labels)
         return examples, tuple(str(i) for i in range(cfg.model.num_labels))
+    if split == "validation" and not d.validation_size:
+        raise ValueError("data.eval_split='validation' needs data.validation_size > 0 (e.g. "
+                         "1000): the validation split is held out of the training split.")
+    source = "train" if split == "validation" else split
     ds = load_text_dataset(d.name, data_dir=d.data_dir or None, manual_dir=d.manual_dir or None,
-                           splits=(split,))
+                           splits=(source,))
     if ds.num_classes > cfg.model.num_labels:
         raise ValueError(f"data {d.name!r} has {ds.num_classes} classes but "
                          f"model.num_labels={cfg.model.num_labels}; set model.num_labels="
                          f"{ds.num_classes}.")
-    return (tokenize(tokenizer, *ds[split], max_len=d.max_len, max_positions=max_positions),
+    texts, labels = ds[source]
+    if source == "train" and d.validation_size:
+        texts, labels = _rows(texts, labels, split, d.validation_size)
+    return (tokenize(tokenizer, texts, labels, max_len=d.max_len, max_positions=max_positions),
             ds.label_names)
 
 
@@ -157,5 +188,5 @@ def steps_per_epoch(cfg) -> int:
     d = cfg.data
     n = d.synthetic_examples if d.name == "synthetic" else len(load_text_dataset(
         d.name, data_dir=d.data_dir or None, manual_dir=d.manual_dir or None,
-        splits=("train",))["train"][1])
+        splits=("train",))["train"][1]) - d.validation_size
     return n // cfg.train.batch_size

@@ -17,10 +17,11 @@ from jax.sharding import NamedSharding
 
 from jaxaccel import sharding as shd
 from jaxaccel.optim import flat
+from jaxaccel.optim.clip import clip_by_global_norm, global_norm
 from jaxaccel.optim.adan import IMPLS, AdanState, OnePass, adan, adan_onepass
 from kernels_pallas.adan import IMPLS as ONEPASS_IMPLS
 
-__all__ = ["IMPLS", "ONEPASS_IMPLS", "OPTIMIZERS", "decay_mask", "flat", "make_onepass",
+__all__ = ["IMPLS", "ONEPASS_IMPLS", "OPTIMIZERS", "decay_mask", "flat", "global_norm", "make_onepass",
            "make_optimizer", "make_schedule", "state_shardings"]
 
 OPTIMIZERS = ("adamw", "adan")
@@ -64,7 +65,7 @@ def make_optimizer(name: str, learning_rate, *, weight_decay: float = 0.0,
         tx = optax.adamw(learning_rate, b1=0.9 if b1 is None else b1,
                          b2=0.999 if b2 is None else b2, eps=1e-8 if eps is None else eps,
                          weight_decay=weight_decay, mask=decay_mask)
-        return optax.chain(optax.clip_by_global_norm(max_grad_norm), tx) if max_grad_norm > 0 else tx
+        return optax.chain(clip_by_global_norm(max_grad_norm), tx) if max_grad_norm > 0 else tx
     if name == "adan":
         return adan(learning_rate, weight_decay=weight_decay, max_grad_norm=max_grad_norm,
                     mask=decay_mask, impl=impl, shardings=shardings, zero_axes=zero_axes,

@@ -47,6 +47,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxaccel.optim import flat
+from jaxaccel.optim.clip import global_norm
 from jaxaccel.optim.flat import FlatNode, FlatParams, Layout, is_float
 from kernels_pallas import adan as kernel
 from kernels_pallas.adan import adan_apply, adan_reference, adan_update, make_scalars
@@ -138,7 +139,7 @@ class _Rule:
         ``tensors`` are the gradients (leaves or flat buffers) the clipping norm is over."""
         clip = jnp.float32(1.0)
         if not (isinstance(self.max_grad_norm, (int, float)) and self.max_grad_norm <= 0):
-            norm = jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in tensors))
+            norm = global_norm(tensors)
             clip = jnp.where(self.max_grad_norm > 0,
                              jnp.minimum(self.max_grad_norm / (norm + self.eps), 1.0), 1.0)
         lr = self.learning_rate(count) if callable(self.learning_rate) else self.learning_rate

@@ -17,6 +17,7 @@ aside to ``skipped_checkpoints/``.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import functools
@@ -141,6 +142,44 @@ class Run:
             for k, v in jax.device_get(sums).items():
                 totals[k] += float(v)
         return self.task.report(totals)
+
+
+def batch_lengths(data: BatchIterator, start: int, stop: int) -> set[int]:
+    """The padded lengths of ``data``'s global batches ``start`` to ``stop`` (counted over
+    epochs, as the run's steps are)."""
+    per, out = data.steps_per_epoch, set()
+    for epoch in range(start // per, -(-stop // per)):
+        plan = data.plan(epoch)[max(start - epoch * per, 0):stop - epoch * per]
+        out |= {data.padded_length(idx) for idx in plan}
+    return out
+
+
+def _in_mesh(mesh, fn):
+    with jax.set_mesh(mesh):          # the ambient mesh is per thread and part of jit's key
+        return fn()
+
+
+def compile_ahead(run: Run, state: TrainState, start: int) -> int:
+    """Compile the train step for every padded length of the steps ``start`` to the run's end
+    and the eval step for every eval length, in parallel threads (XLA compiles a program on
+    one core), before the first step; the jitted steps then find them compiled (or read them
+    from the persistent compilation cache). Returns how many programs were compiled."""
+    def spec(batch_size, length):           # a global batch as put_batch makes it
+        shape = lambda *s, dtype=np.int32: jax.ShapeDtypeStruct(s, dtype,
+                                                                sharding=run.batch_sharding)
+        return {"input_ids": shape(batch_size, length),
+                "attention_mask": shape(batch_size, length),
+                "token_type_ids": shape(batch_size, length),
+                "labels": shape(batch_size), "weights": shape(batch_size, dtype=np.float32)}
+    t = run.cfg.train
+    jobs = [functools.partial(run.train_step.lower, state, spec(t.batch_size, n))
+            for n in sorted(batch_lengths(run.train_data, start, run.total_steps))]
+    jobs += [functools.partial(run.eval_step.lower, state.params, spec(t.eval_batch_size, n),
+                               state.fp8)
+             for n in sorted(batch_lengths(run.eval_data, 0, run.eval_data.steps_per_epoch))]
+    with concurrent.futures.ThreadPoolExecutor(min(len(jobs), os.cpu_count() or 1)) as pool:
+        list(pool.map(lambda lower: _in_mesh(run.mesh, lambda: lower().compile()), jobs))
+    return len(jobs)
 
 
 def _policy(cfg: Config):
@@ -382,7 +421,10 @@ def _train(run: Run, changes: dict) -> dict:
             window.clear()
 
     try:
-        with Preemption() as preempt:
+        with Preemption() as preempt:     # a signal while compiling: saved right after
+            t0 = time.perf_counter()
+            log.info("compiled %d programs ahead in %.1f s", compile_ahead(run, state, start),
+                     time.perf_counter() - t0)
             epoch = start // steps_per_epoch
             while step < run.total_steps and not preempt.stop:
                 for batch in run.train_data.batches(epoch, step - epoch * steps_per_epoch):

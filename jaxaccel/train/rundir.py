@@ -53,7 +53,7 @@ from jaxaccel.config import BASE
 log = logging.getLogger("jaxaccel")
 
 RESUMABLE = frozenset({
-    "name", "workdir",
+    "name", "workdir", "compilation_cache",
     "train.epochs", "train.max_steps", "train.eval_batch_size", "train.log_every",
     "train.checkpoint_every", "train.keep_checkpoints", "train.resume", "train.overwrite",
     "train.eval_every_epoch", "train.progress", "train.optimizer_impl", "train.flat_params",

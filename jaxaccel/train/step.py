@@ -26,6 +26,7 @@ from flax import nnx
 
 from jaxaccel.models.bert import fp8_group as bert_fp8_group
 from jaxaccel.models.fp8 import summary as fp8_summary
+from jaxaccel.optim.clip import global_norm
 from jaxaccel.train.state import TrainState
 from jaxaccel.train.tasks import TASKS, Task, weight_sum
 
@@ -98,7 +99,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, grad_accum: int 
             loss_scale = state.loss_scale.update(finite)
             metrics.update(loss_scale=scale, skipped_steps=loss_scale.skipped,
                            consecutive_skips=loss_scale.consecutive)
-        grad_norm = jnp.sqrt(sum(jnp.vdot(g, g) for g in jax.tree_util.tree_leaves(grads)))
+        grad_norm = global_norm(grads)    # the clipping's norm: XLA computes it once
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         if state.loss_scale is not None:
