@@ -204,9 +204,11 @@ def _estimate(target, cfg, flops: dict, cost: dict, batch: int, seq: int) -> dic
     out = {"roofline_s": roofline, "peak": f"{peak_flops:.4g} FLOP/s ({which}), "
            f"{bandwidth:.3g} B/s HBM ({target.chip.source})",
            "bound": "compute" if compute_s >= bytes_s else "memory"}
-    xla_s = cost.get("optimal_seconds", -1.0)
+    # XLA's cost model: absent on the compile-only GPU client, negative when it cannot cost
+    # the program (seen for whole BERT steps on TPU); kept in the plan either way.
+    xla_s = out["xla_optimal_seconds"] = cost.get("optimal_seconds")
     pallas_flops = flops["attention"] if cfg.model.attention_impl == "pallas" else 0.0
-    if xla_s > 0:
+    if xla_s is not None and xla_s > 0:
         out["xla_cost_model_s"] = xla_s + pallas_flops * per_chip / peak_flops
     step = out.get("xla_cost_model_s", roofline)
     source = "estimate:xla-cost-model" if "xla_cost_model_s" in out else "estimate:roofline"
@@ -343,11 +345,14 @@ def report(plan: Plan) -> str:
         if "xla_cost_model_s" in e:
             lines.append(f"  XLA cost model {e['xla_cost_model_s'] * 1e3:.2f} ms (+ Pallas "
                          "attention's analytic FLOPs at peak where used)")
+        else:
+            lines.append(f"  XLA cost model: no usable figure (optimal_seconds = "
+                         f"{e['xla_optimal_seconds']})")
     c = plan.cost
     if c:
         usd = f"${c['usd']:.2f}" if c["usd"] is not None else "no price"
         lines.append(f"epoch (estimate): {c['steps']} steps x step time = "
-                     f"{c['seconds'] / 60:.1f} min, {usd} ({c['price']})")
+                     f"{c['seconds']:.1f} s, {usd} ({c['price']})")
     lines += ["", "caveats: " + "; ".join(CAVEATS) + "."]
     return "\n".join(lines)
 
@@ -366,6 +371,7 @@ def result(plan: Plan) -> dict:
            "compile_s": plan.compile_s, "model_flops": plan.flops["analytic"],
            "xla_flops_per_device": plan.flops["xla_per_device"],
            "roofline_s": e.get("roofline_s"), "xla_cost_model_s": e.get("xla_cost_model_s"),
+           "xla_optimal_seconds": e.get("xla_optimal_seconds"),
            "peak": e.get("peak"), "epoch_steps": c.get("steps"),
            "epoch_seconds": c.get("seconds"), "epoch_usd": c.get("usd"),
            "price": c.get("price")}
