@@ -186,7 +186,8 @@ def cmd_compile(args) -> int:
     try:
         p = plan.make_plan(args.config, args.set, args.topology)
     except plan.DoesNotFit as e:
-        print(plan.report(e.plan))
+        if e.plan is not None:
+            print(plan.report(e.plan))
         print(f"error: {e}", file=sys.stderr)
         return EXIT_DOES_NOT_FIT
     print(plan.report(p))

@@ -65,10 +65,11 @@ CAVEATS = ("estimates, not measurements: the roofline is a lower bound on step t
 
 class DoesNotFit(RuntimeError):
     """The step needs more memory per device than the device has: the message says by how
-    much and what would fix it; ``plan`` holds the numbers."""
+    much and what would fix it; ``plan`` holds the numbers (None when the compiler itself
+    refused the step, as the TPU compiler does: its own numbers are in the message)."""
 
-    def __init__(self, plan: "Plan"):
-        super().__init__(does_not_fit(plan))
+    def __init__(self, message: str, plan: "Plan | None" = None):
+        super().__init__(message)
         self.plan = plan
 
 
@@ -234,17 +235,30 @@ def make_plan(config_path: str | None, sets: list[str], topology_name: str) -> P
     t = cfg.train
     batch = _abstract_batch(t.batch_size, seq, run.batch_sharding)
     eval_batch = _abstract_batch(t.eval_batch_size, seq, run.batch_sharding)
-    compile_s = {}
-    with jax.set_mesh(run.mesh):
-        t0 = time.perf_counter()
-        train = run.train_step.lower(run.state, batch).compile()
-        compile_s["train"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        evaluate = run.eval_step.lower(run.state.params, eval_batch, run.state.fp8).compile()
-        compile_s["eval"] = time.perf_counter() - t0
     state = run.state
-    memory = _memory(train, params=_shard_bytes(state.params),
-                     opt_state=_shard_bytes(state.opt_state), batch=_shard_bytes(batch))
+    known = {"params": _shard_bytes(state.params), "opt_state": _shard_bytes(state.opt_state)}
+    compile_s = {}
+
+    def compile_(step, jitted, *args):
+        t0 = time.perf_counter()
+        try:
+            compiled = jitted.lower(*args).compile()
+        except jax.errors.JaxRuntimeError as e:
+            if "RESOURCE_EXHAUSTED" not in str(e):
+                raise
+            said = str(e).split("RESOURCE_EXHAUSTED:", 1)[1].strip().splitlines()[0]
+            raise DoesNotFit(does_not_fit(
+                target, cfg, dict(run.mesh.shape), step,
+                f"the {target.platform.upper()} compiler refuses it: {said} (parameters "
+                f"{_gb(known['params'])}, optimizer state {_gb(known['opt_state'])} per "
+                "device)")) from None
+        compile_s[step] = time.perf_counter() - t0
+        return compiled
+
+    with jax.set_mesh(run.mesh):
+        train = compile_("train", run.train_step, state, batch)
+        evaluate = compile_("eval", run.eval_step, state.params, eval_batch, state.fp8)
+    memory = _memory(train, **known, batch=_shard_bytes(batch))
     eval_memory = _memory(evaluate)
     arch = run.spec.architecture
     cost = _cost(train)
@@ -257,7 +271,13 @@ def make_plan(config_path: str | None, sets: list[str], topology_name: str) -> P
                 memory, eval_memory, capacity, capacity_source, compile_s, flops, estimate,
                 _epoch_cost(target, cfg, estimate))
     if plan.fits is False:
-        raise DoesNotFit(plan)
+        m, e = plan.memory, plan.eval_memory
+        raise DoesNotFit(does_not_fit(
+            target, cfg, plan.mesh, "train" if m["total"] > capacity else "eval",
+            f"it needs {_gb(max(m['total'], e['total']))} per device (parameters "
+            f"{_gb(m['params'])}, optimizer state {_gb(m['opt_state'])}, temporaries "
+            f"{_gb(m['temp'])}; eval step {_gb(e['total'])}) but a device has "
+            f"{_gb(capacity)} ({capacity_source})"), plan)
     return plan
 
 
@@ -282,27 +302,23 @@ def _gb(x) -> str:
     return "-" if x is None else f"{x / 1e9:.2f} GB"
 
 
-def does_not_fit(plan: Plan) -> str:
-    """The message of a step that does not fit: the numbers and what would fix it."""
-    m, cap = plan.memory, plan.capacity
-    which = "training" if m["total"] > cap else "eval"
-    need = max(m["total"], plan.eval_memory["total"])
-    per_device = plan.batch // max(plan.mesh["data"] * plan.mesh["fsdp"], 1)
+def does_not_fit(target, cfg, mesh: dict, step: str, numbers: str) -> str:
+    """The message of a step ("train" or "eval") that does not fit: the numbers and what
+    would fix it."""
+    batch = cfg.train.batch_size
+    per_device = batch // max(mesh["data"] * mesh["fsdp"], 1)
     fixes = []
-    if plan.mesh["fsdp"] == 1 and len(plan.target.devices) > 1:
+    if mesh["fsdp"] == 1 and len(target.devices) > 1:
         fixes.append(f"shard parameters and optimizer state with an FSDP axis (--set mesh.fsdp="
-                     f"{len(plan.target.devices)} --set mesh.data=1)")
-    if not plan.cfg.model.remat:
+                     f"{len(target.devices)} --set mesh.data=1)")
+    if not cfg.model.remat:
         fixes.append("recompute activations in the backward pass (--set model.remat=true)")
     if per_device > 1:
         fixes.append(f"a smaller per-device batch (now {per_device}; --set train.batch_size="
-                     f"{plan.batch // 2}, with train.grad_accum=2 for the same optimizer batch)")
+                     f"{batch // 2}, with train.grad_accum=2 for the same optimizer batch)")
     fixes.append("a target with more memory per chip or more chips")
-    return (f"the {which} step does not fit on {plan.target.name} ({plan.target.device_kind}): "
-            f"it needs {_gb(need)} per device (parameters {_gb(m['params'])}, optimizer state "
-            f"{_gb(m['opt_state'])}, temporaries {_gb(m['temp'])}; eval step "
-            f"{_gb(plan.eval_memory['total'])}) but a device has {_gb(cap)} "
-            f"({plan.capacity_source}). Try: " + "; ".join(fixes) + ".")
+    return (f"the {'training' if step == 'train' else 'eval'} step does not fit on {target.name} ({target.device_kind}): "
+            f"{numbers}. Try: " + "; ".join(fixes) + ".")
 
 
 def report(plan: Plan) -> str:

@@ -101,6 +101,18 @@ def test_tpu_plan_shards_with_fsdp_and_counts_chips(capsys, tmp_path):
 
 
 @needs_libtpu
+def test_a_step_the_tpu_compiler_refuses_is_a_does_not_fit(capsys, tmp_path):
+    """libtpu itself refuses a program larger than HBM: the same exit and fixes, with the
+    compiler's numbers, and nothing written."""
+    code, out, err = compile_cli(capsys, "--topology", "v5e-1", "--set", "train.batch_size=65536",
+                                 "--set", "data.synthetic_seq_len=128", "--out", str(tmp_path))
+    assert code == cli.EXIT_DOES_NOT_FIT and out == ""
+    assert "the training step does not fit on v5e:1x1" in err and "exceeds available HBM" in err
+    assert "model.remat=true" in err and "train.batch_size=32768" in err
+    assert not any(tmp_path.iterdir())
+
+
+@needs_libtpu
 def test_mesh_larger_than_the_slice_says_so(capsys):
     code, _, err = compile_cli(capsys, "--topology", "v5e:2x2", "--set", "mesh.data=8")
     assert code == cli.EXIT_ERROR and "has 8 devices but 4 are available" in err
