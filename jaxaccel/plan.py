@@ -317,7 +317,8 @@ def does_not_fit(target, cfg, mesh: dict, step: str, numbers: str) -> str:
         fixes.append(f"a smaller per-device batch (now {per_device}; --set train.batch_size="
                      f"{batch // 2}, with train.grad_accum=2 for the same optimizer batch)")
     fixes.append("a target with more memory per chip or more chips")
-    return (f"the {'training' if step == 'train' else 'eval'} step does not fit on {target.name} ({target.device_kind}): "
+    name = "training" if step == "train" else "eval"
+    return (f"the {name} step does not fit on {target.name} ({target.device_kind}): "
             f"{numbers}. Try: " + "; ".join(fixes) + ".")
 
 

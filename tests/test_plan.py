@@ -86,6 +86,7 @@ def test_missing_libtpu_names_the_pip_command(monkeypatch, capsys):
     code, _, err = compile_cli(capsys, "--topology", "v5e-8")
     assert code == cli.EXIT_ERROR and f'pip install "jax[tpu]=={jax.__version__}"' in err
 
+
 @pytest.mark.aot_compile
 @needs_libtpu
 def test_tpu_plan_shards_with_fsdp_and_counts_chips(capsys, tmp_path):
@@ -98,6 +99,7 @@ def test_tpu_plan_shards_with_fsdp_and_counts_chips(capsys, tmp_path):
     assert p.memory["params"] < plan._shard_bytes(dp.state.params) / 3
     assert p.estimate["source"].startswith("estimate:") and p.estimate["step_s"] > 0
     assert p.cost["usd"] > 0 and "TPU v5 lite $1.2/h" in p.cost["price"]
+
 
 @pytest.mark.aot_compile
 @needs_libtpu
@@ -116,6 +118,7 @@ def test_a_step_the_tpu_compiler_refuses_is_a_does_not_fit(capsys, tmp_path):
 def test_mesh_larger_than_the_slice_says_so(capsys):
     code, _, err = compile_cli(capsys, "--topology", "v5e:2x2", "--set", "mesh.data=8")
     assert code == cli.EXIT_ERROR and "has 8 devices but 4 are available" in err
+
 
 @pytest.mark.aot_compile
 @needs_cuda_plugin
