@@ -113,9 +113,11 @@ def _seq_len(cfg, max_positions: int) -> int:
     return min(d.max_len, max_positions)
 
 
-def train_examples(cfg) -> int:
-    return cfg.data.synthetic_examples if cfg.data.name == "synthetic" \
+def steps_per_epoch(cfg) -> int:
+    """Whole global batches in the training split (as the trainer drops the remainder)."""
+    examples = cfg.data.synthetic_examples if cfg.data.name == "synthetic" \
         else TRAIN_EXAMPLES[cfg.data.name]
+    return max(examples // cfg.train.batch_size, 1)
 
 
 def _abstract_batch(batch: int, seq: int, sharding) -> dict:
@@ -138,8 +140,7 @@ def abstract_run(cfg, target: topology.Target) -> loop.Run:
         fp8 = abstract_like(fp8, jax.tree_util.tree_map(lambda _: shd.replicated(mesh), fp8)) \
             if policy.fp8 else None
         t = cfg.train
-        steps = t.max_steps if t.max_steps > 0 else \
-            t.epochs * max(train_examples(cfg) // t.batch_size, 1)
+        steps = t.max_steps if t.max_steps > 0 else t.epochs * steps_per_epoch(cfg)
         tx, schedule, create, shardings = loop.make_state(cfg, mesh, params, fp8,
                                                           param_shardings, steps)
         state = abstract_like(jax.eval_shape(create, params, fp8), shardings)
@@ -285,7 +286,7 @@ def _epoch_cost(target, cfg, estimate) -> dict | None:
     """Estimated time and price of one epoch (at the longest batch's step time)."""
     if estimate["step_s"] is None:
         return None
-    steps = max(train_examples(cfg) // cfg.train.batch_size, 1)
+    steps = steps_per_epoch(cfg)
     seconds = steps * estimate["step_s"]
     out = {"steps": steps, "seconds": seconds}
     try:
