@@ -1,4 +1,4 @@
-"""Model FLOPs, throughput and MFU: one analytic formula, one peak table.
+"""Model FLOPs, throughput and MFU: one analytic formula; the peaks are ``jaxaccel.devices``'.
 
 Training FLOPs of a batch of ``B`` rows of ``L`` tokens (PaLM, Chowdhery et al. 2022,
 appendix B; MaxText's ``calculate_tflops_training_per_device``; DESIGN.md):
@@ -27,9 +27,9 @@ for), and then MFU is left out, never estimated.
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
-
 import numpy as np
+
+from jaxaccel import devices
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,11 +55,15 @@ class Shape:
             + self.head_weights
 
 
+def attention_flops(shape: Shape, batch: int, seq: int) -> float:
+    """The attention term of ``train_flops``: QK^T and AV, forward and backward."""
+    attention = 12.0 * shape.layers * seq * seq * shape.heads * shape.head_dim
+    return attention * batch * (0.5 if shape.causal else 1.0)
+
+
 def train_flops(shape: Shape, batch: int, seq: int) -> float:
     """Model FLOPs of one training step on ``batch`` rows of ``seq`` tokens (module doc)."""
-    attention = 12.0 * shape.layers * seq * seq * shape.heads * shape.head_dim
-    return 6.0 * shape.matmul_weights * batch * seq \
-        + attention * batch * (0.5 if shape.causal else 1.0)
+    return 6.0 * shape.matmul_weights * batch * seq + attention_flops(shape, batch, seq)
 
 
 def bert_shape(spec) -> Shape:
@@ -88,43 +92,12 @@ def model_shape(spec) -> Shape:
     return spec.family.resolve("flops")(spec)
 
 
-class Peak(NamedTuple):
-    device: str                # matched as a case-insensitive substring of jax's device_kind
-    flops: dict                # policy dtype -> dense FLOP/s of one chip / GPU
-    source: str
-
-
-_NV = "NVIDIA {} datasheet, dense Tensor Core FLOP/s (half the 'with sparsity' figures)"
-_TPU = "https://cloud.google.com/tpu/docs/{}, peak compute per chip"
-# The "fp32" entry is the rate f32 matmuls run at under JAX's default precision: TF32 tensor
-# cores on NVIDIA Ampere and later, one bfloat16 pass on TPUs.
-PEAKS = [
-    Peak("H100 PCIe", {"fp32": 378e12, "bf16": 756e12, "fp16": 756e12, "fp8": 1513e12},
-         _NV.format("H100 (PCIe)") + ", https://www.nvidia.com/en-us/data-center/h100/"),
-    Peak("H100", {"fp32": 495e12, "bf16": 989e12, "fp16": 989e12, "fp8": 1979e12},
-         _NV.format("H100 (SXM)") + ", https://www.nvidia.com/en-us/data-center/h100/"),
-    Peak("H200", {"fp32": 495e12, "bf16": 989e12, "fp16": 989e12, "fp8": 1979e12},
-         _NV.format("H200 (SXM)") + ", https://www.nvidia.com/en-us/data-center/h200/"),
-    Peak("A100", {"fp32": 156e12, "bf16": 312e12, "fp16": 312e12},
-         _NV.format("A100") + " (no fp8 units), https://www.nvidia.com/en-us/data-center/a100/"),
-    Peak("TPU v4", {"fp32": 275e12, "bf16": 275e12}, _TPU.format("v4")),
-    Peak("TPU v5 lite", {"fp32": 197e12, "bf16": 197e12}, _TPU.format("v5e")),
-    Peak("TPU v5e", {"fp32": 197e12, "bf16": 197e12}, _TPU.format("v5e")),
-    Peak("TPU v5", {"fp32": 459e12, "bf16": 459e12}, _TPU.format("v5p")),  # jax: v5p = "TPU v5"
-    Peak("TPU v6 lite", {"fp32": 918e12, "bf16": 918e12}, _TPU.format("v6e")),
-    Peak("TPU v6e", {"fp32": 918e12, "bf16": 918e12}, _TPU.format("v6e")),
-]
-"""Dense peak FLOP/s per device kind and policy dtype, first match wins (so "H100 PCIe" before
-"H100", "TPU v5 lite" before "TPU v5"). No entry, no peak: CPUs; fp16 and fp8 on TPUs."""
-
-
-def peak_flops(device_kind: str, dtype: str) -> float | None:
-    """Peak FLOP/s of one device of ``device_kind`` (jax's) for the policy dtype ``dtype``
-    (fp32 | bf16 | fp16 | fp8), or None when no peak is known."""
-    for p in PEAKS:
-        if p.device.lower() in device_kind.lower():
-            return p.flops.get(dtype)
-    return None
+def peak_flops(device_kind: str, policy: str) -> float | None:
+    """Peak FLOP/s of one device of ``device_kind`` (jax's) for the matmul dtype of ``policy``
+    (fp32 | bf16 | fp16 | fp8) from the one chip table (``jaxaccel.devices``), or None when the
+    chip is unknown (CPUs) or has no units of that dtype (fp16/fp8 on TPUs, fp8 on A100)."""
+    chip = devices.chip(device_kind)
+    return None if chip is None else chip.flops.get(devices.POLICY_DTYPE[policy])
 
 
 def batch_tokens(batch: dict) -> tuple[int, int]:

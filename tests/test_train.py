@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxaccel import config, flops
+from jaxaccel import config, devices, flops
 from jaxaccel.data import splits
 from jaxaccel.models import PRESETS, ModelSpec
 from jaxaccel.train import loop
@@ -62,7 +62,7 @@ def test_metrics_carry_tokens_per_second_tflops_and_mfu(tmp_path, monkeypatch):
     """Every run logs throughput; MFU where the device kind has a peak (CPU: none; here the
     peak table is patched to give this CPU one)."""
     kind = jax.devices()[0].device_kind
-    monkeypatch.setattr(flops, "PEAKS", [flops.Peak(kind, {"fp32": 1e9}, "test")])
+    monkeypatch.setattr(devices, "CHIPS", [devices.Chip((kind,), 0, 0, {"float32": 1e9}, "test")])
     run_dir = loop.train(tiny_cfg(tmp_path, "train.max_steps=4", "train.log_every=2"))["run_dir"]
     records = [r for r in read_metrics(run_dir) if "train/loss" in r]
     assert [r["step"] for r in records] == [2, 4]

@@ -40,10 +40,13 @@ class DatasetEntry:
     prepare: ``(data_dir, manual_dir, source) -> builder``, built on first use.
     label_names: a labelled dataset's classes; None for a corpus of documents (causal LM:
       records hold text only, read with ``load_corpus``).
+    train_examples: examples in the train split (steps per epoch before the data is read:
+      ``jaxaccel compile``); None for a corpus, whose rows depend on the packing.
     """
 
     prepare: Callable
     label_names: tuple[str, ...] | None
+    train_examples: int | None = None
 
     @property
     def is_corpus(self) -> bool:
@@ -52,9 +55,9 @@ class DatasetEntry:
 
 DATASETS: dict[str, DatasetEntry] = {
     "rt_snippets": DatasetEntry(lambda data_dir, manual_dir, source: rt_snippets.prepare(
-        data_dir, source), rt_snippets.LABEL_NAMES),
+        data_dir, source), rt_snippets.LABEL_NAMES, 9_566),
     "imdb_reviews": DatasetEntry(lambda data_dir, manual_dir, source: imdb.prepare(
-        data_dir, manual_dir), imdb.LABEL_NAMES),
+        data_dir, manual_dir), imdb.LABEL_NAMES, 25_000),
     "canterbury": DatasetEntry(lambda data_dir, manual_dir, source: canterbury.prepare(
         data_dir, source), None),
 }
