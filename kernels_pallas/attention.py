@@ -559,13 +559,13 @@ def flash_attention(q, k, v, *, key_lengths=None, segment_ids=None, causal: bool
       causal: query i attends only to keys j <= i (aligned at the start).
       scale: logits multiplier, default 1/sqrt(D).
       block_sizes: override ``BLOCK_SIZES[target]``.
-      target: interpret | tpu | gpu; None: the default device's (``registry.pallas_target``).
+      target: interpret | tpu | gpu; None: where q, k, v live (``registry.pallas_target``).
 
     Returns:
       [B, Sq, Hq, D] in q's dtype. A query with no unmasked key gets zeros (and no gradient).
     """
     segs = _check(q, k, v, key_lengths, segment_ids, scale)
-    target = registry.pallas_target(target)
+    target = registry.pallas_target(target, q, k, v)
     b, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
@@ -606,9 +606,10 @@ def flash_attention(q, k, v, *, key_lengths=None, segment_ids=None, causal: bool
 def cudnn_attention(q, k, v, *, key_lengths=None, segment_ids=None, causal: bool = False,
                     scale: float | None = None):
     """``jax.nn.dot_product_attention(implementation="cudnn")`` with this file's arguments."""
-    if registry.platform() != "gpu":
-        raise NotImplementedError(f"cudnn attention needs an NVIDIA GPU; the default backend "
-                                  f"is {registry.platform()!r}. Use impl 'xla' or 'pallas'.")
+    here = registry.platform(q, k, v)
+    if here != "gpu":
+        raise NotImplementedError(f"cudnn attention needs an NVIDIA GPU; q, k, v live on "
+                                  f"{here!r}. Use impl 'xla' or 'pallas'.")
     if q.dtype not in (jnp.float16, jnp.bfloat16):
         raise NotImplementedError(f"cudnn attention takes float16/bfloat16 inputs, not "
                                   f"{q.dtype}; use a bf16/fp16 precision policy or impl "
@@ -653,14 +654,14 @@ ONLY_ON = {"cudnn": ("gpu",)}        # platforms an implementation runs on (defa
 
 def check_impl(impl, dropout_rate: float = 0.0) -> None:
     """Validate ``impl`` before anything is built: a known name, one that runs on this
-    platform, and one with attention dropout when ``dropout_rate > 0`` ("auto" always has one:
-    the reference)."""
+    platform (``registry.platform()``: the ambient mesh's, else the default device's), and one
+    with attention dropout when ``dropout_rate > 0`` ("auto" always has one: the reference)."""
     names = REGISTRY.candidates(impl)
     here = registry.platform()
     if all(here not in ONLY_ON.get(n, (here,)) for n in names):
-        raise ValueError(f"attention_impl={impl!r} runs on {ONLY_ON[names[0]]} only; this "
-                         f"machine's default backend is {here!r}. Use attention_impl='auto', "
-                         "'xla' or 'pallas'.")
+        raise ValueError(f"attention_impl={impl!r} runs on {ONLY_ON[names[0]]} only; the "
+                         f"platform here (ambient mesh, else default device) is {here!r}. Use "
+                         "attention_impl='auto', 'xla' or 'pallas'.")
     if dropout_rate > 0 and not set(names) & set(WITH_DROPOUT):
         raise ValueError(
             f"attention_impl={impl!r} has no attention dropout, but the model asks for "

@@ -102,10 +102,9 @@ def eight_device_placement(n=8):
     * The default backend has ``n`` devices (CPU CI: the fake devices above, or a multi-GPU
       machine): those, nothing else changes.
     * Otherwise (one GPU) the ``n`` fake CPU devices, and everything built inside the block is
-      put on CPU as on CPU CI: the default device (arrays created outside jit), the default
-      device list of ``sharding.make_mesh`` (``loop.train`` builds its own mesh), and the Pallas
-      kernels dispatched as on CPU (``registry.platform`` reads the *default* backend, which
-      would pick Triton kernels for computations that run on CPU devices).
+      put on CPU as on CPU CI: the default device (arrays created outside jit; the kernels'
+      ``registry.platform`` falls back to it for unplaced operands) and the default device
+      list of ``sharding.make_mesh`` (``loop.train`` builds its own mesh).
     * Neither has ``n`` devices: skip, naming the devices there are.
     """
     if len(jax.devices()) >= n:
@@ -120,7 +119,6 @@ def eight_device_placement(n=8):
     from jaxaccel import sharding as shd
     make_mesh = shd.make_mesh
     with pytest.MonkeyPatch.context() as mp, jax.default_device(cpu[0]):
-        mp.setattr(registry, "platform", lambda: "cpu")
         mp.setattr(shd, "make_mesh", lambda sizes, devices=None: make_mesh(
             sizes, cpu[:n] if devices is None else devices))
         yield cpu[:n]
