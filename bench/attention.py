@@ -25,8 +25,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import (PEAK_BF16_FLOPS, device_kind, markdown, time_fn,  # noqa: E402
+from bench.common import (device_kind, markdown, time_fn,  # noqa: E402
                           write_results)
+from jaxaccel import devices  # noqa: E402
 from kernels_pallas import registry  # noqa: E402
 from kernels_pallas.attention import REGISTRY, attention, attention_reference  # noqa: E402
 
@@ -62,7 +63,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
 
     platform = registry.platform()
-    peak = PEAK_BF16_FLOPS.get(device_kind())
+    peak = devices.peak_bf16(device_kind())
     rows = []
     for shape_name, (b, s, h, d, causal, padded) in (SMALL_SHAPES if args.small
                                                        else SHAPES).items():

@@ -1,4 +1,4 @@
-"""Shared benchmark plumbing: timing by the measuring rules, peaks, energy, result JSON, Markdown.
+"""Shared benchmark plumbing: timing by the measuring rules, energy, result JSON, Markdown.
 
 Every row gets energy and utilisation: ``time_fn`` reads NVML's energy counter and samples
 ``utilization.gpu`` around its timed loop where NVML exists (jaxaccel/energy.py);
@@ -22,19 +22,6 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from jaxaccel import energy  # noqa: E402
-
-# Peak HBM bandwidth (bytes/s) and dense bf16 FLOP/s by jax device_kind (datasheet leads).
-PEAK_BANDWIDTH = {"NVIDIA H100 80GB HBM3": 3.35e12, "NVIDIA H100": 3.35e12,
-                  "NVIDIA H200": 4.8e12, "NVIDIA A100-SXM4-80GB": 2.0e12,
-                  "NVIDIA A100-SXM4-40GB": 1.55e12, "TPU v4": 1.2e12, "TPU v5 lite": 0.82e12,
-                  "TPU v5e": 0.82e12, "TPU v5p": 2.76e12, "TPU v6 lite": 1.64e12,
-                  "TPU v6e": 1.64e12}
-PEAK_BF16_FLOPS = {"NVIDIA H100 80GB HBM3": 989e12, "NVIDIA H100": 989e12,
-                   "NVIDIA H200": 989e12, "NVIDIA A100-SXM4-80GB": 312e12,
-                   "NVIDIA A100-SXM4-40GB": 312e12, "TPU v4": 275e12, "TPU v5 lite": 197e12,
-                   "TPU v5e": 197e12, "TPU v5p": 459e12, "TPU v6 lite": 918e12,
-                   "TPU v6e": 918e12}
-
 
 def device_kind() -> str:
     return jax.devices()[0].device_kind

@@ -32,10 +32,10 @@ import jax
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import PEAK_BF16_FLOPS, device_kind, markdown, write_results  # noqa: E402
+from bench.common import device_kind, markdown, write_results  # noqa: E402
 from bench.train_step import model_flops  # noqa: E402
 from jaxaccel import config as config_lib  # noqa: E402
-from jaxaccel import energy  # noqa: E402
+from jaxaccel import devices, energy  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -93,7 +93,7 @@ def main(argv=None):
         shutil.rmtree(workdir, ignore_errors=True)
     tokens, flops = padded_tokens_and_flops(cfg)
     seconds = meter.result["seconds"]
-    peak = PEAK_BF16_FLOPS.get(device_kind())
+    peak = devices.peak_bf16(device_kind())
     name = f"{cfg.name}.{cfg.precision.policy}.{cfg.train.optimizer}"
     row = {"name": name, "time_s": seconds, "n": 1, "steps": result["step"],
            "time_to_accuracy_s": tta, "target_accuracy": args.target,

@@ -11,7 +11,7 @@ to the new parameters inside the timed region: the optax rows include ``optax.ap
 so every layout copy counts; median of >= 20 after warm-up), kernels in the compiled update
 (fusions + custom calls: the thesis's "kernel launches"), analytic bytes moved and the HBM
 roofline fraction (bytes moved / time / the device's peak bandwidth from
-``bench.common.PEAK_BANDWIDTH``). Rows: optax.adamw, optax.adan and our Adan per leaf
+``jaxaccel.devices``). Rows: optax.adamw, optax.adan and our Adan per leaf
 (``impl="per_leaf"``, the kernel's reference applied leaf by leaf), xla (multi-tensor), pallas
 (fused kernel on packed buffers), and the one-pass path of ``train.flat_params``
 (``onepass.xla``, ``onepass.pallas``: parameters and state flat, the gradient arriving flat, one
@@ -31,8 +31,9 @@ import optax
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import (PEAK_BANDWIDTH, count_kernels, device_kind, markdown,  # noqa: E402
+from bench.common import (count_kernels, device_kind, markdown,  # noqa: E402
                           time_fn, write_results)
+from jaxaccel import devices  # noqa: E402
 from jaxaccel.models import PRESETS, BertConfig, BertModel, ModelSpec  # noqa: E402
 from jaxaccel.optim import decay_mask  # noqa: E402
 from jaxaccel.optim.adan import adan, adan_onepass  # noqa: E402
@@ -117,7 +118,7 @@ def main(argv=None):
     leaves = jax.tree_util.tree_leaves(params)
     num = sum(x.size for x in leaves)
     grads = jax.tree_util.tree_map(lambda x: x * 0.5 + 0.01, params)
-    peak = PEAK_BANDWIDTH.get(device_kind())
+    peak = devices.peak_bandwidth(device_kind())
     print(f"{device_kind()} ({jax.default_backend()}): {num / 1e6:.1f}M parameters in "
           f"{len(leaves)} leaves", flush=True)
 

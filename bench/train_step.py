@@ -41,8 +41,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import PEAK_BF16_FLOPS, device_kind, markdown, time_fn, write_results  # noqa
+from bench.common import device_kind, markdown, time_fn, write_results  # noqa
 from bench.hlo_profile import profile_ops  # noqa: E402
+from jaxaccel import devices  # noqa: E402
 from jaxaccel.models import PRESETS, BertConfig, BertModel, ModelSpec  # noqa: E402
 from jaxaccel.models.fp8 import Fp8Meta  # noqa: E402
 from jaxaccel.precision import LossScale, get_policy  # noqa: E402
@@ -176,7 +177,7 @@ def main(argv=None):
     policies = ["fp32", "bf16", "fp16", "fp8"] if backend != "cpu" else ["fp32"]
     policies = args.policies.split(",") if args.policies else policies
     batches = [int(b) for b in args.batch.split(",")]
-    peak = PEAK_BF16_FLOPS.get(device_kind())
+    peak = devices.peak_bf16(device_kind())
     rows, profiles = [], {}
     for batch in batches:
         for policy in policies:

@@ -1,0 +1,79 @@
+"""Published facts per accelerator chip: HBM, HBM bandwidth, peak FLOP/s per dtype. One table.
+
+Keyed by jax's ``device_kind`` (what ``jax.devices()[0].device_kind`` and the compile-only
+devices of ``jaxaccel.topology`` report: v5e is "TPU v5 lite", v6e "TPU v6 lite", v5p
+"TPU v5"). MFU (bench/, the training loop) and ``jaxaccel compile``'s estimates read it.
+
+Peaks are dense (no sparsity) datasheet figures for one chip. ``float32`` is the rate XLA's
+default matmul precision runs fp32 dots at: TF32 tensor cores on NVIDIA Ampere and newer,
+one bf16 pass on TPU. ``float8`` is given where the chip has fp8 matrix units; elsewhere
+fp8 operands run at the bf16 rate (``peak_flops`` says which figure it used).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+GiB = 2 ** 30
+
+
+class Chip(NamedTuple):
+    kinds: tuple            # jax device_kind strings of this chip
+    hbm_bytes: float        # memory per chip
+    hbm_bandwidth: float    # bytes/s per chip
+    flops: dict             # dtype ("bfloat16", "float32", "float8") -> dense FLOP/s per chip
+    source: str
+
+
+_TPU_DOC = "https://cloud.google.com/tpu/docs/"
+CHIPS = [
+    Chip(("NVIDIA H100 80GB HBM3", "NVIDIA H100"), 80e9, 3.35e12,
+         {"bfloat16": 989e12, "float32": 494.7e12, "float8": 1979e12},
+         "NVIDIA H100 SXM5 datasheet (dense; float32 = TF32)"),
+    Chip(("NVIDIA H200",), 141e9, 4.8e12,
+         {"bfloat16": 989e12, "float32": 494.7e12, "float8": 1979e12},
+         "NVIDIA H200 SXM datasheet (dense; float32 = TF32)"),
+    Chip(("NVIDIA A100-SXM4-80GB",), 80e9, 2.039e12,
+         {"bfloat16": 312e12, "float32": 156e12},
+         "NVIDIA A100 80GB SXM datasheet (dense; float32 = TF32; no fp8 units)"),
+    Chip(("NVIDIA A100-SXM4-40GB",), 40e9, 1.555e12,
+         {"bfloat16": 312e12, "float32": 156e12},
+         "NVIDIA A100 40GB SXM datasheet (dense; float32 = TF32; no fp8 units)"),
+    Chip(("TPU v4",), 32 * GiB, 1.2e12, {"bfloat16": 275e12, "float32": 275e12},
+         f"{_TPU_DOC}v4 (per chip: 2 TensorCores)"),
+    Chip(("TPU v5 lite", "TPU v5e"), 16 * GiB, 0.82e12, {"bfloat16": 197e12, "float32": 197e12},
+         f"{_TPU_DOC}v5e"),
+    Chip(("TPU v5", "TPU v5p"), 95 * GiB, 2.76e12, {"bfloat16": 459e12, "float32": 459e12},
+         f"{_TPU_DOC}v5p (per chip: 2 TensorCores as one megacore device)"),
+    Chip(("TPU v6 lite", "TPU v6e"), 32 * GiB, 1.64e12, {"bfloat16": 918e12, "float32": 918e12},
+         f"{_TPU_DOC}v6e"),
+]
+
+
+def chip(device_kind: str) -> Chip | None:
+    """The chip whose ``kinds`` hold ``device_kind`` exactly; None when the table lacks it."""
+    return next((c for c in CHIPS if device_kind in c.kinds), None)
+
+
+def peak_flops(device_kind: str, dtype: str = "bfloat16") -> tuple[float, str] | None:
+    """``(FLOP/s, which figure)`` of one chip for matmuls in ``dtype`` ("bfloat16", "float16",
+    "float32", "float8"); a dtype without its own figure runs at the bf16 rate (fp16 always
+    does). None for a device kind not in the table."""
+    c = chip(device_kind)
+    if c is None:
+        return None
+    key = {"float16": "bfloat16"}.get(dtype, dtype)
+    if key in c.flops:
+        return c.flops[key], f"{dtype} peak"
+    return c.flops["bfloat16"], f"bf16 peak ({device_kind} has no separate {dtype} rate)"
+
+
+def peak_bf16(device_kind: str) -> float | None:
+    """Dense bf16 FLOP/s of one chip (MFU's denominator), None when unknown."""
+    c = chip(device_kind)
+    return c.flops["bfloat16"] if c else None
+
+
+def peak_bandwidth(device_kind: str) -> float | None:
+    """HBM bytes/s of one chip, None when unknown."""
+    c = chip(device_kind)
+    return c.hbm_bandwidth if c else None

@@ -1,0 +1,84 @@
+"""Named targets resolve to compile-only devices of the right count and kind; bad names and
+missing compilers give one clear error each; the peak table answers per dtype.
+
+TPU targets need libtpu and GPU targets the CUDA plugin (the ``aot`` extra); without them those
+tests skip and say so. Compile-only CUDA devices also need ``JAX_PLATFORMS=cpu`` on a machine
+without a GPU (the plugin's own backend fails to start there)."""
+import importlib.util
+
+import jax
+import pytest
+
+from jaxaccel import devices, topology
+
+needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                                  reason="libtpu not installed (pip install 'jaxaccel[aot]')")
+needs_cuda_plugin = pytest.mark.skipif(
+    not topology.cuda_plugin_installed() or jax.config.jax_platforms != "cpu",
+    reason="compile-only CUDA devices need the CUDA plugin (pip install 'jaxaccel[aot]') and "
+           "JAX_PLATFORMS=cpu")
+
+
+@needs_libtpu
+@pytest.mark.parametrize("name,devices_,chips,kind,hosts", [
+    ("v5e-8", 8, 8, "TPU v5 lite", 1),         # one 8-chip host, as rented
+    ("v5e:1x1", 1, 1, "TPU v5 lite", 1),
+    ("v5p-8", 4, 4, "TPU v5", 1),              # Cloud counts v5p in TensorCores: 4 chips
+    ("v4:2x2x1", 8, 4, "TPU v4", 1),           # deviceless v4: one device per TensorCore
+    ("v6e:2x4", 8, 8, "TPU v6 lite", 1),
+    ("v5e:4x4", 16, 16, "TPU v5 lite", 4),
+])
+def test_tpu_slices_resolve(name, devices_, chips, kind, hosts):
+    t = topology.resolve(name)
+    assert (t.platform, len(t.devices), t.chips, t.device_kind, t.hosts) == \
+        ("tpu", devices_, chips, kind, hosts)
+    assert t.hbm_per_device == t.chip.hbm_bytes * chips / devices_
+
+
+@needs_cuda_plugin
+@pytest.mark.parametrize("name,n,kind,hosts", [
+    ("h100:1x8", 8, "NVIDIA H100 80GB HBM3", 1), ("h100:2x8", 16, "NVIDIA H100 80GB HBM3", 2),
+    ("a100:1x1", 1, "NVIDIA A100-SXM4-80GB", 1)])
+def test_gpu_targets_resolve(name, n, kind, hosts):
+    t = topology.resolve(name)
+    assert (t.platform, len(t.devices), t.chips, t.device_kind, t.hosts) == \
+        ("gpu", n, n, kind, hosts)
+    assert t.chip.hbm_bytes == 80e9
+
+
+def test_local_is_the_devices_at_hand():
+    t = topology.resolve("local")
+    assert t.devices == tuple(jax.devices()) and t.device_kind == jax.devices()[0].device_kind
+
+
+@pytest.mark.parametrize("name,why", [
+    ("v9:2x2", "no target 'v9'"), ("v5e:big", "expected a chip grid"),
+    ("h100:8", "expected <hosts>x<gpus per host>"), ("h100:0x8", "expected <hosts>x")])
+def test_unknown_names_list_the_known_ones(name, why):
+    with pytest.raises(topology.TopologyError, match=why) as e:
+        topology.resolve(name)
+    assert "v5e:2x4" in str(e.value) and "h100:1x8" in str(e.value) and "local" in str(e.value)
+
+
+@needs_libtpu
+def test_a_grid_libtpu_rejects_says_what_libtpu_said():
+    with pytest.raises(topology.TopologyError, match="libtpu: .*v5e:3x3"):
+        topology.resolve("v5e:3x3")
+
+
+@pytest.mark.parametrize("name,package,pip", [
+    ("v5e:2x2", "libtpu", "jax[tpu]"), ("h100:1x8", "CUDA plugin", "jax[cuda12-local]")])
+def test_a_missing_compiler_names_the_pip_command(monkeypatch, name, package, pip):
+    monkeypatch.setattr(topology.importlib.util, "find_spec", lambda _: None)
+    with pytest.raises(topology.TopologyError, match=package) as e:
+        topology.resolve.__wrapped__(name)      # uncached: as on a machine without it
+    assert f'pip install "{pip}=={jax.__version__}"' in str(e.value)
+
+
+def test_peak_table_per_dtype():
+    assert devices.peak_flops("NVIDIA H100 80GB HBM3", "float8")[0] == 1979e12
+    assert devices.peak_flops("TPU v5 lite", "bfloat16")[0] == 197e12
+    # No fp8 units on A100: fp8 runs at the bf16 rate, and the answer says so.
+    flops, which = devices.peak_flops("NVIDIA A100-SXM4-80GB", "float8")
+    assert flops == 312e12 and "bf16 peak" in which
+    assert devices.peak_flops("cpu") is None and devices.peak_bf16("TPU v4") == 275e12
