@@ -2,8 +2,9 @@
 covering grid (each axis swept with the others small, plus combined cases), masking edge
 cases, the implementation registry (per-platform order, fallbacks, dropout only in the
 reference, checked when a model is built), the model's entry point (fully masked rows, per
-shard without ``jax.set_mesh``), input validation, lowering for TPU and GPU, and real GPU runs
-(Triton kernels, cuDNN) when the default backend is a GPU.
+shard without ``jax.set_mesh``), input validation, compiles for TPU and GPU targets on
+compile-only devices (Mosaic, Triton), and real GPU runs (Triton kernels, cuDNN) when the
+default backend is a GPU.
 
 The reference always runs in float32 at ``precision="highest"``: a GPU's default float32
 matmul is TF32 (10-bit mantissa), which put the reference itself 4e-4 off on an H100, 40x the
@@ -332,41 +333,58 @@ def test_block_sizes_must_be_powers_of_two():
         BlockSizes(48, 64, 64, 64, 64, 64)
 
 
-# --- lowering for TPU (Mosaic) and GPU (Triton) from this CPU machine ---------------------
+# --- compiled for TPU (Mosaic) and GPU (Triton) on compile-only devices -----------------
 
-LOWER_CASES = {
-    "bert_base": dict(shape=(2, 512, 12, 12, 64), causal=False, lengths=True, segments=False),
-    "long_causal": dict(shape=(1, 4096, 16, 16, 128), causal=True, lengths=False,
-                        segments=False),
-    "gqa_segments_d256": dict(shape=(2, 300, 8, 2, 256), causal=True, lengths=True,
-                              segments=True),
-    "d96": dict(shape=(1, 200, 4, 4, 96), causal=False, lengths=True, segments=False),
+# Forward + backward (3 kernels) per compile; few shapes per target keep CI's compile time
+# small while covering the attention tests' axes: padded keys (key_lengths), causal,
+# grouped-query, packed segments, odd lengths, head dims 64 / 96 (padded) / 128, bf16 / fp32.
+COMPILE_CASES = {
+    "bert_base_bf16": dict(shape=(2, 512, 12, 12, 64), dtype=jnp.bfloat16, causal=False,
+                           lengths=True, segments=False),
+    "gqa_causal_segments_odd_fp32": dict(shape=(2, 300, 8, 2, 128), dtype=jnp.float32,
+                                         causal=True, lengths=True, segments=True),
+    "d96_odd_bf16": dict(shape=(1, 200, 4, 4, 96), dtype=jnp.bfloat16, causal=True,
+                         lengths=False, segments=False),
 }
+COMPILES = [("v5e:2x2", "bert_base_bf16"), ("v5e:2x2", "gqa_causal_segments_odd_fp32"),
+            ("v6e:2x2", "bert_base_bf16"), ("v6e:2x2", "gqa_causal_segments_odd_fp32"),
+            ("v4:2x2x1", "d96_odd_bf16"), ("v5p:2x2x1", "d96_odd_bf16"),
+            ("h100:1x1", "bert_base_bf16"), ("h100:1x1", "gqa_causal_segments_odd_fp32"),
+            ("a100:1x1", "d96_odd_bf16")]
+# float32 Triton compiles (IEEE float32 dots, no tensor cores) were 19-32 s per shape with the
+# bf16-tuned blocks; BLOCK_SIZES_FP32["gpu"] brings them to a few seconds (issue 9 asked
+# <= 3 s). The bound leaves room for a loaded 2-core CI machine and still catches the old blocks.
+GPU_FP32_COMPILE_S = 12.0
 
 
-@pytest.mark.parametrize("case", list(LOWER_CASES))
-@pytest.mark.parametrize("platform,target,marker", [("tpu", "tpu", "tpu_custom_call"),
-                                                    ("cuda", "gpu", "__gpu$xla.gpu.triton")])
-def test_lowers(case, platform, target, marker):
-    c = LOWER_CASES[case]
+@pytest.mark.parametrize("name,case", COMPILES)
+def test_compiles_for_tpu_and_gpu(compile_target, name, case):
+    """Forward and backward compiled by the target's compiler on compile-only devices (the
+    kernels chosen from the operands' mesh: Mosaic on TPU, Triton on GPU, no patching)."""
+    import compile_only
+    target = compile_target(name)
+    c = COMPILE_CASES[case]
     b, s, hq, hkv, d = c["shape"]
-    q = jax.ShapeDtypeStruct((b, s, hq, d), jnp.bfloat16)
-    kv = jax.ShapeDtypeStruct((b, s, hkv, d), jnp.bfloat16)
-    extra = jax.ShapeDtypeStruct((b,), jnp.int32), jax.ShapeDtypeStruct((b, s), jnp.int32)
+    m = compile_only.mesh(target)
+    q, kv, do = compile_only.replicated(m, jax.ShapeDtypeStruct((b, s, hq, d), c["dtype"]),
+                                       jax.ShapeDtypeStruct((b, s, hkv, d), c["dtype"]),
+                                       jax.ShapeDtypeStruct((b, s, hq, d), c["dtype"]))
+    lengths, seg = compile_only.replicated(m, jax.ShapeDtypeStruct((b,), jnp.int32),
+                                           jax.ShapeDtypeStruct((b, s), jnp.int32))
 
-    def fwd(q, k, v, lengths, seg):
-        return flash_attention(q, k, v, key_lengths=lengths if c["lengths"] else None,
-                               segment_ids=seg if c["segments"] else None, causal=c["causal"],
-                               target=target)
+    def fwd_bwd(q, k, v, do, lengths, seg):
+        out, vjp = jax.vjp(lambda q, k, v: kernel.attention(
+            q, k, v, key_lengths=lengths if c["lengths"] else None,
+            segment_ids=seg if c["segments"] else None, causal=c["causal"], impl="pallas"),
+            q, k, v)
+        return out, vjp(do)
 
-    def fwd_bwd(q, k, v, lengths, seg):
-        return jax.grad(lambda *x: fwd(*x, lengths, seg).astype(jnp.float32).sum(),
-                        argnums=(0, 1, 2))(q, k, v)
-
-    for fn, kernels in ((fwd, 1), (fwd_bwd, 3)):
-        text = jax.jit(fn).trace(q, kv, kv, *extra).lower(
-            lowering_platforms=(platform,)).as_text()
-        assert text.count(marker) == kernels, (fn.__name__, text.count(marker))
+    compiled, seconds = compile_only.compile_timed(fwd_bwd, q, kv, kv, do, lengths, seg)
+    text = compiled.as_text()
+    assert text.count(compile_only.KERNEL_CALL[target.platform]) == 3, (name, case)  # fwd, dq, dk/dv
+    print(f"{name} {case}: compiled in {seconds:.1f} s")
+    if target.platform == "gpu" and c["dtype"] == jnp.float32:
+        assert seconds < GPU_FP32_COMPILE_S, f"float32 Triton attention compiled in {seconds:.1f} s"
 
 
 # --- real runs on a GPU (skipped elsewhere) -----------------------------------------------

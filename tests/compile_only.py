@@ -1,0 +1,72 @@
+"""Helpers of the tests that compile for TPU slices and NVIDIA GPUs on compile-only devices
+(``jaxaccel.topology``; the ``compile_target`` fixture in conftest.py resolves a target or
+skips): meshes of a target's devices, abstract arguments placed on them, a timed compile, and a
+training run moved onto a target.
+
+Nothing runs on these devices: ``jax.jit(f).trace(*abstract).lower().compile()`` runs the
+target's real compiler (libtpu with Mosaic for Pallas kernels; XLA's GPU pipeline with Triton,
+without autotuning, so the GPU HLO is close to, not identical to, a real GPU's). The kernels
+pick their implementation and Pallas target from the mesh of their operands
+(``kernels_pallas.registry.platform``): nothing is patched."""
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+# The custom call each platform's Pallas kernels compile to.
+KERNEL_CALL = {"tpu": "tpu_custom_call", "gpu": "__gpu$xla.gpu.triton"}
+
+
+def mesh(target, shape=(1,), axis_names=("x",)) -> Mesh:
+    """A mesh over ``target``'s first prod(``shape``) devices."""
+    return Mesh(np.asarray(target.devices[:math.prod(shape)]).reshape(shape), axis_names)
+
+
+def placed(x, sharding) -> jax.ShapeDtypeStruct:
+    """``x``'s shape and dtype (an array or a ShapeDtypeStruct) placed as ``sharding``."""
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+
+def replicated(m: Mesh, *xs):
+    """Each of ``xs`` abstract and replicated on mesh ``m``."""
+    return tuple(placed(x, NamedSharding(m, P())) for x in xs)
+
+
+def compile_timed(fn, *args, **jit_kwargs):
+    """``(compiled, seconds)``: ``jax.jit(fn, **jit_kwargs)`` traced, lowered and compiled for
+    ``args``' placement; seconds of the compile alone (not the trace or lowering)."""
+    lowered = jax.jit(fn, **jit_kwargs).trace(*args).lower()
+    start = time.perf_counter()
+    compiled = lowered.compile()
+    return compiled, time.perf_counter() - start
+
+
+def move_run(run, m: Mesh):
+    """``(run', state, batch)``: ``run`` (built on CPU devices) with its mesh replaced by
+    ``m`` (same axis names and sizes) and its state shardings re-based onto it; its abstract
+    state and first batch placed there. ``run'.train_step`` is a fresh jit over ``m``."""
+    if dict(m.shape) != dict(run.mesh.shape):
+        raise ValueError(f"mesh {dict(m.shape)} must have the run's axes {dict(run.mesh.shape)}")
+    rebase = lambda s: NamedSharding(m, s.spec)
+    shardings = jax.tree_util.tree_map(rebase, run.state_shardings)
+    state = jax.tree_util.tree_map(placed, run.state, shardings)
+    moved = dataclasses.replace(run, mesh=m, state_shardings=shardings)
+    batch = next(run.train_data.batches(0))
+    batch = {k: placed(v, moved.batch_sharding) for k, v in batch.items()}
+    return moved, state, batch
+
+
+def compile_step(run, m: Mesh):
+    """``(compiled, seconds)``: ``run``'s training step compiled for mesh ``m`` (``move_run``)
+    under ``jax.set_mesh``, as ``jaxaccel.train.loop.train`` runs it."""
+    moved, state, batch = move_run(run, m)
+    with jax.set_mesh(m):
+        lowered = moved.train_step.trace(state, batch).lower()
+        start = time.perf_counter()
+        compiled = lowered.compile()
+    return compiled, time.perf_counter() - start
