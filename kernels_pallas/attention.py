@@ -97,6 +97,21 @@ BLOCK_SIZES = {
     "gpu": BlockSizes(128, 64, 64, 64, 64, 64, num_warps=4, num_stages=3),
     "interpret": BlockSizes(128, 128, 128, 128, 128, 128),
 }
+# float32 inputs, where they differ: Triton computes float32 dots at HIGHEST as IEEE FMA loops
+# (no tensor cores), unrolled over the whole block, so the bf16 blocks above took 19-32 s to
+# compile per shape for an H100 (forward + backward; compile-only devices, 2-core CPU); these
+# blocks take ~10x less (measured interleaved under equal load; tests/test_attention.py bounds
+# it). Not timed on a real GPU.
+FP32_BLOCK_SIZES = {
+    "gpu": BlockSizes(64, 32, 32, 32, 32, 32, num_warps=4, num_stages=2),
+}
+
+
+def default_block_sizes(target: str, dtype) -> BlockSizes:
+    """The blocks ``flash_attention`` uses on ``target`` for inputs of ``dtype``."""
+    if jnp.dtype(dtype) == jnp.float32 and target in FP32_BLOCK_SIZES:
+        return FP32_BLOCK_SIZES[target]
+    return BLOCK_SIZES[target]
 _MIN_BLOCK = {"tpu": (8, TPU_LANES), "gpu": (16, 16), "interpret": (8, 8)}  # (q rows, k rows)
 
 
@@ -558,7 +573,7 @@ def flash_attention(q, k, v, *, key_lengths=None, segment_ids=None, causal: bool
         attends only to keys of its own segment (packed sequences).
       causal: query i attends only to keys j <= i (aligned at the start).
       scale: logits multiplier, default 1/sqrt(D).
-      block_sizes: override ``BLOCK_SIZES[target]``.
+      block_sizes: override ``default_block_sizes(target, q.dtype)``.
       target: interpret | tpu | gpu; None: where q, k, v live (``registry.pallas_target``).
 
     Returns:
@@ -569,7 +584,7 @@ def flash_attention(q, k, v, *, key_lengths=None, segment_ids=None, causal: bool
     b, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    bs = block_sizes or BLOCK_SIZES[target]
+    bs = block_sizes or default_block_sizes(target, q.dtype)
     min_q, min_k = _MIN_BLOCK[target]
     fit_q = lambda x: _fit(x, sq, min_q)
     fit_k = lambda x: _fit(x, sk, min_k)

@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import time
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxaccel.train.checkpoint import abstract_like
 
 # The custom call each platform's Pallas kernels compile to.
 KERNEL_CALL = {"tpu": "tpu_custom_call", "gpu": "__gpu$xla.gpu.triton"}
@@ -52,9 +55,8 @@ def move_run(run, m: Mesh):
     state and first batch placed there. ``run'.train_step`` is a fresh jit over ``m``."""
     if dict(m.shape) != dict(run.mesh.shape):
         raise ValueError(f"mesh {dict(m.shape)} must have the run's axes {dict(run.mesh.shape)}")
-    rebase = lambda s: NamedSharding(m, s.spec)
-    shardings = jax.tree_util.tree_map(rebase, run.state_shardings)
-    state = jax.tree_util.tree_map(placed, run.state, shardings)
+    shardings = jax.tree_util.tree_map(lambda s: NamedSharding(m, s.spec), run.state_shardings)
+    state = abstract_like(run.state, shardings)
     moved = dataclasses.replace(run, mesh=m, state_shardings=shardings)
     batch = next(run.train_data.batches(0))
     batch = {k: placed(v, moved.batch_sharding) for k, v in batch.items()}
@@ -70,3 +72,26 @@ def compile_step(run, m: Mesh):
         start = time.perf_counter()
         compiled = lowered.compile()
     return compiled, time.perf_counter() - start
+
+
+_DEFINED = re.compile(r"%([\w.\-]+) = (\w+)\[")          # %name = dtype[shape] ...
+_PARAMETER = re.compile(r"([\w.\-]+): (\w+)\[")         # a computation's (name: dtype[shape], ...)
+_DOT = re.compile(r" dot\(%([\w.\-]+), %([\w.\-]+)\).*op_name=\"([^\"]*)\"")
+
+
+def dots(hlo: str) -> list[tuple[str, str, bool]]:
+    """Every ``dot`` of an optimized HLO module's text (GEMM fusions included):
+    ``(lhs dtype, rhs dtype, backward)``, backward meaning it comes from autodiff's transpose.
+    Operand dtypes are those of the instructions (or computation parameters) feeding it."""
+    found, dtypes = [], {}
+    for line in hlo.splitlines():
+        if not line.startswith(" "):                   # a computation's header: its parameters
+            dtypes = dict(_PARAMETER.findall(line))
+            continue
+        defined = _DEFINED.search(line)
+        if defined:
+            dtypes[defined[1]] = defined[2]
+        dot = _DOT.search(line)
+        if dot:
+            found.append((dtypes.get(dot[1]), dtypes.get(dot[2]), "transpose(" in dot[3]))
+    return found

@@ -12,6 +12,7 @@ import numpy as np
 import optax
 import pytest
 
+import compile_only
 from jaxaccel.optim import decay_mask
 from jaxaccel.optim import flat
 from jaxaccel.optim.adan import AdanState, adan, restart
@@ -402,7 +403,6 @@ def test_kernel_compiles_in_place_for_tpu_and_gpu(compile_target, name):
     """A 1,000,003-parameter group (not a multiple of the chunk), padded, compiled by the
     target's compiler (Mosaic / Triton, chosen from the buffers' mesh): the donated state is
     updated in place (its four buffers are aliased to outputs)."""
-    import compile_only
     target = compile_target(name)
     rows = -(-1_000_003 // (ROW_ALIGN * LANES)) * ROW_ALIGN
     args = compile_only.replicated(compile_only.mesh(target),

@@ -14,11 +14,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import compile_only
 from jaxaccel.models.attention import attention
 from kernels_pallas import attention as kernel
 from kernels_pallas import registry
-from kernels_pallas.attention import (BLOCK_SIZES, DEFAULT_ORDER, REGISTRY, BlockSizes,
-                                      attention_reference, check_impl, flash_attention)
+from kernels_pallas.attention import (DEFAULT_ORDER, REGISTRY, BlockSizes,
+                                      attention_reference, check_impl, default_block_sizes,
+                                      flash_attention)
 
 SMALL = BlockSizes(16, 32, 32, 16, 16, 32)   # uneven fwd/dq/dkv blocks: padding, multi-block
 
@@ -339,38 +341,34 @@ def test_block_sizes_must_be_powers_of_two():
 # small while covering the attention tests' axes: padded keys (key_lengths), causal,
 # grouped-query, packed segments, odd lengths, head dims 64 / 96 (padded) / 128, bf16 / fp32.
 COMPILE_CASES = {
-    "bert_base_bf16": dict(shape=(2, 512, 12, 12, 64), dtype=jnp.bfloat16, causal=False,
-                           lengths=True, segments=False),
-    "gqa_causal_segments_odd_fp32": dict(shape=(2, 300, 8, 2, 128), dtype=jnp.float32,
-                                         causal=True, lengths=True, segments=True),
-    "d96_odd_bf16": dict(shape=(1, 200, 4, 4, 96), dtype=jnp.bfloat16, causal=True,
-                         lengths=False, segments=False),
+    "bert_base": dict(shape=(2, 512, 12, 12, 64), causal=False, lengths=True, segments=False),
+    "gqa_causal_segments_odd": dict(shape=(2, 300, 8, 2, 128), causal=True, lengths=True,
+                                    segments=True),
+    "d96_odd_causal": dict(shape=(1, 200, 4, 4, 96), causal=True, lengths=False,
+                           segments=False),
 }
-COMPILES = [("v5e:2x2", "bert_base_bf16"), ("v5e:2x2", "gqa_causal_segments_odd_fp32"),
-            ("v6e:2x2", "bert_base_bf16"), ("v6e:2x2", "gqa_causal_segments_odd_fp32"),
-            ("v4:2x2x1", "d96_odd_bf16"), ("v5p:2x2x1", "d96_odd_bf16"),
-            ("h100:1x1", "bert_base_bf16"), ("h100:1x1", "gqa_causal_segments_odd_fp32"),
-            ("a100:1x1", "d96_odd_bf16")]
-# float32 Triton compiles (IEEE float32 dots, no tensor cores) were 19-32 s per shape with the
-# bf16-tuned blocks; BLOCK_SIZES_FP32["gpu"] brings them to a few seconds (issue 9 asked
-# <= 3 s). The bound leaves room for a loaded 2-core CI machine and still catches the old blocks.
-GPU_FP32_COMPILE_S = 12.0
+BF16, FP32 = jnp.bfloat16, jnp.float32
+COMPILES = [("v5e:2x2", "bert_base", BF16), ("v5e:2x2", "gqa_causal_segments_odd", FP32),
+            ("v6e:2x2", "bert_base", BF16), ("v6e:2x2", "gqa_causal_segments_odd", FP32),
+            ("v4:2x2x1", "d96_odd_causal", BF16), ("v5p:2x2x1", "d96_odd_causal", BF16),
+            ("h100:1x1", "bert_base", BF16), ("h100:1x1", "gqa_causal_segments_odd", FP32),
+            ("a100:1x1", "d96_odd_causal", BF16)]
+# float32 Triton compiles (IEEE float32 dots, no tensor cores) took 10-20x a bf16 compile of
+# the same shape with the bf16 blocks (19.3 s vs 1.3 s for B2 S4096 H16 D128 causal);
+# FP32_BLOCK_SIZES["gpu"] cuts that ~10x. Timed against the bf16 compile of the same shape in
+# the same test, so that the bound holds on a loaded CI machine too.
+GPU_FP32_VS_BF16_COMPILE = 4.0
 
 
-@pytest.mark.parametrize("name,case", COMPILES)
-def test_compiles_for_tpu_and_gpu(compile_target, name, case):
-    """Forward and backward compiled by the target's compiler on compile-only devices (the
-    kernels chosen from the operands' mesh: Mosaic on TPU, Triton on GPU, no patching)."""
-    import compile_only
-    target = compile_target(name)
+def compile_attention(target, case, dtype):
+    """``(compiled, seconds)``: forward + backward of ``COMPILE_CASES[case]`` in ``dtype`` on
+    one of ``target``'s compile-only devices."""
     c = COMPILE_CASES[case]
     b, s, hq, hkv, d = c["shape"]
     m = compile_only.mesh(target)
-    q, kv, do = compile_only.replicated(m, jax.ShapeDtypeStruct((b, s, hq, d), c["dtype"]),
-                                       jax.ShapeDtypeStruct((b, s, hkv, d), c["dtype"]),
-                                       jax.ShapeDtypeStruct((b, s, hq, d), c["dtype"]))
-    lengths, seg = compile_only.replicated(m, jax.ShapeDtypeStruct((b,), jnp.int32),
-                                           jax.ShapeDtypeStruct((b, s), jnp.int32))
+    q, kv, lengths, seg = compile_only.replicated(
+        m, jax.ShapeDtypeStruct((b, s, hq, d), dtype), jax.ShapeDtypeStruct((b, s, hkv, d), dtype),
+        jax.ShapeDtypeStruct((b,), jnp.int32), jax.ShapeDtypeStruct((b, s), jnp.int32))
 
     def fwd_bwd(q, k, v, do, lengths, seg):
         out, vjp = jax.vjp(lambda q, k, v: kernel.attention(
@@ -379,12 +377,22 @@ def test_compiles_for_tpu_and_gpu(compile_target, name, case):
             q, k, v)
         return out, vjp(do)
 
-    compiled, seconds = compile_only.compile_timed(fwd_bwd, q, kv, kv, do, lengths, seg)
-    text = compiled.as_text()
-    assert text.count(compile_only.KERNEL_CALL[target.platform]) == 3, (name, case)  # fwd, dq, dk/dv
-    print(f"{name} {case}: compiled in {seconds:.1f} s")
-    if target.platform == "gpu" and c["dtype"] == jnp.float32:
-        assert seconds < GPU_FP32_COMPILE_S, f"float32 Triton attention compiled in {seconds:.1f} s"
+    return compile_only.compile_timed(fwd_bwd, q, kv, kv, q, lengths, seg)
+
+
+@pytest.mark.parametrize("name,case,dtype", COMPILES)
+def test_compiles_for_tpu_and_gpu(compile_target, name, case, dtype):
+    """Forward and backward compiled by the target's compiler on compile-only devices (the
+    kernels chosen from the operands' mesh: Mosaic on TPU, Triton on GPU, no patching)."""
+    target = compile_target(name)
+    compiled, seconds = compile_attention(target, case, dtype)
+    calls = compiled.as_text().count(compile_only.KERNEL_CALL[target.platform])
+    assert calls == 3, (name, case, calls)                         # fwd, dq, dk/dv
+    print(f"{name} {case} {jnp.dtype(dtype).name}: compiled in {seconds:.1f} s")
+    if target.platform == "gpu" and dtype == FP32:
+        bf16 = compile_attention(target, case, BF16)[1]
+        print(f"{name} {case} bfloat16: compiled in {bf16:.1f} s")
+        assert seconds < GPU_FP32_VS_BF16_COMPILE * bf16, (seconds, bf16)
 
 
 # --- real runs on a GPU (skipped elsewhere) -----------------------------------------------
@@ -410,7 +418,8 @@ SMOKE = (pytest.mark.gpu, pytest.mark.gpu_smoke)
 ])
 def test_gpu_matches_reference(case, dtype):
     """The Triton kernels (forward, dq, dk/dv) with the tuned GPU blocks."""
-    check(**GPU_CASES[case], dtype=dtype, block_sizes=BLOCK_SIZES["gpu"], target="gpu")
+    check(**GPU_CASES[case], dtype=dtype, block_sizes=default_block_sizes("gpu", dtype),
+          target="gpu")
 
 
 @pytest.mark.gpu

@@ -7,6 +7,7 @@ import numpy as np
 import optax
 import pytest
 
+import compile_only
 from jaxaccel.optim import decay_mask, flat
 from jaxaccel.optim.adan import adan_onepass
 from jaxaccel.train.checkpoint import Checkpointer, on_disk, restore_state
@@ -110,7 +111,6 @@ def test_block_sizes_are_checked():
 def test_apply_kernel_compiles_in_place_for_tpu_and_gpu(compile_target, name):
     """Compiled by the target's compiler (the kernel chosen from the buffers' mesh): the
     donated p, m, v, n, prev are updated in place, aliased to the kernel's outputs."""
-    import compile_only
     target = compile_target(name)
     rows = 2 * ROW_ALIGN
     args = compile_only.replicated(compile_only.mesh(target),
@@ -165,7 +165,6 @@ def test_flat_step_compiles_for_tpu_and_gpu_with_one_kernel_per_group(tmp_path, 
                                                                        name):
     """The one-pass step on a (1, 4, 2) mesh of compile-only devices: one apply kernel per
     group in the compiled program (Mosaic / Triton, chosen from the mesh), no update kernel."""
-    import compile_only
     from jax.sharding import PartitionSpec as P
     target = compile_target(name)
     run = build(tmp_path, (1, 4, 2), 8, *ADAN, *FLAT)
