@@ -112,6 +112,8 @@ def default_block_sizes(target: str, dtype) -> BlockSizes:
     if jnp.dtype(dtype) == jnp.float32 and target in FP32_BLOCK_SIZES:
         return FP32_BLOCK_SIZES[target]
     return BLOCK_SIZES[target]
+
+
 _MIN_BLOCK = {"tpu": (8, TPU_LANES), "gpu": (16, 16), "interpret": (8, 8)}  # (q rows, k rows)
 
 

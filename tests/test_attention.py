@@ -221,6 +221,24 @@ def test_registry_falls_back_in_order_and_names_the_reason():
         kernel.attention(q, k, v, impl="flash")
 
 
+@pytest.mark.parametrize("name,order", [("v5e:2x2", ("pallas", "xla")),
+                                        ("h100:1x1", ("pallas", "cudnn", "xla"))])
+def test_auto_follows_where_the_operands_live(compile_target, name, order):
+    """"auto" reads the platform from the operands (inside jit: the mesh in their types), then
+    the ambient mesh, then the default device: a trace for a TPU slice or an H100 on this CPU
+    gets their order; committed CPU arrays and unplaced ones get the CPU's."""
+    m = compile_only.mesh(compile_target(name))
+    (x,) = compile_only.replicated(m, jax.ShapeDtypeStruct((2, 8), jnp.float32))
+    seen = []
+    jax.jit(lambda x: seen.append(REGISTRY.candidates("auto", x)) or x).trace(x)
+    with jax.set_mesh(m):
+        seen.append(REGISTRY.candidates("auto"))
+    assert seen == [order, order]
+    cpu = jax.device_put(np.ones(3), jax.devices("cpu")[0])
+    assert registry.platform(cpu) == "cpu"
+    assert registry.platform(np.ones(3)) == registry.platform() == jax.default_backend()
+
+
 def test_reference_dropout_is_drawn_per_query_head():
     """Grouped-query attention with dropout equals multi-head attention on repeated keys and
     values with the same key: the mask is [B, Hq, Sq, Sk] whatever the grouping."""
@@ -373,8 +391,7 @@ def compile_attention(target, case, dtype):
     def fwd_bwd(q, k, v, do, lengths, seg):
         out, vjp = jax.vjp(lambda q, k, v: kernel.attention(
             q, k, v, key_lengths=lengths if c["lengths"] else None,
-            segment_ids=seg if c["segments"] else None, causal=c["causal"], impl="pallas"),
-            q, k, v)
+            segment_ids=seg if c["segments"] else None, causal=c["causal"]), q, k, v)
         return out, vjp(do)
 
     return compile_only.compile_timed(fwd_bwd, q, kv, kv, q, lengths, seg)
@@ -382,8 +399,9 @@ def compile_attention(target, case, dtype):
 
 @pytest.mark.parametrize("name,case,dtype", COMPILES)
 def test_compiles_for_tpu_and_gpu(compile_target, name, case, dtype):
-    """Forward and backward compiled by the target's compiler on compile-only devices (the
-    kernels chosen from the operands' mesh: Mosaic on TPU, Triton on GPU, no patching)."""
+    """Forward and backward compiled by the target's compiler on compile-only devices:
+    impl="auto" picks the Pallas kernels from the operands' mesh (Mosaic on TPU, Triton on
+    GPU), with nothing patched."""
     target = compile_target(name)
     compiled, seconds = compile_attention(target, case, dtype)
     calls = compiled.as_text().count(compile_only.KERNEL_CALL[target.platform])
