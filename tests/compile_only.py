@@ -40,12 +40,15 @@ def replicated(m: Mesh, *xs):
     return tuple(placed(x, NamedSharding(m, P())) for x in xs)
 
 
-def compile_timed(fn, *args, **jit_kwargs):
+def compile_timed(fn, *args, mesh: Mesh, **jit_kwargs):
     """``(compiled, seconds)``: ``jax.jit(fn, **jit_kwargs)`` traced, lowered and compiled for
-    ``args``' placement; seconds of the compile alone (not the trace or lowering)."""
-    lowered = jax.jit(fn, **jit_kwargs).trace(*args).lower()
-    start = time.perf_counter()
-    compiled = lowered.compile()
+    ``args`` (placed on ``mesh``) under ``jax.set_mesh(mesh)``, as the trainer runs its steps
+    (on jax 0.12 Pallas Triton reads its GPU from the ambient mesh when lowering); seconds of
+    the compile alone (not the trace or lowering)."""
+    with jax.set_mesh(mesh):
+        lowered = jax.jit(fn, **jit_kwargs).trace(*args).lower()
+        start = time.perf_counter()
+        compiled = lowered.compile()
     return compiled, time.perf_counter() - start
 
 
@@ -64,14 +67,10 @@ def move_run(run, m: Mesh):
 
 
 def compile_step(run, m: Mesh):
-    """``(compiled, seconds)``: ``run``'s training step compiled for mesh ``m`` (``move_run``)
-    under ``jax.set_mesh``, as ``jaxaccel.train.loop.train`` runs it."""
+    """``(compiled, seconds)``: ``run``'s training step compiled for mesh ``m``
+    (``move_run``, ``compile_timed``)."""
     moved, state, batch = move_run(run, m)
-    with jax.set_mesh(m):
-        lowered = moved.train_step.trace(state, batch).lower()
-        start = time.perf_counter()
-        compiled = lowered.compile()
-    return compiled, time.perf_counter() - start
+    return compile_timed(moved.train_step, state, batch, mesh=m)
 
 
 _DEFINED = re.compile(r"%([\w.\-]+) = (\w+)\[")          # %name = dtype[shape] ...

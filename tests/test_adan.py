@@ -405,9 +405,10 @@ def test_kernel_compiles_in_place_for_tpu_and_gpu(compile_target, name):
     updated in place (its four buffers are aliased to outputs)."""
     target = compile_target(name)
     rows = -(-1_000_003 // (ROW_ALIGN * LANES)) * ROW_ALIGN
-    args = compile_only.replicated(compile_only.mesh(target),
-                                   *jax.eval_shape(lambda: _flat_args(rows)))
-    compiled, _ = compile_only.compile_timed(update_kernel, *args, donate_argnums=(2, 3, 4, 5))
+    m = compile_only.mesh(target)
+    args = compile_only.replicated(m, *jax.eval_shape(lambda: _flat_args(rows)))
+    compiled, _ = compile_only.compile_timed(update_kernel, *args, mesh=m,
+                                             donate_argnums=(2, 3, 4, 5))
     text = compiled.as_text()
     assert compile_only.KERNEL_CALL[target.platform] in text
     assert compiled.memory_analysis().alias_size_in_bytes == 4 * rows * LANES * 4

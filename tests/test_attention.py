@@ -394,7 +394,7 @@ def compile_attention(target, case, dtype):
             segment_ids=seg if c["segments"] else None, causal=c["causal"]), q, k, v)
         return out, vjp(do)
 
-    return compile_only.compile_timed(fwd_bwd, q, kv, kv, q, lengths, seg)
+    return compile_only.compile_timed(fwd_bwd, q, kv, kv, q, lengths, seg, mesh=m)
 
 
 @pytest.mark.parametrize("name,case,dtype", COMPILES)

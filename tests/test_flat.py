@@ -113,9 +113,9 @@ def test_apply_kernel_compiles_in_place_for_tpu_and_gpu(compile_target, name):
     donated p, m, v, n, prev are updated in place, aliased to the kernel's outputs."""
     target = compile_target(name)
     rows = 2 * ROW_ALIGN
-    args = compile_only.replicated(compile_only.mesh(target),
-                                   *jax.eval_shape(lambda: _apply_args(rows)))
-    compiled, _ = compile_only.compile_timed(apply_kernel, *args,
+    m = compile_only.mesh(target)
+    args = compile_only.replicated(m, *jax.eval_shape(lambda: _apply_args(rows)))
+    compiled, _ = compile_only.compile_timed(apply_kernel, *args, mesh=m,
                                              donate_argnums=(2, 3, 4, 5, 6))
     text = compiled.as_text()
     assert compile_only.KERNEL_CALL[target.platform] in text and "adan_apply" in text
