@@ -33,7 +33,6 @@ import jax
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import device_kind, markdown, write_results  # noqa: E402
-from bench.train_step import model_flops  # noqa: E402
 from jaxaccel import config as config_lib  # noqa: E402
 from jaxaccel import devices, energy  # noqa: E402
 
@@ -50,7 +49,7 @@ def padded_tokens_and_flops(cfg) -> tuple[int, float]:
             b, length = batch["input_ids"].shape
             b *= jax.process_count()
             tokens += b * length
-            flops += model_flops(run.spec.architecture, b, length, cfg.model.num_labels)
+            flops += run.spec.architecture.train_flops(b, length, cfg.model.num_labels)
             step += 1
             if step >= run.total_steps:
                 break

@@ -52,13 +52,6 @@ from jaxaccel.train.state import TrainState  # noqa: E402
 from jaxaccel.train.step import make_train_step  # noqa: E402
 
 
-def model_flops(config: BertConfig, batch: int, seq: int, num_labels: int = 2) -> float:
-    h, f, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
-    non_embedding = layers * (4 * h * h + 4 * h + 2 * h * f + f + h + 4 * h) + h * h + h \
-        + h * num_labels + num_labels
-    return 6.0 * non_embedding * batch * seq + 12.0 * layers * seq * seq * h * batch
-
-
 def batch_of(config, batch, seq):
     rng = np.random.default_rng(0)
     ids = rng.integers(1, config.vocab_size, size=(batch, seq), dtype=np.int32)
@@ -211,7 +204,7 @@ def main(argv=None):
             rows += torch_rows(config, batch, args.seq, args.n, args.torch_modes.split(","),
                                drops)
     for r in rows:
-        flops = model_flops(config, r["batch"], args.seq)
+        flops = config.train_flops(r["batch"], args.seq)
         r["tokens_per_s"] = r["batch"] * args.seq / r["median_s"]
         r["model_tflops"] = flops / r["median_s"] / 1e12
         r["mfu"] = flops / r["median_s"] / peak if peak else None
@@ -220,7 +213,7 @@ def main(argv=None):
     path = write_results("train_step", rows, {
         "model": "bert-base" if not args.small else "bert-small(256x4)",
         "batch": batches, "seq": args.seq,
-        "model_flops_per_step": {b: model_flops(config, b, args.seq) for b in batches}})
+        "model_flops_per_step": {b: config.train_flops(b, args.seq) for b in batches}})
     for key, prof in profiles.items():
         print(f"\n### {key}\n{prof.table(top=15)}")
     print(markdown(rows, ["name", "batch", "median_s", "min_s", "max_s", "tokens_per_s",

@@ -1,4 +1,4 @@
-"""The ``jaxaccel`` command: train, eval, predict, bench and compare.
+"""The ``jaxaccel`` command: train, eval, predict, bench, compare and compile.
 
     jaxaccel train --config configs/minilm_rt.py [--set train.epochs=2 ...]
     jaxaccel eval --checkpoint runs/minilm_rt
@@ -6,6 +6,7 @@
     jaxaccel predict --checkpoint runs/minilm_rt --input texts.txt   # one text a line; - = stdin
     jaxaccel bench train_step --small            # any suite's own flags follow its name
     jaxaccel compare bench/results/job-*.json [--prices FILE] [--weights balance] [--html]
+    jaxaccel compile --config configs/bert_base_imdb.py --topology v5e-8 [--out bench/results]
 
 predict prints one JSON object a line, in input order: {"index", "text", "label",
 "probability"} (probability null if not finite), or {"index", "error"} for an input that is not
@@ -19,7 +20,7 @@ import logging
 import os
 import sys
 
-EXIT_ERROR, EXIT_NONFINITE, EXIT_INTERRUPTED = 2, 3, 130
+EXIT_ERROR, EXIT_NONFINITE, EXIT_DOES_NOT_FIT, EXIT_INTERRUPTED = 2, 3, 4, 130
 BENCH_SUITES = ("train_step", "attention", "optimizer", "job", "scaling")
 
 
@@ -56,6 +57,19 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--no-plots", action="store_true")
     c.add_argument("--mixed-versions", action="store_true",
                    help="join rows run with different jax versions or commits (noted)")
+    k = sub.add_parser("compile", help="compile the training and eval steps for a TPU slice, "
+                       "GPU hosts or the local devices: memory per device, fits or not, "
+                       "estimated step time and cost", description="Compiles the configured "
+                       "steps for --topology from any machine (TPU: libtpu, GPU: the CUDA "
+                       "plugin; pip install 'jaxaccel[aot]'). Exit status 4 when a step does "
+                       "not fit in memory. Times and costs are estimates.")
+    k.add_argument("--config", help="Python config file (configs/NAME.py)")
+    k.add_argument("--topology", required=True,
+                   help="v5e-8, v5e:2x4, v5p:2x2x1, v4-8, v6e-8, h100:1x8 (hosts x GPUs), "
+                   "local, ...")
+    k.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    k.add_argument("--out", metavar="DIR", help="also write the plan as a result file "
+                   "DIR/plan-<config name>-<topology>.json (e.g. bench/results)")
     return p
 
 
@@ -164,6 +178,27 @@ def cmd_compare(args) -> int:
     return 0
 
 
+def cmd_compile(args) -> int:
+    import jax
+    if args.topology != "local":       # compile-only devices: no accelerator is used
+        jax.config.update("jax_platforms", "cpu")
+    from jaxaccel import plan
+    try:
+        p = plan.make_plan(args.config, args.set, args.topology)
+    except plan.DoesNotFit as e:
+        print(plan.report(e.plan))
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_DOES_NOT_FIT
+    print(plan.report(p))
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        path = os.path.join(args.out, f"plan-{p.cfg.name}-{plan.slug(p.target.name)}.json")
+        with open(path, "w") as f:
+            json.dump(plan.result(p), f, indent=2)
+        print(f"wrote {path}")
+    return 0
+
+
 def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     for noisy in ("absl", "orbax", "jax._src", "tensorflow_datasets"):
@@ -173,7 +208,8 @@ def main(argv=None) -> int:
         from jaxaccel.distributed import initialize_from_env
         initialize_from_env()
         return {"train": cmd_train, "eval": cmd_eval, "predict": cmd_predict,
-                "bench": cmd_bench, "compare": cmd_compare}[args.command](args)
+                "bench": cmd_bench, "compare": cmd_compare,
+                "compile": cmd_compile}[args.command](args)
     except (ValueError, KeyError, OSError) as e:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e
         print(f"error: {msg}", file=sys.stderr)

@@ -44,6 +44,10 @@ WORK_FIELDS = {
     "optimizer": (("model", "parameters"), ()),
     "scaling": (("model", "seq", "batch"), ("strategy",)),
 }
+# Result files whose rows join another bench's: a compile-time plan (`jaxaccel compile`) of a
+# step sits beside measured steps of the same model, sequence and global batch, its time,
+# tokens/s and cost marked as estimates (the row's ``time_source``).
+SAME_WORK_AS = {"plan": "train_step"}
 UTILISATION = (("mfu", 1.0, "MFU"), ("gpu_util_pct", 0.01, "NVML utilization.gpu"),
                ("occupancy_pct", 0.01, "occupancy"))
 
@@ -80,6 +84,7 @@ class Candidate:
     energy_j: float
     energy_source: str
     row: dict
+    time_source: str = "measured"      # or "estimate:..." (a compile-time plan)
     utilisation: float | None = None
     normalised: dict = dataclasses.field(default_factory=dict)
     scores: dict = dataclasses.field(default_factory=dict)
@@ -119,9 +124,14 @@ def load_results(paths: list[str]) -> list[tuple[str, dict]]:
     return out
 
 
+def bench_of(result: dict) -> str:
+    """The bench whose work a result file's rows did (``SAME_WORK_AS``)."""
+    return SAME_WORK_AS.get(result["bench"], result["bench"])
+
+
 def work_of(result: dict, row: dict) -> dict:
     """What a row computed: joins rows across files and configurations."""
-    bench = result["bench"]
+    bench = bench_of(result)
     if bench in WORK_FIELDS:
         top, per_row = WORK_FIELDS[bench]
         return {**{k: result.get(k) for k in top}, **{k: row.get(k) for k in per_row}}
@@ -166,9 +176,10 @@ def candidates(loaded: list[tuple[str, dict]], price_table: list) -> list[tuple]
             joules, source = _energy(result, row, seconds)
             name = row.get("name", "?")
             label = f"{result['device']} / {name}" + (f" x{devices}" if devices > 1 else "")
-            out.append((result["bench"], work_of(result, row),
+            out.append((bench_of(result), work_of(result, row),
                         Candidate(label, result["device"], name, path, software, seconds, cost,
-                                  price, joules, source, row)))
+                                  price, joules, source, row,
+                                  row.get("time_source", "measured"))))
     return out
 
 
@@ -224,6 +235,10 @@ def score(group: Group, custom: tuple | None = None) -> None:
     sources = sorted({c.energy_source for c in cs})
     if len(sources) > 1:
         group.notes.append(f"energy sources differ ({', '.join(sources)}): estimates are marked ~")
+    planned = sorted({c.time_source for c in cs if c.time_source != "measured"})
+    if planned:
+        group.notes.append(f"times, tokens/s and costs marked ~ are compile-time estimates "
+                           f"({', '.join(planned)}; `jaxaccel compile`), not measurements")
     metrics = {"T": [c.time_s for c in cs], "C": [c.cost_usd for c in cs],
                "E": [c.energy_j for c in cs], "O": [c.utilisation or 0.0 for c in cs]}
     for k, values in metrics.items():
@@ -274,8 +289,10 @@ def table_rows(group: Group, rank_by: str) -> tuple[list[str], list[list[str]]]:
     rows = []
     for c in group.candidates:
         est = "~" if c.energy_source.startswith("estimate") else ""
-        rows.append([c.label, num(c.time_s, ".6g"), num(c.row.get("tokens_per_s"), ".0f"),
-                     num(c.row.get("mfu"), ".3f"), num(c.cost_usd), est + num(c.energy_j / div),
+        t = "~" if c.time_source != "measured" else ""
+        rows.append([c.label, t + num(c.time_s, ".6g"),
+                     t + num(c.row.get("tokens_per_s"), ".0f"),
+                     num(c.row.get("mfu"), ".3f"), t + num(c.cost_usd), est + num(c.energy_j / div),
                      num(_accuracy(c), ".4f")]
                     + [num(c.normalised[k], ".3f") for k in "TCEO"]
                     + [f"**{c.scores[s]:.3f}**" if c.scores[s] == best[s] else
@@ -286,7 +303,8 @@ def table_rows(group: Group, rank_by: str) -> tuple[list[str], list[list[str]]]:
 def markdown(report: dict) -> str:
     out = [f"Score = w1 T + w2 C + w3 E - w4 O over max-normalised metrics (lower is better; "
            f"best per strategy in bold; ranked by {report['rank_by']} "
-           f"{report['weights']}); ~ marks an estimated energy."]
+           f"{report['weights']}); ~ marks an estimate (energy: TDP; time, tokens/s, cost: a "
+           f"compile-time plan)."]
     for g in report["groups"]:
         header, rows = table_rows(g, report["rank_by"])
         out += ["", f"### {g.title}", "", "| " + " | ".join(header) + " |",
@@ -305,7 +323,8 @@ def _records(report: dict) -> list[dict]:
         for c in g.candidates:
             recs.append({"group": i, "bench": g.bench, "work": g.title, "label": c.label,
                          "device": c.device, "config": c.config, "file": c.file,
-                         "software": c.software, "time_s": c.time_s, "cost_usd": c.cost_usd,
+                         "software": c.software, "time_s": c.time_s,
+                         "time_source": c.time_source, "cost_usd": c.cost_usd,
                          "price": c.price, "energy_j": c.energy_j,
                          "energy_source": c.energy_source, "utilisation": c.utilisation,
                          "utilisation_source": g.utilisation_source,

@@ -35,6 +35,7 @@ PRICES = [
     Price("TPU v6e", 2.70, f"{_TPU} (v6e Trillium)", "2025"),
     Price("TPU v5p", 4.20, f"{_TPU} (v5p)", "2025"),
     Price("TPU v5", 4.20, f"{_TPU} (v5p)", "2025"),
+    Price("TPU v4", 3.22, f"{_TPU} (v4, us-central2)", "2025"),
     Price("H100", 11.06, f"{_GCE}: a3-highgpu-8g $88.49/h / 8 H100 80GB (VM incl.)", "2025"),
     Price("A100-SXM4-80GB", 5.07, f"{_GCE}: a2-ultragpu-1g, 1 A100 80GB (VM incl.)", "2025"),
     Price("A100", 3.67, f"{_GCE}: a2-highgpu-1g, 1 A100 40GB (VM incl.)", "2025"),

@@ -110,6 +110,9 @@ def _tpu(name: str) -> Target:
     if importlib.util.find_spec("libtpu") is None:
         raise _needs("libtpu (the TPU compiler)", "jax[tpu]", name)
     from jax.experimental import topologies
+    # Compile-only: no TPU is opened, so libtpu's one-process-per-host lock (which makes a
+    # second compiling process fail, e.g. a pytest worker) does not apply.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     generation, _, grid = name.partition(":")
     dims = [*map(int, grid.split("x")), 1][:3]
     one_host = math.prod(dims) <= MAX_CHIPS_PER_HOST[generation]

@@ -74,6 +74,26 @@ def test_join_same_work_across_devices(tmp_path):
     assert h100.cost_usd == pytest.approx(0.02 / 3600 * 11.06)
 
 
+def test_a_plan_sits_beside_measured_steps_with_its_times_marked(tmp_path):
+    """A `jaxaccel compile` plan joins measured train_step rows of the same model, sequence
+    and batch; its time, tokens/s and cost carry ~ and the group says they are estimates."""
+    measured = _result(tmp_path, "m.json", device="NVIDIA H100 80GB HBM3")
+    plan = _result(tmp_path, "plan-x-v5e_2x4.json", bench="plan", device="TPU v5 lite",
+                   device_count=8, rows=[{"name": "plan.bf16.adamw.xla", "batch": 32,
+                                          "time_s": 0.004, "tokens_per_s": 1.0e6,
+                                          "time_source": "estimate:roofline"}])
+    (group,) = compare.compare([measured, plan])["groups"]
+    est = next(c for c in group.candidates if c.device == "TPU v5 lite")
+    assert est.time_source == "estimate:roofline" and est.cost_usd == pytest.approx(
+        0.004 / 3600 * 1.20 * 8)
+    assert any("compile-time estimates" in n for n in group.notes)
+    md = compare.markdown(compare.compare([measured, plan]))
+    row = next(line for line in md.splitlines() if "plan.bf16" in line).split(" | ")
+    assert row[1].startswith("~") and row[2].startswith("~") and row[4].startswith("~")
+    meas = next(line for line in md.splitlines() if "jax.bf16" in line).split(" | ")
+    assert not meas[1].startswith("~")
+
+
 def test_different_software_is_left_out_with_the_reason(tmp_path):
     a = _result(tmp_path, "a.json", device="TPU v5 lite")
     b = _result(tmp_path, "b.json", device="TPU v6 lite")

@@ -32,6 +32,8 @@ from jaxaccel.data.synthetic import synthetic
 
 DATASETS = ("rt_snippets", "imdb_reviews")
 """Text datasets for load_text_dataset; `synthetic(...)` makes token ids directly."""
+TRAIN_EXAMPLES = {"rt_snippets": 9_566, "imdb_reviews": 25_000}
+"""Examples in each text dataset's train split (steps per epoch before the data is read)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +100,7 @@ def load_text_dataset(
 
 __all__ = [
     "DATASETS",
+    "TRAIN_EXAMPLES",
     "BatchIterator",
     "TextDataset",
     "Tokenized",

@@ -54,6 +54,19 @@ class BertConfig:
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
 
+    def attention_train_flops(self, batch: int, seq: int) -> float:
+        """FLOPs of the attention scores and mixing (QK^T, PV) in one training step (forward
+        + backward = 3 x forward): 12 x layers x seq^2 x hidden per sequence."""
+        return 12.0 * self.num_hidden_layers * seq * seq * self.hidden_size * batch
+
+    def train_flops(self, batch: int, seq: int, num_labels: int = 2) -> float:
+        """Model FLOPs of one training step (DESIGN.md "Measuring"): 6 x non-embedding
+        parameters x tokens for the dense part, plus ``attention_train_flops``."""
+        h, f, layers = self.hidden_size, self.intermediate_size, self.num_hidden_layers
+        non_embedding = layers * (4 * h * h + 4 * h + 2 * h * f + f + h + 4 * h) + h * h + h \
+            + h * num_labels + num_labels
+        return 6.0 * non_embedding * batch * seq + self.attention_train_flops(batch, seq)
+
     @classmethod
     def from_dict(cls, d: dict[str, Any], source: str = "config") -> "BertConfig":
         """Build from a transformers config.json dict (other keys are ignored); rejects

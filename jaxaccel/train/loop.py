@@ -178,33 +178,44 @@ def _build(cfg: Config, mesh) -> Run:
 
     t = cfg.train
     total_steps = t.max_steps if t.max_steps > 0 else t.epochs * train_data.steps_per_epoch
+    tx, schedule, create, shardings = make_state(cfg, mesh, params, fp8, param_shardings,
+                                                 total_steps)
+    params = jax.device_put(params, param_shardings)
+    state = jax.jit(create, out_shardings=shardings)(params, fp8)
+    return Run(cfg, os.path.join(cfg.workdir, cfg.name), mesh, graphdef, state, shardings,
+               eval_data, tokenizer, model.spec, label_names,
+               train_data=train_data, tx=tx, schedule=schedule, total_steps=total_steps)
+
+
+def make_state(cfg: Config, mesh, params, fp8, param_shardings, total_steps: int):
+    """``(tx, schedule, create, shardings)``: the configured optimizer and schedule over
+    ``total_steps``, and the train state's initialiser ``create(params, fp8) -> TrainState``
+    with the state's shardings on ``mesh``. ``params`` and ``fp8`` (None unless the policy is
+    fp8) may be abstract (``jax.ShapeDtypeStruct``): nothing is computed here."""
+    t = cfg.train
     schedule = make_schedule(t.schedule, t.learning_rate, total_steps,
                              int(t.warmup_ratio * total_steps))
     loss_scale = LossScale.create(cfg.precision.loss_scale_init,
                                   cfg.precision.loss_scale_growth_interval) \
-        if policy.loss_scaling else None
+        if _policy(cfg).loss_scaling else None
     # flat_params: the one-pass Adan (train/onepass.py), same arguments, its own state layout.
     tx = (make_onepass if t.flat_params else make_optimizer)(
         t.optimizer, schedule, weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm,
         b1=t.b1, b2=t.b2, b3=t.b3, eps=t.eps, impl=t.optimizer_impl, shardings=param_shardings,
         zero_axes=shd.BATCH_AXES if cfg.sharding.zero1 else ())
-    params = jax.device_put(params, param_shardings)
     if t.flat_params:
-        state, shardings = onepass.init_state(tx, params, cfg.seed, mesh)
-    else:
-        create = lambda p: TrainState.create(p, tx, cfg.seed, loss_scale, fp8)
-        abstract = jax.eval_shape(create, params)
-        opt_shardings = state_shardings(abstract.opt_state, param_shardings, mesh,
-                                        zero1=cfg.sharding.zero1)
-        replicated = lambda tree: jax.tree_util.tree_map(lambda _: shd.replicated(mesh), tree)
-        shardings = TrainState(step=shd.replicated(mesh), params=param_shardings,
-                               opt_state=opt_shardings, rng=shd.replicated(mesh),
-                               loss_scale=replicated(abstract.loss_scale),
-                               fp8=replicated(abstract.fp8))
-        state = jax.jit(create, out_shardings=shardings)(params)
-    return Run(cfg, os.path.join(cfg.workdir, cfg.name), mesh, graphdef, state, shardings,
-               eval_data, tokenizer, model.spec, label_names,
-               train_data=train_data, tx=tx, schedule=schedule, total_steps=total_steps)
+        create, shardings = onepass.state_init(tx, params, cfg.seed, mesh)
+        return tx, schedule, lambda p, _: create(p), shardings
+    create = lambda p, f: TrainState.create(p, tx, cfg.seed, loss_scale, f)
+    abstract = jax.eval_shape(create, params, fp8)
+    opt_shardings = state_shardings(abstract.opt_state, param_shardings, mesh,
+                                    zero1=cfg.sharding.zero1)
+    replicated = lambda tree: jax.tree_util.tree_map(lambda _: shd.replicated(mesh), tree)
+    shardings = TrainState(step=shd.replicated(mesh), params=param_shardings,
+                           opt_state=opt_shardings, rng=shd.replicated(mesh),
+                           loss_scale=replicated(abstract.loss_scale),
+                           fp8=replicated(abstract.fp8))
+    return tx, schedule, create, shardings
 
 
 def build_eval(cfg: Config, model, tokenizer_dir: str, devices=None) -> Run:

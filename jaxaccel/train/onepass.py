@@ -26,9 +26,10 @@ from jaxaccel.train import step as step_lib
 from jaxaccel.train.state import TrainState
 
 
-def init_state(tx: OnePass, params, seed: int, mesh) -> tuple[TrainState, TrainState]:
-    """``(state, shardings)``: ``params`` (a parameter tree placed like its shardings, which
-    ``tx`` was built with) flattened, the Adan state zeroed, both placed per their layout."""
+def state_init(tx: OnePass, params, seed: int, mesh):
+    """``(create, shardings)``: ``create(params) -> TrainState`` flattens a parameter tree
+    (placed like the shardings ``tx`` was built with; abstract is fine) and zeroes the Adan
+    state, and ``shardings`` lays the state out on ``mesh``."""
     create = lambda p: TrainState.create(tx.flatten(p), tx, seed)
     abstract = jax.eval_shape(create, params)
     param_shardings = abstract.params.layout.treedef.unflatten(
@@ -37,7 +38,7 @@ def init_state(tx: OnePass, params, seed: int, mesh) -> tuple[TrainState, TrainS
     shardings = jax.tree_util.tree_map(lambda _: replicated, abstract).replace(
         params=abstract.params.shardings(mesh),
         opt_state=state_shardings(abstract.opt_state, param_shardings, mesh))
-    return jax.jit(create, out_shardings=shardings)(params), shardings
+    return create, shardings
 
 
 def make_train_step(graphdef, tx: OnePass, grad_accum: int = 1):

@@ -1,0 +1,388 @@
+"""``jaxaccel compile``: the configured training and eval steps compiled for a target, and what
+that says before a run is paid for.
+
+    plan = make_plan("configs/bert_base_imdb.py", ["precision.policy=bf16"], "v5e-8")
+    print(report(plan))
+
+The model, optimizer and train state are built abstractly (``jax.eval_shape``: shapes,
+dtypes and shardings on the target's mesh; nothing model-sized is allocated), and the
+trainer's own jitted steps (``Run.train_step``, ``Run.eval_step``) are lowered and compiled
+for the target's devices (``jaxaccel.topology``) at the config's largest batch shape (sequence
+length ``data.max_len``; bucketed batches are shorter). Per device (one chip, or one
+TensorCore of a deviceless v4) it gives:
+
+- memory, from the compiled step's ``memory_analysis()``: parameters and optimizer state
+  (their shards), the batch, temporaries (activations, gradients, workspace), the total
+  (arguments + outputs - donated aliases + temporaries + code) against the device's memory
+  (HBM from ``jaxaccel.devices``; on GPU the 75 % JAX preallocates by default), and the
+  headroom;
+- FLOPs per step: analytic (``BertConfig.train_flops``) and XLA's ``cost_analysis()`` (not
+  given by the compile-only GPU client);
+- an estimated step time, tokens/s and cost per epoch. Each estimate names its source:
+  ``roofline`` = the analytic FLOPs at the chip's published peak for the policy's matmul
+  dtype, or the bytes XLA says the step moves at the HBM bandwidth, whichever is slower
+  (a lower bound: real steps reach a fraction of peak, see MFU in the README);
+  ``xla-cost-model`` = XLA's own ``optimal_seconds`` where it gives one (TPU), which does not
+  cost Pallas kernels (custom calls), so their analytic FLOPs at peak are added.
+
+Caveats, also in the report: GPU compiles run without a device, so without autotuning; the
+HLO is close to, not identical to, a real run's. Estimates are never measurements.
+
+A step that does not fit raises ``DoesNotFit`` with the numbers and what would fix it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import math
+import os
+import subprocess
+import time
+from unittest import mock
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxaccel import config as config_lib
+from jaxaccel import devices as devices_lib
+from jaxaccel import prices, topology
+from jaxaccel import sharding as shd
+from jaxaccel.data import TRAIN_EXAMPLES
+from jaxaccel.models import create_model
+from jaxaccel.train import loop
+from jaxaccel.train.checkpoint import abstract_like
+
+GPU_MEMORY_FRACTION = 0.75      # JAX's default GPU preallocation (XLA_PYTHON_CLIENT_MEM_FRACTION)
+EXIT_DOES_NOT_FIT = 4
+# The dtype the policy's matmuls run in: which published peak bounds them.
+MATMUL_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp8": "float8"}
+CAVEATS = ("estimates, not measurements: the roofline is a lower bound on step time (real "
+           "steps reach a fraction of peak); XLA's cost model does not cost Pallas kernels",
+           "GPU targets compile without a device, so without autotuning: the HLO is close to, "
+           "not identical to, a real GPU's")
+
+
+class DoesNotFit(RuntimeError):
+    """The step needs more memory per device than the device has: the message says by how
+    much and what would fix it; ``plan`` holds the numbers."""
+
+    def __init__(self, plan: "Plan"):
+        super().__init__(does_not_fit(plan))
+        self.plan = plan
+
+
+@dataclasses.dataclass
+class Plan:
+    target: topology.Target
+    cfg: config_lib.Config
+    mesh: dict
+    batch: int
+    eval_batch: int
+    seq: int
+    memory: dict            # bytes per device: params, opt_state, batch, temp, total, ...
+    eval_memory: dict
+    capacity: float | None  # bytes per device usable by the step
+    capacity_source: str
+    compile_s: dict         # {"train": s, "eval": s}
+    flops: dict             # per step (all devices): analytic, attention, xla (per device)
+    estimate: dict          # step_s, source, tokens_per_s, ... (all labelled estimate)
+    cost: dict | None       # per epoch
+
+    @property
+    def fits(self) -> bool | None:
+        if self.capacity is None:
+            return None
+        return max(self.memory["total"], self.eval_memory["total"]) <= self.capacity
+
+
+def load_config(path: str | None, sets: list[str], target: topology.Target):
+    """The config as it would be on the target: config files size batches with
+    ``jax.device_count()``, which here answers the target's device count."""
+    with mock.patch.object(jax, "device_count", lambda *_, **__: len(target.devices)):
+        return config_lib.load(path, sets)
+
+
+def _seq_len(cfg, max_positions: int) -> int:
+    """The longest batch's sequence length (what the memory must hold)."""
+    d = cfg.data
+    if d.name == "synthetic":
+        m = d.pad_multiple
+        return min(-(-d.synthetic_seq_len // m) * m, d.max_len, max_positions)
+    return min(d.max_len, max_positions)
+
+
+def train_examples(cfg) -> int:
+    return cfg.data.synthetic_examples if cfg.data.name == "synthetic" \
+        else TRAIN_EXAMPLES[cfg.data.name]
+
+
+def _abstract_batch(batch: int, seq: int, sharding) -> dict:
+    ids = jax.ShapeDtypeStruct((batch, seq), jnp.int32, sharding=sharding)
+    return {"input_ids": ids, "attention_mask": ids, "token_type_ids": ids,
+            "labels": jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=sharding),
+            "weights": jax.ShapeDtypeStruct((batch,), jnp.float32, sharding=sharding)}
+
+
+def abstract_run(cfg, target: topology.Target) -> loop.Run:
+    """A ``Run`` whose state is ShapeDtypeStructs with the trainer's shardings on the target's
+    mesh, and no data: what the trainer's jitted steps need to be compiled."""
+    mesh = loop._mesh(cfg, target.devices, training=True)
+    policy = loop._policy(cfg)
+    # Outside the mesh: under one, nnx.eval_shape reads the logical axis names as mesh axes.
+    model = nnx.eval_shape(lambda: create_model(cfg.model, policy, cfg.seed)[0])
+    with jax.set_mesh(mesh):
+        graphdef, params, fp8, param_shardings = loop._split_model(model, mesh)
+        params = abstract_like(params, param_shardings)
+        fp8 = abstract_like(fp8, jax.tree_util.tree_map(lambda _: shd.replicated(mesh), fp8)) \
+            if policy.fp8 else None
+        t = cfg.train
+        steps = t.max_steps if t.max_steps > 0 else \
+            t.epochs * max(train_examples(cfg) // t.batch_size, 1)
+        tx, schedule, create, shardings = loop.make_state(cfg, mesh, params, fp8,
+                                                          param_shardings, steps)
+        state = abstract_like(jax.eval_shape(create, params, fp8), shardings)
+    return loop.Run(cfg, "", mesh, graphdef, state, shardings, eval_data=None, tokenizer=None,
+                    spec=model.spec, label_names=(), tx=tx, schedule=schedule,
+                    total_steps=steps)
+
+
+def _shard_bytes(tree) -> int:
+    return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+               for x in jax.tree_util.tree_leaves(tree))
+
+
+def _memory(compiled, **known) -> dict:
+    m = compiled.memory_analysis()
+    total = (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+             + m.temp_size_in_bytes + m.generated_code_size_in_bytes)
+    return {**known, "arguments": m.argument_size_in_bytes, "outputs": m.output_size_in_bytes,
+            "aliased": m.alias_size_in_bytes, "temp": m.temp_size_in_bytes,
+            "code": m.generated_code_size_in_bytes, "total": total}
+
+
+def _cost(compiled) -> dict:
+    """XLA's cost analysis of one device's program ({} where the backend gives none)."""
+    cost = compiled.cost_analysis()
+    if isinstance(cost, list):                  # older jax: one dict per program
+        cost = cost[0] if cost else None
+    return dict(cost or {})
+
+
+def _capacity(target: topology.Target) -> tuple[float | None, str]:
+    """Bytes one device can give the step, and where that number comes from."""
+    if target.name == "local":
+        stats = target.devices[0].memory_stats() or {}
+        if "bytes_limit" in stats:
+            return float(stats["bytes_limit"]), "the device's allocator limit (memory_stats)"
+        if target.platform == "cpu":
+            ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+            return ram / len(target.devices), "host RAM / CPU devices"
+    if target.hbm_per_device is None:
+        return None, f"unknown: {target.device_kind!r} is not in jaxaccel/devices.py"
+    share = f" / {target.devices_per_chip} devices per chip" if target.devices_per_chip > 1 \
+        else ""
+    if target.platform == "gpu":
+        return target.hbm_per_device * GPU_MEMORY_FRACTION, \
+            f"{GPU_MEMORY_FRACTION:.0%} of HBM (JAX's default GPU preallocation)"
+    return target.hbm_per_device, f"HBM per chip{share}"
+
+
+def _estimate(target, cfg, flops: dict, cost: dict, batch: int, seq: int) -> dict:
+    """Estimated step time: the roofline and, where XLA gives one, its cost model."""
+    peak = devices_lib.peak_flops(target.device_kind, MATMUL_DTYPE[cfg.precision.policy])
+    if peak is None:
+        return {"step_s": None, "source": f"none: no peak for {target.device_kind!r} in "
+                                          "jaxaccel/devices.py"}
+    peak_flops, which = peak
+    per_chip = 1.0 / target.chips
+    compute_s = flops["analytic"] * per_chip / peak_flops
+    bandwidth = target.chip.hbm_bandwidth
+    bytes_s = cost["bytes accessed"] * target.devices_per_chip / bandwidth \
+        if cost.get("bytes accessed", 0) > 0 else 0.0
+    roofline = max(compute_s, bytes_s)
+    out = {"roofline_s": roofline, "peak": f"{peak_flops:.4g} FLOP/s ({which}), "
+           f"{bandwidth:.3g} B/s HBM ({target.chip.source})",
+           "bound": "compute" if compute_s >= bytes_s else "memory"}
+    # XLA's cost model: absent on the compile-only GPU client, negative when it cannot cost
+    # the program (seen for whole BERT steps on TPU); kept in the plan either way.
+    xla_s = out["xla_optimal_seconds"] = cost.get("optimal_seconds")
+    pallas_flops = flops["attention"] if cfg.model.attention_impl == "pallas" else 0.0
+    if xla_s is not None and xla_s > 0:
+        out["xla_cost_model_s"] = xla_s + pallas_flops * per_chip / peak_flops
+    step = out.get("xla_cost_model_s", roofline)
+    source = "estimate:xla-cost-model" if "xla_cost_model_s" in out else "estimate:roofline"
+    return {**out, "step_s": step, "source": source,
+            "tokens_per_s": batch * seq / step}
+
+
+def _git_sha() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, cwd=os.path.dirname(__file__)).stdout.strip() \
+            or "unknown"
+    except OSError:
+        return "unknown"
+
+
+def make_plan(config_path: str | None, sets: list[str], topology_name: str) -> Plan:
+    """Compile the configured steps for ``topology_name``; ``DoesNotFit`` when they do not."""
+    target = topology.resolve(topology_name)
+    cfg = load_config(config_path, sets, target)
+    run = abstract_run(cfg, target)
+    seq = _seq_len(cfg, run.spec.architecture.max_position_embeddings)
+    t = cfg.train
+    batch = _abstract_batch(t.batch_size, seq, run.batch_sharding)
+    eval_batch = _abstract_batch(t.eval_batch_size, seq, run.batch_sharding)
+    compile_s = {}
+    with jax.set_mesh(run.mesh):
+        t0 = time.perf_counter()
+        train = run.train_step.lower(run.state, batch).compile()
+        compile_s["train"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        evaluate = run.eval_step.lower(run.state.params, eval_batch, run.state.fp8).compile()
+        compile_s["eval"] = time.perf_counter() - t0
+    state = run.state
+    memory = _memory(train, params=_shard_bytes(state.params),
+                     opt_state=_shard_bytes(state.opt_state), batch=_shard_bytes(batch))
+    eval_memory = _memory(evaluate)
+    arch = run.spec.architecture
+    cost = _cost(train)
+    flops = {"analytic": arch.train_flops(t.batch_size, seq, cfg.model.num_labels),
+             "attention": arch.attention_train_flops(t.batch_size, seq),
+             "xla_per_device": cost.get("flops")}
+    capacity, capacity_source = _capacity(target)
+    estimate = _estimate(target, cfg, flops, cost, t.batch_size, seq)
+    plan = Plan(target, cfg, dict(run.mesh.shape), t.batch_size, t.eval_batch_size, seq,
+                memory, eval_memory, capacity, capacity_source, compile_s, flops, estimate,
+                _epoch_cost(target, cfg, estimate))
+    if plan.fits is False:
+        raise DoesNotFit(plan)
+    return plan
+
+
+def _epoch_cost(target, cfg, estimate) -> dict | None:
+    """Estimated time and price of one epoch (at the longest batch's step time)."""
+    if estimate["step_s"] is None:
+        return None
+    steps = max(train_examples(cfg) // cfg.train.batch_size, 1)
+    seconds = steps * estimate["step_s"]
+    out = {"steps": steps, "seconds": seconds}
+    try:
+        p = prices.lookup(target.device_kind, prices.PRICES)
+    except KeyError:
+        return {**out, "usd": None, "price": f"no price for {target.device_kind!r} in "
+                                             "jaxaccel/prices.py"}
+    return {**out, "usd": seconds / 3600 * p.usd_per_hour * target.chips,
+            "price": f"{p.device} ${p.usd_per_hour}/h per chip x {target.chips} "
+                     f"({p.source}, {p.date})"}
+
+
+def _gb(x) -> str:
+    return "-" if x is None else f"{x / 1e9:.2f} GB"
+
+
+def does_not_fit(plan: Plan) -> str:
+    """The message of a step that does not fit: the numbers and what would fix it."""
+    m, cap = plan.memory, plan.capacity
+    which = "training" if m["total"] > cap else "eval"
+    need = max(m["total"], plan.eval_memory["total"])
+    per_device = plan.batch // max(plan.mesh["data"] * plan.mesh["fsdp"], 1)
+    fixes = []
+    if plan.mesh["fsdp"] == 1 and len(plan.target.devices) > 1:
+        fixes.append(f"shard parameters and optimizer state with an FSDP axis (--set mesh.fsdp="
+                     f"{len(plan.target.devices)} --set mesh.data=1)")
+    if not plan.cfg.model.remat:
+        fixes.append("recompute activations in the backward pass (--set model.remat=true)")
+    if per_device > 1:
+        fixes.append(f"a smaller per-device batch (now {per_device}; --set train.batch_size="
+                     f"{plan.batch // 2}, with train.grad_accum=2 for the same optimizer batch)")
+    fixes.append("a target with more memory per chip or more chips")
+    return (f"the {which} step does not fit on {plan.target.name} ({plan.target.device_kind}): "
+            f"it needs {_gb(need)} per device (parameters {_gb(m['params'])}, optimizer state "
+            f"{_gb(m['opt_state'])}, temporaries {_gb(m['temp'])}; eval step "
+            f"{_gb(plan.eval_memory['total'])}) but a device has {_gb(cap)} "
+            f"({plan.capacity_source}). Try: " + "; ".join(fixes) + ".")
+
+
+def report(plan: Plan) -> str:
+    """The plan as text: per-device memory, fits, compile time, FLOPs, estimates."""
+    t, m, e = plan.target, plan.memory, plan.estimate
+    hosts = f", {t.hosts} hosts" if t.hosts > 1 else ""
+    per_chip = f" ({t.devices_per_chip} devices per chip)" if t.devices_per_chip > 1 else ""
+    lines = [f"target {t.name}: {len(t.devices)} x {t.device_kind}, {t.chips} chips{per_chip}"
+             f"{hosts}; mesh {plan.mesh}",
+             f"step: global batch {plan.batch} x {plan.seq} tokens (eval batch "
+             f"{plan.eval_batch}), policy {plan.cfg.precision.policy}, "
+             f"optimizer {plan.cfg.train.optimizer}, attention {plan.cfg.model.attention_impl}",
+             "", "memory per device (compiled, XLA memory_analysis):"]
+    for key, label in (("params", "parameters"), ("opt_state", "optimizer state"),
+                       ("batch", "batch"), ("temp", "activations/temporaries"),
+                       ("total", "total (train step)")):
+        lines.append(f"  {label:<26}{_gb(m[key]):>12}")
+    lines.append(f"  {'total (eval step)':<26}{_gb(plan.eval_memory['total']):>12}")
+    if plan.capacity is not None:
+        head = plan.capacity - max(m["total"], plan.eval_memory["total"])
+        lines.append(f"  {'device memory':<26}{_gb(plan.capacity):>12}  ({plan.capacity_source})")
+        lines.append(f"  {'headroom':<26}{_gb(head):>12}  "
+                     f"({head / plan.capacity:.0%}): {'fits' if plan.fits else 'DOES NOT FIT'}")
+    else:
+        lines.append(f"  device memory unknown ({plan.capacity_source}): fit not checked")
+    f = plan.flops
+    xla = f"{f['xla_per_device']:.4g} per device" if f["xla_per_device"] else \
+        "not given by this compiler"
+    lines += ["", f"compile time: train {plan.compile_s['train']:.1f} s, eval "
+                  f"{plan.compile_s['eval']:.1f} s",
+              f"FLOPs per step: analytic {f['analytic']:.4g} (6N x tokens + attention "
+              f"{f['attention']:.4g}); XLA cost analysis {xla}"]
+    if e["step_s"] is None:
+        lines.append(f"step time: no estimate ({e['source']})")
+    else:
+        lines.append(f"step time ({e['source']}): {e['step_s'] * 1e3:.2f} ms; "
+                     f"{e['tokens_per_s']:.4g} tokens/s (estimate)")
+        lines.append(f"  roofline {e['roofline_s'] * 1e3:.2f} ms ({e['bound']}-bound at "
+                     f"{e['peak']})")
+        if "xla_cost_model_s" in e:
+            lines.append(f"  XLA cost model {e['xla_cost_model_s'] * 1e3:.2f} ms (+ Pallas "
+                         "attention's analytic FLOPs at peak where used)")
+        else:
+            lines.append(f"  XLA cost model: no usable figure (optimal_seconds = "
+                         f"{e['xla_optimal_seconds']})")
+    c = plan.cost
+    if c:
+        usd = f"${c['usd']:.2f}" if c["usd"] is not None else "no price"
+        lines.append(f"epoch (estimate): {c['steps']} steps x step time = "
+                     f"{c['seconds']:.1f} s, {usd} ({c['price']})")
+    lines += ["", "caveats: " + "; ".join(CAVEATS) + "."]
+    return "\n".join(lines)
+
+
+def result(plan: Plan) -> dict:
+    """The plan as a result file (bench/results format) whose one row ``jaxaccel compare``
+    joins with measured ``train_step`` rows of the same model, sequence and batch; its time
+    and cost are marked estimates (``time_source``)."""
+    e, c, t = plan.estimate, plan.cost or {}, plan.target
+    row = {"name": f"plan.{plan.cfg.precision.policy}.{plan.cfg.train.optimizer}."
+                   f"{plan.cfg.model.attention_impl}",
+           "batch": plan.batch, "time_s": e["step_s"], "time_source": e["source"],
+           "tokens_per_s": e.get("tokens_per_s"), "fits": plan.fits,
+           "memory_per_device": plan.memory, "eval_memory_per_device": plan.eval_memory,
+           "device_memory": plan.capacity, "device_memory_source": plan.capacity_source,
+           "compile_s": plan.compile_s, "model_flops": plan.flops["analytic"],
+           "xla_flops_per_device": plan.flops["xla_per_device"],
+           "roofline_s": e.get("roofline_s"), "xla_cost_model_s": e.get("xla_cost_model_s"),
+           "xla_optimal_seconds": e.get("xla_optimal_seconds"),
+           "peak": e.get("peak"), "epoch_steps": c.get("steps"),
+           "epoch_seconds": c.get("seconds"), "epoch_usd": c.get("usd"),
+           "price": c.get("price")}
+    return {"bench": "plan", "device": t.device_kind, "backend": t.platform,
+            "topology": t.name, "device_count": t.chips, "devices": len(t.devices),
+            "jax": jax.__version__, "jaxaccel": _git_sha(),
+            "date": datetime.date.today().isoformat(), "model": plan.cfg.model.name,
+            "seq": plan.seq, "mesh": plan.mesh, "config": plan.cfg.to_dict(),
+            "caveats": list(CAVEATS), "rows": [row]}
+
+
+def slug(name: str) -> str:
+    """``v5e:2x4`` -> ``v5e_2x4`` (file names)."""
+    return "".join(ch if ch.isalnum() else "_" for ch in name).strip("_")

@@ -1,0 +1,115 @@
+"""`jaxaccel compile`: the configured steps compiled for a target with per-device memory, fits
+or not, estimates labelled as such; a plan file compare can read; one clear line per bad input.
+
+The local tests compile the tiny model on this machine's devices; the TPU and GPU ones need
+libtpu / the CUDA plugin (the ``aot`` extra) and skip without them."""
+import json
+import os
+
+import jax
+import pytest
+
+from jaxaccel import cli, plan, topology
+from tests.test_topology import needs_cuda_plugin, needs_libtpu
+
+CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+TINY = os.path.join(CONFIGS, "tiny_synthetic.py")
+
+
+def compile_cli(capsys, *args):
+    code = cli.main(["compile", "--config", TINY, *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture(scope="module")
+def local_plan():
+    return plan.make_plan(TINY, [], "local")
+
+
+def test_local_plan_reports_memory_fit_and_labelled_estimates(local_plan):
+    p = local_plan
+    m = p.memory
+    assert p.fits and p.mesh == {"data": len(jax.devices()), "fsdp": 1, "tensor": 1}
+    # Data parallel: every device holds all parameters; AdamW keeps two moments of them.
+    assert m["opt_state"] >= 2 * m["params"] > 0
+    assert m["total"] >= m["temp"] > 0 and m["arguments"] >= m["params"] + m["opt_state"]
+    assert (p.batch, p.seq) == (16, 32)         # the config's batch at its longest rows
+    assert p.flops["analytic"] > p.flops["attention"] > 0
+    text = plan.report(p)
+    assert "fits" in text and "estimate" in text and "headroom" in text
+
+
+def test_compile_writes_a_plan_file_compare_reads(local_plan, capsys, tmp_path):
+    code, out, _ = compile_cli(capsys, "--topology", "local", "--out", str(tmp_path))
+    assert code == 0 and "memory per device" in out
+    (path,) = tmp_path.iterdir()
+    assert path.name == "plan-tiny_synthetic-local.json"
+    result = json.loads(path.read_text())
+    assert result["bench"] == "plan" and result["device"] == jax.devices()[0].device_kind
+    (row,) = result["rows"]
+    assert row["fits"] is True and row["memory_per_device"]["total"] > 0
+    # No peak for a CPU: no time is made up.
+    assert row["time_s"] is None and row["time_source"].startswith("none")
+
+
+def test_config_files_size_batches_for_the_target():
+    many = topology.Target("fake", "tpu", (None,) * 64, None, 1, 16)
+    cfg = plan.load_config(os.path.join(CONFIGS, "bert_base_imdb.py"), [], many)
+    assert cfg.train.batch_size == 16 * 64 and cfg.train.eval_batch_size == 64 * 64
+
+
+def test_a_step_that_does_not_fit_says_by_how_much_and_what_fixes_it(monkeypatch, capsys,
+                                                                     tmp_path):
+    monkeypatch.setattr(plan, "_capacity", lambda target: (1e6, "a 1 MB test device"))
+    code, out, err = compile_cli(capsys, "--topology", "local", "--out", str(tmp_path))
+    assert code == cli.EXIT_DOES_NOT_FIT and "DOES NOT FIT" in out
+    assert "does not fit on local" in err and "0.00 GB (a 1 MB test device)" in err
+    for fix in ("mesh.fsdp=", "model.remat=true", "train.batch_size=8"):
+        assert fix in err, fix
+    assert not any(tmp_path.iterdir())                # nothing written
+
+
+@pytest.mark.parametrize("args,says", [
+    (("--topology", "v9:2x2"), "unknown topology 'v9:2x2'"),
+    (("--topology", "local", "--set", "mesh.tensor=3"), "does not divide the"),
+    (("--topology", "local", "--set", "mesh.data=16"), "has 16 devices but"),
+])
+def test_bad_inputs_give_one_clear_line(capsys, args, says):
+    code, _, err = compile_cli(capsys, *args)
+    assert code == cli.EXIT_ERROR and says in err and err.count("\n") == 1, err
+
+
+def test_missing_libtpu_names_the_pip_command(monkeypatch, capsys):
+    monkeypatch.setattr(topology.importlib.util, "find_spec", lambda _: None)
+    topology.resolve.cache_clear()
+    code, _, err = compile_cli(capsys, "--topology", "v5e-8")
+    assert code == cli.EXIT_ERROR and f'pip install "jax[tpu]=={jax.__version__}"' in err
+
+
+@needs_libtpu
+def test_tpu_plan_shards_with_fsdp_and_counts_chips(capsys, tmp_path):
+    """The tiny step compiled by the TPU compiler for a 4-chip v5e slice with FSDP-4."""
+    p = plan.make_plan(TINY, ["mesh.data=1", "mesh.fsdp=4"], "v5e:2x2")
+    assert p.target.chips == 4 and p.fits and p.capacity == 16 * 2 ** 30
+    # Data parallel (abstract only, not compiled) holds every parameter on every chip.
+    target = topology.resolve("v5e:2x2")
+    dp = plan.abstract_run(plan.load_config(TINY, [], target), target)
+    assert p.memory["params"] < plan._shard_bytes(dp.state.params) / 3
+    assert p.estimate["source"].startswith("estimate:") and p.estimate["step_s"] > 0
+    assert p.cost["usd"] > 0 and "TPU v5 lite $1.2/h" in p.cost["price"]
+
+
+@needs_libtpu
+def test_mesh_larger_than_the_slice_says_so(capsys):
+    code, _, err = compile_cli(capsys, "--topology", "v5e:2x2", "--set", "mesh.data=8")
+    assert code == cli.EXIT_ERROR and "has 8 devices but 4 are available" in err
+
+
+@needs_cuda_plugin
+def test_gpu_plan_uses_the_preallocated_share_of_hbm():
+    p = plan.make_plan(TINY, [], "h100:1x1")
+    assert p.target.device_kind == "NVIDIA H100 80GB HBM3" and p.fits
+    assert p.capacity == pytest.approx(0.75 * 80e9) and "preallocation" in p.capacity_source
+    assert p.flops["xla_per_device"] is None        # the compile-only GPU client gives none
+    assert p.estimate["source"] == "estimate:roofline"
