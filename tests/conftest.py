@@ -63,15 +63,10 @@ def _accelerator_attached() -> bool:
 # The compile tests' libtpu and CUDA plugin (the `aot` extra) make compile-only devices without
 # an accelerator; left to themselves they would also try to start a TPU / GPU backend (seconds
 # of TPU metadata probing, CUDA errors) in this process and every subprocess. Without an
-# accelerator the session's backend is the CPU: say so before any backend starts. And with no
-# TPU chip to guard, libtpu's one-process-per-machine lock (/tmp/libtpu_lockfile) would only
-# stop the other pytest-xdist worker (or any other process here) from compiling for a TPU.
-if not _accelerator_attached():
-    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-    os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
-    if "JAX_PLATFORMS" not in os.environ:
-        os.environ["JAX_PLATFORMS"] = "cpu"
-        jax.config.update("jax_platforms", "cpu")
+# accelerator the session's backend is the CPU: say so before any backend starts.
+if "JAX_PLATFORMS" not in os.environ and not _accelerator_attached():
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    jax.config.update("jax_platforms", "cpu")
 
 from kernels_pallas import registry  # noqa: E402
 
