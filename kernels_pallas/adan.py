@@ -200,9 +200,9 @@ def _pallas_call(kernel, name, scalars, tensors, outs, aliases, *, target, block
 
 def update_kernel(scalars, g, m, v, n, prev, p=None, *, no_prox: bool = False,
                   block_sizes: BlockSizes | None = None, target: str | None = None):
-    """``adan_update`` by the Pallas kernel on ``target`` (interpret | tpu | gpu; None: the
-    default device's, ``registry.pallas_target``), ``BLOCK_SIZES[target]`` by default."""
-    target = registry.pallas_target(target)
+    """``adan_update`` by the Pallas kernel on ``target`` (interpret | tpu | gpu; None: where
+    the buffers live, ``registry.pallas_target``), ``BLOCK_SIZES[target]`` by default."""
+    target = registry.pallas_target(target, g, m, v, n, prev, p)
     with_params = p is not None
     tensors = ([p] if with_params else []) + [g, m, v, n, prev]
     first_state = len(tensors) - 4                 # m's index among the tensors
@@ -215,7 +215,7 @@ def update_kernel(scalars, g, m, v, n, prev, p=None, *, no_prox: bool = False,
 def apply_kernel(scalars, g, p, m, v, n, prev, *, no_prox: bool = False,
                  block_sizes: BlockSizes | None = None, target: str | None = None):
     """``adan_apply`` by the Pallas kernel (``target`` as in ``update_kernel``)."""
-    target = registry.pallas_target(target)
+    target = registry.pallas_target(target, g, p, m, v, n, prev)
     return tuple(_pallas_call(
         functools.partial(_apply_kernel, no_prox=no_prox), "adan_apply", scalars,
         [g, p, m, v, n, prev], [p, m, v, n, prev], {1 + k: k for k in range(5)},

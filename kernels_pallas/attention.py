@@ -97,6 +97,23 @@ BLOCK_SIZES = {
     "gpu": BlockSizes(128, 64, 64, 64, 64, 64, num_warps=4, num_stages=3),
     "interpret": BlockSizes(128, 128, 128, 128, 128, 128),
 }
+# float32 inputs, where they differ: Triton computes float32 dots at HIGHEST as IEEE FMA loops
+# (no tensor cores), unrolled over the whole block, so the bf16 blocks above took 19-32 s to
+# compile per shape for an H100 (forward + backward; compile-only devices, 2-core CPU); these
+# blocks take ~10x less (measured interleaved under equal load; tests/test_attention.py bounds
+# it). Not timed on a real GPU.
+FP32_BLOCK_SIZES = {
+    "gpu": BlockSizes(64, 32, 32, 32, 32, 32, num_warps=4, num_stages=2),
+}
+
+
+def default_block_sizes(target: str, dtype) -> BlockSizes:
+    """The blocks ``flash_attention`` uses on ``target`` for inputs of ``dtype``."""
+    if jnp.dtype(dtype) == jnp.float32 and target in FP32_BLOCK_SIZES:
+        return FP32_BLOCK_SIZES[target]
+    return BLOCK_SIZES[target]
+
+
 _MIN_BLOCK = {"tpu": (8, TPU_LANES), "gpu": (16, 16), "interpret": (8, 8)}  # (q rows, k rows)
 
 
@@ -563,18 +580,18 @@ def flash_attention(q, k, v, *, key_lengths=None, segment_ids=None, causal: bool
         attends only to keys of its own segment (packed sequences).
       causal: query i attends only to keys j <= i (aligned at the start).
       scale: logits multiplier, default 1/sqrt(D).
-      block_sizes: override ``BLOCK_SIZES[target]``.
-      target: interpret | tpu | gpu; None: the default device's (``registry.pallas_target``).
+      block_sizes: override ``default_block_sizes(target, q.dtype)``.
+      target: interpret | tpu | gpu; None: where q, k, v live (``registry.pallas_target``).
 
     Returns:
       [B, Sq, Hq, D] in q's dtype. A query with no unmasked key gets zeros (and no gradient).
     """
     segs = _check(q, k, v, key_lengths, segment_ids, scale)
-    target = registry.pallas_target(target)
+    target = registry.pallas_target(target, q, k, v)
     b, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    bs = block_sizes or BLOCK_SIZES[target]
+    bs = block_sizes or default_block_sizes(target, q.dtype)
     min_q, min_k = _MIN_BLOCK[target]
     fit_q = lambda x: _fit(x, sq, min_q)
     fit_k = lambda x: _fit(x, sk, min_k)
@@ -611,9 +628,10 @@ def flash_attention(q, k, v, *, key_lengths=None, segment_ids=None, causal: bool
 def cudnn_attention(q, k, v, *, key_lengths=None, segment_ids=None, causal: bool = False,
                     scale: float | None = None):
     """``jax.nn.dot_product_attention(implementation="cudnn")`` with this file's arguments."""
-    if registry.platform() != "gpu":
-        raise NotImplementedError(f"cudnn attention needs an NVIDIA GPU; the default backend "
-                                  f"is {registry.platform()!r}. Use impl 'xla' or 'pallas'.")
+    here = registry.platform(q, k, v)
+    if here != "gpu":
+        raise NotImplementedError(f"cudnn attention needs an NVIDIA GPU; q, k, v live on "
+                                  f"{here!r}. Use impl 'xla' or 'pallas'.")
     if q.dtype not in (jnp.float16, jnp.bfloat16):
         raise NotImplementedError(f"cudnn attention takes float16/bfloat16 inputs, not "
                                   f"{q.dtype}; use a bf16/fp16 precision policy or impl "
@@ -658,14 +676,14 @@ ONLY_ON = {"cudnn": ("gpu",)}        # platforms an implementation runs on (defa
 
 def check_impl(impl, dropout_rate: float = 0.0) -> None:
     """Validate ``impl`` before anything is built: a known name, one that runs on this
-    platform, and one with attention dropout when ``dropout_rate > 0`` ("auto" always has one:
-    the reference)."""
+    platform (``registry.platform()``: the ambient mesh's, else the default device's), and one
+    with attention dropout when ``dropout_rate > 0`` ("auto" always has one: the reference)."""
     names = REGISTRY.candidates(impl)
     here = registry.platform()
     if all(here not in ONLY_ON.get(n, (here,)) for n in names):
-        raise ValueError(f"attention_impl={impl!r} runs on {ONLY_ON[names[0]]} only; this "
-                         f"machine's default backend is {here!r}. Use attention_impl='auto', "
-                         "'xla' or 'pallas'.")
+        raise ValueError(f"attention_impl={impl!r} runs on {ONLY_ON[names[0]]} only; the "
+                         f"platform here (ambient mesh, else default device) is {here!r}. Use "
+                         "attention_impl='auto', 'xla' or 'pallas'.")
     if dropout_rate > 0 and not set(names) & set(WITH_DROPOUT):
         raise ValueError(
             f"attention_impl={impl!r} has no attention dropout, but the model asks for "

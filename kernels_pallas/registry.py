@@ -5,20 +5,25 @@ by name, the plain-XLA reference among them (``"xla"``, the base every other imp
 tested against), and a default order per platform. A kernel's public function takes
 ``impl``, one of ``registry.names``:
 
-* ``"auto"``: the first implementation of ``registry.order[platform()]`` that accepts the
-  inputs (an implementation that cannot handle them raises ``NotImplementedError`` and the next
-  one is tried; the reference accepts everything, and is last);
+* ``"auto"``: the first implementation of ``registry.order[platform(*operands)]`` that accepts
+  the inputs (an implementation that cannot handle them raises ``NotImplementedError`` and the
+  next one is tried; the reference accepts everything, and is last);
 * a name: that implementation, and its ``NotImplementedError`` (which says why) if it cannot;
 * a tuple of names: the first of them that accepts the inputs.
 
 "xla" means the kernel's reference everywhere; "pallas" means the Pallas kernel on the
 platform it runs on (``pallas_target``): Mosaic on TPU, Triton on GPU, the Pallas interpreter
-on CPU. Naming a ``target`` explicitly lets a CPU machine *lower* (not run) a TPU or GPU
-kernel: ``jax.jit(f).trace(*args).lower(lowering_platforms=(lowering_platform("tpu"),))``.
+on CPU.
+
+The platform is where the operands live (``platform``), not where this process's default
+backend is: a step jitted over a mesh of TPU topology devices or compile-only CUDA devices
+(``jax.experimental.topologies``) traces the TPU or GPU kernels on a CPU-only machine, and
+``.lower(...).compile()`` runs that platform's compiler on them.
 """
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Callable, Mapping, Sequence
 
 import jax
@@ -27,33 +32,69 @@ PALLAS_TARGETS = ("interpret", "tpu", "gpu")
 REFERENCE = "xla"
 
 
-def platform() -> str:
-    """The platform of the default device: "cpu", "gpu" or "tpu"."""
-    p = jax.default_backend()
-    if p in ("cuda", "rocm", "gpu"):
-        return "gpu"
-    return p
+_PLATFORMS = {"cpu": "cpu", "tpu": "tpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu"}
 
 
-def pallas_target(target: str | None = None) -> str:
-    """Where a Pallas kernel runs: ``target`` if given, else the default device's platform
-    (the interpreter on CPU)."""
+def _known(name: str) -> str:
+    if name not in _PLATFORMS:
+        raise ValueError(f"platform {name!r} is not one of {sorted(_PLATFORMS)}.")
+    return _PLATFORMS[name]
+
+
+def _mesh_platform(mesh) -> str | None:
+    device = None if mesh.empty else mesh.abstract_device
+    return None if device is None else _known(device.platform)
+
+
+def _operand_platform(x) -> str | None:
+    """What one operand says about where it lives: the mesh in its type (kept inside ``jit``),
+    or the device a concrete array is committed to; None for unplaced operands (numpy, Python
+    scalars, uncommitted arrays)."""
+    if not isinstance(x, jax.Array):
+        return None
+    found = _mesh_platform(jax.typeof(x).sharding.mesh)
+    if found is None and not isinstance(x, jax.core.Tracer) and x.committed:
+        found = _known(next(iter(x.devices())).platform)
+    return found
+
+
+def platform(*operands) -> str:
+    """Where a computation on ``operands`` runs: "cpu", "gpu" or "tpu". The first of these
+    that says:
+
+    1. the ambient mesh (``jax.set_mesh``; inside ``shard_map``, the mapped mesh);
+    2. the operands (pytrees): the mesh in an operand's type, which ``jit`` keeps for arguments
+       placed on a mesh (``jax.device_put`` or a ``ShapeDtypeStruct`` with a
+       ``NamedSharding``), or the device a concrete array is committed to;
+    3. the default device (``jax.default_device``), else the default backend.
+
+    So a function traced for a TPU topology's or compile-only CUDA devices' mesh gets that
+    platform's kernels on a machine with only a CPU."""
+    said = itertools.chain([_mesh_platform(jax.sharding.get_abstract_mesh())],
+                           map(_operand_platform, jax.tree_util.tree_leaves(operands)))
+    found = next((p for p in said if p is not None), None)
+    if found is not None:
+        return found
+    default = jax.config.jax_default_device
+    if default is None:
+        return _known(jax.default_backend())
+    return _known(default if isinstance(default, str) else default.platform)
+
+
+def pallas_target(target: str | None = None, *operands) -> str:
+    """Where a Pallas kernel runs: ``target`` if given, else ``platform(*operands)``'s (the
+    interpreter on CPU)."""
     if target is None:
-        return {"gpu": "gpu", "tpu": "tpu"}.get(platform(), "interpret")
+        return {"gpu": "gpu", "tpu": "tpu"}.get(platform(*operands), "interpret")
     if target not in PALLAS_TARGETS:
         raise ValueError(f"Pallas target={target!r} is not one of {PALLAS_TARGETS}; leave it "
-                         "None to run on the default device ('interpret' on CPU).")
+                         "None to run where the operands live ('interpret' on CPU).")
     return target
 
 
 def interpret(target: str) -> bool:
     """Whether a Pallas target runs in the interpreter."""
     return target == "interpret"
-
-
-def lowering_platform(target: str) -> str:
-    """The XLA platform name used to lower a kernel for ``target`` ("tpu" or "cuda")."""
-    return {"tpu": "tpu", "gpu": "cuda"}[target]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,10 +119,11 @@ class Registry:
         """What ``impl`` (and the config key that sets it) accepts."""
         return ("auto",) + tuple(self.impls)
 
-    def candidates(self, impl: str | Sequence[str]) -> tuple[str, ...]:
-        """The implementations ``impl`` stands for, in the order they are tried."""
+    def candidates(self, impl: str | Sequence[str], *operands) -> tuple[str, ...]:
+        """The implementations ``impl`` stands for, in the order they are tried (for
+        ``"auto"``: the order of the platform the ``operands`` live on, see ``platform``)."""
         if impl == "auto":
-            return self.order[platform()]
+            return self.order[platform(*operands)]
         names = (impl,) if isinstance(impl, str) else tuple(impl)
         bad = [n for n in names if n not in self.impls]
         if bad or not names:
@@ -91,7 +133,7 @@ class Registry:
 
     def __call__(self, *args, impl: str | Sequence[str] = "auto", **kwargs):
         """The first candidate of ``impl`` that accepts the inputs, applied to them."""
-        names = self.candidates(impl)
+        names = self.candidates(impl, *args)
         reasons = []
         for name in names:
             try:

@@ -1,5 +1,5 @@
-"""Test setup: 8 fake CPU devices (sharding tests), offline Hugging Face, shared fixtures, and
-what changes on a GPU machine.
+"""Test setup: 8 fake CPU devices (sharding tests), offline Hugging Face, shared fixtures,
+compile-only TPU/GPU targets, and what changes on a GPU machine.
 
 On a GPU machine the default backend is the GPU (one device, float32 matmuls at TF32 by
 default) while the CPU backend still has the 8 fake devices forced below, so:
@@ -14,20 +14,19 @@ default) while the CPU backend still has the 8 fake devices forced below, so:
   whole module): the default backend's when it has 8, else the 8 fake CPU devices with
   everything the test builds placed on CPU, else they skip and say why.
 
+* tests that compile for TPU slices or NVIDIA GPUs without one (``compile_target``) take
+  compile-only devices from ``jaxaccel.topology`` (libtpu, the CUDA plugin: the ``aot`` extra)
+  and skip, naming the pip command, where those are not installed. Without an attached
+  accelerator the session runs with ``JAX_PLATFORMS=cpu`` (set below), so neither plugin
+  starts a backend of its own.
+
 Without a GPU, two plugins emulate it: ``-p tests.emulate_tf32`` (float32 matmuls not at highest
 precision round their inputs to TF32) and ``-p tests.emulate_one_gpu`` (one default device).
 """
 import contextlib
-import importlib.util
 import os
 import shutil
 import tempfile
-
-
-def _accelerator_plugin() -> bool:
-    """Whether a GPU or TPU plugin for jax is installed (checked without importing jax)."""
-    return any(importlib.util.find_spec(name) is not None for name in (
-        "jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm7_plugin", "libtpu"))
 
 
 _OWN_XLA_FLAGS = "XLA_FLAGS" not in os.environ
@@ -50,6 +49,24 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
+from jax._src import hardware_utils  # noqa: E402
+
+
+def _accelerator_attached() -> bool:
+    """Whether a TPU, NVIDIA or AMD GPU is attached: jax's own probes (PCI ids, device files),
+    which start no backend."""
+    return (hardware_utils.num_available_tpu_chips_and_device_id()[0] > 0
+            or hardware_utils.has_visible_nvidia_gpu()
+            or hardware_utils.num_available_amd_gpus(stop_at=1) > 0)
+
+
+# The compile tests' libtpu and CUDA plugin (the `aot` extra) make compile-only devices without
+# an accelerator; left to themselves they would also try to start a TPU / GPU backend (seconds
+# of TPU metadata probing, CUDA errors) in this process and every subprocess. Without an
+# accelerator the session's backend is the CPU: say so before any backend starts.
+if "JAX_PLATFORMS" not in os.environ and not _accelerator_attached():
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    jax.config.update("jax_platforms", "cpu")
 
 from kernels_pallas import registry  # noqa: E402
 
@@ -65,11 +82,13 @@ def pytest_configure(config):
     machine with only the CPU backend, XLA's LLVM code generation at optimisation level 0
     compiles the tiny BERT's train step ~2x faster (7.4 s -> 3.7 s on the 2-core CI CPU,
     measured under load). Not for ``-m slow`` (real training: MiniLM steps run 1.65x slower at
-    level 0), nor on a GPU machine, whose code generation is the one being tested there, nor
-    when the caller set XLA_FLAGS. XLA reads the flags when the first backend is created, which
-    happens after this hook (tested: the same compile and run times as set before import)."""
+    level 0), nor where the default backend is a GPU or TPU, whose code generation is the one
+    being tested there (only the CPU backend is started when ``jax_platforms`` is "cpu", set
+    above when no accelerator is attached), nor when the caller set XLA_FLAGS. XLA reads the
+    flags when the first backend is created, which happens after this hook (tested: the same
+    compile and run times as set before import)."""
     slow = "slow" in (config.getoption("markexpr") or "")
-    if _OWN_XLA_FLAGS and not slow and not _accelerator_plugin():
+    if _OWN_XLA_FLAGS and not slow and jax.config.jax_platforms == "cpu":
         os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
 
 
@@ -102,10 +121,9 @@ def eight_device_placement(n=8):
     * The default backend has ``n`` devices (CPU CI: the fake devices above, or a multi-GPU
       machine): those, nothing else changes.
     * Otherwise (one GPU) the ``n`` fake CPU devices, and everything built inside the block is
-      put on CPU as on CPU CI: the default device (arrays created outside jit), the default
-      device list of ``sharding.make_mesh`` (``loop.train`` builds its own mesh), and the Pallas
-      kernels dispatched as on CPU (``registry.platform`` reads the *default* backend, which
-      would pick Triton kernels for computations that run on CPU devices).
+      put on CPU as on CPU CI: the default device (arrays created outside jit; the kernels'
+      ``registry.platform`` falls back to it for unplaced operands) and the default device
+      list of ``sharding.make_mesh`` (``loop.train`` builds its own mesh).
     * Neither has ``n`` devices: skip, naming the devices there are.
     """
     if len(jax.devices()) >= n:
@@ -120,7 +138,6 @@ def eight_device_placement(n=8):
     from jaxaccel import sharding as shd
     make_mesh = shd.make_mesh
     with pytest.MonkeyPatch.context() as mp, jax.default_device(cpu[0]):
-        mp.setattr(registry, "platform", lambda: "cpu")
         mp.setattr(shd, "make_mesh", lambda sizes, devices=None: make_mesh(
             sizes, cpu[:n] if devices is None else devices))
         yield cpu[:n]
@@ -144,3 +161,20 @@ def eight_devices_module():
 def minilm_dir():
     from jaxaccel.models import packaged_minilm_dir
     return packaged_minilm_dir()
+
+
+@pytest.fixture(scope="session")
+def compile_target():
+    """``compile_target(name)``: the ``jaxaccel.topology`` target ``name`` (compile-only TPU or
+    GPU devices), or skip naming what to install."""
+    from jaxaccel import topology
+
+    def resolve(name):
+        try:
+            return topology.resolve(name)
+        except topology.TopologyError as e:
+            if "is not installed" not in str(e):
+                raise
+            pytest.skip(str(e))
+    return resolve
+

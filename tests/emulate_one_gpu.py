@@ -1,14 +1,13 @@
 """pytest plugin that makes the CPU look like a one-GPU machine to the tests' device handling:
 ``jax.devices()`` (the default backend's) returns one device while ``jax.devices("cpu")`` keeps
-the 8 fake ones, and the Pallas kernels dispatch as on a GPU. It exercises the one-GPU branch of
+the 8 fake ones, and the default backend says "gpu" (so the kernels dispatch as on a GPU
+wherever their operands carry no placement). It exercises the one-GPU branch of
 ``conftest.eight_device_placement`` (meshes, default device and kernels all put back on CPU)::
 
     python -m pytest -p tests.emulate_one_gpu -m "not gpu" tests/test_sharding.py
 
 (Deselect ``gpu``: those tests would run, and need a real GPU.)"""
 import jax
-
-from kernels_pallas import registry
 
 _devices = jax.devices
 
@@ -18,4 +17,4 @@ def _one_default_device(backend=None):
 
 
 jax.devices = _one_default_device
-registry.platform = lambda: "gpu"
+jax.default_backend = lambda: "gpu"

@@ -1,0 +1,96 @@
+"""Helpers of the tests that compile for TPU slices and NVIDIA GPUs on compile-only devices
+(``jaxaccel.topology``; the ``compile_target`` fixture in conftest.py resolves a target or
+skips): meshes of a target's devices, abstract arguments placed on them, a timed compile, and a
+training run moved onto a target.
+
+Nothing runs on these devices: ``jax.jit(f).trace(*abstract).lower().compile()`` runs the
+target's real compiler (libtpu with Mosaic for Pallas kernels; XLA's GPU pipeline with Triton,
+without autotuning, so the GPU HLO is close to, not identical to, a real GPU's). The kernels
+pick their implementation and Pallas target from the mesh of their operands
+(``kernels_pallas.registry.platform``): nothing is patched."""
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import time
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxaccel.train.checkpoint import abstract_like
+
+# The custom call each platform's Pallas kernels compile to.
+KERNEL_CALL = {"tpu": "tpu_custom_call", "gpu": "__gpu$xla.gpu.triton"}
+
+
+def mesh(target, shape=(1,), axis_names=("x",)) -> Mesh:
+    """A mesh over ``target``'s first prod(``shape``) devices."""
+    return Mesh(np.asarray(target.devices[:math.prod(shape)]).reshape(shape), axis_names)
+
+
+def placed(x, sharding) -> jax.ShapeDtypeStruct:
+    """``x``'s shape and dtype (an array or a ShapeDtypeStruct) placed as ``sharding``."""
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+
+def replicated(m: Mesh, *xs):
+    """Each of ``xs`` abstract and replicated on mesh ``m``."""
+    return tuple(placed(x, NamedSharding(m, P())) for x in xs)
+
+
+def compile_timed(fn, *args, mesh: Mesh, **jit_kwargs):
+    """``(compiled, seconds)``: ``jax.jit(fn, **jit_kwargs)`` traced, lowered and compiled for
+    ``args`` (placed on ``mesh``) under ``jax.set_mesh(mesh)``, as the trainer runs its steps
+    (on jax 0.12 Pallas Triton reads its GPU from the ambient mesh when lowering); seconds of
+    the compile alone (not the trace or lowering)."""
+    with jax.set_mesh(mesh):
+        lowered = jax.jit(fn, **jit_kwargs).trace(*args).lower()
+        start = time.perf_counter()
+        compiled = lowered.compile()
+    return compiled, time.perf_counter() - start
+
+
+def move_run(run, m: Mesh):
+    """``(run', state, batch)``: ``run`` (built on CPU devices) with its mesh replaced by
+    ``m`` (same axis names and sizes) and its state shardings re-based onto it; its abstract
+    state and first batch placed there. ``run'.train_step`` is a fresh jit over ``m``."""
+    if dict(m.shape) != dict(run.mesh.shape):
+        raise ValueError(f"mesh {dict(m.shape)} must have the run's axes {dict(run.mesh.shape)}")
+    shardings = jax.tree_util.tree_map(lambda s: NamedSharding(m, s.spec), run.state_shardings)
+    state = abstract_like(run.state, shardings)
+    moved = dataclasses.replace(run, mesh=m, state_shardings=shardings)
+    batch = next(run.train_data.batches(0))
+    batch = {k: placed(v, moved.batch_sharding) for k, v in batch.items()}
+    return moved, state, batch
+
+
+def compile_step(run, m: Mesh):
+    """``(compiled, seconds)``: ``run``'s training step compiled for mesh ``m``
+    (``move_run``, ``compile_timed``)."""
+    moved, state, batch = move_run(run, m)
+    return compile_timed(moved.train_step, state, batch, mesh=m)
+
+
+_DEFINED = re.compile(r"%([\w.\-]+) = (\w+)\[")          # %name = dtype[shape] ...
+_PARAMETER = re.compile(r"([\w.\-]+): (\w+)\[")         # a computation's (name: dtype[shape], ...)
+_DOT = re.compile(r" dot\(%([\w.\-]+), %([\w.\-]+)\).*op_name=\"([^\"]*)\"")
+
+
+def dots(hlo: str) -> list[tuple[str, str, bool]]:
+    """Every ``dot`` of an optimized HLO module's text (GEMM fusions included):
+    ``(lhs dtype, rhs dtype, backward)``, backward meaning it comes from autodiff's transpose.
+    Operand dtypes are those of the instructions (or computation parameters) feeding it."""
+    found, dtypes = [], {}
+    for line in hlo.splitlines():
+        if not line.startswith(" "):                   # a computation's header: its parameters
+            dtypes = dict(_PARAMETER.findall(line))
+            continue
+        defined = _DEFINED.search(line)
+        if defined:
+            dtypes[defined[1]] = defined[2]
+        dot = _DOT.search(line)
+        if dot:
+            found.append((dtypes.get(dot[1]), dtypes.get(dot[2]), "transpose(" in dot[3]))
+    return found
