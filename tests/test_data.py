@@ -329,16 +329,15 @@ def test_rt_end_to_end(rt_dir, tokenizer):
 
 
 def test_batch_lengths_are_the_lengths_of_those_steps():
-    """What the loop compiles ahead (train.loop.batch_lengths): the padded lengths of the
+    """What the loop compiles ahead (BatchIterator.batch_lengths): the padded lengths of the
     global batches start..stop, counted over epochs."""
-    from jaxaccel.train.loop import batch_lengths
     it = BatchIterator(_toy(), 8, seed=3, bucket_window=2)
     per = it.steps_per_epoch
     steps = _epoch(it, 0) + _epoch(it, 1) + _epoch(it, 2)
     for start, stop in ((0, 3), (per - 2, per + 3), (1, 3 * per)):
         want = {b["input_ids"].shape[1] for b in steps[start:stop]}
-        assert batch_lengths(it, start, stop) == want
-    assert len(batch_lengths(it, 0, 3 * per)) > 1
+        assert it.batch_lengths(start, stop) == want
+    assert len(it.batch_lengths(0, 3 * per)) > 1
 
 
 def test_validation_split_is_fixed_and_disjoint_from_training(monkeypatch):

@@ -104,6 +104,10 @@ class PackedBatches:
         r, b = self.rows_per_epoch, self.global_batch_size
         return r // b if self.drop_remainder else -(-r // b)
 
+    def batch_lengths(self, start: int, stop: int) -> set[int]:
+        """The lengths of the batches ``start`` to ``stop``: every row is ``seq_len`` long."""
+        return {self.seq_len} if stop > start else set()
+
     def rows(self, epoch: int) -> dict[str, np.ndarray]:
         """Every row of ``epoch`` (all processes'), packed from that epoch's document order."""
         if epoch < 0:

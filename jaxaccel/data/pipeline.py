@@ -192,6 +192,15 @@ class BatchIterator:
         for idx in self.plan(epoch)[start_step:]:
             yield self._assemble(idx)
 
+    def batch_lengths(self, start: int, stop: int) -> set[int]:
+        """The padded lengths of the global batches ``start`` to ``stop`` (counted over
+        epochs, as a run's steps are): what a run compiles its step for."""
+        per, out = self.steps_per_epoch, set()
+        for epoch in range(start // per, -(-stop // per)):
+            plan = self.plan(epoch)[max(start - epoch * per, 0):stop - epoch * per]
+            out |= {self.padded_length(idx) for idx in plan}
+        return out
+
     def padded_length(self, idx: np.ndarray) -> int:
         """The [b, L] length of the batch of examples ``idx``: its longest row rounded up to
         ``pad_multiple``, at most ``max_len``."""

@@ -144,16 +144,6 @@ class Run:
         return self.task.report(totals)
 
 
-def batch_lengths(data: BatchIterator, start: int, stop: int) -> set[int]:
-    """The padded lengths of ``data``'s global batches ``start`` to ``stop`` (counted over
-    epochs, as the run's steps are)."""
-    per, out = data.steps_per_epoch, set()
-    for epoch in range(start // per, -(-stop // per)):
-        plan = data.plan(epoch)[max(start - epoch * per, 0):stop - epoch * per]
-        out |= {data.padded_length(idx) for idx in plan}
-    return out
-
-
 def _in_mesh(mesh, fn):
     with jax.set_mesh(mesh):          # the ambient mesh is per thread and part of jit's key
         return fn()
@@ -164,19 +154,19 @@ def compile_ahead(run: Run, state: TrainState, start: int) -> int:
     and the eval step for every eval length, in parallel threads (XLA compiles a program on
     one core), before the first step; the jitted steps then find them compiled (or read them
     from the persistent compilation cache). Returns how many programs were compiled."""
-    def spec(batch_size, length):           # a global batch as put_batch makes it
-        shape = lambda *s, dtype=np.int32: jax.ShapeDtypeStruct(s, dtype,
-                                                                sharding=run.batch_sharding)
-        return {"input_ids": shape(batch_size, length),
-                "attention_mask": shape(batch_size, length),
-                "token_type_ids": shape(batch_size, length),
-                "labels": shape(batch_size), "weights": shape(batch_size, dtype=np.float32)}
+    def specs(data, batch_size, start, stop):
+        """Global batches as put_batch makes them, of each length of steps start..stop: the
+        keys, dtypes and row shapes of the iterator's own first batch (the task's batch)."""
+        first = next(data.batches(0))
+        return [{k: jax.ShapeDtypeStruct((batch_size, n, *v.shape[2:]) if v.ndim > 1
+                                         else (batch_size,), v.dtype, sharding=run.batch_sharding)
+                 for k, v in first.items()} for n in sorted(data.batch_lengths(start, stop))]
     t = run.cfg.train
-    jobs = [functools.partial(run.train_step.lower, state, spec(t.batch_size, n))
-            for n in sorted(batch_lengths(run.train_data, start, run.total_steps))]
-    jobs += [functools.partial(run.eval_step.lower, state.params, spec(t.eval_batch_size, n),
-                               state.fp8)
-             for n in sorted(batch_lengths(run.eval_data, 0, run.eval_data.steps_per_epoch))]
+    jobs = [functools.partial(run.train_step.lower, state, batch)
+            for batch in specs(run.train_data, t.batch_size, start, run.total_steps)]
+    jobs += [functools.partial(run.eval_step.lower, state.params, batch, state.fp8)
+             for batch in specs(run.eval_data, t.eval_batch_size, 0,
+                                run.eval_data.steps_per_epoch)]
     with concurrent.futures.ThreadPoolExecutor(min(len(jobs), os.cpu_count() or 1)) as pool:
         list(pool.map(lambda lower: _in_mesh(run.mesh, lambda: lower().compile()), jobs))
     return len(jobs)

@@ -40,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import gc
 import json
 import logging
 import os
@@ -244,6 +245,9 @@ def library_log(run_dir: str):
     try:
         yield path
     finally:
+        # A failed read's coroutines may still wait in reference cycles: finalise them while
+        # the hook holds, so their reports come here, not on the console at some later GC.
+        gc.collect()
         sys.unraisablehook = hook
         for lg, (propagate, level) in zip(loggers, before):
             lg.removeHandler(handler)
