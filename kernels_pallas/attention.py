@@ -59,6 +59,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from kernels_pallas import registry
+from kernels_pallas.dropout import keep_mask
 
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)   # finite: exp2(MASK - MASK) is not NaN
 LOG2E = math.log2(math.e)
@@ -195,8 +196,9 @@ def attention_reference(q, k, v, *, key_lengths=None, segment_ids=None, causal=F
     if dropout_rate > 0:
         if dropout_rng is None:
             raise ValueError(f"dropout_rate={dropout_rate} needs dropout_rng (a PRNG key).")
-        # Drawn per query head, [B, Hq, Sq, Sk], whatever the grouping.
-        keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, (b, hq, sq, sk))
+        # Drawn per query head, [B, Hq, Sq, Sk], whatever the grouping (keep_mask: both
+        # words of every Threefry hash, the mask independent of the mesh).
+        keep = keep_mask(dropout_rng, 1.0 - dropout_rate, (b, hq, sq, sk))
         p = jnp.where(keep, p / (1.0 - dropout_rate), 0.0)
     # P V in v's dtype: the matmul accumulates in float32 and rounds once, and its backward
     # (dP = dO V^T, dV = P^T dO) multiplies input-dtype operands.

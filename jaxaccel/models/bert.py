@@ -22,6 +22,7 @@ from flax import nnx
 from flax import struct
 
 from jaxaccel.models.attention import ATTENTION_IMPLS, attention, check_impl
+from jaxaccel.models.dropout import Dropout
 from jaxaccel.models.fp8 import Fp8Linear
 from jaxaccel.models.spec import BertConfig, ModelSpec
 from jaxaccel.precision import Policy, get_policy
@@ -93,7 +94,7 @@ class BertEmbeddings(nnx.Module):
                                           (None, "embed"), rngs)
         self.token_type_embeddings = _embed(cfg.type_vocab_size, cfg, policy, (None, "embed"), rngs)
         self.layer_norm = _layer_norm(cfg, policy, rngs)
-        self.dropout = nnx.Dropout(cfg.hidden_dropout_prob)
+        self.dropout = Dropout(cfg.hidden_dropout_prob)
 
     def __call__(self, input_ids, token_type_ids, deterministic, rngs):
         positions = jnp.arange(input_ids.shape[1])[None, :]
@@ -113,7 +114,7 @@ class BertAttention(nnx.Module):
         self.value = _dense(h, h, ("embed", "heads"), cfg, policy, rngs, True)
         self.output = _dense(h, h, ("heads", "embed"), cfg, policy, rngs, True)
         self.layer_norm = _layer_norm(cfg, policy, rngs)
-        self.dropout = nnx.Dropout(cfg.hidden_dropout_prob)
+        self.dropout = Dropout(cfg.hidden_dropout_prob)
 
     def __call__(self, x, attention_mask, deterministic, rngs):
         b, s, _ = x.shape
@@ -138,7 +139,7 @@ class BertLayer(nnx.Module):
         self.output = _dense(cfg.intermediate_size, cfg.hidden_size, ("mlp", "embed"),
                              cfg, policy, rngs, True)
         self.layer_norm = _layer_norm(cfg, policy, rngs)
-        self.dropout = nnx.Dropout(cfg.hidden_dropout_prob)
+        self.dropout = Dropout(cfg.hidden_dropout_prob)
         self.act = _ACTIVATIONS[cfg.hidden_act]
 
     def __call__(self, x, attention_mask, deterministic, rngs):
@@ -205,7 +206,7 @@ class BertModel(nnx.Module):
                                 for _ in range(config.num_hidden_layers)])
         self.pooler = _dense(config.hidden_size, config.hidden_size, ("embed", None), config,
                              policy, rngs)
-        self.classifier_dropout = nnx.Dropout(config.hidden_dropout_prob)
+        self.classifier_dropout = Dropout(config.hidden_dropout_prob)
         self.classifier = nnx.data(None if spec.num_labels is None else _dense(
             config.hidden_size, spec.num_labels, ("embed", None), config, policy, rngs))
         self.mlm = nnx.data(BertMLMHead(config, policy, rngs) if spec.mlm_head else None)
