@@ -24,7 +24,8 @@ itself again in it.
   CPU than wall time); ``speedup`` = HF median / ours, ``cpu_speedup`` the same in CPU time.
 * Job (``--job``): the whole HF loop (tokenize, load, compile, train, evaluate on the test
   split) and our main job (``jaxaccel.train.loop.train`` of ``--config``) at the same batch and
-  steps: rows ``jaxaccel job`` and ``hf_flax job`` with ``time_s`` and ``final_accuracy``.
+  steps: rows ``jaxaccel job`` and ``hf_flax job`` with ``time_s`` and ``final_accuracy``; once
+  per seed of ``--seeds`` (both sides take the seed), for the ``--sides`` asked for.
 
 Writes ``bench/results/hf_flax-<device>.json`` with the host load average before and after
 (on a shared CPU only the ratio of one run is a result). Each row's ``work`` joins it with its
@@ -241,14 +242,54 @@ def our_job(config: str, sets: list[str]) -> dict:
             "final_accuracy": result["eval_accuracy"]}, cfg
 
 
+def jobs(config: str, sets: list[str], seeds: str | None, sides: list[str],
+         extra: dict) -> list[dict]:
+    """Rows ``jaxaccel job`` / ``hf_flax job`` of each seed (``sides``: ``ours``, ``hf``),
+    given the same batch, steps and learning rate (our config's); ``extra["job_speedup"]``
+    for the first seed where both ran."""
+    from jaxaccel import config as config_lib
+    if set(sides) - {"ours", "hf"} or not sides:
+        raise SystemExit(f"--sides {','.join(sides)}: expected ours, hf or ours,hf.")
+    base = config_lib.load(config, sets)
+    rows = []
+    for seed in ([base.seed] if seeds is None else [int(s) for s in seeds.split(",")]):
+        t = base.train
+        steps = t.max_steps if t.max_steps > 0 else None
+        work = {"what": "job", "model": base.model.name, "data": base.data.name,
+                "batch": t.batch_size, "seed": seed}
+        ours = theirs = None
+        if "ours" in sides:
+            ours, _ = our_job(config, sets + [f"seed={seed}"])
+            steps = ours["steps"]
+            rows.append({"name": "jaxaccel job", "n": 1, **ours, "work": {**work, "steps": steps}})
+        if "hf" in sides:
+            if steps is None:
+                raise SystemExit("--sides hf needs train.max_steps in the config (the steps "
+                                 "our job would take).")
+            theirs = hf_job(t.batch_size, steps, t.learning_rate, seed)
+            rows.append({"name": "hf_flax job", "n": 1, **theirs,
+                         "work": {**work, "steps": steps}})
+        print(f"seed {seed}: " + ", ".join(f"{name} {r['final_accuracy']:.4f} in "
+                                          f"{r['time_s']:.1f} s" for name, r in
+                                          (("ours", ours), ("hf", theirs)) if r), flush=True)
+        if ours and theirs and "job_speedup" not in extra:
+            extra["job_speedup"] = theirs["time_s"] / ours["time_s"]
+    return rows
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default=os.path.join(ROOT, "configs", "minilm_rt.py"))
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="override our config (both sides keep batch, steps, lr, seed)")
-    ap.add_argument("--rounds", type=int, default=6, help="interleaved rounds (default 6)")
+    ap.add_argument("--rounds", type=int, default=6,
+                    help="interleaved rounds of the step timing (default 6; 0: no step timing)")
     ap.add_argument("--steps", type=int, default=5, help="steps per side per round")
     ap.add_argument("--job", action="store_true", help="also time both whole jobs")
+    ap.add_argument("--seeds", default=None, metavar="S[,S...]",
+                    help="--job: run the jobs once per seed (default: the config's seed)")
+    ap.add_argument("--sides", default="ours,hf", metavar="ours,hf",
+                    help="--job: whose jobs to run (default both)")
     sys.path.insert(0, ROOT)
     from bench.common import add_out_argument
     add_out_argument(ap)
@@ -265,28 +306,25 @@ def main(argv=None):
     from bench.common import markdown, write_results
 
     load_before = os.getloadavg()
-    with tempfile.TemporaryDirectory() as tmp:
-        step_rows, extra = time_steps(args.config, args.set + fixed_shape_sets(tmp),
-                                      args.rounds, args.steps)
-    rows = [step_rows["jaxaccel"], step_rows["hf_flax"]]
+    rows, extra = [], {}
+    if args.rounds > 0:
+        with tempfile.TemporaryDirectory() as tmp:
+            step_rows, extra = time_steps(args.config, args.set + fixed_shape_sets(tmp),
+                                          args.rounds, args.steps)
+        rows = [step_rows["jaxaccel"], step_rows["hf_flax"]]
     if args.job:
-        ours, cfg = our_job(args.config, args.set)
-        t = cfg.train
-        theirs = hf_job(t.batch_size, ours["steps"], t.learning_rate, cfg.seed)
-        work = {"what": "job", "model": cfg.model.name, "data": cfg.data.name,
-                "batch": t.batch_size, "steps": ours["steps"], "seed": cfg.seed}
-        rows += [{"name": "jaxaccel job", "n": 1, **ours, "work": work},
-                 {"name": "hf_flax job", "n": 1, **theirs, "work": work}]
-        extra["job_speedup"] = theirs["time_s"] / ours["time_s"]
+        rows += jobs(args.config, args.set, args.seeds, args.sides.split(","), extra)
     extra.update(transformers=HF_VERSION, hf_schedule=HF_SCHEDULE,
                  load_average_before=load_before, load_average_after=os.getloadavg(),
                  jax_devices=str(jax.devices()))
     path = write_results("hf_flax", rows, extra, out=args.out)
     print(markdown(rows, ["name", "median_s", "min_s", "max_s", "n", "time_s",
                           "final_accuracy"]))
-    print(f"speedup (HF step median / ours): {extra['speedup']:.3f} wall, "
-          f"{extra['cpu_speedup']:.3f} process CPU time" + (
-        f"; job: {extra['job_speedup']:.3f}" if args.job else ""))
+    if "speedup" in extra:
+        print(f"speedup (HF step median / ours): {extra['speedup']:.3f} wall, "
+              f"{extra['cpu_speedup']:.3f} process CPU time")
+    if "job_speedup" in extra:
+        print(f"job speedup (HF job time / ours): {extra['job_speedup']:.3f}")
     print(f"wrote {path}")
 
 

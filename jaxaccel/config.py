@@ -66,6 +66,8 @@ BASE: dict[str, Any] = {
                                     # byte-level BPE trained on its train split (data/bpe.py)
         "synthetic_examples": 4096, # synthetic only: examples per split
         "synthetic_seq_len": 128,   # synthetic only
+        "synthetic_min_len": 0,     # synthetic only: > 0 gives rows of lengths uniform in
+                                    # [min_len, seq_len] (padded batches); 0: all seq_len
     },
     "train": {
         "epochs": 1,
@@ -87,6 +89,8 @@ BASE: dict[str, Any] = {
                                     # one fused pass per step (jaxaccel/train/onepass.py);
                                     # optimizer_impl then picks the kernel: auto|xla|pallas
         "grad_accum": 1,            # micro-batches per optimizer step
+        "unpad": True,              # classification: the per-token layers skip padding
+                                    # (models/unpad.py); steps without grad_accum only
         "log_every": 10,            # steps between metric records
         "checkpoint_every": 0,      # steps between checkpoints; 0 = epoch ends and the end only
         "keep_checkpoints": 2,      # >= 1 newest checkpoints kept
@@ -316,6 +320,10 @@ def validate(cfg: Config) -> None:
                 "model.num_labels": cfg.model.num_labels}
     if cfg.data.validation_size < 0:
         raise ValueError(f"data.validation_size={cfg.data.validation_size} must be >= 0.")
+    if not 0 <= cfg.data.synthetic_min_len <= cfg.data.synthetic_seq_len:
+        raise ValueError(f"data.synthetic_min_len={cfg.data.synthetic_min_len} must be 0 "
+                         f"(fixed length) to data.synthetic_seq_len="
+                         f"{cfg.data.synthetic_seq_len}.")
     for key, value in positive.items():
         if value < 1:
             raise ValueError(f"{key}={value} must be >= 1.")

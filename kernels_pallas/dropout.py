@@ -10,7 +10,9 @@ the MiniLM train step were ~9% of its time.
 compared with ``round(keep_prob * 2**32)``: half the hashes, and a keep probability resolved to
 2**-32 (``bernoulli``'s float32 uniform resolves 2**-23). Element ``i`` of the mask is a function
 of the key and ``i`` only (the counter is the global index of its pair), so, as with
-partitionable Threefry, the mask does not depend on how the array is sharded.
+partitionable Threefry, the mask does not depend on how the array is sharded; and rows can be
+numbered by the caller (``rows``), so that a gathered subset of the rows of an array draws
+exactly what those rows draw in the whole array.
 
 The masks differ from ``jax.random.bernoulli``'s for the same key (another stream, the same
 distribution); keys of another PRNG implementation fall back to ``bernoulli``.
@@ -36,25 +38,34 @@ def _threefry_words(key) -> tuple[jax.Array, jax.Array] | None:
     return key[0], key[1]
 
 
-def keep_mask(key, keep_prob: float, shape: tuple[int, ...]) -> jax.Array:
+def keep_mask(key, keep_prob: float, shape: tuple[int, ...], rows=None) -> jax.Array:
     """A boolean array of ``shape``, each element True with probability ``keep_prob`` (to
-    2**-32), independently; element ``i`` depends only on ``key`` and ``i``."""
+    2**-32), independently; element ``(r, j)`` (``r`` all but the last index) depends only on
+    ``key``, the row's number and ``j``. A row's number is its row-major index among the rows
+    of ``shape``, or ``rows[r]`` (integer array of shape ``shape[:-1]``) where given: the
+    rows of a gathered array (e.g. the real tokens of a padded batch, ``models.unpad``) then
+    draw what they would in the whole one. Rows' numbers times ``ceil(shape[-1] / 2)`` must
+    stay below 2**32."""
     shape = tuple(shape)
+    if not shape:
+        return keep_mask(key, keep_prob, (1,)).reshape(())
     words = _threefry_words(key)
     if words is None:
         return jax.random.bernoulli(key, keep_prob, shape)
     threshold = round(keep_prob * 2.0 ** 32)
     if threshold >= 2 ** 32:
         return jnp.ones(shape, bool)
-    last = shape[-1] if shape else 1
-    pairs = shape[:-1] + ((last + 1) // 2,)
-    if math.prod(pairs) >= 2 ** 32:
-        raise ValueError(f"a dropout mask of {shape} needs more than 2**32 counters.")
-    counter = jnp.zeros(pairs, jnp.uint32)
-    stride = 1
-    for dim in reversed(range(len(pairs))):      # the pair's global (row-major) index
-        counter = counter + lax.broadcasted_iota(jnp.uint32, pairs, dim) * jnp.uint32(stride)
-        stride *= pairs[dim]
+    half = (shape[-1] + 1) // 2
+    if rows is None:
+        if math.prod(shape[:-1]) * half >= 2 ** 32:
+            raise ValueError(f"a dropout mask of {shape} needs more than 2**32 counters.")
+        rows, stride = jnp.zeros(shape[:-1], jnp.uint32), 1
+        for dim in reversed(range(len(shape) - 1)):       # row-major row numbers
+            rows = rows + lax.broadcasted_iota(jnp.uint32, shape[:-1], dim) * jnp.uint32(stride)
+            stride *= shape[dim]
+    pairs = shape[:-1] + (half,)
+    counter = (jnp.asarray(rows).astype(jnp.uint32)[..., None] * jnp.uint32(half)
+               + lax.broadcasted_iota(jnp.uint32, pairs, len(pairs) - 1))
     hi, lo = threefry2x32_p.bind(words[0], words[1], jnp.zeros_like(counter), counter)
-    bits = jnp.stack([hi, lo], axis=-1).reshape(*pairs[:-1], 2 * pairs[-1])[..., :last]
-    return bits.reshape(shape) < jnp.uint32(threshold)
+    bits = jnp.stack([hi, lo], axis=-1).reshape(*shape[:-1], 2 * half)[..., :shape[-1]]
+    return bits < jnp.uint32(threshold)

@@ -201,6 +201,22 @@ class BatchIterator:
             out |= {self.padded_length(idx) for idx in plan}
         return out
 
+    def token_capacity(self, start: int, stop: int, groups: int) -> dict:
+        """For each global batch shape (rows, padded length) of the batches ``start`` to
+        ``stop`` (counted over epochs): the most real tokens any one of ``groups`` contiguous
+        row groups of such a batch holds (``models.unpad.Capacity``)."""
+        b = self.global_batch_size
+        if b % groups:
+            raise ValueError(f"token_capacity: {b} rows do not split into {groups} groups.")
+        per, out = self.steps_per_epoch, {}
+        for epoch in range(start // per, -(-stop // per)):
+            for idx in self.plan(epoch)[max(start - epoch * per, 0):stop - epoch * per]:
+                rows = np.concatenate([idx, np.full(b - len(idx), idx[0])])   # as _assemble
+                most = int(self.lengths[rows].reshape(groups, -1).sum(1).max())
+                shape = (b, self.padded_length(idx))
+                out[shape] = max(out.get(shape, 0), most)
+        return out
+
     def padded_length(self, idx: np.ndarray) -> int:
         """The [b, L] length of the batch of examples ``idx``: its longest row rounded up to
         ``pad_multiple``, at most ``max_len``."""

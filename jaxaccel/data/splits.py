@@ -66,7 +66,7 @@ def _examples(cfg, tokenizer, max_positions: int, split: str) -> tuple[Tokenized
     d = cfg.data
     if d.name == "synthetic":
         examples = synthetic(vocab_size=SYNTHETIC_VOCAB, seq_len=d.synthetic_seq_len,
-                             num_examples=d.synthetic_examples,
+                             min_len=d.synthetic_min_len, num_examples=d.synthetic_examples,
                              seed=cfg.seed if split == "train" else cfg.seed + 1,
                              num_classes=cfg.model.num_labels)
         return examples, tuple(str(i) for i in range(cfg.model.num_labels))

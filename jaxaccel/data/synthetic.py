@@ -8,9 +8,14 @@ from jaxaccel.data.pipeline import Tokenized
 
 
 def synthetic(
-    *, vocab_size: int, seq_len: int, num_examples: int, seed: int = 0, num_classes: int = 2
+    *, vocab_size: int, seq_len: int, num_examples: int, seed: int = 0, num_classes: int = 2,
+    min_len: int = 0,
 ) -> Tokenized:
-    """`num_examples` rows of `seq_len` ids uniform in [1, vocab_size) (0 is padding)."""
+    """`num_examples` rows of `seq_len` ids uniform in [1, vocab_size) (0 is padding); with
+    `min_len` > 0 each row is cut to a length uniform in [min_len, seq_len]."""
+    if not 0 <= min_len <= seq_len:
+        raise ValueError(f"synthetic: min_len={min_len}; expected 0 (fixed length) to "
+                         f"seq_len={seq_len}.")
     for name, value, low in (
         ("vocab_size", vocab_size, 2),
         ("seq_len", seq_len, 1),
@@ -23,4 +28,7 @@ def synthetic(
     ids = rng.integers(1, vocab_size, size=(num_examples, seq_len), dtype=np.int32)
     # The label is a function of the first token, so the task is learnable (losses must fall).
     labels = (ids[:, 0] % num_classes).astype(np.int32)
-    return Tokenized(input_ids=list(ids), labels=labels, max_len=seq_len, pad_id=0)
+    rows = list(ids)
+    if min_len:
+        rows = [r[:n] for r, n in zip(rows, rng.integers(min_len, seq_len + 1, num_examples))]
+    return Tokenized(input_ids=rows, labels=labels, max_len=seq_len, pad_id=0)

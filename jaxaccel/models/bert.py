@@ -25,6 +25,7 @@ from jaxaccel.models.attention import ATTENTION_IMPLS, attention, check_impl
 from jaxaccel.models.dropout import Dropout
 from jaxaccel.models.fp8 import Fp8Linear
 from jaxaccel.models.spec import BertConfig, ModelSpec
+from jaxaccel.models.unpad import Unpadded
 from jaxaccel.precision import Policy, get_policy
 
 _ACTIVATIONS = {                   # one for each of spec.HIDDEN_ACTS
@@ -96,11 +97,11 @@ class BertEmbeddings(nnx.Module):
         self.layer_norm = _layer_norm(cfg, policy, rngs)
         self.dropout = Dropout(cfg.hidden_dropout_prob)
 
-    def __call__(self, input_ids, token_type_ids, deterministic, rngs):
-        positions = jnp.arange(input_ids.shape[1])[None, :]
+    def __call__(self, input_ids, token_type_ids, positions, deterministic, rngs, rows=None):
         x = (self.word_embeddings(input_ids) + self.position_embeddings(positions)
              + self.token_type_embeddings(token_type_ids))
-        return self.dropout(self.layer_norm(x), deterministic=deterministic, rngs=rngs)
+        return self.dropout(self.layer_norm(x), deterministic=deterministic, rngs=rngs,
+                            rows=rows)
 
 
 class BertAttention(nnx.Module):
@@ -116,9 +117,15 @@ class BertAttention(nnx.Module):
         self.layer_norm = _layer_norm(cfg, policy, rngs)
         self.dropout = Dropout(cfg.hidden_dropout_prob)
 
-    def __call__(self, x, attention_mask, deterministic, rngs):
-        b, s, _ = x.shape
-        split = lambda t: t.reshape(b, s, self.cfg.num_attention_heads, self.cfg.head_dim)
+    def __call__(self, x, attention_mask, deterministic, rngs, tokens: Unpadded | None = None):
+        """``x`` [B, S, H], or [G, C, H] the real tokens of ``tokens`` (attention alone runs
+        on [B, S]: Q, K, V scattered there, its output gathered back)."""
+        heads, d = self.cfg.num_attention_heads, self.cfg.head_dim
+
+        def split(t):                  # [B, S, H] (the real tokens put back) -> [B, S, heads, d]
+            t = t if tokens is None else tokens.scatter(t)
+            return t.reshape(*t.shape[:2], heads, d)
+
         dropout_rng = None
         if not deterministic and self.cfg.attention_probs_dropout_prob > 0:
             dropout_rng = rngs.dropout()
@@ -126,8 +133,10 @@ class BertAttention(nnx.Module):
                         attention_mask, impl=self.attention_impl,
                         dropout_rate=self.cfg.attention_probs_dropout_prob,
                         deterministic=deterministic, dropout_rng=dropout_rng)
-        y = self.dropout(self.output(ctx.reshape(b, s, -1)), deterministic=deterministic,
-                         rngs=rngs)
+        ctx = ctx.reshape(*ctx.shape[:2], heads * d)
+        ctx = ctx if tokens is None else tokens.gather(ctx)
+        y = self.dropout(self.output(ctx), deterministic=deterministic, rngs=rngs,
+                         rows=None if tokens is None else tokens.rows())
         return self.layer_norm(y + x)
 
 
@@ -142,10 +151,12 @@ class BertLayer(nnx.Module):
         self.dropout = Dropout(cfg.hidden_dropout_prob)
         self.act = _ACTIVATIONS[cfg.hidden_act]
 
-    def __call__(self, x, attention_mask, deterministic, rngs):
-        x = self.attention(x, attention_mask, deterministic, rngs)
+    def __call__(self, x, attention_mask, deterministic, rngs, tokens: Unpadded | None = None):
+        x = self.attention(x, attention_mask, deterministic, rngs, tokens)
         y = self.output(self.act(self.intermediate(x)))
-        return self.layer_norm(self.dropout(y, deterministic=deterministic, rngs=rngs) + x)
+        y = self.dropout(y, deterministic=deterministic, rngs=rngs,
+                         rows=None if tokens is None else tokens.rows())
+        return self.layer_norm(y + x)
 
 
 class BertMLMHead(nnx.Module):
@@ -167,9 +178,9 @@ class BertMLMHead(nnx.Module):
         return logits + self.bias[...].astype(jnp.float32)
 
 
-@nnx.remat(static_argnums=(4,))
-def _remat_layer(layer, x, attention_mask, rngs, deterministic):
-    return layer(x, attention_mask, deterministic, rngs)
+@nnx.remat(static_argnums=(5,))
+def _remat_layer(layer, x, attention_mask, rngs, tokens, deterministic):
+    return layer(x, attention_mask, deterministic, rngs, tokens)
 
 
 def _masked_mean(x, attention_mask):
@@ -212,9 +223,12 @@ class BertModel(nnx.Module):
         self.mlm = nnx.data(BertMLMHead(config, policy, rngs) if spec.mlm_head else None)
 
     def __call__(self, input_ids, attention_mask=None, token_type_ids=None, *,
-                 deterministic: bool = True, rngs: nnx.Rngs | None = None) -> BertOutput:
+                 deterministic: bool = True, rngs: nnx.Rngs | None = None,
+                 tokens: Unpadded | None = None) -> BertOutput:
         """Run the model; ``rngs`` (an ``nnx.Rngs`` with a ``dropout`` stream) when not
-        deterministic."""
+        deterministic. With ``tokens`` (``unpad.Unpadded`` of ``attention_mask``) the
+        per-token layers run on the real tokens only; ``last_hidden_state`` is then 0 at
+        padding positions (every other output is the padded model's)."""
         seq = input_ids.shape[1]
         if seq > self.config.max_position_embeddings:
             raise ValueError(f"sequence length {seq} exceeds max_position_embeddings="
@@ -223,12 +237,19 @@ class BertModel(nnx.Module):
             raise ValueError("deterministic=False needs rngs=nnx.Rngs(dropout=key).")
         if token_type_ids is None:
             token_type_ids = jnp.zeros_like(input_ids)
-        x = self.embeddings(input_ids, token_type_ids, deterministic, rngs)
+        if tokens is None:
+            positions, rows = jnp.arange(seq)[None, :], None
+        else:
+            input_ids, token_type_ids = tokens.gather(input_ids), tokens.gather(token_type_ids)
+            positions, rows = tokens.positions(), tokens.rows()
+        x = self.embeddings(input_ids, token_type_ids, positions, deterministic, rngs, rows)
         for layer in self.layers:
             if self.spec.remat:
-                x = _remat_layer(layer, x, attention_mask, rngs, deterministic=deterministic)
+                x = _remat_layer(layer, x, attention_mask, rngs, tokens,
+                                 deterministic=deterministic)
             else:
-                x = layer(x, attention_mask, deterministic, rngs)
+                x = layer(x, attention_mask, deterministic, rngs, tokens)
+        x = x if tokens is None else tokens.scatter(x)
         pooled = jnp.tanh(self.pooler(x[:, 0]).astype(jnp.float32))
         logits = None
         if self.classifier is not None:

@@ -39,6 +39,7 @@ from jaxaccel.data import BatchIterator, load_tokenizer, splits
 from jaxaccel.data.packing import PackedBatches
 from jaxaccel.models import ModelSpec, check_vocab, create_model
 from jaxaccel.models.fp8 import Fp8Meta
+from jaxaccel.models.unpad import Capacity
 from jaxaccel.optim import make_onepass, make_optimizer, make_schedule, state_shardings
 from jaxaccel.precision import LossScale, get_policy
 from jaxaccel.train import onepass, rundir
@@ -93,6 +94,7 @@ class Run:
     tx: object = None
     schedule: object = None
     total_steps: int = 0
+    unpad: Capacity | None = None
 
     @property
     def task(self) -> Task:
@@ -105,7 +107,10 @@ class Run:
 
     def put_batch(self, batch: dict) -> dict:
         """This process's rows of a batch (numpy, from ``train_data``/``eval_data``) as global
-        arrays split over the mesh's batch axes."""
+        arrays split over the mesh's batch axes (refused if it does not fit the unpadding
+        plan: ``unpad.Capacity.check``)."""
+        if self.unpad is not None:
+            self.unpad.check(batch["attention_mask"], jax.process_count())
         return {k: jax.make_array_from_process_local_data(self.batch_sharding, v)
                 for k, v in batch.items()}
 
@@ -115,7 +120,7 @@ class Run:
         jitted: the state donated and laid out as ``state_shardings``, metrics replicated."""
         make = onepass.make_train_step if self.cfg.train.flat_params else make_train_step
         step = make(self.graphdef, self.tx, self.cfg.train.grad_accum, self.task,
-                    self.spec.family.resolve("model").fp8_group)
+                    self.spec.family.resolve("model").fp8_group, self.unpad)
         return jax.jit(step,
                        in_shardings=(self.state_shardings, self.batch_sharding),
                        out_shardings=(self.state_shardings, shd.replicated(self.mesh)),
@@ -126,7 +131,7 @@ class Run:
         """``eval_step(params, batch, fp8) -> sums`` (``step.make_eval_step``), jitted: sums
         replicated."""
         make = onepass.make_eval_step if self.cfg.train.flat_params else make_eval_step
-        return jax.jit(make(self.graphdef, self.task),
+        return jax.jit(make(self.graphdef, self.task, self.unpad),
                        in_shardings=(self.state_shardings.params, self.batch_sharding,
                                      self.state_shardings.fp8),
                        out_shardings=shd.replicated(self.mesh))
@@ -223,9 +228,28 @@ def _build(cfg: Config, mesh) -> Run:
                                                  total_steps)
     params = jax.device_put(params, param_shardings)
     state = jax.jit(create, out_shardings=shardings)(params, fp8)
+    unpad = _unpad_plan(cfg, mesh, model.spec, [(train_data, 0, total_steps),
+                                                (eval_data, 0, eval_data.steps_per_epoch)])
     return Run(cfg, os.path.join(cfg.workdir, cfg.name), mesh, graphdef, state, shardings,
                eval_data, tokenizer, model.spec, label_names,
-               train_data=train_data, tx=tx, schedule=schedule, total_steps=total_steps)
+               train_data=train_data, tx=tx, schedule=schedule, total_steps=total_steps,
+               unpad=unpad)
+
+
+def _unpad_plan(cfg: Config, mesh, spec: ModelSpec, batches) -> Capacity | None:
+    """The run's unpadding plan (``models.unpad``) over ``batches`` ((iterator, first step,
+    stop step) each), or None: ``train.unpad`` off, a task without padded rows, gradient
+    accumulation, or batches from an iterator that cannot plan (packed LM rows)."""
+    if not (cfg.train.unpad and TASKS[spec.task].unpads and cfg.train.grad_accum == 1):
+        return None
+    if not all(isinstance(data, BatchIterator) for data, _, _ in batches):
+        return None
+    groups = math.prod(mesh.shape.get(a, 1) for a in shd.BATCH_AXES)
+    largest = {}
+    for data, start, stop in batches:
+        for shape, most in data.token_capacity(start, stop, groups).items():
+            largest[shape] = max(largest.get(shape, 0), most)
+    return Capacity.of(groups, largest)
 
 
 def make_state(cfg: Config, mesh, params, fp8, param_shardings, total_steps: int):
@@ -279,7 +303,9 @@ def build_eval(cfg: Config, model, tokenizer_dir: str, devices=None) -> Run:
     eval_data, label_names = splits.eval_batches(cfg, tokenizer,
                                                  model.config.max_position_embeddings)
     return Run(cfg, os.path.join(cfg.workdir, cfg.name), mesh, graphdef, state, shardings,
-               eval_data, tokenizer, model.spec, label_names)
+               eval_data, tokenizer, model.spec, label_names,
+               unpad=_unpad_plan(cfg, mesh, model.spec,
+                                 [(eval_data, 0, eval_data.steps_per_epoch)]))
 
 
 def _record(run: Run, epoch: int, step_in_epoch: int) -> dict:

@@ -43,7 +43,7 @@ def state_init(tx: OnePass, params, seed: int, mesh):
 
 
 def make_train_step(graphdef, tx: OnePass, grad_accum: int = 1,
-                    task: Task = step_lib.CLASSIFICATION, fp8_group=None):
+                    task: Task = step_lib.CLASSIFICATION, fp8_group=None, unpad=None):
     """``step(state, batch) -> (state, metrics)`` as ``step.make_train_step``'s, with the
     gradient taken w.r.t. the flat buffers; jit it with the state donated. (No fp8 state on
     this path: ``fp8_group`` is unused.)"""
@@ -55,7 +55,7 @@ def make_train_step(graphdef, tx: OnePass, grad_accum: int = 1,
     def loss_fn(buffers, params, batch, rng, denom):
         view = dataclasses.replace(params, buffers=buffers).view()
         logits = step_lib.forward(graphdef, view, batch, deterministic=False, rng=rng,
-                                  task=task)
+                                  task=task, unpad=unpad)
         ce_sum, correct, _ = task.sums(logits, batch)
         return ce_sum / denom, correct
 
@@ -73,7 +73,7 @@ def make_train_step(graphdef, tx: OnePass, grad_accum: int = 1,
     return step
 
 
-def make_eval_step(graphdef, task: Task = step_lib.CLASSIFICATION):
+def make_eval_step(graphdef, task: Task = step_lib.CLASSIFICATION, unpad=None):
     """``step.make_eval_step``'s on the view of flat parameters."""
-    inner = step_lib.make_eval_step(graphdef, task)
+    inner = step_lib.make_eval_step(graphdef, task, unpad)
     return lambda params, batch, fp8=None: inner(params.view(), batch, fp8)

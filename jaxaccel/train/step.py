@@ -40,12 +40,14 @@ def is_state_metric(name: str) -> bool:
 
 
 def forward(graphdef, params, batch, *, deterministic, rng=None, fp8=None,
-            task: Task = CLASSIFICATION):
+            task: Task = CLASSIFICATION, unpad=None):
     """The task's float32 logits of the model ``graphdef`` with ``params`` (and the fp8 state
-    ``fp8``) on ``batch``; dropout from ``rng`` unless ``deterministic``."""
+    ``fp8``) on ``batch``; dropout from ``rng`` unless ``deterministic``; the per-token layers
+    on the real tokens only by the plan ``unpad`` (``models.unpad.Capacity``), if given."""
     model = nnx.merge(graphdef, params, *(() if fp8 is None else (fp8,)))
     rngs = None if deterministic else nnx.Rngs(dropout=rng)
-    return task.logits(model, batch, deterministic, rngs)
+    return task.logits(model, batch, deterministic, rngs,
+                       **({} if unpad is None else {"unpad": unpad}))
 
 
 def _all_finite(tree) -> jax.Array:
@@ -53,13 +55,17 @@ def _all_finite(tree) -> jax.Array:
 
 
 def make_train_step(graphdef, tx: optax.GradientTransformation, grad_accum: int = 1,
-                    task: Task = CLASSIFICATION, fp8_group=bert_fp8_group):
+                    task: Task = CLASSIFICATION, fp8_group=bert_fp8_group, unpad=None):
     """``step(state, batch) -> (state, metrics)`` of ``task``; jit it with the state donated.
-    ``fp8_group`` names the metric group of an fp8 layer path (the model class's)."""
+    ``fp8_group`` names the metric group of an fp8 layer path (the model class's); ``unpad``
+    the run's unpadding plan (``grad_accum`` 1 only: the plan is made for whole batches)."""
+    if unpad is not None and grad_accum != 1:
+        raise ValueError(f"unpadding is planned for whole batches; grad_accum={grad_accum} "
+                         "needs unpad=None (config: train.unpad=false).")
 
     def loss_fn(params, fp8, micro, rng, denom, scale):
         logits = forward(graphdef, params, micro, deterministic=False, rng=rng, fp8=fp8,
-                         task=task)
+                         task=task, unpad=unpad)
         ce_sum, correct, _ = task.sums(logits, micro)
         loss = ce_sum / denom
         return loss * scale, (loss, correct)
@@ -117,12 +123,14 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, grad_accum: int 
     return step
 
 
-def make_eval_step(graphdef, task: Task = CLASSIFICATION):
+def make_eval_step(graphdef, task: Task = CLASSIFICATION, unpad=None):
     """``eval_step(params, batch, fp8=None) -> sums``: the task's {"loss_sum", "correct",
-    "count"} of the batch; ``fp8`` is the train state's fp8 state under the fp8 policy."""
+    "count"} of the batch; ``fp8`` is the train state's fp8 state under the fp8 policy;
+    ``unpad`` as ``make_train_step``'s."""
 
     def eval_step(params, batch, fp8=None):
-        logits = forward(graphdef, params, batch, deterministic=True, fp8=fp8, task=task)
+        logits = forward(graphdef, params, batch, deterministic=True, fp8=fp8, task=task,
+                         unpad=unpad)
         return dict(zip(("loss_sum", "correct", "count"), task.sums(logits, batch)))
 
     return eval_step

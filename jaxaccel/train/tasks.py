@@ -37,7 +37,9 @@ class Task:
       name: the task's name (``ModelSpec.task``).
       batch_keys: what a batch holds (numpy per process, leading dimension the rows).
       weights: the batch key weighting the loss (its sum is ``count``).
-      logits: ``logits(model, batch, deterministic, rngs)`` -> float32 logits.
+      logits: ``logits(model, batch, deterministic, rngs[, unpad])`` -> float32 logits;
+        ``unpad`` (a ``models.unpad.Capacity``) is passed only to a task that ``unpads``.
+      unpads: whether the task's rows are padded and ``logits`` takes ``unpad``.
       sums: ``sums(logits, batch)`` -> (loss_sum, correct, count), float32 scalars.
       report: eval totals {"loss_sum", "correct", "count"} -> what eval reports.
       summary: a report -> the one line ``jaxaccel train`` ends with.
@@ -50,6 +52,7 @@ class Task:
     sums: Callable
     report: Callable[[dict], dict]
     summary: Callable[[dict], str]
+    unpads: bool = False
 
 
 def _weighted_sums(logits, labels, weights):
@@ -60,9 +63,10 @@ def _weighted_sums(logits, labels, weights):
     return jnp.sum(ce * w), jnp.sum(correct * w), jnp.sum(w)
 
 
-def _classification_logits(model, batch, deterministic, rngs):
+def _classification_logits(model, batch, deterministic, rngs, unpad=None):
+    tokens = None if unpad is None else unpad.tokens(batch["attention_mask"])
     out = model(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"],
-                deterministic=deterministic, rngs=rngs)
+                deterministic=deterministic, rngs=rngs, tokens=tokens)
     return out.logits.astype(jnp.float32)
 
 
@@ -91,7 +95,8 @@ TASKS = {
         weights="weights", logits=_classification_logits,
         sums=lambda logits, b: _weighted_sums(logits, b["labels"], b["weights"]),
         report=_classification_report,
-        summary=lambda r: f"final test accuracy: {r['accuracy']:.4f} ({r['examples']} examples)"),
+        summary=lambda r: f"final test accuracy: {r['accuracy']:.4f} ({r['examples']} examples)",
+        unpads=True),
     "causal_lm": Task(
         "causal_lm",
         batch_keys=("input_ids", "positions", "segment_ids", "targets", "target_weights"),
