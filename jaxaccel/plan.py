@@ -122,11 +122,15 @@ def steps_per_epoch(cfg) -> int:
     return max(examples // cfg.train.batch_size, 1)
 
 
-def _abstract_batch(batch: int, seq: int, sharding) -> dict:
-    ids = jax.ShapeDtypeStruct((batch, seq), jnp.int32, sharding=sharding)
+def abstract_batch(run: loop.Run, size: int) -> dict:
+    """A batch of ``size`` examples at the config's longest sequence length, as
+    ShapeDtypeStructs placed as the trainer places its batches (``run.batch_sharding``)."""
+    seq = _seq_len(run.cfg, run.spec.architecture.max_position_embeddings)
+    sharding = run.batch_sharding
+    ids = jax.ShapeDtypeStruct((size, seq), jnp.int32, sharding=sharding)
     return {"input_ids": ids, "attention_mask": ids, "token_type_ids": ids,
-            "labels": jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=sharding),
-            "weights": jax.ShapeDtypeStruct((batch,), jnp.float32, sharding=sharding)}
+            "labels": jax.ShapeDtypeStruct((size,), jnp.int32, sharding=sharding),
+            "weights": jax.ShapeDtypeStruct((size,), jnp.float32, sharding=sharding)}
 
 
 def abstract_run(cfg, target: topology.Target) -> loop.Run:
@@ -234,10 +238,10 @@ def make_plan(config_path: str | None, sets: list[str], topology_name: str) -> P
     target = topology.resolve(topology_name)
     cfg = load_config(config_path, sets, target)
     run = abstract_run(cfg, target)
-    seq = _seq_len(cfg, run.spec.architecture.max_position_embeddings)
     t = cfg.train
-    batch = _abstract_batch(t.batch_size, seq, run.batch_sharding)
-    eval_batch = _abstract_batch(t.eval_batch_size, seq, run.batch_sharding)
+    batch = abstract_batch(run, t.batch_size)
+    eval_batch = abstract_batch(run, t.eval_batch_size)
+    seq = batch["input_ids"].shape[1]
     state = run.state
     known = {"params": _shard_bytes(state.params), "opt_state": _shard_bytes(state.opt_state)}
     compile_s = {}

@@ -10,6 +10,7 @@ pick their implementation and Pallas target from the mesh of their operands
 (``kernels_pallas.registry.platform``): nothing is patched."""
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 import re
@@ -23,6 +24,11 @@ from jaxaccel.train.checkpoint import abstract_like
 
 # The custom call each platform's Pallas kernels compile to.
 KERNEL_CALL = {"tpu": "tpu_custom_call", "gpu": "__gpu$xla.gpu.triton"}
+
+
+def kernel_calls(hlo: str, platform: str) -> list[str]:
+    """The lines of an optimized HLO module's text that call ``platform``'s Pallas kernels."""
+    return [line for line in hlo.splitlines() if KERNEL_CALL[platform] in line]
 
 
 def mesh(target, shape=(1,), axis_names=("x",)) -> Mesh:
@@ -94,3 +100,31 @@ def dots(hlo: str) -> list[tuple[str, str, bool]]:
         if dot:
             found.append((dtypes.get(dot[1]), dtypes.get(dot[2]), "transpose(" in dot[3]))
     return found
+
+
+# The encoder's Dense layers per layer (query, key, value, attention output, intermediate,
+# output): the GEMMs a precision policy's dtypes must reach.
+ENCODER_DENSE = 6
+
+
+def assert_gemm_dtypes(hlo: str, policy: str, layers: int):
+    """What a GPU target's optimized HLO says of the encoder's GEMMs under ``policy``.
+
+    fp8: fp8 operands reach them: forward E4M3 x E4M3 (one per Dense) and backward GEMMs with
+    E5M2 gradients (two per Dense). bf16: every GEMM, backward ones included, takes bf16
+    operands; XLA merges GEMMs that share an input (query, key and value become one: BERT-base
+    compiles to 4 forward GEMMs per layer), so there are at least 4 per layer and at least one
+    backward GEMM per forward one."""
+    found = dots(hlo)
+    counts = collections.Counter(found)
+    dense = ENCODER_DENSE * layers
+    if policy == "fp8":
+        assert counts["f8e4m3fn", "f8e4m3fn", False] >= dense, counts
+        assert sum(n for d, n in counts.items() if d[2] and "f8e5m2" in d[:2]) >= 2 * dense, \
+            counts
+    elif policy == "bf16":
+        assert set(d[:2] for d in counts) == {("bf16", "bf16")}, counts
+        forward = sum(not d[2] for d in found)
+        assert forward >= (ENCODER_DENSE - 2) * layers and len(found) >= 2 * forward, counts
+    else:
+        raise ValueError(f"policy {policy!r}: GEMM dtypes are checked for 'fp8' and 'bf16'")
