@@ -249,7 +249,9 @@ def test_bert_base_train_step_compiles_for_8_chips_with_per_chip_memory_as_shard
     batch = plan.abstract_batch(run, cfg.train.batch_size)
     compiled, seconds = compile_only.compile_timed(run.train_step, run.state, batch,
                                                    mesh=run.mesh)
-    print(f"BERT-base {policy} train step on {name}: compiled in {seconds:.1f} s")
+    memory = compiled.memory_analysis()
+    print(f"BERT-base {policy} train step on {name}: compiled in {seconds:.1f} s, "
+          f"temporaries {memory.temp_size_in_bytes / 1e9:.3f} GB per chip")
     assert_step_kernels(compiled, target.platform)
     p = sum(x.size for x in jax.tree_util.tree_leaves(run.state.params))
     assert p == BERT_BASE_PARAMETERS, p
@@ -258,8 +260,11 @@ def test_bert_base_train_step_compiles_for_8_chips_with_per_chip_memory_as_shard
     # over, the biases kept whole on the fsdp axis and the flat layout's padding.
     batch_bytes = sum(x.size * x.dtype.itemsize for x in batch.values())
     promised = (5 * p * 4 + batch_bytes) / 8
-    arguments = compiled.memory_analysis().argument_size_in_bytes
+    arguments = memory.argument_size_in_bytes
     assert arguments == pytest.approx(promised, rel=0.02), (arguments, promised)
+    # Temporaries: 0.32 GB per chip on v5e (0.24 on H100); 3.6 GB on the TPUs while the flat
+    # Adan buffers were unpacked through a reshape of the whole buffer (optim/flat.py unpack).
+    assert memory.temp_size_in_bytes < 2 * arguments, (memory.temp_size_in_bytes, arguments)
     if target.platform == "gpu":
         compile_only.assert_gemm_dtypes(compiled.as_text(), policy,
                                         run.spec.architecture.num_hidden_layers)
