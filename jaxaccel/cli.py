@@ -271,6 +271,8 @@ def main(argv=None) -> int:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     args = _parser().parse_args(argv)
     try:
+        from jaxaccel.topology import cpu_without_accelerator
+        cpu_without_accelerator()
         from jaxaccel.distributed import initialize_from_env
         initialize_from_env()
         return {"train": cmd_train, "eval": cmd_eval, "predict": cmd_predict,

@@ -101,6 +101,27 @@ def cuda_plugin_installed() -> bool:
         return False
 
 
+def accelerator_attached() -> bool:
+    """Whether a TPU, NVIDIA or AMD GPU is attached: jax's own probes (PCI ids, device files),
+    which start no backend."""
+    from jax._src import hardware_utils
+    return (hardware_utils.num_available_tpu_chips_and_device_id()[0] > 0
+            or hardware_utils.has_visible_nvidia_gpu()
+            or hardware_utils.num_available_amd_gpus(stop_at=1) > 0)
+
+
+def cpu_without_accelerator(environ=os.environ) -> bool:
+    """Choose the CPU backend where no platform is chosen (``JAX_PLATFORMS``) and no accelerator
+    is attached, before any backend starts: with the ``aot`` extra installed, libtpu and the
+    CUDA plugin would otherwise each try to start their own on a CPU-only machine (TPU metadata
+    probing, a CUDA traceback). Compile-only targets work either way. Returns whether it chose."""
+    if environ.get("JAX_PLATFORMS") or accelerator_attached():
+        return False
+    environ["JAX_PLATFORMS"] = "cpu"
+    jax.config.update("jax_platforms", "cpu")
+    return True
+
+
 def _with_chip(name, platform, devs, hosts, devices_per_chip=1) -> Target:
     return Target(name, platform, tuple(devs), devices_lib.chip(devs[0].device_kind),
                   devices_per_chip, hosts)

@@ -49,24 +49,14 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
-from jax._src import hardware_utils  # noqa: E402
 
-
-def _accelerator_attached() -> bool:
-    """Whether a TPU, NVIDIA or AMD GPU is attached: jax's own probes (PCI ids, device files),
-    which start no backend."""
-    return (hardware_utils.num_available_tpu_chips_and_device_id()[0] > 0
-            or hardware_utils.has_visible_nvidia_gpu()
-            or hardware_utils.num_available_amd_gpus(stop_at=1) > 0)
-
+from jaxaccel.topology import cpu_without_accelerator  # noqa: E402
 
 # The compile tests' libtpu and CUDA plugin (the `aot` extra) make compile-only devices without
 # an accelerator; left to themselves they would also try to start a TPU / GPU backend (seconds
 # of TPU metadata probing, CUDA errors) in this process and every subprocess. Without an
 # accelerator the session's backend is the CPU: say so before any backend starts.
-if "JAX_PLATFORMS" not in os.environ and not _accelerator_attached():
-    os.environ["JAX_PLATFORMS"] = "cpu"
-    jax.config.update("jax_platforms", "cpu")
+cpu_without_accelerator()
 
 from kernels_pallas import registry  # noqa: E402
 

@@ -82,3 +82,16 @@ def test_peak_table_per_dtype():
     flops, which = devices.peak_flops("NVIDIA A100-SXM4-80GB", "float8")
     assert flops == 312e12 and "bf16 peak" in which
     assert devices.peak_flops("cpu") is None and devices.peak_bf16("TPU v4") == 275e12
+
+
+def test_the_cpu_is_chosen_only_where_nothing_else_is(monkeypatch):
+    """``jaxaccel`` commands (and the suite) choose the CPU backend before any starts when no
+    platform is chosen and no accelerator is attached, so the aot extra's plugins stay quiet."""
+    monkeypatch.setattr(jax.config, "update", lambda *a: None)    # this process keeps its own
+    chosen = {"JAX_PLATFORMS": "cuda"}
+    assert not topology.cpu_without_accelerator(chosen) and chosen == {"JAX_PLATFORMS": "cuda"}
+    monkeypatch.setattr(topology, "accelerator_attached", lambda: True)
+    env = {}
+    assert not topology.cpu_without_accelerator(env) and env == {}
+    monkeypatch.setattr(topology, "accelerator_attached", lambda: False)
+    assert topology.cpu_without_accelerator(env) and env == {"JAX_PLATFORMS": "cpu"}
