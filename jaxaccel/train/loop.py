@@ -228,26 +228,28 @@ def _build(cfg: Config, mesh) -> Run:
                                                  total_steps)
     params = jax.device_put(params, param_shardings)
     state = jax.jit(create, out_shardings=shardings)(params, fp8)
-    unpad = _unpad_plan(cfg, mesh, model.spec, [(train_data, 0, total_steps),
-                                                (eval_data, 0, eval_data.steps_per_epoch)])
+    unpad = _unpad_plan(cfg, mesh, model.spec, eval_data, train_data, total_steps)
     return Run(cfg, os.path.join(cfg.workdir, cfg.name), mesh, graphdef, state, shardings,
                eval_data, tokenizer, model.spec, label_names,
                train_data=train_data, tx=tx, schedule=schedule, total_steps=total_steps,
                unpad=unpad)
 
 
-def _unpad_plan(cfg: Config, mesh, spec: ModelSpec, batches) -> Capacity | None:
-    """The run's unpadding plan (``models.unpad``) over ``batches`` ((iterator, first step,
-    stop step) each), or None: ``train.unpad`` off, a task without padded rows, gradient
-    accumulation, or batches from an iterator that cannot plan (packed LM rows)."""
+def _unpad_plan(cfg: Config, mesh, spec: ModelSpec, eval_data, train_data=None,
+                train_steps: int = 0) -> Capacity | None:
+    """The run's unpadding plan (``models.unpad``) over one pass of ``eval_data`` and the
+    first ``train_steps`` batches of ``train_data`` (if any), or None: ``train.unpad`` off, a
+    task without padded rows, gradient accumulation, or batches from an iterator that cannot
+    plan (packed LM rows)."""
     if not (cfg.train.unpad and TASKS[spec.task].unpads and cfg.train.grad_accum == 1):
         return None
-    if not all(isinstance(data, BatchIterator) for data, _, _ in batches):
+    sources = [eval_data] + ([] if train_data is None else [train_data])
+    if not all(isinstance(data, BatchIterator) for data in sources):
         return None
     groups = math.prod(mesh.shape.get(a, 1) for a in shd.BATCH_AXES)
     largest = {}
-    for data, start, stop in batches:
-        for shape, most in data.token_capacity(start, stop, groups).items():
+    for data, stop in zip(sources, (eval_data.steps_per_epoch, train_steps)):
+        for shape, most in data.token_capacity(0, stop, groups).items():
             largest[shape] = max(largest.get(shape, 0), most)
     return Capacity.of(groups, largest)
 
@@ -304,8 +306,7 @@ def build_eval(cfg: Config, model, tokenizer_dir: str, devices=None) -> Run:
                                                  model.config.max_position_embeddings)
     return Run(cfg, os.path.join(cfg.workdir, cfg.name), mesh, graphdef, state, shardings,
                eval_data, tokenizer, model.spec, label_names,
-               unpad=_unpad_plan(cfg, mesh, model.spec,
-                                 [(eval_data, 0, eval_data.steps_per_epoch)]))
+               unpad=_unpad_plan(cfg, mesh, model.spec, eval_data))
 
 
 def _record(run: Run, epoch: int, step_in_epoch: int) -> dict:
