@@ -56,6 +56,11 @@ class Unpadded:
     def groups(self) -> int:
         return self.index.shape[0]
 
+    @property
+    def per_group(self) -> int:
+        """Positions in one group: its rows times the sequence length."""
+        return self.batch // self.groups * self.seq
+
     def gather(self, x: jax.Array) -> jax.Array:
         """[B, S, ...] -> [G, C, ...]: the real tokens (zeros in empty slots)."""
         flat = x.reshape(self.groups, -1, *x.shape[2:])
@@ -65,8 +70,7 @@ class Unpadded:
 
     def scatter(self, y: jax.Array) -> jax.Array:
         """[G, C, ...] -> [B, S, ...]: the tokens back in place, zeros at padding."""
-        n = self.batch // self.groups * self.seq
-        put = lambda a, i: jnp.zeros((n, *a.shape[1:]), a.dtype).at[i].set(
+        put = lambda a, i: jnp.zeros((self.per_group, *a.shape[1:]), a.dtype).at[i].set(
             a, mode="drop", indices_are_sorted=True, unique_indices=True)
         out = jax.vmap(put)(y, self.index)
         return out.reshape(self.batch, self.seq, *y.shape[2:])
@@ -75,13 +79,11 @@ class Unpadded:
         """[G, C] int32: each slot's token's row-major number among the batch's B * S
         positions (what the dropout masks number rows by: a token drops the same features
         whether the batch is unpadded or not, and however it is grouped)."""
-        n = self.batch // self.groups * self.seq
-        return self.index + n * jnp.arange(self.groups, dtype=jnp.int32)[:, None]
+        return self.index + self.per_group * jnp.arange(self.groups, dtype=jnp.int32)[:, None]
 
     def positions(self) -> jax.Array:
         """[G, C] int32: each slot's position within its row (0 in empty slots)."""
-        n = self.batch // self.groups * self.seq
-        return jnp.where(self.index < n, self.index % self.seq, 0)
+        return jnp.where(self.index < self.per_group, self.index % self.seq, 0)
 
 
 @dataclasses.dataclass(frozen=True)
