@@ -36,6 +36,7 @@ import dataclasses
 import datetime
 import math
 import os
+import re
 import subprocess
 import time
 from unittest import mock
@@ -88,6 +89,7 @@ class Plan:
     flops: dict             # per step (all devices): analytic, attention, xla (per device)
     estimate: dict          # step_s, source, tokens_per_s, ... (all labelled estimate)
     cost: dict | None       # per epoch
+    collectives: dict = dataclasses.field(default_factory=dict)  # train step, bytes per device
 
     @property
     def fits(self) -> bool | None:
@@ -175,6 +177,25 @@ def _cost(compiled) -> dict:
     if isinstance(cost, list):                  # older jax: one dict per program
         cost = cost[0] if cost else None
     return dict(cost or {})
+
+
+# An instruction "%name = <shape> <collective>(" (a tuple shape may hold /*index=5*/ notes).
+_COLLECTIVE = re.compile(r"^\s*(?:ROOT )?%[\w.\-]+ = (.*?) (all-gather|all-reduce|reduce-scatter|"
+                         r"all-to-all|collective-permute)(?:-start)?\(", re.MULTILINE)
+_ARRAY = re.compile(r"\b(pred|[a-z]+(\d+)\w*)\[([\d,]*)\]")  # dtype[dims] in a (tuple) shape
+
+
+def collective_bytes(hlo: str) -> dict:
+    """Bytes each kind of collective writes per device in one step: from an optimized HLO
+    module's text (``compiled.as_text()``), the sizes of the collectives' outputs (tuples
+    summed, an async pair counted once, at its start)."""
+    moved = dict.fromkeys(("all-gather", "all-reduce", "reduce-scatter", "all-to-all",
+                           "collective-permute"), 0)
+    for shape, op in _COLLECTIVE.findall(hlo):
+        for _, bits, dims in _ARRAY.findall(shape):        # pred: 1 byte; f8e4m3fn: 8 bits
+            moved[op] += math.prod(int(d) for d in dims.split(",") if d) * \
+                max(int(bits or 8) // 8, 1)
+    return moved
 
 
 def _capacity(target: topology.Target) -> tuple[float | None, str]:
@@ -276,7 +297,7 @@ def make_plan(config_path: str | None, sets: list[str], topology_name: str) -> P
     estimate = _estimate(target, cfg, flops, cost, t.batch_size, seq)
     plan = Plan(target, cfg, dict(run.mesh.shape), t.batch_size, t.eval_batch_size, seq,
                 memory, eval_memory, capacity, capacity_source, compile_s, flops, estimate,
-                _epoch_cost(target, cfg, estimate))
+                _epoch_cost(target, cfg, estimate), collective_bytes(train.as_text()))
     if plan.fits is False:
         m, e = plan.memory, plan.eval_memory
         raise DoesNotFit(does_not_fit(
@@ -355,6 +376,9 @@ def report(plan: Plan) -> str:
     f = plan.flops
     xla = f"{f['xla_per_device']:.4g} per device" if f["xla_per_device"] else \
         "not given by this compiler"
+    moved = {k: v for k, v in plan.collectives.items() if v}
+    lines.append(f"  {'collectives per step':<26}{_gb(sum(moved.values())):>12}  (" + (", ".join(
+        f"{k} {_gb(v)}" for k, v in moved.items()) or "none: one device") + ")")
     lines += ["", f"compile time: train {plan.compile_s['train']:.1f} s, eval "
                   f"{plan.compile_s['eval']:.1f} s",
               f"FLOPs per step: analytic {f['analytic']:.4g} (6N x tokens + attention "
@@ -392,6 +416,7 @@ def result(plan: Plan) -> dict:
            "tokens_per_s": e.get("tokens_per_s"), "fits": plan.fits,
            "memory_per_device": plan.memory, "eval_memory_per_device": plan.eval_memory,
            "device_memory": plan.capacity, "device_memory_source": plan.capacity_source,
+           "collective_bytes_per_device": plan.collectives,
            "compile_s": plan.compile_s, "model_flops": plan.flops["analytic"],
            "xla_flops_per_device": plan.flops["xla_per_device"],
            "roofline_s": e.get("roofline_s"), "xla_cost_model_s": e.get("xla_cost_model_s"),

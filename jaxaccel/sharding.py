@@ -188,6 +188,30 @@ def current_mesh(*args):
     return None
 
 
+def batch_split(x) -> tuple:
+    """``(mesh, axes)``: the mesh ``x`` is laid out on (``current_mesh``) and its batch axes of
+    size > 1 (a PartitionSpec entry), or ``(mesh, None)`` where there are none or they do not
+    divide ``x``'s first dimension; ``(None, None)`` without a mesh."""
+    mesh = current_mesh(x)
+    if mesh is None:
+        return None, None
+    axes = drop_trivial(BATCH_AXES, mesh)
+    n = math.prod(mesh.shape[a] for a in entry_axes(axes)) if axes else 1
+    return mesh, axes if axes is not None and x.shape[0] % n == 0 else None
+
+
+def by_batch(x):
+    """``x`` [batch, ...] (activations) constrained to be split over the mesh's batch axes on
+    its first dimension, its other dimensions left to XLA; unchanged without a mesh (or a
+    batch the axes do not divide). On the residual stream of a model it keeps XLA's
+    partitioner from gathering activations where FSDP gathers weights."""
+    mesh, axes = batch_split(x)
+    if axes is None:
+        return x
+    spec = P(axes, *[P.UNCONSTRAINED] * (x.ndim - 1))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
 def per_shard(fn, in_specs, out_specs, *, mesh=None):
     """``fn`` run on each device's shards of its arguments (``jax.shard_map``), for what XLA
     cannot partition (Pallas calls) or should not gather for (the flat multi-tensor layout).

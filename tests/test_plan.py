@@ -36,8 +36,15 @@ def test_local_plan_reports_memory_fit_and_labelled_estimates(local_plan):
     assert m["total"] >= m["temp"] > 0 and m["arguments"] >= m["params"] + m["opt_state"]
     assert (p.batch, p.seq) == (16, 32)         # the config's batch at its longest rows
     assert p.flops["analytic"] > p.flops["attention"] > 0
+    # Data parallel: each gradient all-reduced once per step, nothing gathered.
+    if len(jax.devices()) > 1:
+        # (XLA leaves out gradients it knows are zero: position rows past the longest batch.)
+        assert 0.95 * m["params"] <= p.collectives["all-reduce"] <= 1.05 * m["params"], \
+            p.collectives
+        assert p.collectives["all-gather"] == 0, p.collectives
     text = plan.report(p)
     assert "fits" in text and "estimate" in text and "headroom" in text
+    assert "collectives per step" in text
 
 
 def test_compile_writes_a_plan_file_compare_reads(local_plan, capsys, tmp_path):
@@ -49,6 +56,7 @@ def test_compile_writes_a_plan_file_compare_reads(local_plan, capsys, tmp_path):
     assert result["bench"] == "plan" and result["device"] == jax.devices()[0].device_kind
     (row,) = result["rows"]
     assert row["fits"] is True and row["memory_per_device"]["total"] > 0
+    assert set(row["collective_bytes_per_device"]) >= {"all-gather", "all-reduce"}
     # No peak for a CPU: no time is made up.
     assert row["time_s"] is None and row["time_source"].startswith("none")
 

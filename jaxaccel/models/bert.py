@@ -27,6 +27,7 @@ from jaxaccel.models.fp8 import Fp8Linear
 from jaxaccel.models.spec import BertConfig, ModelSpec
 from jaxaccel.models.unpad import Unpadded
 from jaxaccel.precision import Policy, get_policy
+from jaxaccel.sharding import by_batch
 
 _ACTIVATIONS = {                   # one for each of spec.HIDDEN_ACTS
     "gelu": lambda x: jax.nn.gelu(x, approximate=False),
@@ -242,13 +243,15 @@ class BertModel(nnx.Module):
         else:
             input_ids, token_type_ids = tokens.gather(input_ids), tokens.gather(token_type_ids)
             positions, rows = tokens.positions(), tokens.rows()
-        x = self.embeddings(input_ids, token_type_ids, positions, deterministic, rngs, rows)
+        x = by_batch(self.embeddings(input_ids, token_type_ids, positions, deterministic, rngs,
+                                     rows))
         for layer in self.layers:
             if self.spec.remat:
                 x = _remat_layer(layer, x, attention_mask, rngs, tokens,
                                  deterministic=deterministic)
             else:
                 x = layer(x, attention_mask, deterministic, rngs, tokens)
+            x = by_batch(x)
         x = x if tokens is None else tokens.scatter(x)
         pooled = jnp.tanh(self.pooler(x[:, 0]).astype(jnp.float32))
         logits = None

@@ -47,6 +47,7 @@ from jaxaccel.models.attention import attention, check_impl
 from jaxaccel.models.fp8 import Fp8Linear
 from jaxaccel.models.spec import LlamaConfig, ModelSpec
 from jaxaccel.precision import Policy, get_policy
+from jaxaccel.sharding import by_batch
 
 # fp8 layer groups: in-layer path of each block Dense -> group name (metrics).
 FP8_GROUPS = {("self_attn", "q_proj"): "qkv", ("self_attn", "k_proj"): "qkv",
@@ -269,7 +270,7 @@ class LlamaForCausalLM(nnx.Module):
             positions = jnp.broadcast_to(start + jnp.arange(s, dtype=jnp.int32), (b, s))
         if segment_ids is None and cache is not None:
             segment_ids = jnp.ones((b, s), jnp.int32)
-        x = self.embed_tokens(input_ids)
+        x = by_batch(self.embed_tokens(input_ids))
         new_kv, kv_segments = [], None
         if cache is not None:
             kv_segments = jax.lax.dynamic_update_slice(cache.segment_ids,
@@ -283,6 +284,7 @@ class LlamaForCausalLM(nnx.Module):
                 x = _remat_layer(layer, x, positions, segment_ids, rngs, deterministic)
             else:
                 x = layer(x, positions, segment_ids, deterministic, rngs)[0]
+            x = by_batch(x)
         h = self.policy.cast_to_compute(self.norm(x))
         head = (self.embed_tokens.embedding[...].T if self.lm_head is None
                 else self.lm_head.kernel[...])

@@ -23,6 +23,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
+from jax.sharding import PartitionSpec as P
+
+from jaxaccel.sharding import batch_split, entry_axes
 
 # Unpadding is skipped for a length whose capacity is above this share of its positions: the
 # scatters and gathers around attention then cost about what the padding saved.
@@ -66,13 +69,13 @@ class Unpadded:
         flat = x.reshape(self.groups, -1, *x.shape[2:])
         take = lambda a, i: a.at[i].get(mode="fill", fill_value=0, indices_are_sorted=True,
                                         unique_indices=True)
-        return jax.vmap(take)(flat, self.index)
+        return _per_group(jax.vmap(take), flat, self.index)
 
     def scatter(self, y: jax.Array) -> jax.Array:
         """[G, C, ...] -> [B, S, ...]: the tokens back in place, zeros at padding."""
         put = lambda a, i: jnp.zeros((self.per_group, *a.shape[1:]), a.dtype).at[i].set(
             a, mode="drop", indices_are_sorted=True, unique_indices=True)
-        out = jax.vmap(put)(y, self.index)
+        out = _per_group(jax.vmap(put), y, self.index)
         return out.reshape(self.batch, self.seq, *y.shape[2:])
 
     def rows(self) -> jax.Array:
@@ -84,6 +87,21 @@ class Unpadded:
     def positions(self) -> jax.Array:
         """[G, C] int32: each slot's position within its row (0 in empty slots)."""
         return jnp.where(self.index < self.per_group, self.index % self.seq, 0)
+
+
+def _per_group(fn, x: jax.Array, index: jax.Array) -> jax.Array:
+    """``fn(x, index)`` over [G, ...] arrays, each device on its own groups: manual over the
+    mesh's batch axes (``jax.shard_map``), the other axes left to XLA (a tensor-parallel
+    feature dimension stays split). XLA's partitioner cannot see that a group's indices point
+    into its own rows: left to it, the batched gathers and scatters moved whole activations
+    between devices (MiniLM-L6 at 64 x 128 on a 1x2x4 CPU mesh: 254 MB of all-to-alls per
+    device and step, 0.60 GB of collectives in all; now 8 MB and 0.21 GB)."""
+    mesh, axes = batch_split(x)
+    if axes is None:
+        return fn(x, index)
+    spec = P(axes)
+    return jax.shard_map(fn, mesh=mesh, in_specs=(spec, spec), out_specs=spec,
+                         axis_names=set(entry_axes(axes)), check_vma=False)(x, index)
 
 
 @dataclasses.dataclass(frozen=True)
