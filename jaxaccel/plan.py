@@ -179,16 +179,18 @@ def _cost(compiled) -> dict:
     return dict(cost or {})
 
 
-# An instruction "%name = <shape> <collective>(" (a tuple shape may hold /*index=5*/ notes).
+# An instruction "%name = <shape> <collective>(" (a tuple shape may hold /*index=5*/ notes), or
+# the "-done" half of an async pair: its shape is the results alone, where "-start" returns
+# (operands, results[, ...]) on GPU and TPU.
 _COLLECTIVE = re.compile(r"^\s*(?:ROOT )?%[\w.\-]+ = (.*?) (all-gather|all-reduce|reduce-scatter|"
-                         r"all-to-all|collective-permute)(?:-start)?\(", re.MULTILINE)
+                         r"all-to-all|collective-permute)(?:-done)?\(", re.MULTILINE)
 _ARRAY = re.compile(r"\b(pred|[a-z]+(\d+)\w*)\[([\d,]*)\]")  # dtype[dims] in a (tuple) shape
 
 
 def collective_bytes(hlo: str) -> dict:
     """Bytes each kind of collective writes per device in one step: from an optimized HLO
-    module's text (``compiled.as_text()``), the sizes of the collectives' outputs (tuples
-    summed, an async pair counted once, at its start)."""
+    module's text (``compiled.as_text()``), the sizes of the collectives' results (tuples
+    summed; an async pair counted once, at its "-done")."""
     moved = dict.fromkeys(("all-gather", "all-reduce", "reduce-scatter", "all-to-all",
                            "collective-permute"), 0)
     for shape, op in _COLLECTIVE.findall(hlo):
@@ -378,7 +380,7 @@ def report(plan: Plan) -> str:
         "not given by this compiler"
     moved = {k: v for k, v in plan.collectives.items() if v}
     lines.append(f"  {'collectives per step':<26}{_gb(sum(moved.values())):>12}  (" + (", ".join(
-        f"{k} {_gb(v)}" for k, v in moved.items()) or "none: one device") + ")")
+        f"{k} {_gb(v)}" for k, v in moved.items()) or "none") + ")")
     lines += ["", f"compile time: train {plan.compile_s['train']:.1f} s, eval "
                   f"{plan.compile_s['eval']:.1f} s",
               f"FLOPs per step: analytic {f['analytic']:.4g} (6N x tokens + attention "

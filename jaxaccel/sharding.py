@@ -155,7 +155,7 @@ def zero1_shardings(opt_state_shapes, base_shardings, mesh: Mesh):
     """ZeRO-1: split each optimizer-state array over the batch axes along its first dimension
     that they divide (on top of ``base_shardings``); arrays no dimension of which fits keep
     their base sharding. XLA then reduce-scatters into the update and all-gathers out of it."""
-    n = math.prod(mesh.shape[a] for a in BATCH_AXES)
+    n = batch_shards(mesh)
 
     def one(leaf, base):
         spec = [drop_trivial(s, mesh) for s in base.spec]
@@ -188,6 +188,11 @@ def current_mesh(*args):
     return None
 
 
+def batch_shards(mesh) -> int:
+    """How many ways the mesh's batch axes split a batch (their sizes' product)."""
+    return math.prod(mesh.shape.get(a, 1) for a in BATCH_AXES)
+
+
 def batch_split(x) -> tuple:
     """``(mesh, axes)``: the mesh ``x`` is laid out on (``current_mesh``) and its batch axes of
     size > 1 (a PartitionSpec entry), or ``(mesh, None)`` where there are none or they do not
@@ -196,8 +201,7 @@ def batch_split(x) -> tuple:
     if mesh is None:
         return None, None
     axes = drop_trivial(BATCH_AXES, mesh)
-    n = math.prod(mesh.shape[a] for a in entry_axes(axes)) if axes else 1
-    return mesh, axes if axes is not None and x.shape[0] % n == 0 else None
+    return mesh, axes if axes is not None and x.shape[0] % batch_shards(mesh) == 0 else None
 
 
 def by_batch(x):

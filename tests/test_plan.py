@@ -47,6 +47,24 @@ def test_local_plan_reports_memory_fit_and_labelled_estimates(local_plan):
     assert "collectives per step" in text
 
 
+def test_collective_bytes_counts_results_once_per_async_pair():
+    """An async pair is counted at its "-done" (the results): its "-start" returns the operands
+    too on GPU and TPU (a reduce-scatter's whole input), which would count them as moved."""
+    hlo = """ENTRY %main {
+  %ag = (bf16[1,64]{1,0}, bf16[8,64]{1,0}) all-gather-start(%p), channel_id=1
+  %agd = bf16[8,64]{1,0} all-gather-done(%ag)
+  %rs = ((f32[64]{0}, f32[64,2]{1,0}), (f32[8]{0}, f32[8,2]{1,0})) reduce-scatter-start(%a, %b)
+  %rsd = (f32[8]{0}, /*index=1*/f32[8,2]{1,0}) reduce-scatter-done(%rs)
+  %cp = (pred[4]{0}, pred[4]{0}, u32[]{:S(2)}, u32[]{:S(2)}) collective-permute-start(%q)
+  %cpd = pred[4]{0} collective-permute-done(%cp)
+  ROOT %ar = f32[16]{0:T(256)} all-reduce(%x), to_apply=%add
+  %f = f32[1024]{0} fusion(%p), kind=kLoop, calls=%all-gather.1
+}"""
+    assert plan.collective_bytes(hlo) == {
+        "all-gather": 8 * 64 * 2, "reduce-scatter": (8 + 16) * 4, "collective-permute": 4,
+        "all-reduce": 16 * 4, "all-to-all": 0}
+
+
 def test_compile_writes_a_plan_file_compare_reads(local_plan, capsys, tmp_path):
     code, out, _ = compile_cli(capsys, "--topology", "local", "--out", str(tmp_path))
     assert code == 0 and "memory per device" in out

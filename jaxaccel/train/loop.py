@@ -246,7 +246,7 @@ def _unpad_plan(cfg: Config, mesh, spec: ModelSpec, eval_data, train_data=None,
     sources = [eval_data] + ([] if train_data is None else [train_data])
     if not all(isinstance(data, BatchIterator) for data in sources):
         return None
-    groups = math.prod(mesh.shape.get(a, 1) for a in shd.BATCH_AXES)
+    groups = shd.batch_shards(mesh)
     largest = {}
     for data, stop in zip(sources, (eval_data.steps_per_epoch, train_steps)):
         for shape, most in data.token_capacity(0, stop, groups).items():
