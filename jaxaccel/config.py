@@ -80,6 +80,9 @@ BASE: dict[str, Any] = {
         "warmup_ratio": 0.1,        # fraction of the steps spent warming up linearly from 0
         "weight_decay": 0.01,       # not applied to biases and LayerNorm parameters
         "max_grad_norm": 1.0,       # global-norm clipping; 0 disables
+        "layer_decay": 1.0,         # layer-wise lr decay in (0, 1]: of L layers, layer i
+                                    # (0-based) steps at lr * decay**(L - i), the embeddings
+                                    # at decay**(L + 1), the head at lr; 1 = off
         "b1": None,                 # None = the optimizer's default (adamw 0.9, adan 0.98)
         "b2": None,                 # adamw 0.999, adan 0.92
         "b3": None,                 # adan only: 0.99
@@ -355,6 +358,9 @@ def validate(cfg: Config) -> None:
         raise ValueError(f"train.warmup_ratio={t.warmup_ratio} must be in [0, 1).")
     if not t.learning_rate > 0:
         raise ValueError(f"train.learning_rate={t.learning_rate} must be > 0.")
+    if not 0 < t.layer_decay <= 1:
+        raise ValueError(f"train.layer_decay={t.layer_decay} must be in (0, 1]; 1 is no "
+                         "layer-wise decay.")
     if t.batch_size % t.grad_accum:
         raise ValueError(f"train.batch_size={t.batch_size} is not divisible by "
                          f"train.grad_accum={t.grad_accum}.")
@@ -378,6 +384,10 @@ def validate(cfg: Config) -> None:
     for key, (value, allowed) in choices.items():
         if value not in allowed:
             raise ValueError(f"{key}={value!r} is not one of {allowed}.")
+    if t.flat_params and t.layer_decay != 1:
+        raise ValueError(f"train.layer_decay={t.layer_decay} with train.flat_params=true: the "
+                         "one-pass Adan has no per-layer learning rate; set "
+                         "train.flat_params=false or train.layer_decay=1.")
     if t.flat_params and (t.optimizer != "adan" or t.optimizer_impl not in optim.ONEPASS_IMPLS
                           or t.grad_accum != 1 or cfg.precision.policy in ("fp16", "fp8")):
         raise ValueError(f"train.flat_params=true needs train.optimizer=adan (got "

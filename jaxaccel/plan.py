@@ -149,7 +149,7 @@ def abstract_run(cfg, target: topology.Target) -> loop.Run:
             if policy.fp8 else None
         t = cfg.train
         steps = t.max_steps if t.max_steps > 0 else t.epochs * steps_per_epoch(cfg)
-        tx, schedule, create, shardings = loop.make_state(cfg, mesh, params, fp8,
+        tx, schedule, create, shardings = loop.make_state(cfg, mesh, model.spec, params, fp8,
                                                           param_shardings, steps)
         state = abstract_like(jax.eval_shape(create, params, fp8), shardings)
     return loop.Run(cfg, "", mesh, graphdef, state, shardings, eval_data=None, tokenizer=None,

@@ -234,6 +234,9 @@ class Family:
         imports them.
       flops: ``"module:name"`` of ``shape(spec) -> jaxaccel.flops.Shape``, what the model
         FLOPs formula (tokens/s, TFLOP/s and MFU of every run) reads from a spec.
+      embeddings: the top-level parameter collections below the first layer (the layers are
+        ``layers[i]`` in every family; anything else is the head), which layer-wise
+        learning-rate decay (``train.layer_decay``, ``optim.scale_by_layer``) reads.
     """
 
     name: str
@@ -247,6 +250,7 @@ class Family:
     reader: str
     writer: str | None
     flops: str
+    embeddings: tuple[str, ...]
 
     def resolve(self, part: str):
         """The object ``part`` ("model", "reader" or "writer") names, imported."""
@@ -262,7 +266,8 @@ FAMILIES = {
                    dropouts=DROPOUTS, hf_model_types=BERT_MODEL_TYPES,
                    model="jaxaccel.models.bert:BertModel",
                    reader="jaxaccel.models.hf:load_checkpoint",
-                   writer=None, flops="jaxaccel.flops:bert_shape"),
+                   writer=None, flops="jaxaccel.flops:bert_shape",
+                   embeddings=("embeddings",)),
     "llama": Family("llama", LlamaConfig, LLAMA_PRESETS, tasks=("causal_lm",),
                     options=("attention_impl", "remat"),
                     dropouts={"attention_dropout": "attention_dropout"},
@@ -270,7 +275,7 @@ FAMILIES = {
                     model="jaxaccel.models.llama:LlamaForCausalLM",
                     reader="jaxaccel.models.hf_llama:load_checkpoint",
                     writer="jaxaccel.models.hf_llama:save_checkpoint",
-                    flops="jaxaccel.flops:llama_shape"),
+                    flops="jaxaccel.flops:llama_shape", embeddings=("embed_tokens",)),
 }
 ARCHITECTURES = tuple(f.architecture for f in FAMILIES.values())
 

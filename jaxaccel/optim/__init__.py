@@ -1,7 +1,8 @@
 """Optimizers by name, as optax ``GradientTransformation``s, and learning-rate schedules.
 
 ``make_optimizer`` builds what the trainer uses: global-norm clipping, the optimizer with
-decoupled weight decay masked off biases and LayerNorm parameters, and a warm-up schedule.
+decoupled weight decay masked off biases and LayerNorm parameters, a warm-up schedule, and
+optionally layer-wise learning-rate decay (``jaxaccel.optim.layer_decay``).
 Adan (``jaxaccel.optim.adan``) follows the official algorithm and has fused implementations;
 ``make_onepass`` builds its one-pass form for parameters kept flat (``jaxaccel.optim.flat``).
 ``state_shardings`` places an optimizer state on the mesh; ``flat.portable`` /
@@ -18,11 +19,12 @@ from jax.sharding import NamedSharding
 from jaxaccel import sharding as shd
 from jaxaccel.optim import flat
 from jaxaccel.optim.clip import clip_by_global_norm, global_norm
+from jaxaccel.optim.layer_decay import scale_by_layer
 from jaxaccel.optim.adan import IMPLS, AdanState, OnePass, adan, adan_onepass
 from kernels_pallas.adan import IMPLS as ONEPASS_IMPLS
 
 __all__ = ["IMPLS", "ONEPASS_IMPLS", "OPTIMIZERS", "decay_mask", "flat", "global_norm", "make_onepass",
-           "make_optimizer", "make_schedule", "state_shardings"]
+           "make_optimizer", "make_schedule", "scale_by_layer", "state_shardings"]
 
 OPTIMIZERS = ("adamw", "adan")
 
@@ -54,23 +56,27 @@ def decay_mask(params):
 
 def make_optimizer(name: str, learning_rate, *, weight_decay: float = 0.0,
                    max_grad_norm: float = 0.0, b1=None, b2=None, b3=None, eps=None,
-                   impl: str = "auto", shardings=None,
-                   zero_axes: tuple[str, ...] = ()) -> optax.GradientTransformation:
+                   impl: str = "auto", shardings=None, zero_axes: tuple[str, ...] = (),
+                   layer_decay: float = 1.0,
+                   embeddings: tuple[str, ...] = ()) -> optax.GradientTransformation:
     """The optimizer ``name`` with clipping and masked weight decay; ``None`` = its default.
 
     ``shardings`` (the parameters' NamedShardings) and ``zero_axes`` (ZeRO-1) matter to the
     multi-tensor Adan, whose flat state is laid out per device; per-leaf optimizers are placed
-    by ``state_shardings`` alone."""
+    by ``state_shardings`` alone. ``layer_decay`` < 1 scales each layer's updates
+    (``scale_by_layer``; ``embeddings``: the model family's, ``models.spec.Family``)."""
     if name == "adamw":
         tx = optax.adamw(learning_rate, b1=0.9 if b1 is None else b1,
                          b2=0.999 if b2 is None else b2, eps=1e-8 if eps is None else eps,
                          weight_decay=weight_decay, mask=decay_mask)
-        return optax.chain(clip_by_global_norm(max_grad_norm), tx) if max_grad_norm > 0 else tx
-    if name == "adan":
-        return adan(learning_rate, weight_decay=weight_decay, max_grad_norm=max_grad_norm,
-                    mask=decay_mask, impl=impl, shardings=shardings, zero_axes=zero_axes,
-                    **_given(b1=b1, b2=b2, b3=b3, eps=eps))
-    raise ValueError(f"optimizer {name!r} is unknown; expected one of {OPTIMIZERS}.")
+        tx = optax.chain(clip_by_global_norm(max_grad_norm), tx) if max_grad_norm > 0 else tx
+    elif name == "adan":
+        tx = adan(learning_rate, weight_decay=weight_decay, max_grad_norm=max_grad_norm,
+                  mask=decay_mask, impl=impl, shardings=shardings, zero_axes=zero_axes,
+                  **_given(b1=b1, b2=b2, b3=b3, eps=eps))
+    else:
+        raise ValueError(f"optimizer {name!r} is unknown; expected one of {OPTIMIZERS}.")
+    return optax.chain(tx, scale_by_layer(layer_decay, embeddings)) if layer_decay != 1.0 else tx
 
 
 def _given(**kw) -> dict:

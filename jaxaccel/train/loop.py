@@ -224,8 +224,8 @@ def _build(cfg: Config, mesh) -> Run:
 
     t = cfg.train
     total_steps = t.max_steps if t.max_steps > 0 else t.epochs * train_data.steps_per_epoch
-    tx, schedule, create, shardings = make_state(cfg, mesh, params, fp8, param_shardings,
-                                                 total_steps)
+    tx, schedule, create, shardings = make_state(cfg, mesh, model.spec, params, fp8,
+                                                 param_shardings, total_steps)
     params = jax.device_put(params, param_shardings)
     state = jax.jit(create, out_shardings=shardings)(params, fp8)
     unpad = _unpad_plan(cfg, mesh, model.spec, eval_data, train_data, total_steps)
@@ -254,9 +254,10 @@ def _unpad_plan(cfg: Config, mesh, spec: ModelSpec, eval_data, train_data=None,
     return Capacity.of(groups, largest)
 
 
-def make_state(cfg: Config, mesh, params, fp8, param_shardings, total_steps: int):
-    """``(tx, schedule, create, shardings)``: the configured optimizer and schedule over
-    ``total_steps``, and the train state's initialiser ``create(params, fp8) -> TrainState``
+def make_state(cfg: Config, mesh, spec: ModelSpec, params, fp8, param_shardings,
+               total_steps: int):
+    """``(tx, schedule, create, shardings)``: the configured optimizer (for ``spec``'s model)
+    and schedule over ``total_steps``, and the train state's initialiser ``create(params, fp8) -> TrainState``
     with the state's shardings on ``mesh``. ``params`` and ``fp8`` (None unless the policy is
     fp8) may be abstract (``jax.ShapeDtypeStruct``): nothing is computed here."""
     t = cfg.train
@@ -265,11 +266,14 @@ def make_state(cfg: Config, mesh, params, fp8, param_shardings, total_steps: int
     loss_scale = LossScale.create(cfg.precision.loss_scale_init,
                                   cfg.precision.loss_scale_growth_interval) \
         if _policy(cfg).loss_scaling else None
-    # flat_params: the one-pass Adan (train/onepass.py), same arguments, its own state layout.
-    tx = (make_onepass if t.flat_params else make_optimizer)(
-        t.optimizer, schedule, weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm,
-        b1=t.b1, b2=t.b2, b3=t.b3, eps=t.eps, impl=t.optimizer_impl, shardings=param_shardings,
-        zero_axes=shd.BATCH_AXES if cfg.sharding.zero1 else ())
+    # flat_params: the one-pass Adan (train/onepass.py), same arguments, its own state layout
+    # (no layer decay: config.validate refuses it).
+    kw = dict(weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm, b1=t.b1, b2=t.b2,
+              b3=t.b3, eps=t.eps, impl=t.optimizer_impl, shardings=param_shardings,
+              zero_axes=shd.BATCH_AXES if cfg.sharding.zero1 else ())
+    tx = make_onepass(t.optimizer, schedule, **kw) if t.flat_params else make_optimizer(
+        t.optimizer, schedule, layer_decay=t.layer_decay, embeddings=spec.family.embeddings,
+        **kw)
     if t.flat_params:
         create, shardings = onepass.state_init(tx, params, cfg.seed, mesh)
         return tx, schedule, lambda p, _: create(p), shardings

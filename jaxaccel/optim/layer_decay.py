@@ -1,0 +1,60 @@
+"""Layer-wise learning-rate decay (LLRD), as an optax transform placed after the optimizer.
+
+Fine-tuning recipes (ELECTRA, DeBERTa, BEiT) give the layers near the input a smaller step
+than the layers near the head: with ``L`` layers, layer ``i`` (0-based) is scaled by
+``decay ** (L - i)``, the embeddings by ``decay ** (L + 1)``, and everything else (the head:
+classifier, pooler, final norm, LM head) by 1. Scaling an optimizer's update scales its
+learning rate and its decoupled weight decay together, which is what a per-layer learning
+rate means for AdamW and Adan alike; clipping before the optimizer still sees the whole
+gradient.
+
+The depth of a parameter comes from its path: ``layers[i]`` in every model family, and the
+family's ``embeddings`` (``models.spec.Family``) for the collections below the first layer.
+The factors are Python floats fixed when the step is traced, so they cost one multiply per
+update element that XLA fuses into the optimizer's last pass.
+"""
+from __future__ import annotations
+
+import jax
+import optax
+
+LAYERS = "layers"
+
+
+def _name(entry):
+    for attr in ("key", "name", "idx"):
+        if hasattr(entry, attr):
+            return getattr(entry, attr)
+    return None
+
+
+def depths(tree, embeddings: tuple[str, ...]):
+    """``(depth tree, number of layers)``: 0 for the embeddings, ``i + 1`` for ``layers[i]``,
+    ``L + 1`` for the rest."""
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    names = [[_name(e) for e in path] for path, _ in leaves]
+    layer_ids = [n[1] for n in names if len(n) > 1 and n[0] == LAYERS]
+    if not layer_ids:
+        raise ValueError(f"layer-wise learning-rate decay needs the parameters' "
+                         f"{LAYERS!r}[i] collections; the tree has only "
+                         f"{sorted({str(n[0]) for n in names})}.")
+    count = max(int(i) for i in layer_ids) + 1
+    top = [0 if n[0] in embeddings else int(n[1]) + 1 if n[0] == LAYERS else count + 1
+           for n in names]
+    return jax.tree_util.tree_unflatten(treedef, top), count
+
+
+def scale_by_layer(decay: float, embeddings: tuple[str, ...]) -> optax.GradientTransformation:
+    """Multiply each update by ``decay ** (L + 1 - depth)`` (``depths``); ``decay`` in (0, 1]."""
+    if not 0.0 < decay <= 1.0:
+        raise ValueError(f"layer decay {decay} must be in (0, 1]; 1 is no decay.")
+
+    def update(updates, state, params=None):
+        del params
+        depth, count = depths(updates, embeddings)
+        def scale(u, d):
+            return u if d == count + 1 else u * jax.numpy.asarray(decay ** (count + 1 - d),
+                                                                   u.dtype)
+        return jax.tree_util.tree_map(scale, updates, depth), state
+
+    return optax.GradientTransformation(optax.init_empty_state, update)
