@@ -1,4 +1,5 @@
-"""Published facts per accelerator chip: HBM, HBM bandwidth, peak FLOP/s per dtype. One table.
+"""Published facts per accelerator chip: HBM, HBM bandwidth, peak FLOP/s per dtype, interconnect
+bandwidth. One table.
 
 Keyed by jax's ``device_kind`` (what ``jax.devices()[0].device_kind`` and the compile-only
 devices of ``jaxaccel.topology`` report: v5e is "TPU v5 lite", v6e "TPU v6 lite", v5p
@@ -25,33 +26,37 @@ class Chip(NamedTuple):
     hbm_bandwidth: float    # bytes/s per chip
     flops: dict             # dtype ("bfloat16", "float32", "float8") -> dense FLOP/s per chip
     source: str
+    interconnect: float | None = None   # chip-to-chip bytes/s, both directions (ICI, NVLink)
 
 
 _TPU_DOC = "https://cloud.google.com/tpu/docs/"
 CHIPS = [
     Chip(("NVIDIA H100 80GB HBM3", "NVIDIA H100"), 80e9, 3.35e12,
          {"bfloat16": 989e12, "float16": 989e12, "float32": 494.7e12, "float8": 1979e12},
-         "NVIDIA H100 SXM5 datasheet (dense; float32 = TF32)"),
+         "NVIDIA H100 SXM5 datasheet (dense; float32 = TF32; NVLink 900 GB/s)", 900e9),
     Chip(("NVIDIA H100 PCIe",), 80e9, 2.0e12,
          {"bfloat16": 756e12, "float16": 756e12, "float32": 378e12, "float8": 1513e12},
-         "NVIDIA H100 PCIe datasheet (dense; float32 = TF32)"),
+         "NVIDIA H100 PCIe datasheet (dense; float32 = TF32; NVLink only with a bridge)"),
     Chip(("NVIDIA H200",), 141e9, 4.8e12,
          {"bfloat16": 989e12, "float16": 989e12, "float32": 494.7e12, "float8": 1979e12},
-         "NVIDIA H200 SXM datasheet (dense; float32 = TF32)"),
+         "NVIDIA H200 SXM datasheet (dense; float32 = TF32; NVLink 900 GB/s)", 900e9),
     Chip(("NVIDIA A100-SXM4-80GB",), 80e9, 2.039e12,
          {"bfloat16": 312e12, "float16": 312e12, "float32": 156e12},
-         "NVIDIA A100 80GB SXM datasheet (dense; float32 = TF32; no fp8 units)"),
+         "NVIDIA A100 80GB SXM datasheet (dense; float32 = TF32; no fp8 units; NVLink 600 GB/s)",
+         600e9),
     Chip(("NVIDIA A100-SXM4-40GB",), 40e9, 1.555e12,
          {"bfloat16": 312e12, "float16": 312e12, "float32": 156e12},
-         "NVIDIA A100 40GB SXM datasheet (dense; float32 = TF32; no fp8 units)"),
+         "NVIDIA A100 40GB SXM datasheet (dense; float32 = TF32; no fp8 units; NVLink 600 GB/s)",
+         600e9),
     Chip(("TPU v4",), 32 * GiB, 1.2e12, {"bfloat16": 275e12, "float32": 275e12},
-         f"{_TPU_DOC}v4 (per chip: 2 TensorCores)"),
+         f"{_TPU_DOC}v4 (per chip: 2 TensorCores; no per-chip ICI figure there)"),
     Chip(("TPU v5 lite", "TPU v5e"), 16 * GiB, 0.82e12, {"bfloat16": 197e12, "float32": 197e12},
-         f"{_TPU_DOC}v5e"),
+         f"{_TPU_DOC}v5e (ICI 400 GB/s per chip, both directions)", 400e9),
     Chip(("TPU v5", "TPU v5p"), 95 * GiB, 2.76e12, {"bfloat16": 459e12, "float32": 459e12},
-         f"{_TPU_DOC}v5p (per chip: 2 TensorCores as one megacore device)"),
+         f"{_TPU_DOC}v5p (per chip: 2 TensorCores as one megacore device; ICI 1,200 GB/s, "
+         "both directions)", 1200e9),
     Chip(("TPU v6 lite", "TPU v6e"), 32 * GiB, 1.64e12, {"bfloat16": 918e12, "float32": 918e12},
-         f"{_TPU_DOC}v6e"),
+         f"{_TPU_DOC}v6e (ICI 800 GB/s per chip, both directions)", 800e9),
 ]
 
 

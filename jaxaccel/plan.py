@@ -16,12 +16,15 @@ TensorCore of a deviceless v4) it gives:
   (arguments + outputs - donated aliases + temporaries + code) against the device's memory
   (HBM from ``jaxaccel.devices``; on GPU the 75 % JAX preallocates by default), and the
   headroom;
+- the bytes the train step's collectives write per device, by kind, and the least they send;
 - FLOPs per step: analytic (``jaxaccel.flops.train_flops``) and XLA's ``cost_analysis()`` (not
   given by the compile-only GPU client);
 - an estimated step time, tokens/s and cost per epoch. Each estimate names its source:
   ``roofline`` = the analytic FLOPs at the chip's published peak for the policy's matmul
-  dtype, or the bytes XLA says the step moves at the HBM bandwidth, whichever is slower
-  (a lower bound: real steps reach a fraction of peak, see MFU in the README);
+  dtype, the bytes XLA says the step moves at the HBM bandwidth, or the bytes its collectives
+  must send (``jaxaccel.collectives``) at the chip's interconnect bandwidth (ICI, NVLink),
+  whichever is slowest (a lower bound: real steps reach a fraction of peak, see MFU in the
+  README, and overlap collectives with compute only in part);
   ``xla-cost-model`` = XLA's own ``optimal_seconds`` where it gives one (TPU), which does not
   cost Pallas kernels (custom calls), so their analytic FLOPs at peak are added.
 
@@ -36,7 +39,6 @@ import dataclasses
 import datetime
 import math
 import os
-import re
 import subprocess
 import time
 from unittest import mock
@@ -45,6 +47,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxaccel import collectives as collectives_lib
 from jaxaccel import config as config_lib
 from jaxaccel import devices as devices_lib
 from jaxaccel import flops as flops_lib
@@ -90,6 +93,7 @@ class Plan:
     estimate: dict          # step_s, source, tokens_per_s, ... (all labelled estimate)
     cost: dict | None       # per epoch
     collectives: dict = dataclasses.field(default_factory=dict)  # train step, bytes per device
+    sent: float = 0.0       # bytes a device sends at least per train step (collectives.py)
 
     @property
     def fits(self) -> bool | None:
@@ -179,27 +183,6 @@ def _cost(compiled) -> dict:
     return dict(cost or {})
 
 
-# An instruction "%name = <shape> <collective>(" (a tuple shape may hold /*index=5*/ notes), or
-# the "-done" half of an async pair: its shape is the results alone, where "-start" returns
-# (operands, results[, ...]) on GPU and TPU.
-_COLLECTIVE = re.compile(r"^\s*(?:ROOT )?%[\w.\-]+ = (.*?) (all-gather|all-reduce|reduce-scatter|"
-                         r"all-to-all|collective-permute)(?:-done)?\(", re.MULTILINE)
-_ARRAY = re.compile(r"\b(pred|[a-z]+(\d+)\w*)\[([\d,]*)\]")  # dtype[dims] in a (tuple) shape
-
-
-def collective_bytes(hlo: str) -> dict:
-    """Bytes each kind of collective writes per device in one step: from an optimized HLO
-    module's text (``compiled.as_text()``), the sizes of the collectives' results (tuples
-    summed; an async pair counted once, at its "-done")."""
-    moved = dict.fromkeys(("all-gather", "all-reduce", "reduce-scatter", "all-to-all",
-                           "collective-permute"), 0)
-    for shape, op in _COLLECTIVE.findall(hlo):
-        for _, bits, dims in _ARRAY.findall(shape):        # pred: 1 byte; f8e4m3fn: 8 bits
-            moved[op] += math.prod(int(d) for d in dims.split(",") if d) * \
-                max(int(bits or 8) // 8, 1)
-    return moved
-
-
 def _capacity(target: topology.Target) -> tuple[float | None, str]:
     """Bytes one device can give the step, and where that number comes from."""
     if target.name == "local":
@@ -219,7 +202,22 @@ def _capacity(target: topology.Target) -> tuple[float | None, str]:
     return target.hbm_per_device, f"HBM per chip{share}"
 
 
-def _estimate(target, cfg, flops: dict, cost: dict, batch: int, seq: int) -> dict:
+def _interconnect_s(target, sent: float) -> tuple[float | None, str]:
+    """Least time the step's collectives take: the bytes a device must send (``sent``, per
+    device) at its chip's interconnect bandwidth in one direction. (None, why) when unknown."""
+    if target.chips == 1 or not sent:
+        return 0.0, ""
+    link = target.chip.interconnect
+    if link is None:
+        return None, f"no interconnect figure for {target.device_kind!r} in jaxaccel/devices.py"
+    between = "; NVLink within a host, the slower network between hosts not modelled" \
+        if target.platform == "gpu" and target.hosts > 1 else ""
+    return sent * target.devices_per_chip / (link / 2), \
+        f"{link:.3g} B/s interconnect, both directions{between}"
+
+
+def _estimate(target, cfg, flops: dict, cost: dict, batch: int, seq: int,
+              sent: float) -> dict:
     """Estimated step time: the roofline and, where XLA gives one, its cost model."""
     peak = devices_lib.peak_flops(target.device_kind, devices_lib.POLICY_DTYPE[cfg.precision.policy])
     if peak is None:
@@ -227,21 +225,23 @@ def _estimate(target, cfg, flops: dict, cost: dict, batch: int, seq: int) -> dic
                                           "jaxaccel/devices.py"}
     peak_flops, which = peak
     per_chip = 1.0 / target.chips
-    compute_s = flops["analytic"] * per_chip / peak_flops
     bandwidth = target.chip.hbm_bandwidth
-    bytes_s = cost["bytes accessed"] * target.devices_per_chip / bandwidth \
-        if cost.get("bytes accessed", 0) > 0 else 0.0
-    roofline = max(compute_s, bytes_s)
-    out = {"roofline_s": roofline, "peak": f"{peak_flops:.4g} FLOP/s ({which}), "
-           f"{bandwidth:.3g} B/s HBM ({target.chip.source})",
-           "bound": "compute" if compute_s >= bytes_s else "memory"}
+    link_s, link = _interconnect_s(target, sent)
+    bounds = {"compute": flops["analytic"] * per_chip / peak_flops,
+              "memory": cost["bytes accessed"] * target.devices_per_chip / bandwidth
+              if cost.get("bytes accessed", 0) > 0 else 0.0,
+              "interconnect": link_s or 0.0}
+    bound = max(bounds, key=bounds.get)
+    out = {"roofline_s": bounds[bound], "bound": bound, "interconnect_s": link_s,
+           "interconnect": link, "peak": f"{peak_flops:.4g} FLOP/s ({which}), "
+                                         f"{bandwidth:.3g} B/s HBM ({target.chip.source})"}
     # XLA's cost model: absent on the compile-only GPU client, negative when it cannot cost
     # the program (seen for whole BERT steps on TPU); kept in the plan either way.
     xla_s = out["xla_optimal_seconds"] = cost.get("optimal_seconds")
     pallas_flops = flops["attention"] if cfg.model.attention_impl == "pallas" else 0.0
     if xla_s is not None and xla_s > 0:
         out["xla_cost_model_s"] = xla_s + pallas_flops * per_chip / peak_flops
-    step = out.get("xla_cost_model_s", roofline)
+    step = out.get("xla_cost_model_s", bounds[bound])
     source = "estimate:xla-cost-model" if "xla_cost_model_s" in out else "estimate:roofline"
     return {**out, "step_s": step, "source": source,
             "tokens_per_s": batch * seq / step}
@@ -296,10 +296,13 @@ def make_plan(config_path: str | None, sets: list[str], topology_name: str) -> P
              "attention": flops_lib.attention_flops(shape, t.batch_size, seq),
              "xla_per_device": cost.get("flops")}
     capacity, capacity_source = _capacity(target)
-    estimate = _estimate(target, cfg, flops, cost, t.batch_size, seq)
+    hlo, devices = train.as_text(), len(target.devices)
+    sent = sum(c.sent for c in collectives_lib.collectives(hlo, devices))
+    estimate = _estimate(target, cfg, flops, cost, t.batch_size, seq, sent)
     plan = Plan(target, cfg, dict(run.mesh.shape), t.batch_size, t.eval_batch_size, seq,
                 memory, eval_memory, capacity, capacity_source, compile_s, flops, estimate,
-                _epoch_cost(target, cfg, estimate), collective_bytes(train.as_text()))
+                _epoch_cost(target, cfg, estimate),
+                collectives_lib.collective_bytes(hlo, devices), sent)
     if plan.fits is False:
         m, e = plan.memory, plan.eval_memory
         raise DoesNotFit(does_not_fit(
@@ -392,6 +395,11 @@ def report(plan: Plan) -> str:
                      f"{e['tokens_per_s']:.4g} tokens/s (estimate)")
         lines.append(f"  roofline {e['roofline_s'] * 1e3:.2f} ms ({e['bound']}-bound at "
                      f"{e['peak']})")
+        if e["interconnect"]:
+            link = "no estimate" if e["interconnect_s"] is None else \
+                f"{e['interconnect_s'] * 1e3:.2f} ms"
+            lines.append(f"  collectives {link}: {_gb(plan.sent)} sent per device at least "
+                         f"({e['interconnect']})")
         if "xla_cost_model_s" in e:
             lines.append(f"  XLA cost model {e['xla_cost_model_s'] * 1e3:.2f} ms (+ Pallas "
                          "attention's analytic FLOPs at peak where used)")
@@ -419,6 +427,8 @@ def result(plan: Plan) -> dict:
            "memory_per_device": plan.memory, "eval_memory_per_device": plan.eval_memory,
            "device_memory": plan.capacity, "device_memory_source": plan.capacity_source,
            "collective_bytes_per_device": plan.collectives,
+           "collective_sent_bytes_per_device": plan.sent,
+           "interconnect_s": e.get("interconnect_s"),
            "compile_s": plan.compile_s, "model_flops": plan.flops["analytic"],
            "xla_flops_per_device": plan.flops["xla_per_device"],
            "roofline_s": e.get("roofline_s"), "xla_cost_model_s": e.get("xla_cost_model_s"),

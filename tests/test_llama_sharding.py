@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxaccel import plan
 from jaxaccel import sharding as shd
+from jaxaccel.collectives import collective_bytes
 from jaxaccel.models import LLAMA_PRESETS, ModelSpec, build_model
 from jaxaccel.optim import make_optimizer, state_shardings
 from jaxaccel.precision import get_policy
@@ -93,7 +93,7 @@ def test_fsdp_decoder_step_gathers_each_parameter_once():
     with jax.set_mesh(mesh):
         step, state, batch_sharding = sharded_step(TINY, "fp32", mesh)
         hlo = step.lower(state, jax.device_put(BATCH, batch_sharding)).compile().as_text()
-    moved = plan.collective_bytes(hlo)
+    moved = collective_bytes(hlo)
     params = 4 * sum(x.size for x in jax.tree_util.tree_leaves(state.params))
     assert moved["all-gather"] <= 1.1 * params, (moved, params)
     assert moved["all-reduce"] + moved["reduce-scatter"] <= 1.1 * params, (moved, params)

@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 import compile_only
 from jaxaccel import config, plan
+from jaxaccel.collectives import collective_bytes
 from jaxaccel.train import loop
 from jaxaccel.train.checkpoint import Checkpointer, abstract_like, on_disk, restore_state
 
@@ -192,7 +193,7 @@ def test_fsdp_step_gathers_each_parameter_once(tmp_path, unpad):
     assert (run.unpad is not None and bool(run.unpad.slots)) == unpad
     with jax.set_mesh(run.mesh):
         hlo = run.train_step.lower(run.state, first_batch(run)).compile().as_text()
-    moved = plan.collective_bytes(hlo)
+    moved = collective_bytes(hlo)
     params = run.state.params
     table = params["embeddings"]["word_embeddings"]["embedding"]
     gathered = 4 * (sum(x.size for x in jax.tree_util.tree_leaves(params)) - table.size)

@@ -1,0 +1,107 @@
+"""The collectives of a compiled step, read from its optimized HLO text (``compiled.as_text()``):
+what each one writes on a device, over how many devices, and the least it must send.
+
+    moved = collective_bytes(hlo)                       # result bytes per kind, per device
+    sent = sum(c.sent for c in collectives(hlo, n))     # bytes one device must send
+
+Each collective instruction is counted once: an async pair at its ``-done`` (a ``-start``
+returns its operands too on GPU and TPU), collectives in loop bodies once, not per trip. The
+TPU compiler writes a reduce-scatter as an all-reduce fused with the slice each device keeps
+(a fusion calling ``%all-reduce-scatter...``); it is counted as the reduce-scatter it is.
+
+``Collective.sent`` is a lower bound: the bytes a bandwidth-optimal algorithm (ring or
+better) sends from each device of a group of n. Per byte of the result: all-reduce 2(n-1)/n,
+all-gather and all-to-all (n-1)/n, reduce-scatter n-1 (its result is 1/n of the input),
+collective-permute 1.
+"""
+from __future__ import annotations
+
+import math
+import re
+from typing import NamedTuple
+
+KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
+
+# A computation's header "%name (params) -> shape {" at the start of a line.
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%([\w.\-]+) ")
+# An instruction "%name = <shape> <collective>[-start|-done](<operands>)...": a tuple shape may
+# hold /*index=5*/ notes.
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (.*?) (" + "|".join(KINDS) +
+                          r")(-start|-done)?\(([^)]*)\)(.*)$")
+_ARRAY = re.compile(r"\b(pred|[a-z]+(\d+)\w*)\[([\d,]*)\]")  # dtype[dims] in a (tuple) shape
+# The replica-group notations of XLA's HLO text: explicit lists "{{0,1},{2,3}}", iota
+# "[2,4]<=[8]" (2 groups of 4), and the mesh form "mesh['x'=4,'y'=2], device_ids=(...) {'x'}"
+# (a group spans the named axes).
+_LISTS = re.compile(r"replica_groups=\{(\{[\d,]*\})?")
+_IOTA = re.compile(r"replica_groups=\[([\d,]+)\]<=")
+_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\(\[[\d,]*\]"
+                   r"(?:T\([\d,]*\))?\))? \{([^}]*)\}")
+_FUSED_REDUCE_SCATTER = "all-reduce-scatter"      # libtpu's fused reduce-scatter computations
+
+
+class Collective(NamedTuple):
+    kind: str           # one of KINDS
+    bytes: int          # its result on one device
+    group: int          # devices in its replica group
+
+    @property
+    def sent(self) -> float:
+        """Bytes each device sends at least (bandwidth-optimal algorithm; module docstring)."""
+        n = self.group
+        if n <= 1 and self.kind != "collective-permute":
+            return 0.0
+        per_byte = {"all-reduce": 2 * (n - 1) / n, "all-gather": (n - 1) / n,
+                    "all-to-all": (n - 1) / n, "reduce-scatter": n - 1,
+                    "collective-permute": 1.0}[self.kind]
+        return per_byte * self.bytes
+
+
+def _bytes(shape: str) -> int:
+    return sum(math.prod(int(d) for d in dims.split(",") if d) * max(int(bits or 8) // 8, 1)
+               for _, bits, dims in _ARRAY.findall(shape))     # pred: 1 byte; f8e4m3fn: 8 bits
+
+
+def group_size(attributes: str, devices: int) -> int:
+    """Devices per replica group from an instruction's attributes; ``devices`` (all of the
+    module's) where the groups are empty ("{}": one group of everyone) or not given."""
+    if m := _MESH.search(attributes):
+        axes = {k.strip("'"): int(v) for k, v in
+                (a.split("=") for a in m.group(1).split(",") if a)}
+        return math.prod(axes[a.strip().strip("'")] for a in m.group(2).split(",") if a.strip())
+    if m := _IOTA.search(attributes):
+        return int(m.group(1).split(",")[-1])
+    if (m := _LISTS.search(attributes)) and m.group(1):
+        return m.group(1).count(",") + 1
+    return devices
+
+
+def collectives(hlo: str, devices: int = 1) -> list[Collective]:
+    """The collectives of an optimized HLO module, each once (module docstring); ``devices``:
+    the module's device count, the group of a collective whose groups are empty."""
+    out, groups, computation = [], {}, ""
+    for line in hlo.splitlines():
+        if c := _COMPUTATION.match(line):
+            computation = c.group(1)
+            continue
+        if not (m := _INSTRUCTION.match(line)):
+            continue
+        name, shape, kind, phase, operands, attributes = m.groups()
+        if phase == "-start":
+            groups[name] = group_size(attributes, devices)
+            continue
+        n = groups.get(operands.strip().lstrip("%"), devices) if phase == "-done" \
+            else group_size(attributes, devices)
+        size = _bytes(shape)
+        if kind == "all-reduce" and computation.startswith(_FUSED_REDUCE_SCATTER):
+            kind, size = "reduce-scatter", size // max(n, 1)
+        out.append(Collective(kind, size, n))
+    return out
+
+
+def collective_bytes(hlo: str, devices: int = 1) -> dict:
+    """Bytes each kind of collective writes per device in one step: the sizes of their results
+    (tuples summed), every kind present as a key."""
+    moved = dict.fromkeys(KINDS, 0)
+    for c in collectives(hlo, devices):
+        moved[c.kind] += c.bytes
+    return moved

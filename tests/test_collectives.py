@@ -1,0 +1,70 @@
+"""Collectives read from optimized HLO text: each counted once, its replica group's size in
+every notation XLA prints, libtpu's fused reduce-scatter named as such, and the least bytes a
+device sends (the interconnect bound of `jaxaccel compile`'s roofline)."""
+import pytest
+
+from jaxaccel.collectives import Collective, collective_bytes, collectives, group_size
+
+
+def test_an_async_pair_counts_its_results_once():
+    """Counted at the "-done" (the results): a "-start" returns the operands too on GPU and
+    TPU (a reduce-scatter's whole input), which would count them as moved."""
+    hlo = """ENTRY %main {
+  %ag = (bf16[1,64]{1,0}, bf16[8,64]{1,0}) all-gather-start(%p), channel_id=1
+  %agd = bf16[8,64]{1,0} all-gather-done(%ag)
+  %rs = ((f32[64]{0}, f32[64,2]{1,0}), (f32[8]{0}, f32[8,2]{1,0})) reduce-scatter-start(%a, %b)
+  %rsd = (f32[8]{0}, /*index=1*/f32[8,2]{1,0}) reduce-scatter-done(%rs)
+  %cp = (pred[4]{0}, pred[4]{0}, u32[]{:S(2)}, u32[]{:S(2)}) collective-permute-start(%q)
+  %cpd = pred[4]{0} collective-permute-done(%cp)
+  ROOT %ar = f32[16]{0:T(256)} all-reduce(%x), to_apply=%add
+  %f = f32[1024]{0} fusion(%p), kind=kLoop, calls=%all-gather.1
+}"""
+    assert collective_bytes(hlo) == {
+        "all-gather": 8 * 64 * 2, "reduce-scatter": (8 + 16) * 4, "collective-permute": 4,
+        "all-reduce": 16 * 4, "all-to-all": 0}
+
+
+@pytest.mark.parametrize("attributes,size", [
+    ("channel_id=3, replica_groups={{0,1,2,3},{4,5,6,7}}, use_global_device_ids=true", 4),
+    ("replica_groups=[4,2]<=[8], use_global_device_ids=true", 2),
+    ("replica_groups=[2,4]<=[4,2]T(1,0), dimensions={0}", 4),
+    ("replica_groups=mesh['axis_0'=4,'axis_1'=1,'axis_2'=2], device_ids=([2,4]T(1,0)) "
+     "{'axis_0'}, dimensions={0}", 4),
+    ("replica_groups=mesh['axis_0'=4,'axis_1'=1,'axis_2'=2], device_ids=([2,4]T(1,0)) "
+     "{'axis_2'}, use_global_device_ids=true", 2),
+    ("replica_groups=mesh['x'=2,'y'=3,'z'=2] {'x','z'}, to_apply=%add", 4),
+    ("replica_groups={}, to_apply=%add", 8),         # one group of all the module's devices
+    ("to_apply=%add", 8),
+])
+def test_group_size_reads_every_notation(attributes, size):
+    assert group_size(attributes, devices=8) == size
+
+
+def test_done_takes_its_starts_group_and_the_fused_reduce_scatter_is_one():
+    hlo = """%all-reduce-scatter.3 (input: f32[256,512]) -> f32[64,512] {
+  %input = f32[256,512]{1,0:T(8,128)S(1)} parameter(0)
+  %all-reduce.2 = f32[256,512]{1,0:T(8,128)} all-reduce(%input), channel_id=3, replica_groups={{0,1,2,3},{4,5,6,7}}, use_global_device_ids=true, to_apply=%add.clone
+  ROOT %dynamic-slice.5 = f32[64,512]{1,0:T(8,128)S(1)} dynamic-slice(%all-reduce.2, %m, %c)
+}
+
+ENTRY %main (p: f32[64,512]) -> f32[64,512] {
+  %all-gather-start = (f32[64,512]{1,0}, f32[256,512]{1,0}) all-gather-start(%param), channel_id=1, replica_groups=mesh['axis_0'=4,'axis_1'=1,'axis_2'=2], device_ids=([2,4]T(1,0)) {'axis_0'}, dimensions={0}
+  %all-gather-done = f32[256,512]{1,0} all-gather-done(%all-gather-start), metadata={op_name="x"}
+  %fusion = f32[64,512]{1,0:T(8,128)S(1)} fusion(%fusion.1), kind=kCustom, calls=%all-reduce-scatter.3
+  ROOT %all-reduce.1 = f32[64,512]{1,0} all-reduce(%fusion), channel_id=4, replica_groups=[4,2]<=[8], to_apply=%add
+}"""
+    full = 256 * 512 * 4
+    assert collectives(hlo, devices=8) == [
+        Collective("reduce-scatter", full // 4, 4), Collective("all-gather", full, 4),
+        Collective("all-reduce", full // 4, 2)]
+    # Ring (bandwidth-optimal) traffic per device: reduce-scatter and all-gather (n-1)/n of
+    # the whole array, all-reduce 2(n-1)/n of its array.
+    assert [c.sent for c in collectives(hlo, devices=8)] == [
+        0.75 * full, 0.75 * full, 2 * 0.5 * full / 4]
+
+
+def test_one_device_sends_nothing_but_a_permute_always_sends():
+    assert Collective("all-reduce", 1024, 1).sent == 0
+    assert Collective("all-gather", 1024, 1).sent == 0
+    assert Collective("collective-permute", 1024, 2).sent == 1024
+    assert Collective("all-to-all", 1024, 4).sent == 768
