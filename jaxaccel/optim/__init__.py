@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding
 from jaxaccel import sharding as shd
 from jaxaccel.optim import flat
 from jaxaccel.optim.clip import clip_by_global_norm, global_norm
-from jaxaccel.optim.layer_decay import scale_by_layer
+from jaxaccel.optim.layer_decay import entry_name, scale_by_layer
 from jaxaccel.optim.adan import IMPLS, AdanState, OnePass, adan, adan_onepass
 from kernels_pallas.adan import IMPLS as ONEPASS_IMPLS
 
@@ -49,8 +49,7 @@ def make_schedule(kind: str, learning_rate: float, total_steps: int, warmup_step
 def decay_mask(params):
     """True for parameters that get weight decay: everything but biases and LayerNorm scales."""
     def keep(path, _):
-        name = getattr(path[-1], "key", getattr(path[-1], "name", None))
-        return name not in ("bias", "scale")
+        return entry_name(path[-1]) not in ("bias", "scale")
     return jax.tree_util.tree_map_with_path(keep, params)
 
 

@@ -21,7 +21,8 @@ import optax
 LAYERS = "layers"
 
 
-def _name(entry):
+def entry_name(entry):
+    """A tree path entry's key, attribute name or index (None for other entries)."""
     for attr in ("key", "name", "idx"):
         if hasattr(entry, attr):
             return getattr(entry, attr)
@@ -32,7 +33,7 @@ def depths(tree, embeddings: tuple[str, ...]):
     """``(depth tree, number of layers)``: 0 for the embeddings, ``i + 1`` for ``layers[i]``,
     ``L + 1`` for the rest."""
     leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
-    names = [[_name(e) for e in path] for path, _ in leaves]
+    names = [[entry_name(e) for e in path] for path, _ in leaves]
     layer_ids = [n[1] for n in names if len(n) > 1 and n[0] == LAYERS]
     if not layer_ids:
         raise ValueError(f"layer-wise learning-rate decay needs the parameters' "
