@@ -1,9 +1,16 @@
-"""Collectives read from optimized HLO text: each counted once, its replica group's size in
-every notation XLA prints, libtpu's fused reduce-scatter named as such, and the least bytes a
-device sends (the interconnect bound of `jaxaccel compile`'s roofline)."""
+"""Collectives read from optimized HLO text: each counted once per execution (loop bodies per
+trip), its replica group's size in every notation XLA prints, libtpu's fused reduce-scatter
+named as such, and the least bytes a device sends (the interconnect bound of `jaxaccel
+compile`'s roofline)."""
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jaxaccel import topology
 from jaxaccel.collectives import Collective, collective_bytes, collectives, group_size
+from tests.test_topology import needs_cuda_plugin, needs_libtpu
 
 
 def test_an_async_pair_counts_its_results_once():
@@ -68,3 +75,68 @@ def test_one_device_sends_nothing_but_a_permute_always_sends():
     assert Collective("all-gather", 1024, 1).sent == 0
     assert Collective("collective-permute", 1024, 2).sent == 1024
     assert Collective("all-to-all", 1024, 4).sent == 768
+
+
+def test_a_loop_body_runs_once_per_trip():
+    """A collective in a while body counts once per trip: XLA's known trip count where it
+    prints one, else the condition's `i < N` (libtpu prints none); a fusion in the body runs
+    as often as the body."""
+    hlo = """%fused (p: f32[8]) -> f32[8] {
+  ROOT %all-reduce.1 = f32[8]{0} all-reduce(%p), replica_groups=[1,2]<=[2], to_apply=%add
+}
+
+%body (t: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %all-gather.2 = f32[16]{0} all-gather(%x), replica_groups=[1,2]<=[2], dimensions={0}
+  %fusion.3 = f32[8]{0} fusion(%y), kind=kCustom, calls=%fused
+}
+
+%cond (t: (s32[], f32[8])) -> pred[] {
+  %constant.9 = s32[]{:T(128)} constant(3)
+  %gte = s32[]{:T(128)} get-tuple-element(%t), index=0
+  ROOT %lt.4 = pred[]{:T(512)} compare(%gte, %constant.9), direction=LT
+}
+
+%body.2 (t: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %all-gather.5 = f32[4]{0} all-gather(%x), replica_groups=[1,2]<=[2], dimensions={0}
+}
+
+ENTRY %main (p: f32[8]) -> f32[8] {
+  %while = (s32[], f32[8]) while(%t0), condition=%cond, body=%body
+  %while.2 = (s32[], f32[8]) while(%t1), condition=%cond.2, body=%body.2, backend_config={"known_trip_count":{"n":"5"}}
+  ROOT %all-reduce.6 = f32[2]{0} all-reduce(%z), replica_groups=[1,2]<=[2], to_apply=%add
+}"""
+    assert collective_bytes(hlo) == {"all-gather": 3 * 64 + 5 * 16, "all-reduce": 3 * 32 + 8,
+                                     "reduce-scatter": 0, "all-to-all": 0,
+                                     "collective-permute": 0}
+
+
+def _reduced(target: str, micro: int) -> int:
+    """Gradient-reduction bytes of a compiled scan over ``micro`` micro-batches (the trainer's
+    `train.grad_accum`) with FSDP-sharded weights, on ``target``'s devices."""
+    mesh = Mesh(np.array(topology.resolve(target).devices), ("fsdp",))
+
+    def step(w, x):
+        def body(acc, xb):
+            return acc + jax.grad(lambda w: jnp.sum(jnp.tanh(xb @ w)))(w), None
+        return jax.lax.scan(body, jnp.zeros_like(w), x)[0]
+
+    w = jax.ShapeDtypeStruct((256, 512), jnp.float32, sharding=NamedSharding(mesh, P("fsdp")))
+    x = jax.ShapeDtypeStruct((micro, 64, 256), jnp.float32,
+                             sharding=NamedSharding(mesh, P(None, "fsdp")))
+    hlo = jax.jit(step, out_shardings=NamedSharding(mesh, P("fsdp"))).lower(w, x) \
+        .compile().as_text()
+    moved = collective_bytes(hlo, mesh.size)
+    return moved["all-reduce"] + moved["reduce-scatter"]
+
+
+@pytest.mark.parametrize("target", [
+    "local",
+    pytest.param("v5e:2x4", marks=[pytest.mark.aot_compile, needs_libtpu]),  # trip count from i < N
+    pytest.param("h100:1x8", marks=[pytest.mark.aot_compile, needs_cuda_plugin]),
+])
+def test_gradient_accumulation_reduces_once_per_micro_batch(target):
+    """The gradient reduction in the loop body runs per micro-batch on every compiler, so
+    twice the micro-batches reduce twice the bytes."""
+    if target == "local" and len(jax.devices()) < 2:
+        pytest.skip("needs 2 or more devices (the suite forces 8 host devices)")
+    assert _reduced(target, 8) == 2 * _reduced(target, 4) > 0
