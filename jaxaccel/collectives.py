@@ -138,10 +138,14 @@ def collectives(hlo: str, devices: int = 1) -> list[Collective]:
     return out
 
 
-def collective_bytes(hlo: str, devices: int = 1) -> dict:
-    """Bytes each kind of collective writes per device in one step: the sizes of their results
-    (tuples summed), every kind present as a key."""
+def by_kind(found: list[Collective]) -> dict:
+    """Result bytes per kind of collective (tuples summed), every kind present as a key."""
     moved = dict.fromkeys(KINDS, 0)
-    for c in collectives(hlo, devices):
+    for c in found:
         moved[c.kind] += c.bytes
     return moved
+
+
+def collective_bytes(hlo: str, devices: int = 1) -> dict:
+    """Bytes each kind of collective writes per device in one run of the module."""
+    return by_kind(collectives(hlo, devices))

@@ -26,7 +26,8 @@ TensorCore of a deviceless v4) it gives:
   whichever is slowest (a lower bound: real steps reach a fraction of peak, see MFU in the
   README, and overlap collectives with compute only in part);
   ``xla-cost-model`` = XLA's own ``optimal_seconds`` where it gives one (TPU), which does not
-  cost Pallas kernels (custom calls), so their analytic FLOPs at peak are added.
+  cost Pallas kernels (custom calls), so their analytic FLOPs at peak are added; used where it
+  is above the roofline (no estimate goes below a lower bound).
 
 Caveats, also in the report: GPU compiles run without a device, so without autotuning; the
 HLO is close to, not identical to, a real run's. Estimates are never measurements.
@@ -241,8 +242,10 @@ def _estimate(target, cfg, flops: dict, cost: dict, batch: int, seq: int,
     pallas_flops = flops["attention"] if cfg.model.attention_impl == "pallas" else 0.0
     if xla_s is not None and xla_s > 0:
         out["xla_cost_model_s"] = xla_s + pallas_flops * per_chip / peak_flops
-    step = out.get("xla_cost_model_s", bounds[bound])
-    source = "estimate:xla-cost-model" if "xla_cost_model_s" in out else "estimate:roofline"
+    # No estimate below the roofline, a lower bound (XLA's model may leave collectives out).
+    use_xla = out.get("xla_cost_model_s", 0.0) > bounds[bound]
+    step = out["xla_cost_model_s"] if use_xla else bounds[bound]
+    source = "estimate:xla-cost-model" if use_xla else "estimate:roofline"
     return {**out, "step_s": step, "source": source,
             "tokens_per_s": batch * seq / step}
 
@@ -296,13 +299,13 @@ def make_plan(config_path: str | None, sets: list[str], topology_name: str) -> P
              "attention": flops_lib.attention_flops(shape, t.batch_size, seq),
              "xla_per_device": cost.get("flops")}
     capacity, capacity_source = _capacity(target)
-    hlo, devices = train.as_text(), len(target.devices)
-    sent = sum(c.sent for c in collectives_lib.collectives(hlo, devices))
+    found = collectives_lib.collectives(train.as_text(), len(target.devices))
+    sent = sum(c.sent for c in found)
     estimate = _estimate(target, cfg, flops, cost, t.batch_size, seq, sent)
     plan = Plan(target, cfg, dict(run.mesh.shape), t.batch_size, t.eval_batch_size, seq,
                 memory, eval_memory, capacity, capacity_source, compile_s, flops, estimate,
                 _epoch_cost(target, cfg, estimate),
-                collectives_lib.collective_bytes(hlo, devices), sent)
+                collectives_lib.by_kind(found), sent)
     if plan.fits is False:
         m, e = plan.memory, plan.eval_memory
         raise DoesNotFit(does_not_fit(

@@ -5,11 +5,13 @@ The local tests compile the tiny model on this machine's devices; the TPU and GP
 libtpu / the CUDA plugin (the ``aot`` extra) and skip without them."""
 import json
 import os
+from types import SimpleNamespace
 
 import jax
 import pytest
 
 from jaxaccel import cli, plan, topology
+from jaxaccel import devices as devices_lib
 from tests.test_topology import needs_cuda_plugin, needs_libtpu
 
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
@@ -45,6 +47,21 @@ def test_local_plan_reports_memory_fit_and_labelled_estimates(local_plan):
     text = plan.report(p)
     assert "fits" in text and "estimate" in text and "headroom" in text
     assert "collectives per step" in text
+
+
+def test_the_estimate_never_goes_below_the_roofline():
+    """A v5e-8 step with 1 ms of compute per chip whose collectives must send 0.8 GB per chip
+    (4 ms at 200 GB/s each way): interconnect-bound, and XLA's cost model is used only above
+    that bound."""
+    target = topology.Target("v5e:2x4", "tpu", (SimpleNamespace(device_kind="TPU v5 lite"),) * 8,
+                             devices_lib.chip("TPU v5 lite"), 1, 1)
+    cfg = plan.load_config(TINY, [], topology.resolve("local"))
+    flops = {"analytic": 8 * 197e12 * 1e-3, "attention": 0.0}
+    for xla_s, step_s, source in ((5e-3, 5e-3, "estimate:xla-cost-model"),
+                                  (2e-3, 4e-3, "estimate:roofline")):
+        e = plan._estimate(target, cfg, flops, {"optimal_seconds": xla_s}, 16, 32, sent=0.8e9)
+        assert e["bound"] == "interconnect" and e["interconnect_s"] == pytest.approx(4e-3)
+        assert e["step_s"] == pytest.approx(step_s) and e["source"] == source
 
 
 def test_compile_writes_a_plan_file_compare_reads(local_plan, capsys, tmp_path):
