@@ -173,7 +173,6 @@ def fixed_shape_sets(workdir: str) -> list[str]:
 def time_steps(config: str, sets: list[str], rounds: int, steps: int) -> tuple[dict, dict]:
     """Per-step seconds of ours and HF's train step on the same batches, interleaved."""
     import jax
-    import numpy as np
 
     from jaxaccel import config as config_lib
     from jaxaccel.train.loop import build
@@ -232,13 +231,14 @@ def time_steps(config: str, sets: list[str], rounds: int, steps: int) -> tuple[d
 def our_job(config: str, sets: list[str]) -> dict:
     from jaxaccel import config as config_lib
     from jaxaccel.train.loop import train
-    workdir = tempfile.mkdtemp(prefix="jaxaccel-hf-flax-")
-    cfg = config_lib.load(config, sets + [f"workdir={workdir!r}", "train.progress=False"])
-    start = time.perf_counter()
-    result = train(cfg)
+    with tempfile.TemporaryDirectory(prefix="jaxaccel-hf-flax-") as workdir:
+        cfg = config_lib.load(config, sets + [f"workdir={workdir!r}", "train.progress=False"])
+        start = time.perf_counter()
+        result = train(cfg)
+        seconds = time.perf_counter() - start
     if result["status"] != "completed":
         raise RuntimeError(f"our job did not complete: {result}")
-    return {"time_s": time.perf_counter() - start, "steps": result["step"],
+    return {"time_s": seconds, "steps": result["step"],
             "final_accuracy": result["eval_accuracy"]}, cfg
 
 

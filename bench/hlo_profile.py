@@ -151,14 +151,9 @@ def _device_events(trace: dict):
     return threads
 
 
-def profile_ops(fn, *args, steps: int = 5, hlo_text: str | None = None,
-                trace_dir: str | None = None) -> OpProfile:
-    """Per-op device time of ``fn(*args)`` (a jitted function; compiled before the trace)."""
-    if hlo_text is None:
-        hlo_text = fn.lower(*args).compile().as_text()
-    instrs, comps = hlo_index(hlo_text)
-    jax.block_until_ready(fn(*args))
-    trace_dir = trace_dir or tempfile.mkdtemp(prefix="jaxaccel-trace-")
+def _trace(fn, args, steps: int, trace_dir: str) -> dict:
+    """The Perfetto trace (parsed JSON) of ``steps`` calls of ``fn(*args)``, written under
+    ``trace_dir``."""
     with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
         for _ in range(steps):
             out = fn(*args)
@@ -167,7 +162,21 @@ def profile_ops(fn, *args, steps: int = 5, hlo_text: str | None = None,
     if not files:
         raise RuntimeError(f"the profiler wrote no Perfetto trace under {trace_dir}.")
     with gzip.open(files[-1], "rt") as f:
-        trace = json.load(f)
+        return json.load(f)
+
+
+def profile_ops(fn, *args, steps: int = 5, hlo_text: str | None = None,
+                trace_dir: str | None = None) -> OpProfile:
+    """Per-op device time of ``fn(*args)`` (a jitted function; compiled before the trace)."""
+    if hlo_text is None:
+        hlo_text = fn.lower(*args).compile().as_text()
+    instrs, comps = hlo_index(hlo_text)
+    jax.block_until_ready(fn(*args))
+    if trace_dir is None:      # nobody asked to keep the trace: read it, then remove it
+        with tempfile.TemporaryDirectory(prefix="jaxaccel-trace-") as tmp:
+            trace = _trace(fn, args, steps, tmp)
+    else:
+        trace = _trace(fn, args, steps, trace_dir)
     threads = _device_events(trace)
     ops_line = [t for t in threads if t == "XLA Ops"]
     if ops_line:

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
 import tempfile
 import time
@@ -108,7 +107,16 @@ def main(argv=None):
                     help="build the run and compile what it would compile (the loop's "
                     "compile_ahead), print the compile seconds and stop; no result file")
     args = ap.parse_args(argv)
-    workdir = args.workdir or tempfile.mkdtemp(prefix="jaxaccel-job-")
+    if args.workdir:
+        job(args, args.workdir)
+    else:                      # the temporary run folder goes, whether the run completed or not
+        with tempfile.TemporaryDirectory(prefix="jaxaccel-job-") as workdir:
+            job(args, workdir)
+
+
+def job(args: argparse.Namespace, workdir: str) -> None:
+    """Train ``args.config`` under ``workdir`` and write its result row (or, with
+    ``--compile-only``, print the compile seconds)."""
     cfg = config_lib.load(args.config, args.set + [f"workdir={workdir!r}"])
     if os.path.exists(os.path.join(workdir, cfg.name)):
         raise FileExistsError(f"{os.path.join(workdir, cfg.name)!r} exists and would be "
@@ -132,8 +140,6 @@ def main(argv=None):
     if result["status"] != "completed":
         raise RuntimeError(f"the run did not complete: {result}")
     tta = time_to_accuracy(result["metrics_file"], start, args.target)
-    if not args.workdir:
-        shutil.rmtree(workdir, ignore_errors=True)
     tokens, flops = padded_tokens_and_flops(cfg)
     seconds = meter.result["seconds"]
     peak = peak_flops(device_kind(), cfg.precision.policy)
