@@ -5,7 +5,6 @@ The first RT build needs PyPI (pip downloads the vaderSentiment sdist once per s
 
 import hashlib
 import importlib.util
-import os
 import tarfile
 
 import numpy as np

@@ -4,7 +4,6 @@ to the optax path on one device and sharded, checkpoints portable across the two
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 
 import compile_only

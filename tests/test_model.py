@@ -163,10 +163,10 @@ def test_every_parameter_has_logical_axes():
     model = _tiny(num_labels=2)
     specs = nnx.get_partition_spec(nnx.state(model, nnx.Param))
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-    for spec, p in zip(jax.tree_util.tree_leaves(nnx.to_pure_dict(specs),
+    for axes, p in zip(jax.tree_util.tree_leaves(nnx.to_pure_dict(specs),
                                                  is_leaf=lambda x: isinstance(x, tuple)),
                        jax.tree_util.tree_leaves(params)):
-        assert len(spec) == p.ndim
+        assert len(axes) == p.ndim
 
 
 def test_bf16_policy_is_close_to_fp32(minilm_dir):

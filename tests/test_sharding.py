@@ -17,7 +17,7 @@ import compile_only
 from jaxaccel import config, plan
 from jaxaccel.collectives import collective_bytes
 from jaxaccel.train import loop
-from jaxaccel.train.checkpoint import Checkpointer, abstract_like, on_disk, restore_state
+from jaxaccel.train.checkpoint import Checkpointer, on_disk, restore_state
 
 TINY = ["model.name=tiny", "data.name=synthetic", "data.synthetic_examples=64",
         "data.synthetic_seq_len=16", "train.batch_size=16", "train.eval_batch_size=32",
