@@ -159,24 +159,15 @@ class LlamaConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], source: str = "config") -> "LlamaConfig":
-        """Build from a transformers config.json dict (other keys ignored). RoPE settings are
-        read from ``rope_theta``/``rope_scaling`` (transformers < 5) or ``rope_parameters``
-        (transformers >= 5)."""
+        """Build from a transformers config.json dict (other keys ignored); the RoPE settings
+        as transformers reads them (``hf_rope``)."""
         model_type = d.get("model_type")
         if model_type not in LLAMA_MODEL_TYPES:
             raise ValueError(f"{source}: model_type={model_type!r} is not a Llama-family "
                              f"model; this loader reads {LLAMA_MODEL_TYPES}.")
-        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
-        kind = rope.get("rope_type", rope.get("type", "default"))
-        if kind != "default" and kind not in ROPE_SCALINGS:
-            raise ValueError(f"{source}: RoPE scaling {kind!r} is not supported (plain RoPE "
-                             f"or {tuple(ROPE_SCALINGS)}); use such a checkpoint (e.g. "
-                             "TinyLlama, Llama 3.x).")
         names = {f.name for f in dataclasses.fields(cls)}
         values = {k: v for k, v in d.items() if k in names and v is not None}
-        values["rope_theta"] = float(d.get("rope_theta", rope.get("rope_theta", 10000.0)))
-        values["rope_scaling"] = None if kind == "default" else \
-            {"rope_type": kind, **{k: rope[k] for k in ROPE_SCALINGS[kind] if k != "rope_type"}}
+        values["rope_theta"], values["rope_scaling"] = hf_rope(d, source)
         values.setdefault("num_key_value_heads", d.get("num_attention_heads",
                                                         cls.num_attention_heads))
         return cls(**values)
@@ -186,6 +177,41 @@ class LlamaConfig:
         return {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
                 **dataclasses.asdict(self),
                 "rope_scaling": None if self.rope_scaling is None else dict(self.rope_scaling)}
+
+
+def hf_rope(d: dict[str, Any], source: str = "config") -> tuple[float, dict | None]:
+    """``(rope_theta, rope_scaling)`` of a Llama config.json dict, read the way transformers 5
+    reads it (``RotaryEmbeddingConfigMixin.convert_rope_params_to_dict``), so that a file
+    means the same here as there: the RoPE dict is ``rope_scaling`` (transformers < 5) when
+    it is set, else ``rope_parameters`` (transformers >= 5); its ``rope_type`` (or the older
+    ``type``) defaults to "default" (plain RoPE, ``rope_scaling`` None); the dict's own
+    ``rope_theta`` wins over the top-level one (default 10000); Llama 3's
+    ``original_max_position_embeddings`` defaults to ``max_position_embeddings``. A rope type
+    not in ``ROPE_SCALINGS``, or one missing its keys, is a ``ValueError`` naming the key it
+    was read from."""
+    key = "rope_scaling" if d.get("rope_scaling") else "rope_parameters"
+    rope = d.get(key) or {}
+    if not isinstance(rope, dict):
+        raise ValueError(f"{source}: {key}={rope!r} is not a dict; expected e.g. "
+                         '{"rope_type": "default", "rope_theta": 10000.0}.')
+    theta = float(rope.get("rope_theta", d.get("rope_theta") or 10000.0))
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind == "default":
+        return theta, None
+    if kind not in ROPE_SCALINGS:
+        hidden = (" (transformers reads rope_scaling in place of rope_parameters "
+                  f"{d['rope_parameters']!r}: drop rope_scaling if that is what the model was "
+                  "trained with)" if key == "rope_scaling" and d.get("rope_parameters") else "")
+        raise ValueError(f"{source}: {key}={rope!r}: RoPE scaling {kind!r} is not supported "
+                         f"(plain RoPE or {tuple(ROPE_SCALINGS)}){hidden}; use such a "
+                         "checkpoint (e.g. TinyLlama, Llama 3.x).")
+    given = {"original_max_position_embeddings": d.get("max_position_embeddings"), **rope}
+    missing = [k for k in ROPE_SCALINGS[kind] if k != "rope_type" and given.get(k) is None]
+    if missing:
+        raise ValueError(f"{source}: {key}={rope!r} lacks {missing}, which RoPE scaling "
+                         f"{kind!r} needs ({ROPE_SCALINGS[kind]}); add them to the file.")
+    return theta, {"rope_type": kind, **{k: given[k] for k in ROPE_SCALINGS[kind]
+                                         if k != "rope_type"}}
 
 
 LLAMA_PRESETS = {
@@ -442,4 +468,4 @@ def _with_options(architecture, model_cfg) -> ModelSpec:
 
 __all__ = ["ARCHITECTURES", "BertConfig", "FAMILIES", "Family", "LLAMA_PRESETS", "LlamaConfig",
            "ModelSpec", "POOLINGS", "PRESETS", "architecture_from_hf", "family_of",
-           "from_config", "from_saved", "preset"]
+           "from_config", "from_saved", "hf_rope", "preset"]

@@ -1,0 +1,94 @@
+"""The third fault probe of the command line (issue 32), each item driven the way the probe's
+user drove it: ``jaxaccel.cli.main([...])`` (or the public function the case named) on tiny
+models and checkpoints written here."""
+import dataclasses
+import json
+import os
+
+import pytest
+
+from jaxaccel import cli
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FINETUNE = os.path.join(ROOT, "configs", "canterbury_lm_finetune.py")
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    """A tiny Llama checkpoint folder (config.json + model.safetensors) in transformers' form."""
+    from jaxaccel.models import LLAMA_PRESETS, ModelSpec, build_model, save_checkpoint
+    path = str(tmp_path_factory.mktemp("probe") / "llama")
+    save_checkpoint(build_model(ModelSpec(LLAMA_PRESETS["llama-tiny"])), path)
+    return path
+
+
+@pytest.fixture
+def llama_copy(llama_dir, tmp_path):
+    import shutil
+    dest = str(tmp_path / "llama")
+    shutil.copytree(llama_dir, dest)
+    return dest
+
+
+def edit_config(path, **changes):
+    """Rewrite the checkpoint's config.json with ``changes`` (None removes a key)."""
+    file = os.path.join(path, "config.json")
+    with open(file) as f:
+        cfg = json.load(f)
+    for key, value in changes.items():
+        cfg.pop(key, None) if value is None else cfg.__setitem__(key, value)
+    with open(file, "w") as f:
+        json.dump(cfg, f)
+
+
+# ---- item 1: RoPE settings read the way transformers reads them ----
+
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+          "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+ROPE_FILES = {   # config.json RoPE keys, each as some transformers version writes or reads them
+    "v5 default, its own theta over the top level":
+        dict(rope_parameters={"rope_type": "default", "rope_theta": 5000.0}, rope_theta=2e4),
+    "v4 top-level theta": dict(rope_theta=500.0, rope_scaling=None),
+    "v5 llama3": dict(rope_parameters={**LLAMA3, "rope_theta": 5e5}),
+    "v4 llama3 beside a v5 default: rope_scaling wins":
+        dict(rope_parameters={"rope_type": "default", "rope_theta": 5000.0},
+             rope_scaling=LLAMA3, rope_theta=2e4),
+    "llama3 without its original length": dict(rope_scaling={
+        k: v for k, v in LLAMA3.items() if k != "original_max_position_embeddings"}),
+    "legacy 'type' key": dict(rope_scaling={"type": "default"}, rope_theta=300.0),
+}
+
+
+@pytest.mark.parametrize("rope", ROPE_FILES.values(), ids=ROPE_FILES.keys())
+def test_llama_rope_settings_are_read_as_transformers_reads_them(rope):
+    import transformers
+
+    from jaxaccel.models import LLAMA_PRESETS, LlamaConfig
+    d = {**LLAMA_PRESETS["llama-tiny"].to_hf(), "max_position_embeddings": 256,
+         "rope_scaling": None, "rope_theta": None, **rope}
+    d = {k: v for k, v in d.items() if v is not None}
+    ours = LlamaConfig.from_dict(json.loads(json.dumps(d)))
+    theirs = transformers.LlamaConfig.from_dict(json.loads(json.dumps(d))).rope_parameters
+    assert ours.rope_theta == theirs["rope_theta"]
+    kind = theirs["rope_type"]
+    assert (ours.rope_scaling is None) == (kind == "default")
+    if ours.rope_scaling is not None:
+        assert dict(ours.rope_scaling) == {k: theirs[k] for k in dict(ours.rope_scaling)}
+
+
+def test_a_linear_rope_scaling_beside_a_default_rope_parameters_is_refused(llama_copy, tmp_path,
+                                                                         capsys):
+    """The probe's file: transformers 5 reads rope_scaling (linear, factor 2) in place of
+    rope_parameters (default); jaxaccel fine-tuned it with plain RoPE."""
+    from jaxaccel.models.hf_llama import from_pretrained
+    edit_config(llama_copy, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                rope_scaling={"rope_type": "linear", "factor": 2.0})
+    message = (r"rope_scaling=\{'rope_type': 'linear', 'factor': 2.0\}: RoPE scaling 'linear' "
+               r"is not supported .*transformers reads rope_scaling in place of "
+               r"rope_parameters .*drop rope_scaling")
+    with pytest.raises(ValueError, match=message):
+        from_pretrained(llama_copy)
+    assert cli.main(["train", "--config", FINETUNE, "--set", f"model.checkpoint={llama_copy}",
+                     "--set", f"workdir={tmp_path / 'runs'}"]) == cli.EXIT_ERROR
+    err = capsys.readouterr().err
+    assert "config.json: rope_scaling=" in err and "'linear' is not supported" in err, err
