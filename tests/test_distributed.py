@@ -6,22 +6,18 @@ one-process reference and the one-device eval included): the test is about the m
 machinery (gloo collectives, per-process data, a checkpoint written by both), and all of its
 runs must share one platform for their losses to be compared."""
 import json
-import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 
 import numpy as np
 import pytest
 
+from jaxaccel import cli
 from jaxaccel.distributed import initialize_from_env, multi_process_env
 from jaxaccel.train.metrics import read_metrics
-
-CONFIG = os.path.join(os.path.dirname(__file__), "..", "configs", "tiny_synthetic.py")
-# Multi-tensor Adan through the fused Pallas kernel (interpreted on CPU).
-ADAN = ("train.optimizer=adan", "train.optimizer_impl=pallas")
+from support import ADAN, CLI, TINY_CONFIG, cpu_env
 
 
 @pytest.mark.parametrize("env,kind", [
@@ -62,17 +58,6 @@ def test_process_count_without_a_coordinator_warns(caplog):
     assert "JAXACCEL_COORDINATOR is not set: running as a single process" in caplog.text
 
 
-def _cpu_env(devices=None, **extra):
-    """This process's environment for a CPU-only subprocess with ``devices`` fake devices
-    (None: one, XLA's default), keeping the other XLA flags and the session's compilation
-    cache (conftest): a resumed run and the eval load the steps the first runs compiled."""
-    flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
-             if not f.startswith("--xla_force_host_platform_device_count")]
-    if devices is not None:
-        flags.append(f"--xla_force_host_platform_device_count={devices}")
-    return dict(os.environ, XLA_FLAGS=" ".join(flags), JAX_PLATFORMS="cpu", **extra)
-
-
 def _port():
     with socket.socket() as s:
         s.bind(("localhost", 0))
@@ -94,35 +79,35 @@ def test_two_processes_stop_together_on_sigterm_to_one_and_resume_like_one_proce
             "mesh.fsdp=2", *ADAN)
 
     def cmd(workdir):
-        return [sys.executable, "-m", "jaxaccel.cli", "train", "--config", CONFIG,
-                f"--set=workdir={workdir}", *(f"--set={x}" for x in sets)]
+        return [*CLI, "train", "--config", TINY_CONFIG, f"--set=workdir={workdir}",
+                *(f"--set={x}" for x in sets)]
 
     def start_two():
         port = _port()
         return [subprocess.Popen(cmd(tmp_path / "two"), stdout=subprocess.PIPE,
                                  stderr=subprocess.PIPE, text=True,
-                                 env=_cpu_env(2, JAXACCEL_COORDINATOR=f"localhost:{port}",
-                                              JAXACCEL_NUM_PROCESSES="2",
-                                              JAXACCEL_PROCESS_ID=str(i)))
+                                 env=cpu_env(2, JAXACCEL_COORDINATOR=f"localhost:{port}",
+                                             JAXACCEL_NUM_PROCESSES="2",
+                                             JAXACCEL_PROCESS_ID=str(i)))
                 for i in range(2)]
 
-    def finish(procs):
+    def finish(procs, status=0):
         outs = []
         for p in procs:
             out, err = p.communicate(timeout=300)
-            assert p.returncode == 0, err[-3000:]
+            assert p.returncode == status, err[-3000:]
             outs.append(json.JSONDecoder().raw_decode(out[out.index("{"):])[0])
         return outs
 
     two = tmp_path / "two" / "tiny_synthetic"
     procs = start_two()
-    one = subprocess.Popen(cmd(tmp_path / "one"), env=_cpu_env(4), stdout=subprocess.PIPE,
+    one = subprocess.Popen(cmd(tmp_path / "one"), env=cpu_env(4), stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True)
     while not ((two / "metrics.jsonl").exists() and (two / "metrics.jsonl").read_text()):
         assert all(p.poll() is None for p in procs), [p.communicate() for p in procs]
         time.sleep(0.05)
     procs[1].send_signal(signal.SIGTERM)
-    stopped = finish(procs)
+    stopped = finish(procs, cli.EXIT_PREEMPTED)      # stopped, resumable
     assert [r["status"] for r in stopped] == ["preempted"] * 2, stopped
     assert stopped[0]["step"] == stopped[1]["step"] < steps, stopped
     resumed = finish(start_two())
@@ -136,7 +121,7 @@ def test_two_processes_stop_together_on_sigterm_to_one_and_resume_like_one_proce
                                [r["train/loss"] for r in rows["one"]], rtol=1e-5)
     final = [r["eval/accuracy"] for r in read_metrics(str(tmp_path / "one" / "tiny_synthetic"))
              if "eval/accuracy" in r][-1]
-    ev = subprocess.run([sys.executable, "-m", "jaxaccel.cli", "eval", "--checkpoint",
-                         str(two)], env=_cpu_env(), capture_output=True, text=True, timeout=300)
+    ev = subprocess.run([*CLI, "eval", "--checkpoint", str(two)], env=cpu_env(),
+                        capture_output=True, text=True, timeout=300)
     assert ev.returncode == 0, ev.stderr[-2000:]
     assert json.loads(ev.stdout)["accuracy"] == pytest.approx(final, abs=1e-6)

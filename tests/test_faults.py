@@ -20,28 +20,26 @@ import time
 import pytest
 
 from jaxaccel import cli
-from test_distributed import _cpu_env
+from support import CLI, ROOT, TINY_CONFIG, cpu_env
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = os.path.join(ROOT, "configs", "tiny_synthetic.py")
-ENV = _cpu_env(PYTHONPATH=ROOT, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-               TOKENIZERS_PARALLELISM="false", SLURM_NTASKS="4")   # stray: a single-process run must ignore it (item 8)
+ENV = cpu_env(PYTHONPATH=ROOT, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+              TOKENIZERS_PARALLELISM="false", SLURM_NTASKS="4")   # stray: a single-process run must ignore it (item 8)
 # A train state as far as Checkpointer is concerned (it checks ``params`` are finite).
 State = collections.namedtuple("State", "params")
 
 
 def jaxaccel(*args, stdin=None, env=None):
-    return subprocess.run([sys.executable, "-m", "jaxaccel.cli", *args], input=stdin,
-                          capture_output=True, env=env or ENV, timeout=300)
+    return subprocess.run([*CLI, *args], input=stdin, capture_output=True, env=env or ENV,
+                          timeout=300)
 
 
 def start(*args):
-    return subprocess.Popen([sys.executable, "-m", "jaxaccel.cli", *args], env=ENV,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    return subprocess.Popen([*CLI, *args], env=ENV, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
 
 
 def train_args(workdir, *sets):
-    out = ["train", "--config", TINY, "--set", f"workdir={workdir}",
+    out = ["train", "--config", TINY_CONFIG, "--set", f"workdir={workdir}",
            "--set", "train.progress=false"]
     for s in sets:
         out += ["--set", s]
@@ -346,7 +344,9 @@ def test_one_writer_per_run_folder(run_copy):
 
 
 def test_ctrl_c_saves_and_exits_cleanly(tmp_path):
-    """Item 9: SIGINT is handled like SIGTERM: save the current step, exit 0, resumable."""
+    """Item 9: SIGINT is handled like SIGTERM: save the current step, exit with the status of
+    a stopped, resumable run (issue 32 item 4: not 0, which `&&` and schedulers read as
+    finished)."""
     proc = start(*train_args(tmp_path, "train.epochs=40", "train.log_every=1"))
     metrics = tmp_path / "tiny_synthetic" / "metrics.jsonl"
     while not (metrics.exists() and metrics.read_text().count("\n") >= 3):
@@ -354,7 +354,7 @@ def test_ctrl_c_saves_and_exits_cleanly(tmp_path):
         time.sleep(0.2)
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 0, (out + err).decode()
+    assert proc.returncode == cli.EXIT_PREEMPTED == 75, (out + err).decode()
     saved = json.loads(out)["step"]
     assert b"SIGINT: saved step" in err and b"Traceback" not in err
     assert steps(str(tmp_path / "tiny_synthetic"))[-1] == saved
@@ -534,7 +534,7 @@ def test_json_config_files(tmp_path, capsys):
 def test_a_known_config_by_its_bare_name(capsys):
     """Item 7: --config tiny_synthetic was "not found" while listed as known."""
     from jaxaccel import config
-    assert config.load("tiny_synthetic") == config.load(TINY)
+    assert config.load("tiny_synthetic") == config.load(TINY_CONFIG)
     assert cli.main(["train", "--config", "tiny_synthetc"]) == cli.EXIT_ERROR
     err = capsys.readouterr().err
     assert "'tiny_synthetc' not found" in err and "'tiny_synthetic'" in err, err

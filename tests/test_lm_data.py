@@ -13,6 +13,7 @@ import pytest
 from jaxaccel import config
 from jaxaccel.data import bpe, canterbury, load_corpus, load_text_dataset, load_tokenizer, splits
 from jaxaccel.data.packing import KEYS, PackedBatches, pack, tokenize_documents
+from support import CLI, CONFIGS, ROOT, cpu_env
 
 NUM_DOCS, NUM_TRAIN = 2678, 2678 - canterbury.NUM_VALIDATION
 
@@ -238,8 +239,7 @@ def test_finetune_config_trains_from_a_llama_checkpoint(tmp_path, corpus_dir, bp
     arch = dataclasses.replace(LLAMA_PRESETS["llama-tiny"], vocab_size=1024)
     save_checkpoint(build_model(ModelSpec(arch)), ckpt)
     load_tokenizer(bpe_dir, light=True).save_pretrained(ckpt)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    cfg = config.load(os.path.join(root, "configs", "canterbury_lm_finetune.py"), [
+    cfg = config.load(os.path.join(CONFIGS, "canterbury_lm_finetune.py"), [
         f"workdir={tmp_path}", f"model.checkpoint={ckpt}", f"data.data_dir={corpus_dir}",
         "data.max_len=64", "train.max_steps=2", "train.batch_size=8",
         "train.eval_batch_size=64", "precision.policy=fp32", "model.remat=false",
@@ -259,18 +259,15 @@ def test_fp16_and_fp8_match_fp32_perplexity_on_the_cpu_lm_job(tmp_path):
     the same commands on the shared CPU: 674.6 / 675.1 / 672.3, 7.5 to 13.5 min per policy."""
     import json
     import subprocess
-    import sys
 
-    from tests.test_distributed import _cpu_env
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     ppl = {}
     for policy in ("fp32", "fp16", "fp8"):
         proc = subprocess.run(
-            [sys.executable, "-m", "jaxaccel.cli", "train", "--config",
-             os.path.join(root, "configs", "canterbury_lm.py"), "--set", f"workdir={tmp_path}",
+            [*CLI, "train", "--config", os.path.join(CONFIGS, "canterbury_lm.py"),
+             "--set", f"workdir={tmp_path}",
              "--set", f"name={policy}", "--set", f"precision.policy={policy}",
              "--set", "train.progress=false"],
-            capture_output=True, text=True, env=_cpu_env(PYTHONPATH=root))
+            capture_output=True, text=True, env=cpu_env(PYTHONPATH=ROOT))
         assert proc.returncode == 0, proc.stdout + proc.stderr
         result, _ = json.JSONDecoder().raw_decode(proc.stdout)
         assert result["status"] == "completed", result

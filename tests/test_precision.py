@@ -4,7 +4,6 @@ exactly after SIGTERM, both lower for TPU and GPU on a 2x2x2 mesh, bad input fai
 import json
 import os
 import subprocess
-import sys
 import time
 
 import jax
@@ -21,10 +20,7 @@ from jaxaccel.precision import POLICIES, LossScale, get_policy
 from jaxaccel.train import loop
 from jaxaccel.train.inference import evaluate_run
 from jaxaccel.train.metrics import read_metrics
-from test_distributed import _cpu_env
-from test_train import TINY, _losses, _sigterm_at, tiny_cfg
-
-ROOT = os.path.join(os.path.dirname(__file__), "..")
+from support import CLI, CONFIGS, ROOT, TINY, cpu_env, logged_losses, sigterm_at, tiny_cfg
 
 
 # ---- fp8: quantization against an independent simulation ----
@@ -130,10 +126,10 @@ def test_policy_trains_and_resume_after_sigterm_matches_uninterrupted(tmp_path, 
             "precision.loss_scale_init=524288.0",
             "precision.loss_scale_growth_interval=5", "precision.fp8_amax_history=4")
     full = loop.train(tiny_cfg(tmp_path, "name=full", *sets))
-    lf = _losses(full["run_dir"])
+    lf = logged_losses(full["run_dir"])
     assert np.mean([lf[s] for s in (10, 11, 12)]) < np.mean([lf[s] for s in (1, 2, 3)]) - 0.05
     with monkeypatch.context() as m:
-        _sigterm_at(m, 6)
+        sigterm_at(m, 6)
         part = loop.train(tiny_cfg(tmp_path, "name=part", *sets))
     assert part["status"] == "preempted" and part["step"] == 6
     resumed = loop.train(tiny_cfg(tmp_path, "name=part", *sets))
@@ -165,7 +161,7 @@ def test_policy_trains_and_resume_after_sigterm_matches_uninterrupted(tmp_path, 
 
 def test_bf16_training_lowers_the_loss(tmp_path):
     result = loop.train(tiny_cfg(tmp_path, "precision.policy=bf16", "train.epochs=3"))
-    losses = _losses(result["run_dir"])
+    losses = logged_losses(result["run_dir"])
     assert np.mean([losses[s] for s in (10, 11, 12)]) < np.mean([losses[s] for s in (1, 2, 3)]) \
         - 0.05
 
@@ -231,15 +227,15 @@ def test_fp16_and_fp8_match_fp32_accuracy_on_the_main_job(tmp_path):
     """MiniLM-L6 on the RT snippets: the README's main-job command (configs/minilm_rt.py on one
     CPU device, as a user runs it) under each policy: fp16 and fp8 reach test accuracy within 1
     point of fp32. 7.5 to 12 minutes per policy, 29 in all, on the idle 2-core CPU."""
-    path = os.path.join(ROOT, "configs", "minilm_rt.py")
+    path = os.path.join(CONFIGS, "minilm_rt.py")
     acc = {}
     for policy in ("fp32", "fp16", "fp8"):
         start = time.perf_counter()
         proc = subprocess.run(
-            [sys.executable, "-m", "jaxaccel.cli", "train", "--config", path,
+            [*CLI, "train", "--config", path,
              "--set", f"workdir={tmp_path}", "--set", f"name={policy}",
              "--set", f"precision.policy={policy}", "--set", "train.progress=false"],
-            capture_output=True, text=True, env=_cpu_env(PYTHONPATH=ROOT))
+            capture_output=True, text=True, env=cpu_env(PYTHONPATH=ROOT))
         assert proc.returncode == 0, proc.stdout + proc.stderr
         result, _ = json.JSONDecoder().raw_decode(proc.stdout)   # then where the files are
         assert result["status"] == "completed", result

@@ -3,7 +3,6 @@ interrupted checkpoint writes leave the previous checkpoint readable."""
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import jax
@@ -17,19 +16,7 @@ from jaxaccel.train import loop
 from jaxaccel.train.checkpoint import Checkpointer
 from jaxaccel.train.inference import evaluate_run
 from jaxaccel.train.metrics import read_metrics
-
-TINY = ["model.name=tiny", "data.name=synthetic", "data.synthetic_examples=64",
-        "data.synthetic_seq_len=16", "train.batch_size=16", "train.eval_batch_size=32",
-        "train.learning_rate=3e-3", "train.progress=false", "train.log_every=1",
-        "train.warmup_ratio=0.0"]
-
-
-def tiny_cfg(tmp_path, *sets):
-    return config.build(sets=TINY + [f"workdir={tmp_path}", *sets])
-
-
-def _losses(run_dir):
-    return {r["step"]: r["train/loss"] for r in read_metrics(run_dir) if "train/loss" in r}
+from support import CLI, TINY, TINY_CONFIG, logged_losses, sigterm_at, tiny_cfg
 
 
 def test_training_lowers_the_loss(tmp_path, monkeypatch):
@@ -49,7 +36,7 @@ def test_training_lowers_the_loss(tmp_path, monkeypatch):
     assert ahead == [2], ahead                 # one length: a train and an eval step
     assert not {"jit(step)", "jit(eval_step)"} & set(compiled), compiled
     assert result["status"] == "completed" and result["step"] == 24
-    losses = _losses(result["run_dir"])
+    losses = logged_losses(result["run_dir"])
     first, last = np.mean([losses[s] for s in (1, 2, 3)]), np.mean([losses[s] for s in (22, 23, 24)])
     assert last < first - 0.1, (first, last)
     assert 0.0 <= result["eval_accuracy"] <= 1.0 and result["eval_examples"] == 64
@@ -80,34 +67,20 @@ def test_grad_accumulation_equals_one_big_batch(tmp_path):
                             "model.attention_dropout=0.0"))
     b = loop.train(tiny_cfg(tmp_path, "name=b", "train.max_steps=3", "train.grad_accum=2",
                             "model.hidden_dropout=0.0", "model.attention_dropout=0.0"))
-    la, lb = _losses(a["run_dir"]), _losses(b["run_dir"])
+    la, lb = logged_losses(a["run_dir"]), logged_losses(b["run_dir"])
     np.testing.assert_allclose([la[s] for s in (1, 2, 3)], [lb[s] for s in (1, 2, 3)], rtol=2e-5)
-
-
-def _sigterm_at(monkeypatch, n):
-    """Deliver a real SIGTERM to this process when the n-th train batch is sent."""
-    calls = {"n": 0}
-    original = loop.Run.put_batch
-
-    def hooked(run, batch):
-        if batch["weights"].shape[0] == 16:       # train batches (eval batches are 32 rows)
-            calls["n"] += 1
-            if calls["n"] == n:
-                os.kill(os.getpid(), signal.SIGTERM)
-        return original(run, batch)
-    monkeypatch.setattr(loop.Run, "put_batch", hooked)
 
 
 def test_sigterm_saves_and_resume_matches_uninterrupted(tmp_path, monkeypatch):
     full = loop.train(tiny_cfg(tmp_path, "name=full", "train.epochs=3"))
     with monkeypatch.context() as m:
-        _sigterm_at(m, 6)              # mid-epoch 2 (4 steps per epoch)
+        sigterm_at(m, 6)               # mid-epoch 2 (4 steps per epoch)
         part = loop.train(tiny_cfg(tmp_path, "name=part", "train.epochs=3"))
     assert part["status"] == "preempted" and part["step"] == 6
     assert Checkpointer(part["checkpoint_dir"]).latest_step() == 6
     resumed = loop.train(tiny_cfg(tmp_path, "name=part", "train.epochs=3"))
     assert resumed["status"] == "completed" and resumed["step"] == 12
-    lf, lp = _losses(full["run_dir"]), _losses(part["run_dir"])
+    lf, lp = logged_losses(full["run_dir"]), logged_losses(part["run_dir"])
     assert sorted(lp) == list(range(1, 13))
     np.testing.assert_allclose([lp[s] for s in range(1, 13)], [lf[s] for s in range(1, 13)],
                                rtol=1e-6)
@@ -116,10 +89,9 @@ def test_sigterm_saves_and_resume_matches_uninterrupted(tmp_path, monkeypatch):
 
 def test_external_sigterm_exits_cleanly_with_a_checkpoint(tmp_path):
     workdir = tmp_path / "w"
-    cmd = [sys.executable, "-m", "jaxaccel.cli", "train", "--config",
-           os.path.join(os.path.dirname(__file__), "..", "configs", "tiny_synthetic.py"),
-           "--set", f"workdir={workdir}", "--set", "train.epochs=2000",
-           "--set", "train.progress=false", "--set", "train.log_every=1"]
+    cmd = [*CLI, "train", "--config", TINY_CONFIG, "--set", f"workdir={workdir}",
+           "--set", "train.epochs=2000", "--set", "train.progress=false",
+           "--set", "train.log_every=1"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     metrics = workdir / "tiny_synthetic" / "metrics.jsonl"
     deadline = time.time() + 120
@@ -204,6 +176,6 @@ def test_bf16_steps_on_the_gpu_match_float32(tmp_path):
     with jax.default_matmul_precision("highest"):
         fp32 = loop.train(tiny_cfg(tmp_path, "name=fp32", *sets))
     assert bf16["status"] == fp32["status"] == "completed"
-    lb, lf = _losses(bf16["run_dir"]), _losses(fp32["run_dir"])
+    lb, lf = logged_losses(bf16["run_dir"]), logged_losses(fp32["run_dir"])
     assert np.isfinite([lb[1], lb[2]]).all() and lb[2] != lb[1], lb
     np.testing.assert_allclose(lb[1], lf[1], rtol=1e-2)
