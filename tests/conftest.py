@@ -1,5 +1,6 @@
 """Test setup: 8 fake CPU devices (sharding tests), offline Hugging Face, shared fixtures,
-compile-only TPU/GPU targets, and what changes on a GPU machine.
+compile-only TPU/GPU targets, and what changes on a GPU machine. Shared helpers that are not
+fixtures are in support.py.
 
 On a GPU machine the default backend is the GPU (one device, float32 matmuls at TF32 by
 default) while the CPU backend still has the 8 fake devices forced below, so:
@@ -11,8 +12,9 @@ default) while the CPU backend still has the 8 fake devices forced below, so:
 * tests that compare with an XLA reference compute it under
   ``jax.default_matmul_precision("highest")`` (see each module's tolerance table);
 * tests that need 8 devices take them from the ``eight_devices`` fixture (``_module`` for a
-  whole module): the default backend's when it has 8, else the 8 fake CPU devices with
-  everything the test builds placed on CPU, else they skip and say why.
+  whole module; ``on_eight_devices`` also hands them to ``support.build``): the default
+  backend's when it has 8, else the 8 fake CPU devices with everything the test builds placed
+  on CPU, else they skip and say why.
 
 * tests that compile for TPU slices or NVIDIA GPUs without one (``compile_target``) take
   compile-only devices from ``jaxaccel.topology`` (libtpu, the CUDA plugin: the ``aot`` extra)
@@ -145,6 +147,18 @@ def eight_devices_module():
     """8 devices for a whole module, its module-scoped fixtures included."""
     with eight_device_placement() as devices:
         yield devices
+
+
+@pytest.fixture(scope="module")
+def on_eight_devices(eight_devices_module):
+    """For a module whose helpers build outside any fixture argument (``support.build``, its
+    own module-scoped references): ``support.DEVICES`` holds the module's 8 devices while it
+    runs. A module takes it with ``pytestmark = pytest.mark.usefixtures("on_eight_devices")``,
+    which sets it up before the module's own module-scoped fixtures."""
+    import support
+    support.DEVICES[:] = eight_devices_module
+    yield
+    support.DEVICES.clear()
 
 
 @pytest.fixture(scope="session")

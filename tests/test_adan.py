@@ -18,86 +18,10 @@ from jaxaccel.optim import flat
 from jaxaccel.optim.adan import AdanState, adan, restart
 from kernels_pallas import registry
 from kernels_pallas.adan import (DEFAULT_ORDER, LANES, ROW_ALIGN, UPDATE, adan_update,
-                                 make_scalars, update_kernel)
+                                 update_kernel)
+from support import CASES, Float64Adan, bert_tree, flat_args, grads_at, rel, small_tree
 
 IMPLS = ("per_leaf", "xla", "pallas")
-
-
-class Float64Adan:
-    """The official rule, written out again in float64 numpy, one leaf list at a time."""
-
-    def __init__(self, lr, b1=0.98, b2=0.92, b3=0.99, eps=1e-8, wd=0.0, no_prox=False,
-                 max_grad_norm=0.0, decay=None):
-        self.__dict__.update(lr=lr, b1=b1, b2=b2, b3=b3, eps=eps, wd=wd, no_prox=no_prox,
-                             max_grad_norm=max_grad_norm, decay=decay)
-        self.t = 0
-        self.state = None
-
-    def step(self, params, grads):
-        if self.state is None:
-            self.state = [[np.zeros_like(p) for p in params] for _ in range(3)] + [None]
-        self.t += 1
-        t, b1, b2, b3 = self.t, self.b1, self.b2, self.b3
-        lr = self.lr(t - 1) if callable(self.lr) else self.lr
-        clip = 1.0
-        if self.max_grad_norm > 0:
-            norm = np.sqrt(sum(np.sum(g * g) for g in grads))
-            clip = min(self.max_grad_norm / (norm + self.eps), 1.0)
-        m, v, n, prev = self.state
-        gs = [clip * g for g in grads]
-        if prev is None or t == 1:
-            prev = gs
-        out = []
-        for i, (p, g) in enumerate(zip(params, gs)):
-            d = g - prev[i]
-            m[i] = b1 * m[i] + (1 - b1) * g
-            v[i] = b2 * v[i] + (1 - b2) * d
-            n[i] = b3 * n[i] + (1 - b3) * (g + b2 * d) ** 2
-            den = np.sqrt(n[i]) / np.sqrt(1 - b3 ** t) + self.eps
-            step = lr / (1 - b1 ** t) * m[i] / den + lr * b2 / (1 - b2 ** t) * v[i] / den
-            wd = self.wd if (self.decay is None or self.decay[i]) else 0.0
-            if self.no_prox:
-                out.append(p * (1 - lr * wd) - step)
-            else:
-                out.append((p - step) / (1 + lr * wd))
-        self.state = [m, v, n, gs]
-        return out
-
-    def restart(self):
-        self.t = 0
-        self.state = [[np.zeros_like(x) for x in self.state[0]] for _ in range(3)] + \
-            [self.state[3]]
-
-
-def small_tree(seed=0):
-    rng = np.random.default_rng(seed)
-    shapes = {"w": (7, 13), "bias": (13,), "deep": {"k": (3, 5, 2), "scale": (5,)}}
-    return jax.tree_util.tree_map(lambda s: rng.normal(size=s).astype(np.float32), shapes,
-                                  is_leaf=lambda x: isinstance(x, tuple))
-
-
-def bert_tree(hidden=64, layers=2, vocab=1000, mlp=96, labels=3):
-    """BERT-shaped parameters (odd sizes), the structure the trainer hands the optimizer."""
-    rng = np.random.default_rng(1)
-    n = lambda *s: rng.normal(size=s).astype(np.float32) * 0.1
-    ln = lambda: {"scale": 1 + n(hidden), "bias": n(hidden)}
-    lin = lambda a, b: {"kernel": n(a, b), "bias": n(b)}
-    layer = lambda: {"attention": {"query": lin(hidden, hidden), "key": lin(hidden, hidden),
-                                   "value": lin(hidden, hidden), "output": lin(hidden, hidden),
-                                   "layer_norm": ln()},
-                     "intermediate": lin(hidden, mlp), "output": lin(mlp, hidden),
-                     "layer_norm": ln()}
-    return {"embeddings": {"word_embeddings": {"embedding": n(vocab, hidden)},
-                           "position_embeddings": {"embedding": n(128, hidden)},
-                           "layer_norm": ln()},
-            "layers": {i: layer() for i in range(layers)},
-            "pooler": lin(hidden, hidden), "classifier": lin(hidden, labels)}
-
-
-def grads_at(step, params):
-    leaves, treedef = jax.tree_util.tree_flatten(params)
-    rng = np.random.default_rng(100 + step)
-    return treedef.unflatten([rng.normal(size=x.shape).astype(np.float32) for x in leaves])
 
 
 def run(tx, params, steps, after=None):
@@ -111,20 +35,6 @@ def run(tx, params, steps, after=None):
         if after is not None:
             state = after(t, state)
     return params, state, history
-
-
-def rel(a, b):
-    a, b = np.concatenate([np.ravel(x) for x in jax.tree_util.tree_leaves(a)]), \
-        np.concatenate([np.ravel(x) for x in jax.tree_util.tree_leaves(b)])
-    return np.linalg.norm(a.astype(np.float64) - b) / np.linalg.norm(b)
-
-
-CASES = {
-    "prox": dict(wd=0.05),
-    "no_prox": dict(wd=0.05, no_prox=True),
-    "clipped": dict(wd=0.02, max_grad_norm=1.0),
-    "schedule": dict(wd=0.0, lr=optax.linear_schedule(1e-2, 1e-3, 60)),
-}
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -336,15 +246,6 @@ def test_sharded_layout_takes_the_mesh_from_the_arrays(eight_devices):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)   # p up to 7: ulp 4.8e-7
 
 
-def _flat_args(rows, dtype=jnp.float32):
-    k = jax.random.split(jax.random.PRNGKey(0), 6)
-    g, m, v, prev, p = [jax.random.normal(kk, (rows, LANES), dtype) for kk in k[:5]]
-    n = jnp.abs(jax.random.normal(k[5], (rows, LANES)))
-    s = make_scalars(lr=1e-3, b1=0.98, b2=0.92, b3=0.99, eps=1e-8, weight_decay=0.02,
-                     count=3, clip=0.7)
-    return s, g, m, v, n, prev, p
-
-
 # Elementwise bounds of the kernel's outputs against adan_reference (XLA, same float32 math), by
 # where the kernel runs and the buffers' dtype: (rtol, atol). Both sides compute in float32;
 # the interpreter runs the very same jnp ops, so only storing to bfloat16 may round the other
@@ -366,7 +267,7 @@ KERNEL_TOL = {
 def test_kernel_matches_reference(no_prox, dtype, target):
     """The kernel (interpreted, or the real Triton kernel on a GPU) against the XLA path on
     flat buffers of ``dtype`` (the second moment n stays float32), weight decay and clipping on."""
-    s, g, m, v, n, prev, p = _flat_args(ROW_ALIGN, dtype)
+    s, g, m, v, n, prev, p = flat_args(ROW_ALIGN, dtype)
     assert float(jnp.abs(p).max()) < 8
     a = adan_update(s, g, m, v, n, prev, p, no_prox=no_prox, impl="xla")
     b = update_kernel(s, g, m, v, n, prev, p, no_prox=no_prox, target=target)
@@ -388,7 +289,7 @@ def test_registry_auto_order_and_names():
     assert DEFAULT_ORDER == {"cpu": ("xla",), "gpu": ("pallas", "xla"), "tpu": ("pallas", "xla")}
     from jaxaccel.optim.adan import IMPLS as OPTIMIZER_IMPLS
     assert OPTIMIZER_IMPLS == UPDATE.names + ("per_leaf",)
-    s, g, m, v, n, prev, p = _flat_args(ROW_ALIGN)
+    s, g, m, v, n, prev, p = flat_args(ROW_ALIGN)
     for x, y in zip(adan_update(s, g, m, v, n, prev, p),
                     adan_update(s, g, m, v, n, prev, p, impl=UPDATE.candidates("auto")[0])):
         np.testing.assert_array_equal(x, y)
@@ -406,7 +307,7 @@ def test_kernel_compiles_in_place_for_tpu_and_gpu(compile_target, name):
     target = compile_target(name)
     rows = -(-1_000_003 // (ROW_ALIGN * LANES)) * ROW_ALIGN
     m = compile_only.mesh(target)
-    args = compile_only.replicated(m, *jax.eval_shape(lambda: _flat_args(rows)))
+    args = compile_only.replicated(m, *jax.eval_shape(lambda: flat_args(rows)))
     compiled, _ = compile_only.compile_timed(update_kernel, *args, mesh=m,
                                              donate_argnums=(2, 3, 4, 5))
     text = compiled.as_text()

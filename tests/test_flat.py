@@ -12,11 +12,12 @@ from jaxaccel.optim.adan import adan_onepass
 from jaxaccel.train.checkpoint import Checkpointer, on_disk, restore_state
 from kernels_pallas.adan import (LANES, ROW_ALIGN, BlockSizes, adan_apply, adan_update,
                                  apply_kernel)
-from test_adan import (CASES, Float64Adan, _flat_args, bert_tree, grads_at, rel,
-                       small_tree)
-# on_eight_devices (autouse, module scope): ``build`` places every run on test_sharding's 8
-# devices, the fake CPU ones on a one-GPU machine (see conftest.eight_device_placement).
-from test_sharding import ADAN, build, on_eight_devices, train_steps  # noqa: F401
+from support import (ADAN, CASES, Float64Adan, bert_tree, build, flat_args, grads_at, rel,
+                     small_tree, train_steps)
+
+# ``build`` places every run on the module's 8 devices, the fake CPU ones on a one-GPU machine
+# (see conftest.on_eight_devices and eight_device_placement).
+pytestmark = pytest.mark.usefixtures("on_eight_devices")
 
 FLAT = ("train.flat_params=true",)
 
@@ -74,8 +75,8 @@ def test_groups_split_by_decay_and_dtype_and_views_round_trip():
 
 
 def _apply_args(rows, dtype=jnp.float32):
-    """test_adan's flat kernel arguments in adan_apply's order (s, g, p, m, v, n, prev)."""
-    s, g, m, v, n, prev, p = _flat_args(rows, dtype)
+    """``support.flat_args`` in adan_apply's order (s, g, p, m, v, n, prev)."""
+    s, g, m, v, n, prev, p = flat_args(rows, dtype)
     return s, g, p, m, v, n, prev
 
 

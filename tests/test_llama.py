@@ -13,40 +13,19 @@ import pytest
 from flax import nnx
 
 from jaxaccel import config
-from jaxaccel.data.packing import pack
 from jaxaccel.models import (LLAMA_PRESETS, PRESETS, ModelSpec, architecture_of, build_model,
                              load_checkpoint, save_checkpoint, spec)
 from jaxaccel.models.generate import Sampler, prompts_of
 from jaxaccel.models.llama import rope_frequencies
 from jaxaccel.train.state import TrainState
-from jaxaccel.train.tasks import TASKS
+from support import LM, docs, lm_loss, logits, packed
 
 TINY = LLAMA_PRESETS["llama-tiny"]
-LM = TASKS["causal_lm"]
-
-
-def packed(rows, length):
-    """A causal-LM batch of rows of documents (lists of token ids), each row's documents
-    packed by ``data.packing.pack`` into one row of ``length`` tokens."""
-    for docs_ in rows:
-        assert sum(map(len, docs_)) <= length, "each row's documents must fit in one row"
-    rows = [pack([np.asarray(d, np.int32) for d in docs_], length) for docs_ in rows]
-    return {k: np.concatenate([r[k] for r in rows]) for k in rows[0]}
-
-
-def docs(seed, *lengths, vocab=TINY.vocab_size):
-    rng = np.random.default_rng(seed)
-    return [rng.integers(1, vocab, n).tolist() for n in lengths]
 
 
 @pytest.fixture(scope="module")
 def model():
     return build_model(ModelSpec(TINY), None, 0)
-
-
-def logits(model, batch, **kw):
-    return np.asarray(model(batch["input_ids"], positions=batch["positions"],
-                            segment_ids=batch["segment_ids"], **kw).logits)
 
 
 # ---- attention isolation, GQA, RoPE ----
@@ -213,14 +192,6 @@ def test_checkpoint_of_another_architecture_than_the_spec(saved_tiny):
 
 
 # ---- the causal-LM task ----
-
-def lm_loss(model, batch) -> float:
-    """The weighted next-token cross entropy of ``batch``, from the log-softmax by hand."""
-    logp = np.asarray(jax.nn.log_softmax(logits(model, batch), -1))
-    picked = np.take_along_axis(logp, batch["targets"][..., None], -1)[..., 0]
-    w = batch["target_weights"]
-    return float(-(picked * w).sum() / w.sum())
-
 
 def test_causal_lm_loss_is_the_weighted_next_token_cross_entropy(model):
     """fp32 next-token cross entropy over target_weights: padding and each document's last

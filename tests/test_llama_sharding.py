@@ -17,18 +17,9 @@ from jaxaccel.train import loop
 from jaxaccel.train.checkpoint import abstract_like
 from jaxaccel.train.state import TrainState
 from jaxaccel.train.step import make_train_step
-from jaxaccel.train.tasks import TASKS
-from tests.test_llama import docs, packed
+from support import DEVICES, LM, docs, lm_loss, packed
 
-LM = TASKS["causal_lm"]
-DEVICES = []
-
-
-@pytest.fixture(scope="module", autouse=True)
-def on_eight_devices(eight_devices_module):
-    DEVICES[:] = eight_devices_module
-    yield
-    DEVICES.clear()
+pytestmark = pytest.mark.usefixtures("on_eight_devices")   # DEVICES: the module's 8 devices
 
 
 def sharded_step(spec, policy, mesh, abstract=False, grad_accum=1):
@@ -79,7 +70,6 @@ def one_device():
 def test_the_step_minimises_the_causal_lm_loss(one_device):
     """The step's loss is the task's next-token loss of the model (from the log-softmax by
     hand) and falls on a repeated batch."""
-    from tests.test_llama import lm_loss
     losses = one_device[0]
     np.testing.assert_allclose(losses[0], lm_loss(build_model(TINY, None, 0), BATCH), rtol=1e-5)
     assert losses[2] < losses[0] - 0.1, losses

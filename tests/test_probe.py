@@ -92,3 +92,47 @@ def test_a_linear_rope_scaling_beside_a_default_rope_parameters_is_refused(llama
                      "--set", f"workdir={tmp_path / 'runs'}"]) == cli.EXIT_ERROR
     err = capsys.readouterr().err
     assert "config.json: rope_scaling=" in err and "'linear' is not supported" in err, err
+
+
+# ---- a trained LM run (the probe's LM job, shrunk): items 2 onwards ----
+
+LM_CONFIG = os.path.join(ROOT, "configs", "canterbury_lm.py")
+
+
+@pytest.fixture(scope="module")
+def corpus_dir(tmp_path_factory):
+    from jaxaccel.data import canterbury
+    tmp = tmp_path_factory.mktemp("canterbury")
+    sdist = canterbury.pip_download(canterbury.SDIST_REQUIREMENT, canterbury.SDIST_NAME,
+                                    canterbury.SDIST_SHA256, canterbury.SOURCE_ENV,
+                                    str(tmp / "brotli"))
+    canterbury.prepare(str(tmp / "tfds"), source=sdist)
+    return str(tmp / "tfds")
+
+
+def lm_sets(workdir, corpus_dir, *more):
+    """``--set`` flags of configs/canterbury_lm.py shrunk to seconds: 2 steps of 4 rows of 32
+    tokens, a 512-token BPE, on the module's corpus folder."""
+    sets = [f"workdir={workdir}", f"data.data_dir={corpus_dir}", "data.tokenizer_vocab=512",
+            "data.max_len=32", "train.max_steps=2", "train.batch_size=8",
+            "train.eval_batch_size=64", "train.progress=false", *more]
+    return [a for s in sets for a in ("--set", s)]
+
+
+@pytest.fixture(scope="module")
+def lm_run(tmp_path_factory, corpus_dir):
+    """A finished run folder of the LM job (llama-cpu, 2 steps)."""
+    workdir = tmp_path_factory.mktemp("lm_runs")
+    assert cli.main(["train", "--config", LM_CONFIG, *lm_sets(workdir, corpus_dir)]) == 0
+    return str(workdir / "canterbury_lm")
+
+
+# ---- item 2: generate refuses a temperature that is not a finite number ----
+
+@pytest.mark.parametrize("temperature", ["nan", "inf", "-inf"])
+def test_generate_refuses_a_non_finite_temperature(lm_run, capsys, temperature):
+    assert cli.main(["generate", "--checkpoint", lm_run, f"--temperature={temperature}",
+                     "Alice was"]) == cli.EXIT_ERROR
+    out = capsys.readouterr()
+    assert out.out == "" and len(out.err.strip().splitlines()) == 1, out
+    assert f"temperature={float(temperature)} must be a finite number >= 0" in out.err

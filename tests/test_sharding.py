@@ -4,10 +4,8 @@ strategy, the step compiles for TPU slices and GPU hosts (compile-only devices),
 restore onto another mesh, bad meshes fail before compiling.
 
 On a one-GPU machine the whole module runs on the 8 fake CPU devices, the one-device
-references included (``eight_devices_module`` in conftest.py), so it checks what it checks on
+references included (``on_eight_devices`` in conftest.py), so it checks what it checks on
 CPU CI; a machine with 8 default devices runs it on those."""
-import itertools
-
 import jax
 import numpy as np
 import pytest
@@ -18,49 +16,13 @@ from jaxaccel import config, plan
 from jaxaccel.collectives import collective_bytes
 from jaxaccel.train import loop
 from jaxaccel.train.checkpoint import Checkpointer, on_disk, restore_state
+from support import ADAN, TINY_SHARDED, build, logged_losses, train_steps
 
-TINY = ["model.name=tiny", "data.name=synthetic", "data.synthetic_examples=64",
-        "data.synthetic_seq_len=16", "train.batch_size=16", "train.eval_batch_size=32",
-        "train.learning_rate=3e-3", "train.progress=false", "model.hidden_dropout=0.0",
-        "model.attention_dropout=0.0",
-        # Adam's m/(sqrt(v)+eps) turns reduction-order rounding in near-zero gradients (a key
-        # bias's gradient is mathematically zero; rare embedding rows) into lr-sized steps with
-        # eps=1e-8; eps=1e-3 keeps the comparison about sharding, not about rounding.
-        "train.eps=1e-3"]
-# Multi-tensor Adan through the fused Pallas kernel (interpreted on CPU).
-ADAN = ("train.optimizer=adan", "train.optimizer_impl=pallas")
-
-
-DEVICES = []      # the 8 devices of this module (set by ``on_eight_devices``)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def on_eight_devices(eight_devices_module):
-    """Every test here, and the module-scoped one-device references, run inside this."""
-    DEVICES[:] = eight_devices_module
-    yield
-    DEVICES.clear()
-
-
-def build(tmp_path, mesh, num_devices=8, *sets):
-    d, f, t = mesh
-    cfg = config.build(sets=TINY + [f"workdir={tmp_path}", f"mesh.data={d}", f"mesh.fsdp={f}",
-                                    f"mesh.tensor={t}", *sets])
-    return loop.build(cfg, DEVICES[:num_devices])
+pytestmark = pytest.mark.usefixtures("on_eight_devices")   # support.build's 8 devices
 
 
 def first_batch(run):
     return run.put_batch(next(run.train_data.batches(0)))
-
-
-def train_steps(run, k=3):
-    """``k`` steps of the trainer's own jitted step (``Run.train_step``) on ``run``'s mesh."""
-    state, losses = run.state, []
-    with jax.set_mesh(run.mesh):
-        for batch in itertools.islice(run.train_data.batches(0), k):
-            state, metrics = run.train_step(state, run.put_batch(batch))
-            losses.append(float(metrics["loss"]))
-    return losses, state
 
 
 @pytest.fixture(scope="module")
@@ -330,17 +292,13 @@ def test_checkpoint_restores_onto_another_mesh(tmp_path, sets, source):
 def test_resume_on_another_mesh_continues_the_run(tmp_path):
     """Fused-Adan training stopped after 2 steps on 8 FSDP devices and resumed on a 2x2x2 mesh
     gives the losses of the uninterrupted run."""
-    from jaxaccel.train.metrics import read_metrics
-
     def train(name, mesh, steps):
         d, f, t = mesh
-        cfg = config.build(sets=TINY + [*ADAN, f"workdir={tmp_path}", f"name={name}",
-                                        "train.schedule=constant", "train.warmup_ratio=0.0",
-                                        "train.log_every=1", f"train.max_steps={steps}",
-                                        f"mesh.data={d}", f"mesh.fsdp={f}", f"mesh.tensor={t}"])
-        result = loop.train(cfg)
-        return {r["step"]: r["train/loss"] for r in read_metrics(result["run_dir"])
-                if "train/loss" in r}
+        cfg = config.build(sets=TINY_SHARDED + [
+            *ADAN, f"workdir={tmp_path}", f"name={name}", "train.schedule=constant",
+            "train.warmup_ratio=0.0", "train.log_every=1", f"train.max_steps={steps}",
+            f"mesh.data={d}", f"mesh.fsdp={f}", f"mesh.tensor={t}"])
+        return logged_losses(loop.train(cfg)["run_dir"])
     full = train("full", (1, 8, 1), 4)
     train("part", (1, 8, 1), 2)
     part = train("part", (2, 2, 2), 4)

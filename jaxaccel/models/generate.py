@@ -21,6 +21,8 @@ with the key ``fold_in(PRNGKey(seed), step)``, so a seed reproduces a sample. A 
 """
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -43,6 +45,19 @@ def _sample(logits, key, temperature: float, top_k: int):
         kth = jax.lax.top_k(logits, top_k)[0][..., -1:]
         logits = jnp.where(logits < kth, -jnp.inf, logits)
     return jax.random.categorical(key, logits).astype(jnp.int32)
+
+
+def check_sampling(temperature: float, top_k: int) -> None:
+    """Refuse sampling settings that sample something else than asked: a temperature that is
+    not a finite number >= 0 (nan turns every logit into nan, and what is drawn from those is
+    no distribution: the probe got empty texts; inf flattens the distribution to uniform) or a
+    negative top_k."""
+    if not math.isfinite(temperature) or temperature < 0:
+        raise ValueError(f"temperature={temperature} must be a finite number >= 0 (0: greedy; "
+                         "around 0.7-1.0 for sampling); inf would sample uniformly and nan "
+                         "nothing at all.")
+    if top_k < 0:
+        raise ValueError(f"top_k={top_k} must be >= 0 (0: no top-k cut).")
 
 
 class Sampler:
@@ -86,9 +101,7 @@ class Sampler:
                  return_logits: bool = False):
         """The new token ids of each prompt (lists of ids), and with ``return_logits`` the
         float32 logits each sampled token was drawn from ([batch, steps, vocab])."""
-        if temperature < 0 or top_k < 0:
-            raise ValueError(f"temperature={temperature} and top_k={top_k} must be >= 0 (0: "
-                             "greedy / no top-k cut).")
+        check_sampling(temperature, top_k)
         self.check(prompts, max_new_tokens)
         b = len(prompts)
         length = -(-max(len(p) for p in prompts) // PAD_TO) * PAD_TO
@@ -127,4 +140,4 @@ def generate(model, prompts, max_new_tokens: int = 32, **options):
     return Sampler(model)(prompts, max_new_tokens, **options)
 
 
-__all__ = ["Sampler", "generate", "prompts_of"]
+__all__ = ["Sampler", "check_sampling", "generate", "prompts_of"]
