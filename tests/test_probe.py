@@ -136,3 +136,63 @@ def test_generate_refuses_a_non_finite_temperature(lm_run, capsys, temperature):
     out = capsys.readouterr()
     assert out.out == "" and len(out.err.strip().splitlines()) == 1, out
     assert f"temperature={float(temperature)} must be a finite number >= 0" in out.err
+
+
+# ---- item 6: a damaged checkpoint folder is one error naming the file ----
+
+@pytest.fixture
+def bert_copy(tmp_path):
+    """A tiny random BERT as transformers saves it (config.json + model.safetensors)."""
+    import transformers
+    path = str(tmp_path / "bert")
+    transformers.BertModel(transformers.BertConfig(
+        vocab_size=128, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=64, max_position_embeddings=64)).save_pretrained(path)
+    return path
+
+
+def truncate(file):
+    with open(file, "r+b") as f:
+        f.truncate(os.path.getsize(file) // 2)
+
+
+def test_a_truncated_safetensors_file_is_named(bert_copy, llama_copy):
+    from jaxaccel.models import from_pretrained as bert_from_pretrained
+    from jaxaccel.models.hf_llama import from_pretrained
+    for path, load in ((bert_copy, bert_from_pretrained), (llama_copy, from_pretrained)):
+        file = os.path.join(path, "model.safetensors")
+        truncate(file)
+        size = os.path.getsize(file)
+        with pytest.raises(ValueError, match=f"{file} \\({size:,} bytes\\) is not a readable "
+                                             "safetensors file .* truncated or damaged; copy or "
+                                             "download the checkpoint again"):
+            load(path)
+
+
+def test_a_config_json_that_is_not_json_is_named(bert_copy, llama_copy):
+    from jaxaccel.models import from_pretrained as bert_from_pretrained
+    from jaxaccel.models.hf_llama import from_pretrained
+    for path, load in ((bert_copy, bert_from_pretrained), (llama_copy, from_pretrained)):
+        file = os.path.join(path, "config.json")
+        with open(file, "w") as f:
+            f.write('{\n  model_type: "llama"}')      # edited by hand: a key without quotes
+        with pytest.raises(ValueError, match=f"{file} is not valid JSON \\(Expecting property "
+                                             "name enclosed in double quotes at line 2, column "
+                                             "3\\); .* copy or download that file again"):
+            load(path)
+
+
+def test_train_from_a_damaged_checkpoint_is_one_error_line(bert_copy, tmp_path, capsys):
+    """The probe's CLI case: model.checkpoint with a truncated model.safetensors (a
+    SafetensorError traceback naming no file), then with a config.json that is not JSON."""
+    train = ["train", "--config", os.path.join(ROOT, "configs", "tiny_synthetic.py"),
+             "--set", f"model.checkpoint={bert_copy}", "--set", f"workdir={tmp_path / 'runs'}"]
+    weights, config_json = (os.path.join(bert_copy, f) for f in ("model.safetensors",
+                                                                 "config.json"))
+    truncate(weights)
+    assert cli.main(train) == cli.EXIT_ERROR
+    assert f"error: {weights} (" in capsys.readouterr().err
+    with open(config_json, "w") as f:
+        f.write("{")
+    assert cli.main(train) == cli.EXIT_ERROR
+    assert f"error: {config_json} is not valid JSON" in capsys.readouterr().err

@@ -78,8 +78,25 @@ def read_config(path: str) -> dict:
     if not os.path.isfile(cfg_file):
         raise FileNotFoundError(f"{path!r} has no config.json; expected a Hugging Face "
                                 "checkpoint directory (config.json + model.safetensors).")
-    with open(cfg_file) as f:
-        return json.load(f)
+    config = read_json(cfg_file)
+    if not isinstance(config, dict):
+        raise ValueError(f"{cfg_file} holds a {type(config).__name__}, not a JSON object of "
+                         "model settings; restore the checkpoint's own config.json.")
+    return config
+
+
+def read_json(file: str):
+    """The JSON in ``file``; a file that is not JSON (cut short, edited by hand, binary) is
+    one ``ValueError`` naming it, where parsing stopped and what to do, not the parser's bare
+    "Expecting property name ..."."""
+    try:
+        with open(file, encoding="utf-8") as f:
+            return json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        where = (f"{e.msg} at line {e.lineno}, column {e.colno}"
+                 if isinstance(e, json.JSONDecodeError) else f"not UTF-8 at byte {e.start}")
+        raise ValueError(f"{file} is not valid JSON ({where}); the checkpoint folder is "
+                         "damaged or was edited: copy or download that file again.") from e
 
 
 def architecture_of(path) -> BertConfig:
@@ -90,22 +107,41 @@ def architecture_of(path) -> BertConfig:
 
 def read_tensors(path: str) -> dict[str, np.ndarray]:
     """All tensors of a checkpoint directory, single-file or sharded safetensors."""
-    from safetensors.numpy import load_file
     single = os.path.join(path, "model.safetensors")
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(single):
-        return load_file(single)
+        return _load_safetensors(single)
     if os.path.isfile(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
+        listing = read_json(index)
+        if not isinstance(listing, dict) or not isinstance(listing.get("weight_map"), dict):
+            raise ValueError(f"{index} has no \"weight_map\" object (tensor name -> shard "
+                             "file); copy or download the checkpoint's own index file again.")
+        files = sorted(set(listing["weight_map"].values()))
         tensors = {}
         for name in files:
-            tensors.update(load_file(os.path.join(path, name)))
+            if not os.path.isfile(os.path.join(path, name)):
+                raise FileNotFoundError(f"{index} lists the shard {name!r}, which {path!r} "
+                                        "does not have; copy or download the whole checkpoint "
+                                        "folder again.")
+            tensors.update(_load_safetensors(os.path.join(path, name)))
         return tensors
     found = sorted(os.listdir(path))
     raise FileNotFoundError(
         f"{path!r} has no model.safetensors (or sharded index); found {found}. Convert "
         "PyTorch .bin weights with transformers' save_pretrained(..., safe_serialization=True).")
+
+
+def _load_safetensors(file: str) -> dict[str, np.ndarray]:
+    """The tensors of one safetensors file; one that cannot be read (cut short by a failed
+    copy or download, overwritten) is a ``ValueError`` naming it, its size and the fix."""
+    from safetensors import SafetensorError
+    from safetensors.numpy import load_file
+    try:
+        return load_file(file)
+    except SafetensorError as e:
+        raise ValueError(f"{file} ({os.path.getsize(file):,} bytes) is not a readable "
+                         f"safetensors file ({e}): it is truncated or damaged; copy or "
+                         "download the checkpoint again.") from e
 
 
 def from_pretrained(path, num_labels: int | None = None, policy: str | Policy | None = None,
