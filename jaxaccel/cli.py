@@ -14,6 +14,11 @@ predict prints one JSON object a line, in input order: {"index", "text", "label"
 valid UTF-8; the others are still classified, and the exit status is then 2. generate prints
 {"index", "prompt", "text"} a line (text: the continuation), or one error line and nothing
 else when a prompt cannot be generated from (too long for the model, ...).
+
+Exit statuses: 0 done; 2 a refused command, config or input (one ``error:`` line); 3 training
+stopped by a non-finite loss (the last good checkpoint kept); 4 ``compile``: a step does not fit
+in memory; 75 training stopped by SIGTERM or Ctrl-C after saving a checkpoint (the JSON's
+status "preempted"; the same command resumes); 130 a second Ctrl-C (stopped without saving).
 """
 from __future__ import annotations
 
@@ -24,6 +29,10 @@ import os
 import sys
 
 EXIT_ERROR, EXIT_NONFINITE, EXIT_DOES_NOT_FIT, EXIT_INTERRUPTED = 2, 3, 4, 130
+# sysexits.h's EX_TEMPFAIL ("a temporary failure: the user is invited to retry"): a run stopped
+# by SIGTERM or Ctrl-C after saving; the same command resumes it. Not 0, so that
+# `jaxaccel train ... && jaxaccel eval ...` and job schedulers do not go on as if it had finished.
+EXIT_PREEMPTED = 75
 BENCH_SUITES = ("train_step", "attention", "optimizer", "job", "scaling", "hf_flax")
 
 
@@ -148,8 +157,9 @@ def cmd_train(args) -> int:
         return EXIT_NONFINITE
     if result["status"] == "preempted":
         print(f"{result['signal']}: saved step {result['step']} to {result['checkpoint_dir']}; "
-              "run the same command again to resume.", file=sys.stderr)
-        return 0
+              f"run the same command again to resume (exit status {EXIT_PREEMPTED}: stopped, "
+              "resumable).", file=sys.stderr)
+        return EXIT_PREEMPTED
     print(f"{result['summary']}\n"
           f"checkpoints: {result['checkpoint_dir']}\nmetrics: {result['metrics_file']}")
     return 0

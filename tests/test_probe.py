@@ -94,6 +94,25 @@ def test_a_linear_rope_scaling_beside_a_default_rope_parameters_is_refused(llama
     assert "config.json: rope_scaling=" in err and "'linear' is not supported" in err, err
 
 
+# ---- item 4: a run stopped by SIGTERM exits with a status of its own ----
+
+def test_a_run_stopped_by_sigterm_exits_with_the_resumable_status(tmp_path, monkeypatch,
+                                                                   capsys):
+    """Exit 0 made `jaxaccel train ... && jaxaccel eval ...` and schedulers go on as if the
+    run had finished; 75 (EX_TEMPFAIL) says stopped, resumable; the same command resumes."""
+    from support import TINY, sigterm_at
+    sets = [*TINY, f"workdir={tmp_path}", "train.epochs=3"]
+    train = ["train", *(a for s in sets for a in ("--set", s))]
+    with monkeypatch.context() as m:
+        sigterm_at(m, 6)
+        assert cli.main(train) == cli.EXIT_PREEMPTED == 75
+    out = capsys.readouterr()
+    assert json.loads(out.out)["status"] == "preempted"
+    assert "SIGTERM: saved step 6" in out.err and "(exit status 75: stopped, resumable)" in out.err
+    assert cli.main(train) == 0
+    assert json.JSONDecoder().raw_decode(capsys.readouterr().out)[0]["status"] == "completed"
+
+
 # ---- a trained LM run (the probe's LM job, shrunk): items 2 onwards ----
 
 LM_CONFIG = os.path.join(ROOT, "configs", "canterbury_lm.py")
