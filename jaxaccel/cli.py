@@ -11,7 +11,8 @@
 
 predict prints one JSON object a line, in input order: {"index", "text", "label",
 "probability"} (probability null if not finite), or {"index", "error"} for an input that is not
-valid UTF-8; the others are still classified, and the exit status is then 2. generate prints
+valid UTF-8, or is empty or only whitespace; the others are still classified, and the exit
+status is then 2. generate prints
 {"index", "prompt", "text"} a line (text: the continuation), or one error line and nothing
 else when a prompt cannot be generated from (too long for the model, ...).
 
@@ -174,15 +175,10 @@ def cmd_eval(args) -> int:
     return 0
 
 
-def _read_texts(args) -> list[str | UnicodeError]:
-    """The texts to classify, in order; an input that is not valid UTF-8 is its error."""
-    def check(text: str):
-        try:
-            text.encode("utf-8")            # undecodable argv bytes arrive as surrogates
-            return text
-        except UnicodeError as e:
-            return e
-    texts = [check(t) for t in args.texts]
+def _read_texts(args) -> list[str | ValueError]:
+    """The texts to classify, in order; an input that cannot be classified is the reason why
+    (``_refusal``)."""
+    texts = [_refusal(t) or t for t in args.texts]
     if args.input:
         if args.input == "-":
             data = sys.stdin.buffer.read()
@@ -191,13 +187,31 @@ def _read_texts(args) -> list[str | UnicodeError]:
                 data = f.read()
         for line in data.splitlines():
             try:
-                texts.append(line.decode("utf-8"))
+                text = line.decode("utf-8")
             except UnicodeDecodeError as e:
-                texts.append(e)
+                text = e
+            texts.append(_refusal(text) or text)
     if not texts:
         raise ValueError("predict got no texts: give them as arguments or with --input FILE "
                          "(one per line; - for standard input).")
     return texts
+
+
+def _refusal(text: str | UnicodeError) -> ValueError | None:
+    """Why ``text`` is not classified, or None: not valid UTF-8 (undecodable argv bytes arrive
+    as surrogates), or empty or only whitespace (no words: a label for it would be the
+    model's bias, not a prediction)."""
+    if not isinstance(text, UnicodeError):
+        try:
+            text.encode("utf-8")
+        except UnicodeError as e:
+            text = e
+    if isinstance(text, UnicodeError):
+        return ValueError(f"input is not valid UTF-8 ({text.reason} at byte {text.start})")
+    if not text.strip():
+        return ValueError(f"input {text!r} is empty or only whitespace: there is nothing to "
+                          "classify")
+    return None
 
 
 def cmd_predict(args) -> int:
@@ -208,13 +222,12 @@ def cmd_predict(args) -> int:
     with rundir.library_log(run_dir):
         predictor = Predictor(run_dir, batch_size=args.batch_size)
     good = [i for i, t in enumerate(texts) if isinstance(t, str)]
-    results = dict(zip(good, predictor([texts[i] for i in good])))
+    results = dict(zip(good, predictor([texts[i] for i in good]))) if good else {}
     for i, text in enumerate(texts):
         if i in results:
             record = {"index": i, **prediction_record(text, *results[i])}
         else:
-            record = {"index": i, "error": f"input is not valid UTF-8 ({text.reason} at byte "
-                                           f"{text.start}); not classified"}
+            record = {"index": i, "error": f"{text}; not classified"}
             print(f"error: input {i}: {record['error']}", file=sys.stderr)
         print(json.dumps(record, ensure_ascii=False))
     return 0 if len(good) == len(texts) else EXIT_ERROR

@@ -94,6 +94,40 @@ def test_a_linear_rope_scaling_beside_a_default_rope_parameters_is_refused(llama
     assert "config.json: rope_scaling=" in err and "'linear' is not supported" in err, err
 
 
+# ---- item 3: predict gives empty and whitespace-only texts an error record ----
+
+@pytest.fixture(scope="module")
+def classifier_run(tmp_path_factory):
+    """A finished run folder of the tiny classifier (one epoch)."""
+    from support import TINY
+    workdir = tmp_path_factory.mktemp("cls_runs")
+    sets = [*TINY, f"workdir={workdir}", "name=cls", "train.epochs=1"]
+    assert cli.main(["train", *(a for s in sets for a in ("--set", s))]) == 0
+    return str(workdir / "cls")
+
+
+def test_predict_gives_empty_and_blank_texts_an_error_record(classifier_run, tmp_path, capsys):
+    lines = tmp_path / "texts.txt"
+    lines.write_bytes(b"3 5 7\n\n \t \n9 11\n")
+    assert cli.main(["predict", "--checkpoint", classifier_run, "--input", str(lines), "",
+                     "  ", "4 6"]) == cli.EXIT_ERROR
+    out = capsys.readouterr()
+    records = [json.loads(line) for line in out.out.splitlines()]
+    assert [r["index"] for r in records] == list(range(7))
+    errors = {r["index"]: r["error"] for r in records if "error" in r}
+    assert sorted(errors) == [0, 1, 4, 5] and all("label" not in records[i] for i in errors)
+    assert errors[0] == "input '' is empty or only whitespace: there is nothing to classify; " \
+                        "not classified"
+    assert errors[5] == "input ' \\t ' is empty or only whitespace: there is nothing to " \
+                        "classify; not classified"
+    assert [records[i]["text"] for i in (2, 3, 6)] == ["4 6", "3 5 7", "9 11"]
+    assert all("label" in records[i] for i in (2, 3, 6))
+    assert "error: input 5: input ' \\t ' is empty" in out.err
+    # Nothing to classify at all: every text an error record, no model call.
+    assert cli.main(["predict", "--checkpoint", classifier_run, " "]) == cli.EXIT_ERROR
+    assert "error" in json.loads(capsys.readouterr().out)
+
+
 # ---- item 4: a run stopped by SIGTERM exits with a status of its own ----
 
 def test_a_run_stopped_by_sigterm_exits_with_the_resumable_status(tmp_path, monkeypatch,
