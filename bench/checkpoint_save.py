@@ -48,19 +48,15 @@ def run(mode: str, args, workdir: str) -> list[dict]:
         "data.synthetic_examples=4096", "data.synthetic_seq_len=32", "train.batch_size=32",
         f"train.max_steps={args.steps}", f"train.checkpoint_every={args.every}",
         "train.log_every=1", "train.progress=false", "train.eval_every_epoch=false"])
-    real = checkpoint.Checkpointer
     calls = []
 
-    class Timed(real):
+    class Timed(checkpoint.Checkpointer):
         def save(self, *a, **k):
             t0 = time.perf_counter()
             super().save(*a, **k)
             calls.append(time.perf_counter() - t0)
-    loop.Checkpointer = functools.partial(Timed, async_save=(mode == "async"))
-    try:
-        result = loop.train(cfg)
-    finally:
-        loop.Checkpointer = real
+    services = loop.Services(checkpointer=functools.partial(Timed, async_save=(mode == "async")))
+    result = loop.train(cfg, services)
     state_bytes = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in
                       os.walk(os.path.join(result["checkpoint_dir"], str(args.steps)))
                       for f in fs)

@@ -175,7 +175,7 @@ def time_steps(config: str, sets: list[str], rounds: int, steps: int) -> tuple[d
     import jax
 
     from jaxaccel import config as config_lib
-    from jaxaccel.train.loop import build
+    from jaxaccel.train.run import build
 
     cfg = config_lib.load(config, sets)
     run = build(cfg)

@@ -47,7 +47,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def padded_tokens_and_flops(cfg) -> tuple[int, float]:
     """Tokens and model FLOPs of every train batch the run takes (same pipeline, no steps)."""
-    from jaxaccel.train.loop import build
+    from jaxaccel.train.run import build
     run = build(cfg)
     tokens, flops, step, epoch = 0, 0.0, 0, 0
     while step < run.total_steps:
@@ -126,7 +126,8 @@ def job(args: argparse.Namespace, workdir: str) -> None:
     enable_compilation_cache(cfg.compilation_cache)
     clock = CompileClock()
     if args.compile_only:
-        from jaxaccel.train.loop import build, compile_ahead
+        from jaxaccel.train.loop import compile_ahead
+        from jaxaccel.train.run import build
         run = build(cfg)
         start = time.perf_counter()
         with jax.set_mesh(run.mesh):

@@ -37,7 +37,7 @@ from jaxaccel import config as config_lib  # noqa: E402
 from jaxaccel.models import PRESETS  # noqa: E402
 from jaxaccel.models.bert import BertLayer  # noqa: E402
 from jaxaccel.precision import get_policy  # noqa: E402
-from jaxaccel.train import loop  # noqa: E402
+from jaxaccel.train import run as run_lib  # noqa: E402
 from jaxaccel.train.step import forward  # noqa: E402
 
 STRATEGIES = {"data": lambda n: (n, 1, 1), "fsdp": lambda n: (1, n, 1),
@@ -53,7 +53,7 @@ def build(args, mesh, n):
         f"train.batch_size={args.per_device_batch * n}", f"precision.policy={args.policy}",
         f"mesh.data={d}", f"mesh.fsdp={f}", f"mesh.tensor={t}", "model.hidden_dropout=0.0",
         "model.attention_dropout=0.0", "workdir=/tmp/jaxaccel_bench", *args.set])
-    return loop.build(cfg, jax.devices()[:n])
+    return run_lib.build(cfg, jax.devices()[:n])
 
 
 def step_time(run, n_iter):
@@ -71,7 +71,7 @@ def step_time(run, n_iter):
 def measured_backward(run, n_iter):
     """Backward time on the run's mesh: (forward + backward) minus forward."""
     batch = run.put_batch(next(run.train_data.batches(0)))
-    loss = lambda p, b: forward(run.graphdef, p, b, deterministic=True).sum()
+    loss = lambda p, b: forward(run.graphdef, p, b, task=run.task, deterministic=True).sum()
     fwd = jax.jit(loss)
     grad = jax.jit(jax.grad(loss))
     return time_fn(grad, run.state.params, batch, n=n_iter)["median_s"] - \

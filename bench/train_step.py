@@ -52,12 +52,9 @@ from bench.hlo_profile import profile_ops  # noqa: E402
 from jaxaccel.flops import model_shape, peak_flops, train_flops  # noqa: E402
 from jaxaccel.models import (LLAMA_PRESETS, PRESETS, BertConfig, BertModel,  # noqa: E402
                              ModelSpec, build_model)
-from jaxaccel.models.fp8 import Fp8Meta  # noqa: E402
-from jaxaccel.precision import LossScale, get_policy  # noqa: E402
-from jaxaccel.optim import make_optimizer  # noqa: E402
-from jaxaccel.train.state import TrainState  # noqa: E402
-from jaxaccel.train.step import make_train_step  # noqa: E402
-from jaxaccel.train.tasks import TASKS  # noqa: E402
+from jaxaccel import config as config_lib  # noqa: E402
+from jaxaccel.precision import get_policy  # noqa: E402
+from jaxaccel.train.run import assemble, resolve  # noqa: E402
 
 
 def model_flops(config: BertConfig, batch: int, seq: int, num_labels: int = 2) -> float:
@@ -102,21 +99,24 @@ def lm_step(config, policy, optimizer, attention, batch, seq):
 
 
 def _step(model, policy, optimizer, batch):
-    from flax import nnx
-    graphdef, params, fp8 = nnx.split(model, nnx.Param, Fp8Meta)
-    params = nnx.to_pure_dict(params)
-    tx = make_optimizer(optimizer, 1e-4, weight_decay=0.01, max_grad_norm=1.0)
-    p = get_policy(policy)
-    state = TrainState.create(params, tx, 0, LossScale.create() if p.loss_scaling else None,
-                              nnx.to_pure_dict(fp8) if p.fp8 else None)
-    step = jax.jit(make_train_step(graphdef, tx, task=TASKS[model.spec.task],
-                                   fp8_group=type(model).fp8_group), donate_argnums=0)
-    data = jax.device_put(batch)
-    hlo = step.lower(state, data).compile().as_text()
-    box = [state]
+    """The trainer's run of ``model`` on one device (``train.run``: resolved and assembled as
+    ``jaxaccel train`` does it, without data), AdamW/Adan at a constant lr 1e-4, weight decay
+    0.01, clipping at 1, stepped on ``batch``."""
+    rows = batch["input_ids"].shape[0]
+    data = "canterbury" if model.spec.task == "causal_lm" else "synthetic"
+    cfg = config_lib.build(sets=[
+        f"precision.policy={policy}", f"train.optimizer={optimizer}", "train.schedule=constant",
+        "train.learning_rate=1e-4", "train.weight_decay=0.01", "train.max_grad_norm=1.0",
+        "train.max_steps=1", f"train.batch_size={rows}", "train.unpad=false", "mesh.data=1",
+        f"data.name={data}"])
+    r = resolve(cfg, jax.devices()[:1], spec=model.spec)
+    trainer = assemble(r, model=model, data=False)
+    data = trainer.put_batch(batch)
+    hlo = trainer.train_step.lower(trainer.state, data).compile().as_text()
+    box = [trainer.state]
 
     def run(d):
-        box[0], metrics = step(box[0], d)
+        box[0], metrics = trainer.train_step(box[0], d)
         return metrics
     return run, data, hlo
 

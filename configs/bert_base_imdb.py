@@ -9,7 +9,7 @@ model.safetensors); without it the BERT-base shapes are initialised randomly (be
 tokens, the thesis's Adan hyperparameters are in configs/bert_base_imdb_adan.py.
 Expected runtime: not measured yet on a GPU/TPU node (no accelerator in CI).
 """
-import jax
+from jaxaccel.config import device_count
 
 
 def get_config():
@@ -20,8 +20,8 @@ def get_config():
         "data.max_len": 512,
         "data.pad_multiple": 64,
         "train.epochs": 3,
-        "train.batch_size": 16 * jax.device_count(),
-        "train.eval_batch_size": 64 * jax.device_count(),
+        "train.batch_size": 16 * device_count(),
+        "train.eval_batch_size": 64 * device_count(),
         "train.learning_rate": 1e-4,
         "train.optimizer": "adamw",
         "train.log_every": 50,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import contextvars
 import copy
 import difflib
 import importlib.util
@@ -89,8 +90,9 @@ BASE: dict[str, Any] = {
         "eps": None,                # adamw 1e-8, adan 1e-8
         "optimizer_impl": "auto",   # adan only: auto | xla | pallas | per_leaf (optim/adan.py)
         "flat_params": False,       # adan only: parameters and state live in flat buffers,
-                                    # one fused pass per step (jaxaccel/train/onepass.py);
-                                    # optimizer_impl then picks the kernel: auto|xla|pallas
+                                    # one fused pass per step (the flat layout,
+                                    # jaxaccel/train/layout.py); optimizer_impl then picks the
+                                    # kernel: auto|xla|pallas
         "grad_accum": 1,            # micro-batches per optimizer step
         "unpad": True,              # classification: the per-token layers skip padding
                                     # (models/unpad.py); steps without grad_accum only
@@ -304,8 +306,30 @@ def build(overrides: dict | None = None, sets: list[str] | None = None) -> Confi
     return cfg
 
 
-def load(path: str | None, sets: list[str] | None = None) -> Config:
-    return build(load_file(path) if path else None, sets)
+_DEVICE_COUNT = contextvars.ContextVar("jaxaccel_config_device_count", default=None)
+
+
+def device_count() -> int:
+    """The number of devices the config is loaded for: config files size global batches with
+    it (``"train.batch_size": 16 * device_count()``). ``jax.device_count()``, except while
+    ``load(..., device_count=n)`` loads a config for a planned target (``jaxaccel compile``)."""
+    n = _DEVICE_COUNT.get()
+    if n is None:
+        import jax
+        return jax.device_count()
+    return n
+
+
+def load(path: str | None, sets: list[str] | None = None, *,
+         device_count: int | None = None) -> Config:
+    """The config of the file ``path`` (None: the base alone) with ``sets`` applied.
+    ``device_count``: the devices the run is for, when not this machine's (what the file's
+    ``device_count()`` answers while it runs)."""
+    token = _DEVICE_COUNT.set(device_count)
+    try:
+        return build(load_file(path) if path else None, sets)
+    finally:
+        _DEVICE_COUNT.reset(token)
 
 
 def validate(cfg: Config) -> None:
@@ -384,18 +408,6 @@ def validate(cfg: Config) -> None:
     for key, (value, allowed) in choices.items():
         if value not in allowed:
             raise ValueError(f"{key}={value!r} is not one of {allowed}.")
-    if t.flat_params and t.layer_decay != 1:
-        raise ValueError(f"train.layer_decay={t.layer_decay} with train.flat_params=true: the "
-                         "one-pass Adan has no per-layer learning rate; set "
-                         "train.flat_params=false or train.layer_decay=1.")
-    if t.flat_params and (t.optimizer != "adan" or t.optimizer_impl not in optim.ONEPASS_IMPLS
-                          or t.grad_accum != 1 or cfg.precision.policy in ("fp16", "fp8")):
-        raise ValueError(f"train.flat_params=true needs train.optimizer=adan (got "
-                         f"{t.optimizer!r}), optimizer_impl in {optim.ONEPASS_IMPLS} (got "
-                         f"{t.optimizer_impl!r}), grad_accum=1 (got {t.grad_accum}) and "
-                         f"precision.policy fp32|bf16 (got {cfg.precision.policy!r}: the flat "
-                         "path has no loss scaling or fp8 state yet); set those or "
-                         "train.flat_params=false.")
     for axis, size in cfg.mesh.items():
         if size == 0 or size < -1:
             raise ValueError(f"mesh.{axis}={size}: use a positive size or -1 (fill).")

@@ -16,8 +16,6 @@ from __future__ import annotations
 from typing import NamedTuple
 
 GiB = 2 ** 30
-# The dtype a precision policy's matmuls run in: which published peak bounds them.
-POLICY_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp8": "float8"}
 
 
 class Chip(NamedTuple):

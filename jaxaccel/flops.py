@@ -30,6 +30,7 @@ import dataclasses
 import numpy as np
 
 from jaxaccel import devices
+from jaxaccel.precision import get_policy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,7 +98,7 @@ def peak_flops(device_kind: str, policy: str) -> float | None:
     (fp32 | bf16 | fp16 | fp8) from the one chip table (``jaxaccel.devices``), or None when the
     chip is unknown (CPUs) or has no units of that dtype (fp16/fp8 on TPUs, fp8 on A100)."""
     chip = devices.chip(device_kind)
-    return None if chip is None else chip.flops.get(devices.POLICY_DTYPE[policy])
+    return None if chip is None else chip.flops.get(get_policy(policy).matmul_dtype)
 
 
 def batch_tokens(batch: dict) -> tuple[int, int]:

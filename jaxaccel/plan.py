@@ -4,10 +4,12 @@ that says before a run is paid for.
     plan = make_plan("configs/bert_base_imdb.py", ["precision.policy=bf16"], "v5e-8")
     print(report(plan))
 
-The model, optimizer and train state are built abstractly (``jax.eval_shape``: shapes,
-dtypes and shardings on the target's mesh; nothing model-sized is allocated), and the
-trainer's own jitted steps (``Run.train_step``, ``Run.eval_step``) are lowered and compiled
-for the target's devices (``jaxaccel.topology``) at the config's largest batch shape (sequence
+The run is resolved and assembled as the trainer does it (``jaxaccel.train.run``: ``resolve``
+on the target's devices, ``assemble(..., abstract=True)``), so model, optimizer, layout and
+train state are the trainer's, built abstractly (``jax.eval_shape``: shapes, dtypes and
+shardings on the target's mesh; nothing model-sized is allocated), and the trainer's own
+jitted steps (``Run.train_step``, ``Run.eval_step``) are lowered and compiled for the target's
+devices (``jaxaccel.topology``) with the task's batch at the config's largest shape (sequence
 length ``data.max_len``; bucketed batches are shorter). Per device (one chip, or one
 TensorCore of a deviceless v4) it gives:
 
@@ -19,7 +21,8 @@ TensorCore of a deviceless v4) it gives:
 - the bytes the train step's collectives write per device, by kind, and the least they send;
 - FLOPs per step: analytic (``jaxaccel.flops.train_flops``) and XLA's ``cost_analysis()`` (not
   given by the compile-only GPU client);
-- an estimated step time, tokens/s and cost per epoch. Each estimate names its source:
+- an estimated step time, tokens/s and cost per epoch (per run where the epoch's steps are
+  unknown before the data is packed: a corpus). Each estimate names its source:
   ``roofline`` = the analytic FLOPs at the chip's published peak for the policy's matmul
   dtype, the bytes XLA says the step moves at the HBM bandwidth, or the bytes its collectives
   must send (``jaxaccel.collectives``) at the chip's interconnect bandwidth (ICI, NVLink),
@@ -42,22 +45,15 @@ import math
 import os
 import subprocess
 import time
-from unittest import mock
 
 import jax
-import jax.numpy as jnp
-from flax import nnx
 
 from jaxaccel import collectives as collectives_lib
 from jaxaccel import config as config_lib
 from jaxaccel import devices as devices_lib
 from jaxaccel import flops as flops_lib
 from jaxaccel import prices, topology
-from jaxaccel import sharding as shd
-from jaxaccel.data import dataset_entry
-from jaxaccel.models import create_model
-from jaxaccel.train import loop
-from jaxaccel.train.checkpoint import abstract_like
+from jaxaccel.train.run import Run, assemble, resolve
 
 GPU_MEMORY_FRACTION = 0.75      # JAX's default GPU preallocation (XLA_PYTHON_CLIENT_MEM_FRACTION)
 EXIT_DOES_NOT_FIT = 4
@@ -95,6 +91,7 @@ class Plan:
     cost: dict | None       # per epoch
     collectives: dict = dataclasses.field(default_factory=dict)  # train step, bytes per device
     sent: float = 0.0       # bytes a device sends at least per train step (collectives.py)
+    notes: tuple = ()       # what the plan assumed that the run may not (said in the report)
 
     @property
     def fits(self) -> bool | None:
@@ -105,13 +102,13 @@ class Plan:
 
 def load_config(path: str | None, sets: list[str], target: topology.Target):
     """The config as it would be on the target: config files size batches with
-    ``jax.device_count()``, which here answers the target's device count."""
-    with mock.patch.object(jax, "device_count", lambda *_, **__: len(target.devices)):
-        return config_lib.load(path, sets)
+    ``config.device_count()``, which answers the target's device count while it loads."""
+    return config_lib.load(path, sets, device_count=len(target.devices))
 
 
 def _seq_len(cfg, max_positions: int) -> int:
-    """The longest batch's sequence length (what the memory must hold)."""
+    """The longest batch's sequence length (what the memory must hold); a corpus's packed
+    rows are ``data.max_len`` long."""
     d = cfg.data
     if d.name == "synthetic":
         m = d.pad_multiple
@@ -119,47 +116,29 @@ def _seq_len(cfg, max_positions: int) -> int:
     return min(d.max_len, max_positions)
 
 
-def steps_per_epoch(cfg) -> int:
-    """Whole global batches in the training split (as the trainer drops the remainder)."""
-    examples = cfg.data.synthetic_examples if cfg.data.name == "synthetic" \
-        else dataset_entry(cfg.data.name).train_examples
-    if examples is None:
-        raise ValueError(f"data.name={cfg.data.name!r} is a corpus: jaxaccel compile plans "
-                         "classification configs (rt_snippets, imdb_reviews, synthetic) so far.")
-    return max(examples // cfg.train.batch_size, 1)
+def abstract_batch(run: Run, size: int) -> dict:
+    """A batch of the run's task of ``size`` rows at the config's longest sequence length, as
+    the trainer places its batches (``Run.abstract_batch``)."""
+    return run.abstract_batch(size, _seq_len(run.cfg, run.spec.architecture.max_position_embeddings))
 
 
-def abstract_batch(run: loop.Run, size: int) -> dict:
-    """A batch of ``size`` examples at the config's longest sequence length, as
-    ShapeDtypeStructs placed as the trainer places its batches (``run.batch_sharding``)."""
-    seq = _seq_len(run.cfg, run.spec.architecture.max_position_embeddings)
-    sharding = run.batch_sharding
-    ids = jax.ShapeDtypeStruct((size, seq), jnp.int32, sharding=sharding)
-    return {"input_ids": ids, "attention_mask": ids, "token_type_ids": ids,
-            "labels": jax.ShapeDtypeStruct((size,), jnp.int32, sharding=sharding),
-            "weights": jax.ShapeDtypeStruct((size,), jnp.float32, sharding=sharding)}
+def plannable(cfg) -> tuple:
+    """``(cfg, notes)``: a config whose ``model.checkpoint`` is not on this machine (a
+    fine-tuning config planned from a laptop) is planned with its ``model.name`` preset's
+    architecture instead of the checkpoint's config.json, and the notes say so."""
+    ckpt = cfg.model.checkpoint
+    if not ckpt or os.path.isfile(os.path.join(ckpt, "config.json")):
+        return cfg, ()
+    note = (f"model.checkpoint {ckpt!r} is not on this machine: planned with the "
+            f"{cfg.model.name!r} preset's architecture (a run reads the checkpoint's "
+            "config.json)")
+    return config_lib.build(cfg.to_dict(), ["model.checkpoint="]), (note,)
 
 
-def abstract_run(cfg, target: topology.Target) -> loop.Run:
-    """A ``Run`` whose state is ShapeDtypeStructs with the trainer's shardings on the target's
-    mesh, and no data: what the trainer's jitted steps need to be compiled."""
-    mesh = loop._mesh(cfg, target.devices, training=True)
-    policy = loop._policy(cfg)
-    # Outside the mesh: under one, nnx.eval_shape reads the logical axis names as mesh axes.
-    model = nnx.eval_shape(lambda: create_model(cfg.model, policy, cfg.seed)[0])
-    with jax.set_mesh(mesh):
-        graphdef, params, fp8, param_shardings = loop._split_model(model, mesh)
-        params = abstract_like(params, param_shardings)
-        fp8 = abstract_like(fp8, jax.tree_util.tree_map(lambda _: shd.replicated(mesh), fp8)) \
-            if policy.fp8 else None
-        t = cfg.train
-        steps = t.max_steps if t.max_steps > 0 else t.epochs * steps_per_epoch(cfg)
-        tx, schedule, create, shardings = loop.make_state(cfg, mesh, model.spec, params, fp8,
-                                                          param_shardings, steps)
-        state = abstract_like(jax.eval_shape(create, params, fp8), shardings)
-    return loop.Run(cfg, "", mesh, graphdef, state, shardings, eval_data=None, tokenizer=None,
-                    spec=model.spec, label_names=(), tx=tx, schedule=schedule,
-                    total_steps=steps)
+def abstract_run(cfg, target: topology.Target) -> Run:
+    """The trainer's ``Run`` of ``cfg`` on the target's devices, its state ShapeDtypeStructs
+    with the trainer's shardings, and no data: what the jitted steps need to be compiled."""
+    return assemble(resolve(cfg, target.devices), abstract=True)
 
 
 def _shard_bytes(tree) -> int:
@@ -217,10 +196,11 @@ def _interconnect_s(target, sent: float) -> tuple[float | None, str]:
         f"{link:.3g} B/s interconnect, both directions{between}"
 
 
-def _estimate(target, cfg, flops: dict, cost: dict, batch: int, seq: int,
-              sent: float) -> dict:
-    """Estimated step time: the roofline and, where XLA gives one, its cost model."""
-    peak = devices_lib.peak_flops(target.device_kind, devices_lib.POLICY_DTYPE[cfg.precision.policy])
+def estimate_step(target, policy, attention_impl: str, flops: dict, cost: dict, batch: int,
+                  seq: int, sent: float) -> dict:
+    """Estimated step time of a step under ``policy`` (its matmul dtype's peak) with
+    ``attention_impl``: the roofline and, where XLA gives one, its cost model."""
+    peak = devices_lib.peak_flops(target.device_kind, policy.matmul_dtype)
     if peak is None:
         return {"step_s": None, "source": f"none: no peak for {target.device_kind!r} in "
                                           "jaxaccel/devices.py"}
@@ -239,7 +219,7 @@ def _estimate(target, cfg, flops: dict, cost: dict, batch: int, seq: int,
     # XLA's cost model: absent on the compile-only GPU client, negative when it cannot cost
     # the program (seen for whole BERT steps on TPU); kept in the plan either way.
     xla_s = out["xla_optimal_seconds"] = cost.get("optimal_seconds")
-    pallas_flops = flops["attention"] if cfg.model.attention_impl == "pallas" else 0.0
+    pallas_flops = flops["attention"] if attention_impl == "pallas" else 0.0
     if xla_s is not None and xla_s > 0:
         out["xla_cost_model_s"] = xla_s + pallas_flops * per_chip / peak_flops
     # No estimate below the roofline, a lower bound (XLA's model may leave collectives out).
@@ -262,7 +242,7 @@ def _git_sha() -> str:
 def make_plan(config_path: str | None, sets: list[str], topology_name: str) -> Plan:
     """Compile the configured steps for ``topology_name``; ``DoesNotFit`` when they do not."""
     target = topology.resolve(topology_name)
-    cfg = load_config(config_path, sets, target)
+    cfg, notes = plannable(load_config(config_path, sets, target))
     run = abstract_run(cfg, target)
     t = cfg.train
     batch = abstract_batch(run, t.batch_size)
@@ -301,11 +281,12 @@ def make_plan(config_path: str | None, sets: list[str], topology_name: str) -> P
     capacity, capacity_source = _capacity(target)
     found = collectives_lib.collectives(train.as_text(), len(target.devices))
     sent = sum(c.sent for c in found)
-    estimate = _estimate(target, cfg, flops, cost, t.batch_size, seq, sent)
+    estimate = estimate_step(target, run.resolved.policy, run.spec.attention_impl, flops, cost,
+                             t.batch_size, seq, sent)
     plan = Plan(target, cfg, dict(run.mesh.shape), t.batch_size, t.eval_batch_size, seq,
                 memory, eval_memory, capacity, capacity_source, compile_s, flops, estimate,
-                _epoch_cost(target, cfg, estimate),
-                collectives_lib.by_kind(found), sent)
+                _cost_of(target, run, estimate),
+                collectives_lib.by_kind(found), sent, notes)
     if plan.fits is False:
         m, e = plan.memory, plan.eval_memory
         raise DoesNotFit(does_not_fit(
@@ -317,13 +298,21 @@ def make_plan(config_path: str | None, sets: list[str], topology_name: str) -> P
     return plan
 
 
-def _epoch_cost(target, cfg, estimate) -> dict | None:
-    """Estimated time and price of one epoch (at the longest batch's step time)."""
+def _cost_of(target, run: Run, estimate) -> dict | None:
+    """Estimated time and price of one epoch (at the longest batch's step time), or of the
+    whole run (``unit: "run"``) where the epoch's steps are unknown before the data is packed
+    (a corpus) and the run's length is given in steps."""
     if estimate["step_s"] is None:
         return None
-    steps = steps_per_epoch(cfg)
+    r = run.resolved
+    if r.steps_per_epoch is not None:
+        unit, steps = "epoch", r.steps_per_epoch
+    elif r.total_steps is not None:
+        unit, steps = "run", r.total_steps
+    else:
+        return None
     seconds = steps * estimate["step_s"]
-    out = {"steps": steps, "seconds": seconds}
+    out = {"unit": unit, "steps": steps, "seconds": seconds}
     try:
         p = prices.lookup(target.device_kind, prices.PRICES)
     except KeyError:
@@ -412,8 +401,10 @@ def report(plan: Plan) -> str:
     c = plan.cost
     if c:
         usd = f"${c['usd']:.2f}" if c["usd"] is not None else "no price"
-        lines.append(f"epoch (estimate): {c['steps']} steps x step time = "
+        lines.append(f"{c['unit']} (estimate): {c['steps']} steps x step time = "
                      f"{c['seconds']:.1f} s, {usd} ({c['price']})")
+    if plan.notes:
+        lines += ["", "notes: " + "; ".join(plan.notes) + "."]
     lines += ["", "caveats: " + "; ".join(CAVEATS) + "."]
     return "\n".join(lines)
 
@@ -436,15 +427,15 @@ def result(plan: Plan) -> dict:
            "xla_flops_per_device": plan.flops["xla_per_device"],
            "roofline_s": e.get("roofline_s"), "xla_cost_model_s": e.get("xla_cost_model_s"),
            "xla_optimal_seconds": e.get("xla_optimal_seconds"),
-           "peak": e.get("peak"), "epoch_steps": c.get("steps"),
-           "epoch_seconds": c.get("seconds"), "epoch_usd": c.get("usd"),
+           "peak": e.get("peak"),
+           **{f"{c['unit']}_{k}": c[k] for k in ("steps", "seconds", "usd") if c},
            "price": c.get("price")}
     return {"bench": "plan", "device": t.device_kind, "backend": t.platform,
             "topology": t.name, "device_count": t.chips, "devices": len(t.devices),
             "jax": jax.__version__, "jaxaccel": _git_sha(),
             "date": datetime.date.today().isoformat(), "model": plan.cfg.model.name,
             "seq": plan.seq, "mesh": plan.mesh, "config": plan.cfg.to_dict(),
-            "caveats": list(CAVEATS), "rows": [row]}
+            "caveats": list(CAVEATS), "notes": list(plan.notes), "rows": [row]}
 
 
 def slug(name: str) -> str:

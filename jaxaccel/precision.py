@@ -51,6 +51,9 @@ class Policy:
       fp8: encoder matmuls in fp8 with delayed scaling.
       amax_history_length: fp8 only: steps of amax history a scale is taken from (1024, as
         Transformer Engine's DelayedScaling).
+      matmul_dtype: the dtype the dense matmuls run in, whose published peak FLOP/s bounds
+        them (``jaxaccel.devices``; MFU's denominator): fp8's encoder matmuls run in float8
+        although its other compute is bfloat16.
     """
 
     name: str
@@ -60,6 +63,7 @@ class Policy:
     loss_scaling: bool = False
     fp8: bool = False
     amax_history_length: int = 1024
+    matmul_dtype: str = "float32"
 
     def cast_to_compute(self, x):
         return x.astype(self.compute_dtype)
@@ -70,9 +74,11 @@ class Policy:
 
 POLICIES = {
     "fp32": Policy("fp32", jnp.float32, jnp.float32, jnp.float32),
-    "bf16": Policy("bf16", jnp.float32, jnp.bfloat16, jnp.float32),
-    "fp16": Policy("fp16", jnp.float32, jnp.float16, jnp.float32, loss_scaling=True),
-    "fp8": Policy("fp8", jnp.float32, jnp.bfloat16, jnp.float32, fp8=True),
+    "bf16": Policy("bf16", jnp.float32, jnp.bfloat16, jnp.float32, matmul_dtype="bfloat16"),
+    "fp16": Policy("fp16", jnp.float32, jnp.float16, jnp.float32, loss_scaling=True,
+                   matmul_dtype="float16"),
+    "fp8": Policy("fp8", jnp.float32, jnp.bfloat16, jnp.float32, fp8=True,
+                  matmul_dtype="float8"),
 }
 
 
@@ -88,6 +94,13 @@ def get_policy(policy: str | Policy | None) -> Policy:
         raise ValueError(f"precision policy {policy!r} is unknown; expected one of "
                          f"{sorted(POLICIES)}.{hint}")
     return POLICIES[policy]
+
+
+def policy_of(precision) -> Policy:
+    """The run's policy from the config's ``precision`` section: the named policy with the
+    section's fp8 amax history. The one place a run's ``Policy`` is made."""
+    return dataclasses.replace(get_policy(precision.policy),
+                               amax_history_length=precision.fp8_amax_history)
 
 
 class LossScale(struct.PyTreeNode):

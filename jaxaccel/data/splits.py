@@ -182,11 +182,19 @@ def check_batch_fits(train_cfg, batch_axes: dict[str, int], *, training: bool = 
                 f"{-(-size // shards) * shards}), or set the mesh (mesh.data=...).")
 
 
-def steps_per_epoch(cfg) -> int:
-    """Training steps per epoch (whole global batches of the training split), counted without
-    tokenizing it."""
+def steps_per_epoch(cfg) -> int | None:
+    """Training steps per epoch (whole global batches of the training split, less
+    ``data.validation_size`` examples) known before anything is read or tokenized: from the
+    synthetic example count, or the dataset's ``train_examples`` (its ``DATASETS`` entry; the
+    split is read and counted only where the entry gives no count). None for a corpus, whose
+    rows depend on the packing (the packed data knows: ``PackedBatches.steps_per_epoch``)."""
     d = cfg.data
-    n = d.synthetic_examples if d.name == "synthetic" else len(load_text_dataset(
-        d.name, data_dir=d.data_dir or None, manual_dir=d.manual_dir or None,
-        splits=("train",))["train"][1]) - d.validation_size
-    return n // cfg.train.batch_size
+    if d.name == "synthetic":
+        return d.synthetic_examples // cfg.train.batch_size
+    if _is_corpus(cfg):
+        return None
+    n = dataset_entry(d.name).train_examples
+    if n is None:
+        n = len(load_text_dataset(d.name, data_dir=d.data_dir or None,
+                                  manual_dir=d.manual_dir or None, splits=("train",))["train"][1])
+    return (n - d.validation_size) // cfg.train.batch_size

@@ -60,21 +60,36 @@ def check_vocab(tokenizer_size: int, architecture, tokenizer_source) -> None:
                          f"{tokenizer_size}.")
 
 
-def create_model(model_cfg, policy, seed: int):
+def checkpoint_of(model_cfg) -> str:
+    """The Hugging Face checkpoint directory the ``model`` config section loads: its
+    ``model.checkpoint``, the packaged MiniLM for ``minilm-l6``, else "" (random init)."""
+    return model_cfg.checkpoint or (packaged_minilm_dir() if model_cfg.name == "minilm-l6"
+                                    else "")
+
+
+def model_spec(model_cfg) -> ModelSpec:
+    """The ``ModelSpec`` of the ``model`` config section (``spec.from_config``), with the
+    architecture of its checkpoint's config.json where it names one: what a run knows of its
+    model before any weight is read."""
+    checkpoint = checkpoint_of(model_cfg)
+    return spec_lib.from_config(model_cfg, architecture_of(checkpoint) if checkpoint else None)
+
+
+def create_model(model_cfg, policy, seed: int, spec: ModelSpec | None = None):
     """``(model, tokenizer_dir)`` from the ``model`` section of a config.
 
-    A checkpoint directory (``model.checkpoint``, or the packaged MiniLM for ``minilm-l6``) is
-    loaded with its weights; other presets are initialised randomly from ``seed``. The model's
-    ``spec`` is what ``spec.from_config`` makes of ``model_cfg``.
+    A checkpoint directory (``checkpoint_of``) is loaded with its weights; other presets are
+    initialised randomly from ``seed``. The model's spec is ``spec``, default
+    ``model_spec(model_cfg)``.
     """
-    checkpoint = model_cfg.checkpoint or (
-        packaged_minilm_dir() if model_cfg.name == "minilm-l6" else "")
-    spec = spec_lib.from_config(model_cfg, architecture_of(checkpoint) if checkpoint else None)
+    checkpoint = checkpoint_of(model_cfg)
+    spec = model_spec(model_cfg) if spec is None else spec
     if checkpoint:
         return load_checkpoint(checkpoint, spec, policy, seed), model_cfg.tokenizer or checkpoint
     return build_model(spec, policy, seed), model_cfg.tokenizer or packaged_minilm_dir()
 
 
 __all__ = ["BertConfig", "BertModel", "FAMILIES", "LLAMA_PRESETS", "LlamaConfig", "ModelSpec",
-           "PRESETS", "architecture_of", "build_model", "check_vocab", "create_model",
+           "PRESETS", "architecture_of", "build_model", "check_vocab", "checkpoint_of",
+           "create_model", "model_spec",
            "from_pretrained", "load_checkpoint", "packaged_minilm_dir", "save_checkpoint"]

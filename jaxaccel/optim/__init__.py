@@ -4,11 +4,11 @@
 decoupled weight decay masked off biases and LayerNorm parameters, a warm-up schedule, and
 optionally layer-wise learning-rate decay (``jaxaccel.optim.layer_decay``).
 Adan (``jaxaccel.optim.adan``) follows the official algorithm and has fused implementations;
-``make_onepass`` builds its one-pass form for parameters kept flat (``jaxaccel.optim.flat``).
+``adan.adan_onepass`` is its one-pass form for parameters kept flat (``jaxaccel.optim.flat``;
+the trainer's flat layout, ``jaxaccel.train.layout``).
 ``state_shardings`` places an optimizer state on the mesh; ``flat.portable`` /
 ``flat.restore`` turn any state holding flat buffers into the mesh-independent form
-checkpoints hold and back. ``IMPLS`` / ``ONEPASS_IMPLS``: what ``impl`` (config
-``train.optimizer_impl``) takes on either path.
+checkpoints hold and back. ``IMPLS``: what ``impl`` (config ``train.optimizer_impl``) takes.
 """
 from __future__ import annotations
 
@@ -20,11 +20,10 @@ from jaxaccel import sharding as shd
 from jaxaccel.optim import flat
 from jaxaccel.optim.clip import clip_by_global_norm, global_norm
 from jaxaccel.optim.layer_decay import entry_name, scale_by_layer
-from jaxaccel.optim.adan import IMPLS, AdanState, OnePass, adan, adan_onepass
-from kernels_pallas.adan import IMPLS as ONEPASS_IMPLS
+from jaxaccel.optim.adan import IMPLS, AdanState, adan
 
-__all__ = ["IMPLS", "ONEPASS_IMPLS", "OPTIMIZERS", "decay_mask", "flat", "global_norm", "make_onepass",
-           "make_optimizer", "make_schedule", "scale_by_layer", "state_shardings"]
+__all__ = ["IMPLS", "OPTIMIZERS", "decay_mask", "flat", "global_norm", "make_optimizer",
+           "make_schedule", "scale_by_layer", "state_shardings"]
 
 OPTIMIZERS = ("adamw", "adan")
 
@@ -80,24 +79,6 @@ def make_optimizer(name: str, learning_rate, *, weight_decay: float = 0.0,
 
 def _given(**kw) -> dict:
     return {k: v for k, v in kw.items() if v is not None}
-
-
-def make_onepass(name: str, learning_rate, *, weight_decay: float = 0.0,
-                 max_grad_norm: float = 0.0, b1=None, b2=None, b3=None, eps=None,
-                 impl: str = "auto", shardings=None,
-                 zero_axes: tuple[str, ...] = ()) -> OnePass:
-    """``make_optimizer``'s one-pass counterpart (same arguments, same numbers) for parameters
-    kept flat: only Adan has one. ``impl``: one of ``ONEPASS_IMPLS`` (the kernel's)."""
-    if name != "adan":
-        raise ValueError(f"the one-pass (flat parameter) path exists for optimizer 'adan' "
-                         f"only, not {name!r}; set train.optimizer=adan or "
-                         "train.flat_params=false.")
-    if impl not in ONEPASS_IMPLS:
-        raise ValueError(f"optimizer_impl={impl!r} has no one-pass form; expected one of "
-                         f"{ONEPASS_IMPLS} with flat parameters.")
-    return adan_onepass(learning_rate, weight_decay=weight_decay, max_grad_norm=max_grad_norm,
-                        mask=decay_mask, impl=impl, shardings=shardings,
-                        zero_axes=zero_axes, **_given(b1=b1, b2=b2, b3=b3, eps=eps))
 
 
 def state_shardings(opt_state_shapes, param_shardings, mesh, *, zero1: bool = False):

@@ -3,7 +3,6 @@ checkpoint, the config and model spec saved with it, and its tokenizer/ folder).
 are opened read-only, so these run safely beside the trainer writing the folder."""
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 
@@ -16,7 +15,7 @@ from jaxaccel.data import load_tokenizer, splits
 from jaxaccel.models import build_model, check_vocab, spec
 from jaxaccel.models.generate import Sampler
 from jaxaccel.models.fp8 import Fp8Meta
-from jaxaccel.precision import get_policy
+from jaxaccel.precision import policy_of
 from jaxaccel.train.checkpoint import Checkpointer, like
 
 
@@ -29,8 +28,7 @@ def load_run(run_dir: str):
     try:
         saved, meta = ckpt.restore_items(("params", "fp8"))
         cfg = config_lib.build(meta["config"])
-        policy = dataclasses.replace(get_policy(cfg.precision.policy),
-                                     amax_history_length=cfg.precision.fp8_amax_history)
+        policy = policy_of(cfg.precision)
         # Shapes only, no random initialisation: every value comes from the checkpoint.
         model = nnx.eval_shape(
             lambda: build_model(spec.from_saved(meta["architecture"], cfg.model), policy))
@@ -70,13 +68,14 @@ def evaluate_run(run_dir: str, sets: list[str] | None = None, devices=None) -> d
     ``sets`` say (only ``EVAL_SETTABLE`` keys). Builds only the evaluation side
     (``loop.build_eval``): the model from the run folder, the eval split; no optimizer state,
     no training split."""
-    from jaxaccel.train.loop import build_eval
+    from jaxaccel.train.run import assemble, resolve
     check_eval_sets(sets or [])
     model, cfg, meta = load_run(run_dir)
-    # The checkpoint's parameters are in the per-parameter form whatever the trainer path.
     cfg = config_lib.build(cfg.to_dict(), ["mesh.data=-1", "mesh.fsdp=1", "mesh.tensor=1",
-                                           "train.flat_params=false", *(sets or [])])
-    run = build_eval(cfg, model, tokenizer_dir(run_dir), devices)
+                                           *(sets or [])])
+    # The checkpoint holds the per-parameter form whatever the trainer's layout was.
+    run = assemble(resolve(cfg, devices, training=False, spec=model.spec), model=model,
+                   tokenizer_dir=tokenizer_dir(run_dir))
     with jax.set_mesh(run.mesh):
         result = run.evaluate()
     # Records before the step was saved with them give the data position (epoch, step in it).

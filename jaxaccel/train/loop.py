@@ -1,4 +1,6 @@
-"""The training loop: config -> mesh -> model, optimizer, policy -> sharded state -> data -> steps.
+"""The training loop: a resolved and assembled run (``jaxaccel.train.run``) stepped through its
+data, with the services it talks to (``Services``: checkpoints, metrics, the stop signal)
+handed in.
 
 ``train(cfg)`` fine-tunes and evaluates; it checkpoints every ``train.checkpoint_every`` steps,
 at each epoch end and at the end, resumes from the newest readable checkpoint of its run folder
@@ -26,29 +28,21 @@ import math
 import os
 import sys
 import time
+from typing import Callable
 
 import jax
 import numpy as np
-from flax import nnx
 from tqdm.auto import tqdm
 
 from jaxaccel import flops
-from jaxaccel import sharding as shd
 from jaxaccel.config import Config
-from jaxaccel.data import BatchIterator, load_tokenizer, splits
-from jaxaccel.data.packing import PackedBatches
-from jaxaccel.models import ModelSpec, check_vocab, create_model
-from jaxaccel.models.fp8 import Fp8Meta
-from jaxaccel.models.unpad import Capacity
-from jaxaccel.optim import make_onepass, make_optimizer, make_schedule, state_shardings
-from jaxaccel.precision import LossScale, get_policy
-from jaxaccel.train import onepass, rundir
+from jaxaccel.train import rundir
 from jaxaccel.train.checkpoint import Checkpointer, NonFiniteState, on_disk, restore_state
 from jaxaccel.train.metrics import MetricsWriter
 from jaxaccel.train.preemption import Preemption
+from jaxaccel.train.run import Run, assemble, resolve
 from jaxaccel.train.state import TrainState
-from jaxaccel.train.step import is_state_metric, make_eval_step, make_train_step
-from jaxaccel.train.tasks import TASKS, Task
+from jaxaccel.train.step import is_state_metric
 
 log = logging.getLogger("jaxaccel")
 
@@ -68,85 +62,21 @@ class TooManySkippedSteps(RuntimeError):
     parameters, so every saved checkpoint stays good."""
 
 
-@dataclasses.dataclass
-class Run:
-    """A model on a mesh with its data, and the jitted steps over them.
+@dataclasses.dataclass(frozen=True)
+class Services:
+    """What the loop talks to besides the devices, handed in (tests and benchmarks hand their
+    own; the defaults are the real ones):
 
-    ``build`` makes a training run (optimizer, train state, both splits); ``build_eval`` one
-    that only evaluates (a checkpoint's parameters and the eval split: ``state`` holds only
-    ``params`` and ``fp8``, and ``tx``, ``schedule``, ``train_data`` are None). The steps are
-    jitted once with the state's shardings; ``train`` and ``evaluate_run`` enter
-    ``jax.set_mesh(run.mesh)`` once around the whole run (the kernels run per shard over the
-    ambient mesh, else over the one their operands are placed on: ``sharding.current_mesh``).
+    * ``checkpointer(directory, keep=...)`` -> a ``checkpoint.Checkpointer``;
+    * ``metrics(run_dir)`` -> a ``metrics.MetricsWriter``;
+    * ``stop()`` -> a context manager whose ``reached()`` is asked after every step whether to
+      save and stop, with ``stop`` and ``requested`` (``preemption.Preemption``: SIGTERM, a
+      first Ctrl-C, a coordinated notice across processes).
     """
 
-    cfg: Config
-    run_dir: str
-    mesh: jax.sharding.Mesh
-    graphdef: nnx.GraphDef
-    state: TrainState
-    state_shardings: TrainState
-    eval_data: BatchIterator | PackedBatches
-    tokenizer: object
-    spec: ModelSpec
-    label_names: tuple
-    train_data: BatchIterator | PackedBatches | None = None
-    tx: object = None
-    schedule: object = None
-    total_steps: int = 0
-    unpad: Capacity | None = None
-
-    @property
-    def task(self) -> Task:
-        """The training task of the model (``tasks.TASKS[spec.task]``)."""
-        return TASKS[self.spec.task]
-
-    @functools.cached_property
-    def batch_sharding(self) -> jax.sharding.NamedSharding:
-        return shd.batch_sharding(self.mesh)
-
-    def put_batch(self, batch: dict) -> dict:
-        """This process's rows of a batch (numpy, from ``train_data``/``eval_data``) as global
-        arrays split over the mesh's batch axes (refused if it does not fit the unpadding
-        plan: ``unpad.Capacity.check``)."""
-        if self.unpad is not None:
-            self.unpad.check(batch["attention_mask"], jax.process_count())
-        return {k: jax.make_array_from_process_local_data(self.batch_sharding, v)
-                for k, v in batch.items()}
-
-    @functools.cached_property
-    def train_step(self):
-        """``train_step(state, batch) -> (state, metrics)`` of the configured trainer path,
-        jitted: the state donated and laid out as ``state_shardings``, metrics replicated."""
-        make = onepass.make_train_step if self.cfg.train.flat_params else make_train_step
-        step = make(self.graphdef, self.tx, self.cfg.train.grad_accum, self.task,
-                    self.spec.family.resolve("model").fp8_group, self.unpad)
-        return jax.jit(step,
-                       in_shardings=(self.state_shardings, self.batch_sharding),
-                       out_shardings=(self.state_shardings, shd.replicated(self.mesh)),
-                       donate_argnums=0)
-
-    @functools.cached_property
-    def eval_step(self):
-        """``eval_step(params, batch, fp8) -> sums`` (``step.make_eval_step``), jitted: sums
-        replicated."""
-        make = onepass.make_eval_step if self.cfg.train.flat_params else make_eval_step
-        return jax.jit(make(self.graphdef, self.task, self.unpad),
-                       in_shardings=(self.state_shardings.params, self.batch_sharding,
-                                     self.state_shardings.fp8),
-                       out_shardings=shd.replicated(self.mesh))
-
-    def evaluate(self, state: TrainState | None = None) -> dict:
-        """The task's report (``Task.report``: classification accuracy and mean loss, causal
-        LM loss and perplexity) on the eval split of ``state``'s parameters and fp8 state
-        (default ``self.state``), from the weighted sums over every eval batch."""
-        state = self.state if state is None else state
-        totals = {"loss_sum": 0.0, "correct": 0.0, "count": 0.0}
-        for batch in self.eval_data.batches(0):
-            sums = self.eval_step(state.params, self.put_batch(batch), state.fp8)
-            for k, v in jax.device_get(sums).items():
-                totals[k] += float(v)
-        return self.task.report(totals)
+    checkpointer: Callable[..., Checkpointer] = Checkpointer
+    metrics: Callable[[str], MetricsWriter] = MetricsWriter
+    stop: Callable[[], Preemption] = Preemption
 
 
 def _in_mesh(mesh, fn):
@@ -177,142 +107,6 @@ def compile_ahead(run: Run, state: TrainState, start: int) -> int:
     return len(jobs)
 
 
-def _policy(cfg: Config):
-    return dataclasses.replace(get_policy(cfg.precision.policy),
-                               amax_history_length=cfg.precision.fp8_amax_history)
-
-
-def _mesh(cfg: Config, devices, training: bool) -> jax.sharding.Mesh:
-    """The configured mesh over ``devices`` (default all), checked against the batch sizes."""
-    mesh = shd.make_mesh(dict(cfg.mesh), devices)
-    splits.check_batch_fits(cfg.train, {a: mesh.shape[a] for a in shd.BATCH_AXES},
-                            training=training)
-    return mesh
-
-
-def _split_model(model, mesh):
-    """``(graphdef, params, fp8, param_shardings)``: the model's parameters and fp8 state as
-    pure dicts, and the parameters' shardings on ``mesh`` by the logical-axis rules."""
-    shd.check_model_fits(model.config, mesh)
-    graphdef, params_state, fp8_state = nnx.split(model, nnx.Param, Fp8Meta)
-    params = nnx.to_pure_dict(params_state)
-    logical = nnx.to_pure_dict(nnx.get_partition_spec(params_state))
-    return graphdef, params, nnx.to_pure_dict(fp8_state), shd.tree_shardings(mesh, logical,
-                                                                              params)
-
-
-def build(cfg: Config, devices=None) -> Run:
-    """A training run: mesh (over ``devices``, default all), model, optimizer, sharded train
-    state and both splits' batches, built under the mesh."""
-    mesh = _mesh(cfg, devices, training=True)
-    with jax.set_mesh(mesh):
-        return _build(cfg, mesh)
-
-
-def _build(cfg: Config, mesh) -> Run:
-    policy = _policy(cfg)
-    model, tokenizer_dir = create_model(cfg.model, policy, cfg.seed)
-    splits.check_task(cfg, model.spec.task)
-    graphdef, params, fp8, param_shardings = _split_model(model, mesh)
-    fp8 = fp8 if policy.fp8 else None
-    tokenizer_dir = splits.tokenizer_dir(cfg, tokenizer_dir)
-    tokenizer = load_tokenizer(tokenizer_dir)
-    check_vocab(len(tokenizer), model.config, tokenizer_dir)
-    max_positions = model.config.max_position_embeddings
-    train_data, label_names = splits.train_batches(cfg, tokenizer, max_positions)
-    eval_data, _ = splits.eval_batches(cfg, tokenizer, max_positions)
-
-    t = cfg.train
-    total_steps = t.max_steps if t.max_steps > 0 else t.epochs * train_data.steps_per_epoch
-    tx, schedule, create, shardings = make_state(cfg, mesh, model.spec, params, fp8,
-                                                 param_shardings, total_steps)
-    params = jax.device_put(params, param_shardings)
-    state = jax.jit(create, out_shardings=shardings)(params, fp8)
-    unpad = _unpad_plan(cfg, mesh, model.spec, eval_data, train_data, total_steps)
-    return Run(cfg, os.path.join(cfg.workdir, cfg.name), mesh, graphdef, state, shardings,
-               eval_data, tokenizer, model.spec, label_names,
-               train_data=train_data, tx=tx, schedule=schedule, total_steps=total_steps,
-               unpad=unpad)
-
-
-def _unpad_plan(cfg: Config, mesh, spec: ModelSpec, eval_data, train_data=None,
-                train_steps: int = 0) -> Capacity | None:
-    """The run's unpadding plan (``models.unpad``) over one pass of ``eval_data`` and the
-    first ``train_steps`` batches of ``train_data`` (if any), or None: ``train.unpad`` off, a
-    task without padded rows, gradient accumulation, or batches from an iterator that cannot
-    plan (packed LM rows)."""
-    if not (cfg.train.unpad and TASKS[spec.task].unpads and cfg.train.grad_accum == 1):
-        return None
-    sources = [eval_data] + ([] if train_data is None else [train_data])
-    if not all(isinstance(data, BatchIterator) for data in sources):
-        return None
-    groups = shd.batch_shards(mesh)
-    largest = {}
-    for data, stop in zip(sources, (eval_data.steps_per_epoch, train_steps)):
-        for shape, most in data.token_capacity(0, stop, groups).items():
-            largest[shape] = max(largest.get(shape, 0), most)
-    return Capacity.of(groups, largest)
-
-
-def make_state(cfg: Config, mesh, spec: ModelSpec, params, fp8, param_shardings,
-               total_steps: int):
-    """``(tx, schedule, create, shardings)``: the configured optimizer (for ``spec``'s model)
-    and schedule over ``total_steps``, and the train state's initialiser ``create(params, fp8) -> TrainState``
-    with the state's shardings on ``mesh``. ``params`` and ``fp8`` (None unless the policy is
-    fp8) may be abstract (``jax.ShapeDtypeStruct``): nothing is computed here."""
-    t = cfg.train
-    schedule = make_schedule(t.schedule, t.learning_rate, total_steps,
-                             int(t.warmup_ratio * total_steps))
-    loss_scale = LossScale.create(cfg.precision.loss_scale_init,
-                                  cfg.precision.loss_scale_growth_interval) \
-        if _policy(cfg).loss_scaling else None
-    # flat_params: the one-pass Adan (train/onepass.py), same arguments, its own state layout
-    # (no layer decay: config.validate refuses it).
-    kw = dict(weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm, b1=t.b1, b2=t.b2,
-              b3=t.b3, eps=t.eps, impl=t.optimizer_impl, shardings=param_shardings,
-              zero_axes=shd.BATCH_AXES if cfg.sharding.zero1 else ())
-    tx = make_onepass(t.optimizer, schedule, **kw) if t.flat_params else make_optimizer(
-        t.optimizer, schedule, layer_decay=t.layer_decay, embeddings=spec.family.embeddings,
-        **kw)
-    if t.flat_params:
-        create, shardings = onepass.state_init(tx, params, cfg.seed, mesh)
-        return tx, schedule, lambda p, _: create(p), shardings
-    create = lambda p, f: TrainState.create(p, tx, cfg.seed, loss_scale, f)
-    abstract = jax.eval_shape(create, params, fp8)
-    opt_shardings = state_shardings(abstract.opt_state, param_shardings, mesh,
-                                    zero1=cfg.sharding.zero1)
-    replicated = lambda tree: jax.tree_util.tree_map(lambda _: shd.replicated(mesh), tree)
-    shardings = TrainState(step=shd.replicated(mesh), params=param_shardings,
-                           opt_state=opt_shardings, rng=shd.replicated(mesh),
-                           loss_scale=replicated(abstract.loss_scale),
-                           fp8=replicated(abstract.fp8))
-    return tx, schedule, create, shardings
-
-
-def build_eval(cfg: Config, model, tokenizer_dir: str, devices=None) -> Run:
-    """A run that only evaluates ``model`` (its parameters and fp8 state, e.g. a checkpoint's
-    from ``inference.load_run``) on ``cfg``'s eval split: no optimizer state, and the training
-    split is neither read nor tokenized. Per-parameter form only (``train.flat_params`` off)."""
-    if cfg.train.flat_params:
-        raise ValueError("build_eval: train.flat_params=true; evaluation takes the "
-                         "per-parameter form, set train.flat_params=false.")
-    mesh = _mesh(cfg, devices, training=False)
-    graphdef, params, fp8, param_shardings = _split_model(model, mesh)
-    replicated = lambda tree: jax.tree_util.tree_map(lambda _: shd.replicated(mesh), tree)
-    fp8 = fp8 if _policy(cfg).fp8 else None
-    shardings = TrainState(step=None, params=param_shardings, opt_state=None, rng=None,
-                           fp8=replicated(fp8))
-    state = jax.device_put(TrainState(step=None, params=params, opt_state=None, rng=None,
-                                      fp8=fp8), shardings)
-    tokenizer = load_tokenizer(tokenizer_dir, light=True) if cfg.data.name != "synthetic" \
-        else None
-    eval_data, label_names = splits.eval_batches(cfg, tokenizer,
-                                                 model.config.max_position_embeddings)
-    return Run(cfg, os.path.join(cfg.workdir, cfg.name), mesh, graphdef, state, shardings,
-               eval_data, tokenizer, model.spec, label_names,
-               unpad=_unpad_plan(cfg, mesh, model.spec, eval_data))
-
-
 def _record(run: Run, epoch: int, step_in_epoch: int) -> dict:
     """The JSON saved beside each checkpoint: data position and what rebuilds the model (its
     spec, under "architecture")."""
@@ -328,7 +122,7 @@ def _sync(name: str) -> None:
         multihost_utils.sync_global_devices(name)
 
 
-def train(cfg: Config) -> dict:
+def train(cfg: Config, services: Services = Services()) -> dict:
     """Fine-tune as configured; returns the final metrics (and ``status``). Process 0 holds
     the run folder's lock for the whole run."""
     run_dir = os.path.join(cfg.workdir, cfg.name)
@@ -339,9 +133,9 @@ def train(cfg: Config) -> dict:
             rundir.library_log(run_dir) if main else contextlib.nullcontext():
         changes = rundir.prepare(run_dir, cfg.to_dict()) if main else {}
         _sync("jaxaccel_run_dir_ready")
-        run = build(cfg)
+        run = assemble(resolve(cfg))
         with jax.set_mesh(run.mesh):      # the one mesh of every step and evaluation
-            return _train(run, changes)
+            return _train(run, changes, services)
 
 
 def _resume_note(run: Run, start: int, changes: dict) -> None:
@@ -393,11 +187,12 @@ def _throughput(run: Run) -> flops.Throughput:
     return meter
 
 
-def _train(run: Run, changes: dict) -> dict:
+def _train(run: Run, changes: dict, services: Services) -> dict:
     cfg, t = run.cfg, run.cfg.train
     main = jax.process_index() == 0
-    ckpt = Checkpointer(os.path.join(run.run_dir, "checkpoints"), keep=t.keep_checkpoints)
-    writer = MetricsWriter(run.run_dir)
+    ckpt = services.checkpointer(os.path.join(run.run_dir, "checkpoints"),
+                                 keep=t.keep_checkpoints)
+    writer = services.metrics(run.run_dir)
 
     state = run.state
     if t.resume and ckpt.latest_step() is not None:
@@ -453,7 +248,7 @@ def _train(run: Run, changes: dict) -> dict:
             window.clear()
 
     try:
-        with Preemption() as preempt:     # a signal while compiling: saved right after
+        with services.stop() as preempt:     # a signal while compiling: saved right after
             t0 = time.perf_counter()
             log.info("compiled %d programs ahead in %.1f s", compile_ahead(run, state, start),
                      time.perf_counter() - t0)

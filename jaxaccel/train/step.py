@@ -1,4 +1,7 @@
-"""Jitted train and eval steps of a task (``jaxaccel.train.tasks``: classification, causal LM).
+"""The train and eval steps of a task (``jaxaccel.train.tasks``: classification, causal LM) on a
+parameter layout (``jaxaccel.train.layout``: per-leaf optax or flat one-pass), written once:
+the layout says what is differentiated and how an update is applied, and gradient
+accumulation, loss scaling and fp8 are written here around it for both.
 
 The loss is the task's weighted mean cross entropy (float32) over the global batch (for
 classification over rows, ``weights`` 0 for padding rows; for a causal LM over next-token
@@ -21,16 +24,14 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import optax
 from flax import nnx
 
-from jaxaccel.models.bert import fp8_group as bert_fp8_group
 from jaxaccel.models.fp8 import summary as fp8_summary
 from jaxaccel.optim.clip import global_norm
+from jaxaccel.train.layout import Layout
 from jaxaccel.train.state import TrainState
-from jaxaccel.train.tasks import TASKS, Task, weight_sum
+from jaxaccel.train.tasks import Task, weight_sum
 
-CLASSIFICATION = TASKS["classification"]
 # Metrics that are states, not per-step values: the loop logs their latest value.
 STATE_METRICS = ("loss_scale", "skipped_steps", "consecutive_skips")
 
@@ -39,11 +40,12 @@ def is_state_metric(name: str) -> bool:
     return name in STATE_METRICS or name.startswith("fp8/")
 
 
-def forward(graphdef, params, batch, *, deterministic, rng=None, fp8=None,
-            task: Task = CLASSIFICATION, unpad=None):
-    """The task's float32 logits of the model ``graphdef`` with ``params`` (and the fp8 state
-    ``fp8``) on ``batch``; dropout from ``rng`` unless ``deterministic``; the per-token layers
-    on the real tokens only by the plan ``unpad`` (``models.unpad.Capacity``), if given."""
+def forward(graphdef, params, batch, *, task: Task, deterministic, rng=None, fp8=None,
+            unpad=None):
+    """The task's float32 logits of the model ``graphdef`` with ``params`` (a parameter tree,
+    and the fp8 state ``fp8``) on ``batch``; dropout from ``rng`` unless ``deterministic``; the
+    per-token layers on the real tokens only by the plan ``unpad`` (``models.unpad.Capacity``),
+    if given. The one forward pass of training, evaluation and prediction."""
     model = nnx.merge(graphdef, params, *(() if fp8 is None else (fp8,)))
     rngs = None if deterministic else nnx.Rngs(dropout=rng)
     return task.logits(model, batch, deterministic, rngs,
@@ -54,48 +56,50 @@ def _all_finite(tree) -> jax.Array:
     return jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree_util.tree_leaves(tree)]))
 
 
-def make_train_step(graphdef, tx: optax.GradientTransformation, grad_accum: int = 1,
-                    task: Task = CLASSIFICATION, fp8_group=bert_fp8_group, unpad=None):
-    """``step(state, batch) -> (state, metrics)`` of ``task``; jit it with the state donated.
-    ``fp8_group`` names the metric group of an fp8 layer path (the model class's); ``unpad``
-    the run's unpadding plan (``grad_accum`` 1 only: the plan is made for whole batches)."""
+def make_train_step(graphdef, tx, layout: Layout, *, task: Task, fp8_group,
+                    grad_accum: int = 1, unpad=None):
+    """``step(state, batch) -> (state, metrics)`` of ``task`` with the optimizer ``tx`` of
+    ``layout``; jit it with the state donated. ``fp8_group`` names the metric group of an fp8
+    layer path (the model class's); ``unpad`` the run's unpadding plan (``grad_accum`` 1 only:
+    the plan is made for whole batches)."""
     if unpad is not None and grad_accum != 1:
         raise ValueError(f"unpadding is planned for whole batches; grad_accum={grad_accum} "
                          "needs unpad=None (config: train.unpad=false).")
 
-    def loss_fn(params, fp8, micro, rng, denom, scale):
-        logits = forward(graphdef, params, micro, deterministic=False, rng=rng, fp8=fp8,
-                         task=task, unpad=unpad)
+    def loss_fn(x, fp8, params, micro, rng, denom, scale):
+        logits = forward(graphdef, layout.view_of(params, x), micro, task=task,
+                         deterministic=False, rng=rng, fp8=fp8, unpad=unpad)
         ce_sum, correct, _ = task.sums(logits, micro)
         loss = ce_sum / denom
         return loss * scale, (loss, correct)
 
-    # d/d(params): gradients; d/d(fp8): the fp8 state's new values.
+    # d/d(x): gradients of what the layout differentiates; d/d(fp8): the fp8 state's new values.
     grad_fn = jax.grad(loss_fn, argnums=(0, 1), has_aux=True)
 
     def step(state: TrainState, batch):
         rng = jax.random.fold_in(state.rng, state.step)
         denom = weight_sum(task, batch)
         scale = 1.0 if state.loss_scale is None else state.loss_scale.scale
+        x = layout.differentiated(state.params)
         if grad_accum == 1:
-            (grads, fp8), (loss, correct) = grad_fn(state.params, state.fp8, batch, rng, denom,
-                                                   scale)
+            (grads, fp8), (loss, correct) = grad_fn(x, state.fp8, state.params, batch, rng,
+                                                   denom, scale)
         else:
             # Strided micro-batches (rows i, i + k, i + 2k, ...): every device's contiguous
             # block of the batch holds rows of each, so the split moves no data between them.
             micro = jax.tree_util.tree_map(
-                lambda x: x.reshape(x.shape[0] // grad_accum, grad_accum, *x.shape[1:])
+                lambda a: a.reshape(a.shape[0] // grad_accum, grad_accum, *a.shape[1:])
                 .swapaxes(0, 1), batch)
 
             def body(carry, xs):
                 i, mb = xs
                 acc_g, fp8, acc_l, acc_c = carry
-                (g, fp8), (l, c) = grad_fn(state.params, fp8, mb, jax.random.fold_in(rng, i),
-                                           denom, scale)
+                (g, fp8), (l, c) = grad_fn(x, fp8, state.params, mb,
+                                           jax.random.fold_in(rng, i), denom, scale)
                 return (jax.tree_util.tree_map(jnp.add, acc_g, g), fp8, acc_l + l,
                         acc_c + c), None
 
-            zeros = jax.tree_util.tree_map(jnp.zeros_like, state.params)
+            zeros = jax.tree_util.tree_map(jnp.zeros_like, x)
             (grads, fp8, loss, correct), _ = jax.lax.scan(
                 body, (zeros, state.fp8, 0.0, 0.0), (jnp.arange(grad_accum), micro))
         metrics = {}
@@ -106,8 +110,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, grad_accum: int 
             metrics.update(loss_scale=scale, skipped_steps=loss_scale.skipped,
                            consecutive_skips=loss_scale.consecutive)
         grad_norm = global_norm(grads)    # the clipping's norm: XLA computes it once
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
+        params, opt_state = layout.apply(tx, grads, state.opt_state, state.params)
         if state.loss_scale is not None:
             keep = lambda new, old: jax.tree_util.tree_map(
                 lambda n, o: jnp.where(finite, n, o), new, old)
@@ -123,14 +126,14 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, grad_accum: int 
     return step
 
 
-def make_eval_step(graphdef, task: Task = CLASSIFICATION, unpad=None):
+def make_eval_step(graphdef, layout: Layout, *, task: Task, unpad=None):
     """``eval_step(params, batch, fp8=None) -> sums``: the task's {"loss_sum", "correct",
-    "count"} of the batch; ``fp8`` is the train state's fp8 state under the fp8 policy;
-    ``unpad`` as ``make_train_step``'s."""
+    "count"} of the batch, ``params`` in ``layout``'s form; ``fp8`` is the train state's fp8
+    state under the fp8 policy; ``unpad`` as ``make_train_step``'s."""
 
     def eval_step(params, batch, fp8=None):
-        logits = forward(graphdef, params, batch, deterministic=True, fp8=fp8, task=task,
-                         unpad=unpad)
+        logits = forward(graphdef, layout.view(params), batch, task=task, deterministic=True,
+                         fp8=fp8, unpad=unpad)
         return dict(zip(("loss_sum", "correct", "count"), task.sums(logits, batch)))
 
     return eval_step

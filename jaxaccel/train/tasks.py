@@ -35,7 +35,8 @@ class Task:
 
     Attributes:
       name: the task's name (``ModelSpec.task``).
-      batch_keys: what a batch holds (numpy per process, leading dimension the rows).
+      batch_keys: what a batch holds (numpy per process, leading dimension the rows): int32
+        [rows, length], except ``row_keys`` ([rows]) and ``weights`` (float32).
       weights: the batch key weighting the loss (its sum is ``count``).
       logits: ``logits(model, batch, deterministic, rngs[, unpad])`` -> float32 logits;
         ``unpad`` (a ``models.unpad.Capacity``) is passed only to a task that ``unpads``.
@@ -43,6 +44,7 @@ class Task:
       sums: ``sums(logits, batch)`` -> (loss_sum, correct, count), float32 scalars.
       report: eval totals {"loss_sum", "correct", "count"} -> what eval reports.
       summary: a report -> the one line ``jaxaccel train`` ends with.
+      row_keys: the batch keys with one value per row rather than per token.
     """
 
     name: str
@@ -53,6 +55,13 @@ class Task:
     report: Callable[[dict], dict]
     summary: Callable[[dict], str]
     unpads: bool = False
+    row_keys: tuple[str, ...] = ()
+
+    def batch_shapes(self, rows: int, length: int) -> dict:
+        """``{key: (shape, dtype)}`` of a batch of ``rows`` x ``length`` tokens: what a step
+        compiled ahead of its data (``jaxaccel compile``) is given."""
+        return {k: ((rows,) if k in self.row_keys else (rows, length),
+                    jnp.float32 if k == self.weights else jnp.int32) for k in self.batch_keys}
 
 
 def _weighted_sums(logits, labels, weights):
@@ -96,7 +105,7 @@ TASKS = {
         sums=lambda logits, b: _weighted_sums(logits, b["labels"], b["weights"]),
         report=_classification_report,
         summary=lambda r: f"final test accuracy: {r['accuracy']:.4f} ({r['examples']} examples)",
-        unpads=True),
+        unpads=True, row_keys=("labels", "weights")),
     "causal_lm": Task(
         "causal_lm",
         batch_keys=("input_ids", "positions", "segment_ids", "targets", "target_weights"),

@@ -1,0 +1,353 @@
+"""One way to build a run: a config is resolved once into a ``Resolved`` description, and every
+command assembles its ``Run`` from that description through ``assemble``.
+
+    r = resolve(cfg)                      # mesh, policy, model spec, task, layout, steps
+    run = assemble(r)                     # jaxaccel train: model, data, optimizer, state
+    run = assemble(resolve(cfg, training=False), model=model, tokenizer_dir=d)  # eval
+    run = assemble(resolve(cfg, target.devices), abstract=True)  # jaxaccel compile
+
+``resolve`` checks everything that can be known before a weight, a batch or a program exists
+(the mesh against the batch sizes and the model, the data against the model's task, which
+parameter layout the run can have) and derives it once: nothing downstream builds a policy, a
+mesh or chooses a layout again. ``assemble`` builds the model (real, a checkpoint's, or only
+its shapes), the data (not for an abstract run), the optimizer of the layout and the sharded
+train state, and ``Run`` jits the steps of the layout over them (``jaxaccel.train.step``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+
+import jax
+from flax import nnx
+
+from jaxaccel import sharding as shd
+from jaxaccel.config import Config
+from jaxaccel.data import BatchIterator, load_tokenizer, splits
+from jaxaccel.data.packing import PackedBatches
+from jaxaccel.models import ModelSpec, check_vocab, create_model, model_spec
+from jaxaccel.models.fp8 import Fp8Meta
+from jaxaccel.models.unpad import Capacity
+from jaxaccel.optim import make_schedule
+from jaxaccel.precision import LossScale, Policy, policy_of
+from jaxaccel.train import layout as layout_lib
+from jaxaccel.train.checkpoint import abstract_like
+from jaxaccel.train.layout import Layout
+from jaxaccel.train.state import TrainState
+from jaxaccel.train.step import make_eval_step, make_train_step
+from jaxaccel.train.tasks import TASKS, Task
+
+
+@dataclasses.dataclass(frozen=True)
+class Resolved:
+    """A run as its config and target make it, fully derived before anything is built.
+
+    Attributes:
+      cfg: the validated config.
+      mesh: the device mesh (``mesh`` section) over the target's devices.
+      policy: the precision policy (``precision.policy_of``), the one of the run.
+      spec: the model's ``ModelSpec`` (its family, architecture, task and options).
+      task: the training task (``tasks.TASKS[spec.task]``), which the data gives batches for.
+      layout: the parameter layout (``layout.choose``; ``PER_LEAF`` for a run that only
+        evaluates, whose checkpoint holds the per-parameter form).
+      training: whether the run trains (optimizer state, training split) or only evaluates.
+      steps_per_epoch: known without reading the data (``splits.steps_per_epoch``); None for
+        a corpus until it is packed.
+      total_steps: the run's length (``train.max_steps``, else ``train.epochs`` epochs); None
+        while ``steps_per_epoch`` is.
+    """
+
+    cfg: Config
+    mesh: jax.sharding.Mesh
+    policy: Policy
+    spec: ModelSpec
+    task: Task
+    layout: Layout
+    training: bool
+    steps_per_epoch: int | None
+    total_steps: int | None
+
+    @property
+    def run_dir(self) -> str:
+        return os.path.join(self.cfg.workdir, self.cfg.name)
+
+    @property
+    def fp8_group(self):
+        """The model class's fp8 metric grouping (``models.bert.fp8_group``, ...)."""
+        return self.spec.family.resolve("model").fp8_group
+
+    def length(self, steps_per_epoch: int) -> int:
+        """The run's total steps given the epoch's (``total_steps`` once known)."""
+        t = self.cfg.train
+        return t.max_steps if t.max_steps > 0 else t.epochs * steps_per_epoch
+
+
+def resolve(cfg: Config, devices=None, *, training: bool = True,
+            spec: ModelSpec | None = None) -> Resolved:
+    """The run ``cfg`` describes on ``devices`` (default all; a planned target's compile-only
+    devices for ``jaxaccel compile``), checked and derived once. ``training=False``: a run that
+    only evaluates (no optimizer, only the eval batch must fit the mesh). ``spec``: the model's
+    spec where it is known already (a checkpoint's), else read from the config."""
+    spec = model_spec(cfg.model) if spec is None else spec
+    if training:
+        splits.check_task(cfg, spec.task)
+    mesh = shd.make_mesh(dict(cfg.mesh), devices)
+    splits.check_batch_fits(cfg.train, {a: mesh.shape[a] for a in shd.BATCH_AXES},
+                            training=training)
+    shd.check_model_fits(spec.architecture, mesh)
+    layout = layout_lib.choose(cfg.train) if training else layout_lib.PER_LEAF
+    per_epoch = splits.steps_per_epoch(cfg) if training else None
+    t = cfg.train
+    total = t.max_steps if t.max_steps > 0 else (
+        None if per_epoch is None else t.epochs * per_epoch)
+    return Resolved(cfg, mesh, policy_of(cfg.precision), spec, TASKS[spec.task], layout,
+                    training, per_epoch, total)
+
+
+@dataclasses.dataclass
+class Run:
+    """A model on a mesh with its data, and the jitted steps over them.
+
+    A training run has an optimizer, a train state and both splits' batches; a run that only
+    evaluates (``resolved.training`` false) has a state holding ``params`` and ``fp8`` only and
+    no training data; an abstract run (``jaxaccel compile``) has ShapeDtypeStructs for its
+    state and no data at all. The steps are jitted once with the state's shardings; ``train``
+    and ``evaluate_run`` enter ``jax.set_mesh(run.mesh)`` once around the whole run (the
+    kernels run per shard over the ambient mesh, else over the one their operands are placed
+    on: ``sharding.current_mesh``).
+    """
+
+    resolved: Resolved
+    graphdef: nnx.GraphDef
+    state: TrainState
+    state_shardings: TrainState
+    eval_data: BatchIterator | PackedBatches | None = None
+    tokenizer: object = None
+    label_names: tuple = ()
+    train_data: BatchIterator | PackedBatches | None = None
+    tx: object = None
+    schedule: object = None
+    total_steps: int = 0
+    unpad: Capacity | None = None
+
+    @property
+    def cfg(self) -> Config:
+        return self.resolved.cfg
+
+    @property
+    def mesh(self) -> jax.sharding.Mesh:
+        return self.resolved.mesh
+
+    @property
+    def spec(self) -> ModelSpec:
+        return self.resolved.spec
+
+    @property
+    def task(self) -> Task:
+        return self.resolved.task
+
+    @property
+    def run_dir(self) -> str:
+        return self.resolved.run_dir
+
+    @functools.cached_property
+    def batch_sharding(self) -> jax.sharding.NamedSharding:
+        return shd.batch_sharding(self.mesh)
+
+    def put_batch(self, batch: dict) -> dict:
+        """This process's rows of a batch (numpy, from ``train_data``/``eval_data``) as global
+        arrays split over the mesh's batch axes (refused if it does not fit the unpadding
+        plan: ``unpad.Capacity.check``)."""
+        if self.unpad is not None:
+            self.unpad.check(batch["attention_mask"], jax.process_count())
+        return {k: jax.make_array_from_process_local_data(self.batch_sharding, v)
+                for k, v in batch.items()}
+
+    def abstract_batch(self, rows: int, length: int) -> dict:
+        """A global batch of the task's keys (``Task.batch_shapes``) of ``rows`` x ``length``,
+        as ShapeDtypeStructs placed as ``put_batch`` places batches."""
+        return {k: jax.ShapeDtypeStruct(shape, dtype, sharding=self.batch_sharding)
+                for k, (shape, dtype) in self.task.batch_shapes(rows, length).items()}
+
+    @functools.cached_property
+    def train_step(self):
+        """``train_step(state, batch) -> (state, metrics)`` (``step.make_train_step`` on the
+        run's layout), jitted: the state donated and laid out as ``state_shardings``, metrics
+        replicated."""
+        r = self.resolved
+        step = make_train_step(self.graphdef, self.tx, r.layout, task=r.task,
+                               fp8_group=r.fp8_group, grad_accum=r.cfg.train.grad_accum,
+                               unpad=self.unpad)
+        return jax.jit(step,
+                       in_shardings=(self.state_shardings, self.batch_sharding),
+                       out_shardings=(self.state_shardings, shd.replicated(self.mesh)),
+                       donate_argnums=0)
+
+    @functools.cached_property
+    def eval_step(self):
+        """``eval_step(params, batch, fp8) -> sums`` (``step.make_eval_step``), jitted: sums
+        replicated."""
+        r = self.resolved
+        return jax.jit(make_eval_step(self.graphdef, r.layout, task=r.task, unpad=self.unpad),
+                       in_shardings=(self.state_shardings.params, self.batch_sharding,
+                                     self.state_shardings.fp8),
+                       out_shardings=shd.replicated(self.mesh))
+
+    def evaluate(self, state: TrainState | None = None) -> dict:
+        """The task's report (``Task.report``: classification accuracy and mean loss, causal
+        LM loss and perplexity) on the eval split of ``state``'s parameters and fp8 state
+        (default ``self.state``), from the weighted sums over every eval batch."""
+        state = self.state if state is None else state
+        totals = {"loss_sum": 0.0, "correct": 0.0, "count": 0.0}
+        for batch in self.eval_data.batches(0):
+            sums = self.eval_step(state.params, self.put_batch(batch), state.fp8)
+            for k, v in jax.device_get(sums).items():
+                totals[k] += float(v)
+        return self.task.report(totals)
+
+
+def split_model(model, mesh):
+    """``(graphdef, params, fp8, param_shardings)``: the model's parameters and fp8 state as
+    pure dicts, and the parameters' shardings on ``mesh`` by the logical-axis rules."""
+    graphdef, params_state, fp8_state = nnx.split(model, nnx.Param, Fp8Meta)
+    params = nnx.to_pure_dict(params_state)
+    logical = nnx.to_pure_dict(nnx.get_partition_spec(params_state))
+    return graphdef, params, nnx.to_pure_dict(fp8_state), shd.tree_shardings(mesh, logical,
+                                                                              params)
+
+
+def optimizer_state(r: Resolved, params, fp8, param_shardings, total_steps: int):
+    """``(tx, schedule, create, shardings)``: the layout's optimizer and the schedule over
+    ``total_steps``, the train state's initialiser ``create(params, fp8) -> TrainState`` (the
+    parameters put in the layout's form, the optimizer state zeroed, the fp16 loss scale
+    where the policy scales) and the state's shardings on the run's mesh. ``params`` and
+    ``fp8`` (None unless the policy is fp8) may be abstract: nothing is computed here."""
+    cfg, t = r.cfg, r.cfg.train
+    schedule = make_schedule(t.schedule, t.learning_rate, total_steps,
+                             int(t.warmup_ratio * total_steps))
+    tx = r.layout.make_optimizer(t, schedule, r.spec, param_shardings,
+                                 shd.BATCH_AXES if cfg.sharding.zero1 else ())
+    loss_scale = LossScale.create(cfg.precision.loss_scale_init,
+                                  cfg.precision.loss_scale_growth_interval) \
+        if r.policy.loss_scaling else None
+
+    def create(params, fp8):
+        return TrainState.create(r.layout.flatten(tx, params), tx, cfg.seed, loss_scale, fp8)
+    shardings = r.layout.state_shardings(jax.eval_shape(create, params, fp8), param_shardings,
+                                         r.mesh, cfg.sharding.zero1)
+    return tx, schedule, create, shardings
+
+
+def _unpad_plan(r: Resolved, eval_data, train_data=None,
+                train_steps: int = 0) -> Capacity | None:
+    """The run's unpadding plan (``models.unpad``) over one pass of ``eval_data`` and the
+    first ``train_steps`` batches of ``train_data`` (if any), or None: ``train.unpad`` off, a
+    task without padded rows, gradient accumulation, or batches from an iterator that cannot
+    plan (packed LM rows)."""
+    cfg = r.cfg
+    if not (cfg.train.unpad and r.task.unpads and cfg.train.grad_accum == 1):
+        return None
+    sources = [eval_data] + ([] if train_data is None else [train_data])
+    if not all(isinstance(data, BatchIterator) for data in sources):
+        return None
+    groups = shd.batch_shards(r.mesh)
+    largest = {}
+    for data, stop in zip(sources, (eval_data.steps_per_epoch, train_steps)):
+        for shape, most in data.token_capacity(0, stop, groups).items():
+            largest[shape] = max(largest.get(shape, 0), most)
+    return Capacity.of(groups, largest)
+
+
+def assemble(r: Resolved, *, model=None, tokenizer_dir: str | None = None,
+             abstract: bool = False, data: bool = True) -> Run:
+    """The ``Run`` of ``r``:
+
+    * training (``r.training``): the model (``create_model``: a checkpoint's weights or random
+      from the seed; or ``model``), its tokenizer, both splits' batches, the layout's
+      optimizer and the sharded train state; ``data=False``: no tokenizer and no batches (a
+      benchmark feeding its own, ``bench/train_step.py``), the schedule over
+      ``r.total_steps``;
+    * evaluation only: ``model`` (e.g. a checkpoint's, ``inference.load_run``) and the eval
+      split tokenized by ``tokenizer_dir``'s tokenizer; no optimizer state, and the training
+      split is neither read nor tokenized;
+    * ``abstract`` (``jaxaccel compile``): the training run's state as ShapeDtypeStructs with
+      the trainer's shardings, and no data: what the jitted steps need to be compiled.
+    """
+    if abstract:
+        # Outside the mesh: under one, nnx.eval_shape reads the logical axis names as mesh axes.
+        shapes = nnx.eval_shape(lambda: create_model(r.cfg.model, r.policy, r.cfg.seed,
+                                                     r.spec)[0])
+        with jax.set_mesh(r.mesh):
+            return _abstract(r, shapes)
+    with jax.set_mesh(r.mesh):
+        if not r.training:
+            return _eval_only(r, model, tokenizer_dir)
+        return _training(r, model, tokenizer_dir, data)
+
+
+def build(cfg: Config, devices=None) -> Run:
+    """The training run of ``cfg`` over ``devices`` (default all): ``assemble(resolve(...))``."""
+    return assemble(resolve(cfg, devices))
+
+
+def _abstract(r: Resolved, model) -> Run:
+    graphdef, params, fp8, param_shardings = split_model(model, r.mesh)
+    params = abstract_like(params, param_shardings)
+    fp8 = abstract_like(fp8, jax.tree_util.tree_map(lambda _: shd.replicated(r.mesh), fp8)) \
+        if r.policy.fp8 else None
+    # A corpus's length in epochs is unknown before it is packed: one step's schedule.
+    total = r.total_steps or 1
+    tx, schedule, create, shardings = optimizer_state(r, params, fp8, param_shardings, total)
+    state = abstract_like(jax.eval_shape(create, params, fp8), shardings)
+    return Run(r, graphdef, state, shardings, tx=tx, schedule=schedule, total_steps=total)
+
+
+def _training(r: Resolved, model, tokenizer_dir: str | None, data: bool) -> Run:
+    cfg = r.cfg
+    if model is None:
+        model, tokenizer_dir = create_model(cfg.model, r.policy, cfg.seed, r.spec)
+    graphdef, params, fp8, param_shardings = split_model(model, r.mesh)
+    fp8 = fp8 if r.policy.fp8 else None
+    sources = _data(r, model, tokenizer_dir) if data else {}
+    total = r.total_steps if r.total_steps is not None else \
+        r.length(sources["train_data"].steps_per_epoch)
+    tx, schedule, create, shardings = optimizer_state(r, params, fp8, param_shardings, total)
+    params = jax.device_put(params, param_shardings)
+    state = jax.jit(create, out_shardings=shardings)(params, fp8)
+    unpad = _unpad_plan(r, sources["eval_data"], sources["train_data"], total) if data \
+        else None
+    return Run(r, graphdef, state, shardings, **sources, tx=tx, schedule=schedule,
+               total_steps=total, unpad=unpad)
+
+
+def _data(r: Resolved, model, tokenizer_dir: str) -> dict:
+    """A training run's tokenizer and both splits' batches (``Run`` fields)."""
+    cfg = r.cfg
+    tokenizer_dir = splits.tokenizer_dir(cfg, tokenizer_dir)
+    tokenizer = load_tokenizer(tokenizer_dir)
+    check_vocab(len(tokenizer), model.config, tokenizer_dir)
+    max_positions = model.config.max_position_embeddings
+    train_data, label_names = splits.train_batches(cfg, tokenizer, max_positions)
+    eval_data, _ = splits.eval_batches(cfg, tokenizer, max_positions)
+    return dict(eval_data=eval_data, tokenizer=tokenizer, label_names=label_names,
+                train_data=train_data)
+
+
+def _eval_only(r: Resolved, model, tokenizer_dir: str | None) -> Run:
+    graphdef, params, fp8, param_shardings = split_model(model, r.mesh)
+    replicated = lambda tree: jax.tree_util.tree_map(lambda _: shd.replicated(r.mesh), tree)
+    fp8 = fp8 if r.policy.fp8 else None
+    shardings = TrainState(step=None, params=param_shardings, opt_state=None, rng=None,
+                           fp8=replicated(fp8))
+    state = jax.device_put(TrainState(step=None, params=params, opt_state=None, rng=None,
+                                      fp8=fp8), shardings)
+    tokenizer = load_tokenizer(tokenizer_dir, light=True) if r.cfg.data.name != "synthetic" \
+        else None
+    eval_data, label_names = splits.eval_batches(r.cfg, tokenizer,
+                                                 model.config.max_position_embeddings)
+    return Run(r, graphdef, state, shardings, eval_data, tokenizer, label_names,
+               unpad=_unpad_plan(r, eval_data))
+
+
+__all__ = ["Resolved", "Run", "assemble", "build", "optimizer_state", "resolve", "split_model"]
