@@ -6,19 +6,12 @@ import pytest
 
 from jaxaccel import cli
 from jaxaccel.data import splits
-
-CONFIGS = os.path.join(os.path.dirname(__file__), "..", "configs")
-
-
-def run(capsys, *argv):
-    code = cli.main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
+from support import CONFIGS, TINY_CONFIG, run_cli
 
 
 def test_unknown_config_key_lists_close_matches(capsys):
-    code, _, err = run(capsys, "train", "--config", f"{CONFIGS}/minilm_rt.py",
-                       "--set", "train.epoch=2")
+    code, _, err = run_cli(capsys, "train", "--config", f"{CONFIGS}/minilm_rt.py",
+                           "--set", "train.epoch=2")
     assert code == cli.EXIT_ERROR
     assert "unknown config key 'train.epoch'" in err and "train.epochs" in err
 
@@ -29,29 +22,29 @@ def test_unknown_config_key_lists_close_matches(capsys):
     ("model.checkpoint=/nonexistent/ckpt", "does not exist"),
 ])
 def test_unknown_model_dataset_checkpoint(capsys, tmp_path, override, message):
-    code, _, err = run(capsys, "train", "--config", f"{CONFIGS}/tiny_synthetic.py",
-                       "--set", f"workdir={tmp_path}", "--set", override,
-                       "--set", "data.name=synthetic" if override.startswith("model") else
-                       "model.name=tiny")
+    code, _, err = run_cli(capsys, "train", "--config", TINY_CONFIG,
+                           "--set", f"workdir={tmp_path}", "--set", override,
+                           "--set", "data.name=synthetic" if override.startswith("model") else
+                           "model.name=tiny")
     assert code == cli.EXIT_ERROR and message in err, err
 
 
 def test_mesh_not_dividing_devices_is_named(capsys, tmp_path, eight_devices):
-    code, _, err = run(capsys, "train", "--config", f"{CONFIGS}/tiny_synthetic.py",
-                       "--set", f"workdir={tmp_path}", "--set", "mesh.tensor=3")
+    code, _, err = run_cli(capsys, "train", "--config", TINY_CONFIG,
+                           "--set", f"workdir={tmp_path}", "--set", "mesh.tensor=3")
     assert code == cli.EXIT_ERROR and "does not divide the 8 devices" in err
 
 
 def test_predict_on_missing_run(capsys, tmp_path):
-    code, _, err = run(capsys, "predict", "--checkpoint", str(tmp_path), "great film")
+    code, _, err = run_cli(capsys, "predict", "--checkpoint", str(tmp_path), "great film")
     assert code == cli.EXIT_ERROR and "not a run folder" in err
 
 
 def test_train_eval_predict_round_trip(capsys, tmp_path, monkeypatch):
-    code, out, err = run(capsys, "train", "--config", f"{CONFIGS}/minilm_rt.py",
-                         "--set", f"workdir={tmp_path}", "--set", "model.name=tiny",
-                         "--set", "train.max_steps=3", "--set", "train.batch_size=16",
-                         "--set", "train.progress=false")
+    code, out, err = run_cli(capsys, "train", "--config", f"{CONFIGS}/minilm_rt.py",
+                             "--set", f"workdir={tmp_path}", "--set", "model.name=tiny",
+                             "--set", "train.max_steps=3", "--set", "train.batch_size=16",
+                             "--set", "train.progress=false")
     assert code == 0, err
     assert "final test accuracy" in out and "checkpoints:" in out and "metrics:" in out
     trained = json.loads(out[:out.index("\n}\n") + 2])
@@ -63,15 +56,15 @@ def test_train_eval_predict_round_trip(capsys, tmp_path, monkeypatch):
         read.append(k["splits"]), real_load(*a, **k))[1])
     monkeypatch.setattr(splits, "tokenize", lambda tok, texts, *a, **k: (
         tokenized.append(len(texts)), real_tokenize(tok, texts, *a, **k))[1])
-    code, out, err = run(capsys, "eval", "--checkpoint", run_dir)
+    code, out, err = run_cli(capsys, "eval", "--checkpoint", run_dir)
     assert code == 0, err
     assert read == [("test",)] and tokenized == [1000]
     evaluated = json.loads(out)
     assert evaluated["step"] == 3 and evaluated["examples"] == trained["eval_examples"]
     assert evaluated["accuracy"] == trained["eval_accuracy"]
     assert evaluated["loss"] == pytest.approx(trained["eval_loss"], rel=1e-6)
-    code, out, err = run(capsys, "predict", "--checkpoint", run_dir,
-                         "a gripping, beautifully shot film", "dull and lifeless")
+    code, out, err = run_cli(capsys, "predict", "--checkpoint", run_dir,
+                             "a gripping, beautifully shot film", "dull and lifeless")
     assert code == 0, err
     records = [json.loads(line) for line in out.strip().splitlines()]
     assert len(records) == 2
@@ -81,10 +74,10 @@ def test_train_eval_predict_round_trip(capsys, tmp_path, monkeypatch):
 
 def test_training_with_adan_through_the_cli_lowers_the_loss(capsys, tmp_path):
     from jaxaccel.train.metrics import read_metrics
-    code, out, err = run(capsys, "train", "--config", f"{CONFIGS}/tiny_synthetic.py",
-                         "--set", f"workdir={tmp_path}", "--set", "train.optimizer=adan",
-                         "--set", "train.epochs=6", "--set", "train.log_every=4",
-                         "--set", "train.progress=false")
+    code, out, err = run_cli(capsys, "train", "--config", TINY_CONFIG,
+                             "--set", f"workdir={tmp_path}", "--set", "train.optimizer=adan",
+                             "--set", "train.epochs=6", "--set", "train.log_every=4",
+                             "--set", "train.progress=false")
     assert code == 0, err
     losses = [r["train/loss"] for r in read_metrics(os.path.join(tmp_path, "tiny_synthetic"))
               if "train/loss" in r]
@@ -92,14 +85,14 @@ def test_training_with_adan_through_the_cli_lowers_the_loss(capsys, tmp_path):
 
 
 def test_training_with_pallas_attention(capsys, tmp_path):
-    code, out, err = run(capsys, "train", "--config", f"{CONFIGS}/tiny_synthetic.py",
-                         "--set", f"workdir={tmp_path}", "--set", "model.attention_impl=pallas",
-                         "--set", "train.max_steps=2", "--set", "train.progress=false")
+    code, out, err = run_cli(capsys, "train", "--config", TINY_CONFIG,
+                             "--set", f"workdir={tmp_path}", "--set", "model.attention_impl=pallas",
+                             "--set", "train.max_steps=2", "--set", "train.progress=false")
     assert code == cli.EXIT_ERROR and "attention_impl='xla'" in err   # dropout 0.1 refused
-    code, out, err = run(capsys, "train", "--config", f"{CONFIGS}/tiny_synthetic.py",
-                         "--set", f"workdir={tmp_path}", "--set", "model.attention_impl=pallas",
-                         "--set", "model.attention_dropout=0.0", "--set", "train.max_steps=2",
-                         "--set", "train.progress=false")
+    code, out, err = run_cli(capsys, "train", "--config", TINY_CONFIG,
+                             "--set", f"workdir={tmp_path}", "--set", "model.attention_impl=pallas",
+                             "--set", "model.attention_dropout=0.0", "--set", "train.max_steps=2",
+                             "--set", "train.progress=false")
     assert code == 0, err
 
 

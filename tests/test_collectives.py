@@ -10,7 +10,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxaccel import topology
 from jaxaccel.collectives import Collective, collective_bytes, collectives, group_size
-from tests.test_topology import needs_cuda_plugin, needs_libtpu
+from support import needs_cuda_plugin, needs_libtpu
 
 
 def test_an_async_pair_counts_its_results_once():

@@ -5,8 +5,7 @@ import sys
 import pytest
 
 from jaxaccel import config
-
-ROOT = os.path.dirname(os.path.dirname(__file__))
+from support import CONFIGS
 
 
 def test_base_builds_and_attribute_access():
@@ -14,7 +13,7 @@ def test_base_builds_and_attribute_access():
     assert cfg.train.epochs == 1 and cfg.model.name == "minilm-l6"
 
 
-@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(ROOT, "configs", "*.py"))))
+@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(CONFIGS, "*.py"))))
 def test_every_config_file_loads(path):
     cfg = config.load(path)
     assert cfg.name == os.path.basename(path)[:-3]
@@ -61,11 +60,11 @@ def test_configs_import_each_other_plainly_from_any_directory(tmp_path, monkeypa
     """configs/bert_base_imdb_adan.py starts from ``import bert_base_imdb``: the loader puts the
     config's folder on the import path while it runs, whatever the working directory."""
     monkeypatch.chdir(tmp_path)
-    adan = config.load(os.path.join(ROOT, "configs", "bert_base_imdb_adan.py"))
-    base = config.load(os.path.join(ROOT, "configs", "bert_base_imdb.py"))
+    adan = config.load(os.path.join(CONFIGS, "bert_base_imdb_adan.py"))
+    base = config.load(os.path.join(CONFIGS, "bert_base_imdb.py"))
     assert (adan.name, adan.train.optimizer, adan.train.b1) == ("bert_base_imdb_adan", "adan", 0.98)
     assert adan.data == base.data and adan.train.epochs == base.train.epochs == 3
-    monkeypatch.chdir(os.path.join(ROOT, "configs"))
+    monkeypatch.chdir(CONFIGS)
     assert config.load("bert_base_imdb_adan.py").to_dict() == adan.to_dict()
 
 

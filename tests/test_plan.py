@@ -12,21 +12,16 @@ import pytest
 
 from jaxaccel import cli, plan, topology
 from jaxaccel import devices as devices_lib
-from tests.test_topology import needs_cuda_plugin, needs_libtpu
-
-CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
-TINY = os.path.join(CONFIGS, "tiny_synthetic.py")
+from support import CONFIGS, TINY_CONFIG, needs_cuda_plugin, needs_libtpu, run_cli
 
 
 def compile_cli(capsys, *args):
-    code = cli.main(["compile", "--config", TINY, *args])
-    out, err = capsys.readouterr()
-    return code, out, err
+    return run_cli(capsys, "compile", "--config", TINY_CONFIG, *args)
 
 
 @pytest.fixture(scope="module")
 def local_plan():
-    return plan.make_plan(TINY, [], "local")
+    return plan.make_plan(TINY_CONFIG, [], "local")
 
 
 def test_local_plan_reports_memory_fit_and_labelled_estimates(local_plan):
@@ -55,7 +50,7 @@ def test_the_estimate_never_goes_below_the_roofline():
     that bound."""
     target = topology.Target("v5e:2x4", "tpu", (SimpleNamespace(device_kind="TPU v5 lite"),) * 8,
                              devices_lib.chip("TPU v5 lite"), 1, 1)
-    cfg = plan.load_config(TINY, [], topology.resolve("local"))
+    cfg = plan.load_config(TINY_CONFIG, [], topology.resolve("local"))
     flops = {"analytic": 8 * 197e12 * 1e-3, "attention": 0.0}
     for xla_s, step_s, source in ((5e-3, 5e-3, "estimate:xla-cost-model"),
                                   (2e-3, 4e-3, "estimate:roofline")):
@@ -116,11 +111,11 @@ def test_missing_libtpu_names_the_pip_command(monkeypatch, capsys):
 @needs_libtpu
 def test_tpu_plan_shards_with_fsdp_and_counts_chips(capsys, tmp_path):
     """The tiny step compiled by the TPU compiler for a 4-chip v5e slice with FSDP-4."""
-    p = plan.make_plan(TINY, ["mesh.data=1", "mesh.fsdp=4"], "v5e:2x2")
+    p = plan.make_plan(TINY_CONFIG, ["mesh.data=1", "mesh.fsdp=4"], "v5e:2x2")
     assert p.target.chips == 4 and p.fits and p.capacity == 16 * 2 ** 30
     # Data parallel (abstract only, not compiled) holds every parameter on every chip.
     target = topology.resolve("v5e:2x2")
-    dp = plan.abstract_run(plan.load_config(TINY, [], target), target)
+    dp = plan.abstract_run(plan.load_config(TINY_CONFIG, [], target), target)
     assert p.memory["params"] < plan._shard_bytes(dp.state.params) / 3
     assert p.estimate["source"].startswith("estimate:") and p.estimate["step_s"] > 0
     assert p.cost["usd"] > 0 and "TPU v5 lite $1.2/h" in p.cost["price"]
@@ -156,7 +151,7 @@ def test_mesh_larger_than_the_slice_says_so(capsys):
 @pytest.mark.aot_compile
 @needs_cuda_plugin
 def test_gpu_plan_uses_the_preallocated_share_of_hbm():
-    p = plan.make_plan(TINY, [], "h100:1x1")
+    p = plan.make_plan(TINY_CONFIG, [], "h100:1x1")
     assert p.target.device_kind == "NVIDIA H100 80GB HBM3" and p.fits
     assert p.capacity == pytest.approx(0.75 * 80e9) and "preallocation" in p.capacity_source
     assert p.flops["xla_per_device"] is None        # the compile-only GPU client gives none

@@ -4,19 +4,11 @@ missing compilers give one clear error each; the peak table answers per dtype.
 TPU targets need libtpu and GPU targets the CUDA plugin (the ``aot`` extra); without them those
 tests skip and say so. Compile-only CUDA devices also need ``JAX_PLATFORMS=cpu`` on a machine
 without a GPU (the plugin's own backend fails to start there)."""
-import importlib.util
-
 import jax
 import pytest
 
 from jaxaccel import devices, topology
-
-needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
-                                  reason="libtpu not installed (pip install 'jaxaccel[aot]')")
-needs_cuda_plugin = pytest.mark.skipif(
-    not topology.cuda_plugin_installed() or jax.config.jax_platforms != "cpu",
-    reason="compile-only CUDA devices need the CUDA plugin (pip install 'jaxaccel[aot]') and "
-           "JAX_PLATFORMS=cpu")
+from support import needs_cuda_plugin, needs_libtpu
 
 
 @needs_libtpu

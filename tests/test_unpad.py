@@ -16,13 +16,12 @@ from jaxaccel.models.bert import BertModel
 from jaxaccel.models.spec import PRESETS, ModelSpec
 from jaxaccel.models.unpad import MAX_SHARE, Capacity, Unpadded
 from jaxaccel.train import loop
+from support import TINY_SETS
 
 LENGTHS = np.array([16, 5, 9, 1, 12, 3, 16, 7])
 MASK = (np.arange(16)[None] < LENGTHS[:, None]).astype(np.int32)
-TINY = ["model.name=tiny", "data.name=synthetic", "data.synthetic_examples=64",
-        "data.synthetic_seq_len=32", "data.synthetic_min_len=1", "train.batch_size=16",
-        "train.eval_batch_size=32", "train.learning_rate=3e-3", "train.progress=false",
-        "train.log_every=1"]
+# The tiny run on rows of 32 tokens, padded from lengths uniform in [1, 32].
+TINY = TINY_SETS + ["data.synthetic_seq_len=32", "data.synthetic_min_len=1", "train.log_every=1"]
 
 
 def test_tokens_go_to_slots_and_back():
