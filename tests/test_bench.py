@@ -6,7 +6,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from support import ROOT
+
+sys.path.insert(0, ROOT)
 
 from bench.common import count_kernels  # noqa: E402
 from bench.scaling import predict_backward  # noqa: E402

@@ -6,8 +6,9 @@ import sys
 import pytest
 
 from jaxaccel import cli, compare, energy, prices
+from support import ROOT
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
 
 STUDY = os.path.join(os.path.dirname(__file__), "fixtures", "study_v100.json")
 ORDER = ["Unfused Single Adan", "Fused Multi Adan", "Mixed precision", "FP16 LightSeq",

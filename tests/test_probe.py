@@ -8,9 +8,9 @@ import os
 import pytest
 
 from jaxaccel import cli
+from support import CONFIGS, TINY_CONFIG
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FINETUNE = os.path.join(ROOT, "configs", "canterbury_lm_finetune.py")
+FINETUNE = os.path.join(CONFIGS, "canterbury_lm_finetune.py")
 
 
 @pytest.fixture(scope="module")
@@ -149,7 +149,7 @@ def test_a_run_stopped_by_sigterm_exits_with_the_resumable_status(tmp_path, monk
 
 # ---- a trained LM run (the probe's LM job, shrunk): items 2 onwards ----
 
-LM_CONFIG = os.path.join(ROOT, "configs", "canterbury_lm.py")
+LM_CONFIG = os.path.join(CONFIGS, "canterbury_lm.py")
 
 
 @pytest.fixture(scope="module")
@@ -238,7 +238,7 @@ def test_a_config_json_that_is_not_json_is_named(bert_copy, llama_copy):
 def test_train_from_a_damaged_checkpoint_is_one_error_line(bert_copy, tmp_path, capsys):
     """The probe's CLI case: model.checkpoint with a truncated model.safetensors (a
     SafetensorError traceback naming no file), then with a config.json that is not JSON."""
-    train = ["train", "--config", os.path.join(ROOT, "configs", "tiny_synthetic.py"),
+    train = ["train", "--config", TINY_CONFIG,
              "--set", f"model.checkpoint={bert_copy}", "--set", f"workdir={tmp_path / 'runs'}"]
     weights, config_json = (os.path.join(bert_copy, f) for f in ("model.safetensors",
                                                                  "config.json"))

@@ -14,8 +14,9 @@ from jaxaccel import config
 from jaxaccel.models import PRESETS, BertConfig, BertModel, ModelSpec, create_model, spec
 from jaxaccel.train import inference, loop
 from jaxaccel.train.checkpoint import Checkpointer
+from support import ROOT
 
-MODELS = os.path.join(os.path.dirname(__file__), "..", "jaxaccel", "models")
+MODELS = os.path.join(ROOT, "jaxaccel", "models")
 
 
 def test_spec_from_config_round_trips_as_json():
