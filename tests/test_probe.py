@@ -249,3 +249,16 @@ def test_train_from_a_damaged_checkpoint_is_one_error_line(bert_copy, tmp_path, 
         f.write("{")
     assert cli.main(train) == cli.EXIT_ERROR
     assert f"error: {config_json} is not valid JSON" in capsys.readouterr().err
+
+
+# ---- item 5: eval refuses data.tokenizer_vocab, which it cannot honour ----
+
+def test_eval_refuses_a_tokenizer_vocab_override(lm_run, capsys):
+    assert cli.main(["eval", "--checkpoint", lm_run, "--set",
+                     "data.tokenizer_vocab=300"]) == cli.EXIT_ERROR
+    out = capsys.readouterr()
+    assert out.out == ""
+    assert out.err.strip() == (
+        "error: eval cannot honour --set data.tokenizer_vocab=300: the texts are tokenized by "
+        "the run's own tokenizer (its tokenizer/ folder), whatever vocabulary size is set. Drop "
+        "the override, or train a run with that setting.")

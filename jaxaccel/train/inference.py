@@ -49,10 +49,18 @@ EVAL_SETTABLE = ("data", "mesh", "train.eval_batch_size")
 devices and the eval batch. The model, its labels and its precision are the checkpoint's."""
 
 
+EVAL_FIXED = {"data.tokenizer_vocab": "the texts are tokenized by the run's own tokenizer (its "
+                                       "tokenizer/ folder), whatever vocabulary size is set"}
+"""Keys of ``EVAL_SETTABLE``'s sections that evaluation cannot honour either, and why."""
+
+
 def check_eval_sets(sets: list[str]) -> None:
     """``ValueError`` naming the first ``key=value`` evaluation cannot honour."""
     for text in sets:
         key, _ = config_lib.parse_override(text)
+        if key in EVAL_FIXED:
+            raise ValueError(f"eval cannot honour --set {text}: {EVAL_FIXED[key]}. Drop the "
+                             "override, or train a run with that setting.")
         if not any(key == k or key.startswith(k + ".") for k in EVAL_SETTABLE):
             raise ValueError(
                 f"eval cannot honour --set {text}: the model, its labels and its precision "
