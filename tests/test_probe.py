@@ -262,3 +262,38 @@ def test_eval_refuses_a_tokenizer_vocab_override(lm_run, capsys):
         "error: eval cannot honour --set data.tokenizer_vocab=300: the texts are tokenized by "
         "the run's own tokenizer (its tokenizer/ folder), whatever vocabulary size is set. Drop "
         "the override, or train a run with that setting.")
+
+
+# ---- item 5b: an LM eval batch larger than the eval split is clamped before any work ----
+
+def final_eval(run_dir) -> dict:
+    """The run's last evaluation as its metrics.jsonl logged it (batches of 64 rows)."""
+    from jaxaccel.train.metrics import read_metrics
+    return [r for r in read_metrics(run_dir) if "eval/loss" in r][-1]
+
+
+def test_an_lm_eval_batch_larger_than_the_split_is_one_batch(lm_run, caplog, capsys):
+    """The probe's eval --set train.eval_batch_size=100000 (a RESOURCE_EXHAUSTED traceback for
+    485 GB of logits): the split's rows go in one batch, and the report is the training's own
+    (batches of 64 rows)."""
+    import logging
+    with caplog.at_level(logging.INFO, logger="jaxaccel"):
+        assert cli.main(["eval", "--checkpoint", lm_run, "--set",
+                         "train.eval_batch_size=100000"]) == 0
+    report, reference = json.loads(capsys.readouterr().out), final_eval(lm_run)
+    assert report["tokens"] == reference["eval/tokens"]
+    assert report["loss"] == pytest.approx(reference["eval/loss"], rel=1e-5)
+    assert "train.eval_batch_size=100000 is more than the" in caplog.text
+    assert "'validation' split: evaluating them in one batch of" in caplog.text
+
+
+def test_training_with_an_eval_batch_larger_than_the_split(lm_run, tmp_path, corpus_dir,
+                                                            capsys):
+    """The same in train's own evaluation: the run of the lm_run fixture, but for its eval
+    batch, ends with the same evaluation."""
+    assert cli.main(["train", "--config", LM_CONFIG, *lm_sets(
+        tmp_path, corpus_dir, "train.eval_batch_size=100000")]) == 0
+    result = json.JSONDecoder().raw_decode(capsys.readouterr().out)[0]
+    reference = final_eval(lm_run)
+    assert result["status"] == "completed" and result["eval_tokens"] == reference["eval/tokens"]
+    assert result["eval_loss"] == pytest.approx(reference["eval/loss"], rel=1e-5)

@@ -26,6 +26,7 @@ only; eval rows in document order, the last batch completed with padding rows.
 """
 from __future__ import annotations
 
+import logging
 import math
 
 import jax
@@ -39,6 +40,8 @@ from jaxaccel.data.synthetic import synthetic
 SYNTHETIC_VOCAB = 30522      # BERT's uncased vocabulary: synthetic ids lie in [0, 30522)
 TRAIN_BUCKET_WINDOW = 50     # global batches sorted by length together (data.bucket)
 VALIDATION_SEED = 0          # the held-out validation rows are the same for every run seed
+
+log = logging.getLogger("jaxaccel")
 
 
 def validation_rows(n: int, size: int) -> np.ndarray:
@@ -130,10 +133,27 @@ def _packed(cfg, tokenizer, max_positions: int, split: str, *, training: bool) -
                          f"<= {max_positions}.")
     docs = tokenize_documents(
         tokenizer, load_corpus(d.name, data_dir=d.data_dir or None, splits=(split,))[split])
-    size = cfg.train.batch_size if training else cfg.train.eval_batch_size
+    size = cfg.train.batch_size if training else \
+        _eval_batch_size(cfg, -(-sum(map(len, docs)) // d.max_len), split)
     return PackedBatches(docs, d.max_len, size, shuffle=training, seed=cfg.seed,
                          drop_remainder=training, process_index=jax.process_index(),
                          process_count=jax.process_count())
+
+
+def _eval_batch_size(cfg, rows: int, split: str) -> int:
+    """``train.eval_batch_size``, or, where that is more than the ``rows`` of the eval split,
+    the least multiple of the device count that holds them all (one batch; a multiple of
+    every mesh's batch shards and of the process count). Without the clamp the rows beyond
+    the split are padding the eval step still computes: 100,000 rows of 128 tokens asked XLA
+    for 485 GB of logits at an 8k vocabulary."""
+    size, n = cfg.train.eval_batch_size, jax.device_count()
+    fit = -(-rows // n) * n
+    if size <= fit:
+        return size
+    log.info("train.eval_batch_size=%d is more than the %d rows of %d tokens of the %r "
+             "split: evaluating them in one batch of %d rows", size, rows, cfg.data.max_len,
+             split, fit)
+    return fit
 
 
 def train_batches(cfg, tokenizer, max_positions: int) -> tuple[BatchIterator | PackedBatches,
