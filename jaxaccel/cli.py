@@ -198,19 +198,25 @@ def _read_texts(args) -> list[str | ValueError]:
 
 
 def _refusal(text: str | UnicodeError) -> ValueError | None:
-    """Why ``text`` is not classified, or None: not valid UTF-8 (undecodable argv bytes arrive
-    as surrogates), or empty or only whitespace (no words: a label for it would be the
-    model's bias, not a prediction)."""
-    if not isinstance(text, UnicodeError):
-        try:
-            text.encode("utf-8")
-        except UnicodeError as e:
-            text = e
+    """Why ``text`` is not classified, or None: not valid UTF-8, or empty or only whitespace
+    (no words: a label for it would be the model's bias, not a prediction)."""
+    if isinstance(text, str):
+        text = _not_utf8(text) or text
     if isinstance(text, UnicodeError):
         return ValueError(f"input is not valid UTF-8 ({text.reason} at byte {text.start})")
     if not text.strip():
         return ValueError(f"input {text!r} is empty or only whitespace: there is nothing to "
                           "classify")
+    return None
+
+
+def _not_utf8(text: str) -> UnicodeError | None:
+    """The error of encoding ``text`` as UTF-8 (undecodable argv bytes arrive as surrogates),
+    or None."""
+    try:
+        text.encode("utf-8")
+    except UnicodeError as e:
+        return e
     return None
 
 
@@ -235,6 +241,11 @@ def cmd_predict(args) -> int:
 
 def cmd_generate(args) -> int:
     from jaxaccel.train.inference import Generator
+    for i, prompt in enumerate(args.prompts):
+        bad = _not_utf8(prompt)
+        if bad:
+            raise ValueError(f"prompt {i} is not valid UTF-8 ({bad.reason} at byte {bad.start}); "
+                             "give prompts as UTF-8 text.")
     texts = Generator(_run_dir(args.checkpoint))(
         args.prompts, args.max_new_tokens, temperature=0.0 if args.greedy else args.temperature,
         top_k=args.top_k, seed=args.seed)

@@ -297,3 +297,29 @@ def test_training_with_an_eval_batch_larger_than_the_split(lm_run, tmp_path, cor
     reference = final_eval(lm_run)
     assert result["status"] == "completed" and result["eval_tokens"] == reference["eval/tokens"]
     assert result["eval_loss"] == pytest.approx(reference["eval/loss"], rel=1e-5)
+
+
+# ---- item 7: generate names a prompt that is not UTF-8, and a top-k past the vocabulary ----
+
+def test_generate_refuses_a_prompt_that_is_not_utf8(lm_run, capsys):
+    """An undecodable argument byte (argv holds it as a surrogate) was a 21-line TypeError
+    traceback from the tokenizer."""
+    assert cli.main(["generate", "--checkpoint", lm_run, "Alice was",
+                     "bad \udcff bytes"]) == cli.EXIT_ERROR
+    out = capsys.readouterr()
+    assert out.out == "" and out.err.strip() == (
+        "error: prompt 1 is not valid UTF-8 (surrogates not allowed at byte 4); give prompts "
+        "as UTF-8 text.")
+
+
+def test_generate_refuses_a_top_k_past_the_vocabulary(lm_run, capsys):
+    """JAX's own "k argument to top_k must be no larger than size along axis" named neither
+    the flag nor the limit."""
+    assert cli.main(["generate", "--checkpoint", lm_run, "--top-k", "9000",
+                     "Alice was"]) == cli.EXIT_ERROR
+    out = capsys.readouterr()
+    assert out.out == "" and out.err.strip() == (
+        "error: top_k=9000 must be between 0 (no top-k cut) and the model's vocabulary of 8192 "
+        "tokens; give at most 8192.")
+    assert cli.main(["generate", "--checkpoint", lm_run, "--top-k", "8192",
+                     "--max-new-tokens", "2", "Alice was"]) == 0

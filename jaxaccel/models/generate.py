@@ -47,17 +47,18 @@ def _sample(logits, key, temperature: float, top_k: int):
     return jax.random.categorical(key, logits).astype(jnp.int32)
 
 
-def check_sampling(temperature: float, top_k: int) -> None:
+def check_sampling(temperature: float, top_k: int, vocab_size: int) -> None:
     """Refuse sampling settings that sample something else than asked: a temperature that is
     not a finite number >= 0 (nan turns every logit into nan, and what is drawn from those is
-    no distribution: the probe got empty texts; inf flattens the distribution to uniform) or a
-    negative top_k."""
+    no distribution: the probe got empty texts; inf flattens the distribution to uniform), or
+    a top_k outside 0 .. ``vocab_size`` (beyond it JAX's top_k fails with its own words)."""
     if not math.isfinite(temperature) or temperature < 0:
         raise ValueError(f"temperature={temperature} must be a finite number >= 0 (0: greedy; "
                          "around 0.7-1.0 for sampling); inf would sample uniformly and nan "
                          "nothing at all.")
-    if top_k < 0:
-        raise ValueError(f"top_k={top_k} must be >= 0 (0: no top-k cut).")
+    if not 0 <= top_k <= vocab_size:
+        raise ValueError(f"top_k={top_k} must be between 0 (no top-k cut) and the model's "
+                         f"vocabulary of {vocab_size} tokens; give at most {vocab_size}.")
 
 
 class Sampler:
@@ -101,7 +102,7 @@ class Sampler:
                  return_logits: bool = False):
         """The new token ids of each prompt (lists of ids), and with ``return_logits`` the
         float32 logits each sampled token was drawn from ([batch, steps, vocab])."""
-        check_sampling(temperature, top_k)
+        check_sampling(temperature, top_k, self.config.vocab_size)
         self.check(prompts, max_new_tokens)
         b = len(prompts)
         length = -(-max(len(p) for p in prompts) // PAD_TO) * PAD_TO
