@@ -323,3 +323,22 @@ def test_generate_refuses_a_top_k_past_the_vocabulary(lm_run, capsys):
         "tokens; give at most 8192.")
     assert cli.main(["generate", "--checkpoint", lm_run, "--top-k", "8192",
                      "--max-new-tokens", "2", "Alice was"]) == 0
+
+
+# ---- item 8: eval on data of another task says so ----
+
+def test_eval_on_data_of_another_task_names_both_tasks(lm_run, classifier_run, capsys):
+    """An LM run on labelled data printed `error: positions` (a bare KeyError); a classifier
+    on the corpus blamed the tokenizer's EOS token."""
+    assert cli.main(["eval", "--checkpoint", lm_run, "--set",
+                     "data.name=rt_snippets"]) == cli.EXIT_ERROR
+    assert capsys.readouterr().err.strip() == (
+        f"error: eval --set data.name=rt_snippets: the run {lm_run!r} trained a causal_lm "
+        "model (on data.name='canterbury'), but 'rt_snippets' gives classification batches; "
+        "evaluate it on a corpus (e.g. data.name=canterbury).")
+    assert cli.main(["eval", "--checkpoint", classifier_run, "--set",
+                     "data.name=canterbury"]) == cli.EXIT_ERROR
+    assert capsys.readouterr().err.strip() == (
+        f"error: eval --set data.name=canterbury: the run {classifier_run!r} trained a "
+        "classification model (on data.name='synthetic'), but 'canterbury' gives causal_lm "
+        "batches; evaluate it on a labelled dataset (e.g. data.name=rt_snippets).")

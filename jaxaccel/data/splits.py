@@ -99,15 +99,20 @@ def _is_corpus(cfg) -> bool:
     return cfg.data.name != "synthetic" and dataset_entry(cfg.data.name).is_corpus
 
 
+def data_task(cfg) -> str:
+    """The task (``train.tasks.TASKS``) the configured data is for: a corpus gives
+    ``causal_lm`` batches, the other datasets ``classification`` ones."""
+    return "causal_lm" if _is_corpus(cfg) else "classification"
+
+
 def check_task(cfg, task: str) -> None:
-    """The model's training task (``train.tasks.TASKS``) must be the one the data is for: a
-    corpus gives ``causal_lm`` batches, the other datasets ``classification`` ones."""
-    data_task = "causal_lm" if _is_corpus(cfg) else "classification"
-    if task != data_task:
+    """The model's training task must be the one the data is for (``data_task``)."""
+    given = data_task(cfg)
+    if task != given:
         fix = ("a decoder (e.g. model.name=llama-cpu) for it, or a labelled dataset" if task ==
                "classification" else "a BERT model (e.g. model.name=minilm-l6) for it, or a "
                "corpus (data.name=canterbury)")
-        raise ValueError(f"data.name={cfg.data.name!r} gives {data_task} batches but the model "
+        raise ValueError(f"data.name={cfg.data.name!r} gives {given} batches but the model "
                          f"(model.name={cfg.model.name!r}) trains {task}; use {fix}.")
 
 

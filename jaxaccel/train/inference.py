@@ -16,6 +16,7 @@ from jaxaccel.models import build_model, check_vocab, spec
 from jaxaccel.models.generate import Sampler
 from jaxaccel.models.fp8 import Fp8Meta
 from jaxaccel.precision import policy_of
+from jaxaccel.train import rundir
 from jaxaccel.train.checkpoint import Checkpointer, like
 
 
@@ -69,6 +70,24 @@ def check_eval_sets(sets: list[str]) -> None:
                 "those sections); drop the override, or train a run with that setting.")
 
 
+def check_eval_task(run_dir: str, sets: list[str]) -> None:
+    """``ValueError`` if ``sets`` give data of another task than the run trained on (a corpus
+    for a classifier, a labelled dataset for a causal LM: a bare ``KeyError`` or a complaint
+    about the tokenizer's EOS token otherwise), before anything is read; the run's model
+    trains its data's task (``train`` refuses others: ``splits.check_task``)."""
+    saved = rundir.saved_config(run_dir)
+    if saved is None or not sets:
+        return                    # load_run says what a folder without a config lacks
+    trained, asked = config_lib.build(saved[0]), config_lib.build(saved[0], sets)
+    was, now = splits.data_task(trained), splits.data_task(asked)
+    if was != now:
+        fix = ("a corpus (e.g. data.name=canterbury)" if was == "causal_lm" else
+               "a labelled dataset (e.g. data.name=rt_snippets)")
+        raise ValueError(f"eval --set data.name={asked.data.name}: the run {run_dir!r} trained "
+                         f"a {was} model (on data.name={trained.data.name!r}), but "
+                         f"{asked.data.name!r} gives {now} batches; evaluate it on {fix}.")
+
+
 def evaluate_run(run_dir: str, sets: list[str] | None = None, devices=None) -> dict:
     """The task's report (classification: accuracy and loss; causal LM: loss and perplexity,
     ``tasks.TASKS``) of the run's latest checkpoint on its eval split, data parallel over
@@ -78,6 +97,7 @@ def evaluate_run(run_dir: str, sets: list[str] | None = None, devices=None) -> d
     no training split."""
     from jaxaccel.train.run import assemble, resolve
     check_eval_sets(sets or [])
+    check_eval_task(run_dir, sets or [])
     model, cfg, meta = load_run(run_dir)
     cfg = config_lib.build(cfg.to_dict(), ["mesh.data=-1", "mesh.fsdp=1", "mesh.tensor=1",
                                            *(sets or [])])
