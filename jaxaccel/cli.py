@@ -28,6 +28,7 @@ import json
 import logging
 import os
 import sys
+import traceback
 
 EXIT_ERROR, EXIT_NONFINITE, EXIT_DOES_NOT_FIT, EXIT_INTERRUPTED = 2, 3, 4, 130
 # sysexits.h's EX_TEMPFAIL ("a temporary failure: the user is invited to retry"): a run stopped
@@ -299,6 +300,19 @@ def cmd_compile(args) -> int:
     return 0
 
 
+def _message(e: Exception) -> str:
+    """What the catch-all prints for ``e``: its own sentence (jaxaccel's ``KeyError``s are
+    sentences too), or, for a lookup that failed inside the code (a ``KeyError`` of a bare key)
+    or an exception without a message, what failed and where, never one bare word."""
+    text = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
+    if isinstance(text, str) and " " in text.strip():
+        return text
+    frame = traceback.extract_tb(e.__traceback__)[-1]
+    return (f"{type(e).__name__} {text!r} at {os.path.basename(frame.filename)}:{frame.lineno} "
+            f"({frame.name}): jaxaccel should have refused this command with a sentence; "
+            "please report it with the command line.")
+
+
 def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     for noisy in ("absl", "orbax", "jax._src", "tensorflow_datasets"):
@@ -313,8 +327,7 @@ def main(argv=None) -> int:
                 "generate": cmd_generate, "bench": cmd_bench, "compare": cmd_compare,
                 "compile": cmd_compile}[args.command](args)
     except (ValueError, KeyError, OSError) as e:
-        msg = e.args[0] if isinstance(e, KeyError) and e.args else e
-        print(f"error: {msg}", file=sys.stderr)
+        print(f"error: {_message(e)}", file=sys.stderr)
         return EXIT_ERROR
     except KeyboardInterrupt:
         print("interrupted: stopped without saving.", file=sys.stderr)
