@@ -239,8 +239,11 @@ def _git_sha() -> str:
         return "unknown"
 
 
-def make_plan(config_path: str | None, sets: list[str], topology_name: str) -> Plan:
-    """Compile the configured steps for ``topology_name``; ``DoesNotFit`` when they do not."""
+def make_plan(config_path: str | None, sets: list[str], topology_name: str, *,
+              device_memory: float | None = None) -> Plan:
+    """Compile the configured steps for ``topology_name``; ``DoesNotFit`` when they do not.
+    ``device_memory``: bytes per device to plan against instead of the target's (a device shared
+    with other work, or a budget of one's own)."""
     target = topology.resolve(topology_name)
     cfg, notes = plannable(load_config(config_path, sets, target))
     run = abstract_run(cfg, target)
@@ -278,7 +281,8 @@ def make_plan(config_path: str | None, sets: list[str], topology_name: str) -> P
     flops = {"analytic": flops_lib.train_flops(shape, t.batch_size, seq),
              "attention": flops_lib.attention_flops(shape, t.batch_size, seq),
              "xla_per_device": cost.get("flops")}
-    capacity, capacity_source = _capacity(target)
+    capacity, capacity_source = _capacity(target) if device_memory is None else \
+        (device_memory, f"{device_memory / 1e9:g} GB given (--memory)")
     found = collectives_lib.collectives(train.as_text(), len(target.devices))
     sent = sum(c.sent for c in found)
     estimate = estimate_step(target, run.resolved.policy, run.spec.attention_impl, flops, cost,

@@ -66,7 +66,8 @@ def move_run(run, m: Mesh):
         raise ValueError(f"mesh {dict(m.shape)} must have the run's axes {dict(run.mesh.shape)}")
     shardings = jax.tree_util.tree_map(lambda s: NamedSharding(m, s.spec), run.state_shardings)
     state = abstract_like(run.state, shardings)
-    moved = dataclasses.replace(run, mesh=m, state_shardings=shardings)
+    moved = dataclasses.replace(run, resolved=dataclasses.replace(run.resolved, mesh=m),
+                                state_shardings=shardings)
     batch = next(run.train_data.batches(0))
     batch = {k: placed(v, moved.batch_sharding) for k, v in batch.items()}
     return moved, state, batch

@@ -29,7 +29,9 @@ from jaxaccel import cli, config, topology
 from jaxaccel.data.packing import pack
 from jaxaccel.models import LLAMA_PRESETS
 from jaxaccel.train import loop
+from jaxaccel.train import run as run_lib
 from jaxaccel.train.metrics import read_metrics
+from jaxaccel.train.preemption import Preemption
 from jaxaccel.train.tasks import TASKS
 from kernels_pallas.adan import LANES, make_scalars
 
@@ -89,18 +91,23 @@ def logged_losses(run_dir):
     return {r["step"]: r["train/loss"] for r in read_metrics(run_dir) if "train/loss" in r}
 
 
-def sigterm_at(monkeypatch, n):
-    """Deliver a real SIGTERM to this process when the n-th train batch is sent."""
-    calls = {"n": 0}
-    original = loop.Run.put_batch
+class _SigtermAt(Preemption):
+    """The real stop signal, and a real SIGTERM delivered to this process after step ``n``."""
 
-    def hooked(run, batch):
-        if batch["weights"].shape[0] == 16:       # train batches (eval batches are 32 rows)
-            calls["n"] += 1
-            if calls["n"] == n:
-                os.kill(os.getpid(), signal.SIGTERM)
-        return original(run, batch)
-    monkeypatch.setattr(loop.Run, "put_batch", hooked)
+    def __init__(self, n: int):
+        super().__init__()
+        self._at, self._seen = n, 0
+
+    def reached(self) -> bool:
+        self._seen += 1
+        if self._seen == self._at:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return super().reached()
+
+
+def sigterm_at(n: int) -> loop.Services:
+    """The loop's services with a real SIGTERM to this process after its n-th train step."""
+    return loop.Services(stop=lambda: _SigtermAt(n))
 
 
 # ---- the tiny run on a module's 8 devices ----
@@ -114,7 +121,7 @@ def build(tmp_path, mesh, num_devices=8, *sets):
     d, f, t = mesh
     cfg = config.build(sets=TINY_SHARDED + [f"workdir={tmp_path}", f"mesh.data={d}",
                                             f"mesh.fsdp={f}", f"mesh.tensor={t}", *sets])
-    return loop.build(cfg, DEVICES[:num_devices])
+    return run_lib.build(cfg, DEVICES[:num_devices])
 
 
 def train_steps(run, k=3):

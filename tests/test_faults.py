@@ -157,8 +157,7 @@ def test_nonfinite_stop_without_a_good_checkpoint_says_so(tmp_path):
 
 
 @pytest.mark.parametrize("vanished", [FileNotFoundError, NotADirectoryError])
-def test_a_step_vanishing_while_listing_is_listed_again_by_readers_only(tmp_path, monkeypatch,
-                                                                         vanished):
+def test_a_step_vanishing_while_listing_is_listed_again_by_readers_only(tmp_path, vanished):
     """Orbax raises FileNotFoundError, or NotADirectoryError (the folder went between its
     ``exists()`` and ``is_dir()``: seen once in ~3,000 reads of the test below under load), when
     a step folder disappears while it lists the steps. A reader lists again; the writer raises."""
@@ -169,21 +168,20 @@ def test_a_step_vanishing_while_listing_is_listed_again_by_readers_only(tmp_path
     writer = checkpoint.Checkpointer(folder, async_save=False)
     writer.save(3, State({"w": jnp.full(4, 3.0)}), {"step": 3})
     writer.close()
-    manager, failures = checkpoint._Manager, []
+    failures = []
 
     def vanishing_once(*args, **kwargs):
         if not failures:
             failures.append(vanished)
             raise vanished(f"{folder}/2")
-        return manager(*args, **kwargs)
-    monkeypatch.setattr(checkpoint, "_Manager", vanishing_once)
-    reader = checkpoint.Checkpointer(folder, read_only=True)
+        return checkpoint.Manager(*args, **kwargs)
+    reader = checkpoint.Checkpointer(folder, read_only=True, manager=vanishing_once)
     items, meta = reader.restore_items(("params",))
     reader.close()
     assert failures == [vanished] and meta["step"] == 3 and float(items["params"]["w"][0]) == 3.0
     failures.clear()
     with pytest.raises(vanished):
-        checkpoint.Checkpointer(folder, async_save=False)
+        checkpoint.Checkpointer(folder, async_save=False, manager=vanishing_once)
 
 
 def test_readers_list_again_when_the_trainer_deletes_a_step_under_them(tmp_path):

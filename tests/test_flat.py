@@ -1,6 +1,8 @@
 """The one-pass Adan on flat parameters (``optim.flat``, ``adan_onepass``, ``kernels_pallas``'s
 ``adan_apply``, ``train.flat_params``): the float64 rule, the kernel three ways, training equal
 to the optax path on one device and sharded, checkpoints portable across the two paths."""
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,10 +12,11 @@ import compile_only
 from jaxaccel.optim import decay_mask, flat
 from jaxaccel.optim.adan import adan_onepass
 from jaxaccel.train.checkpoint import Checkpointer, on_disk, restore_state
+from jaxaccel.train.metrics import read_metrics
 from kernels_pallas.adan import (LANES, ROW_ALIGN, BlockSizes, adan_apply, adan_update,
                                  apply_kernel)
-from support import (ADAN, CASES, Float64Adan, bert_tree, build, flat_args, grads_at, rel,
-                     small_tree, train_steps)
+from support import (ADAN, CASES, TINY_CONFIG, Float64Adan, bert_tree, build, flat_args,
+                     grads_at, rel, run_cli, small_tree, train_steps)
 
 # ``build`` places every run on the module's 8 devices, the fake CPU ones on a one-GPU machine
 # (see conftest.on_eight_devices and eight_device_placement).
@@ -123,9 +126,11 @@ def test_apply_kernel_compiles_in_place_for_tpu_and_gpu(compile_target, name):
 
 
 def _losses_and_params(run, k=3):
+    """The losses of ``k`` steps, and the parameter tree (in the per-parameter form), fp16
+    loss scale and fp8 state they leave."""
     losses, state = train_steps(run, k)
-    params = state.params.view() if run.cfg.train.flat_params else state.params
-    return losses, jax.device_get(params)
+    return losses, jax.device_get((run.resolved.layout.view(state.params), state.loss_scale,
+                                   state.fp8))
 
 
 @pytest.fixture(scope="module")
@@ -198,10 +203,59 @@ def test_checkpoints_cross_paths_and_meshes(tmp_path, source, target):
         np.testing.assert_array_equal(a, b)
 
 
-def test_flat_params_config_is_checked():
+XLA_ADAN = ("train.optimizer=adan", "train.optimizer_impl=xla")   # the kernel is not the point
+
+
+@pytest.mark.parametrize("sets", [("train.grad_accum=4",), ("precision.policy=fp16",),
+                                  ("precision.policy=fp8",)])
+def test_the_flat_layout_accumulates_scales_and_takes_fp8_like_the_optax_path(tmp_path, sets):
+    """Gradient accumulation, fp16 loss scaling and fp8 are written once around either layout
+    (``train.step``): 3 steps on the flat layout give the optax Adan path's losses,
+    parameters, loss scale and fp8 scaling state."""
+    ref = _losses_and_params(build(tmp_path / "optax", (1, 1, 1), 1, *XLA_ADAN, *sets))
+    ours = _losses_and_params(build(tmp_path / "flat", (1, 1, 1), 1, *XLA_ADAN, *FLAT, *sets))
+    _assert_same(ours, ref)
+
+
+def test_the_flat_layout_rule_is_one_function():
+    """``layout.choose`` decides, and names every setting that keeps a run off the flat
+    layout; accumulation and the fp16/fp8 policies are not among them."""
     from jaxaccel import config
-    with pytest.raises(ValueError, match="flat_params=true needs train.optimizer=adan"):
-        config.build(sets=["train.flat_params=true", "train.optimizer=adamw"])
-    with pytest.raises(ValueError, match="grad_accum=1"):
-        config.build(sets=["train.flat_params=true", "train.optimizer=adan",
-                           "train.grad_accum=2"])
+    from jaxaccel.train import layout
+
+    def choose(*sets):
+        return layout.choose(config.build(sets=["train.flat_params=true", *sets]).train)
+    with pytest.raises(ValueError, match="needs train.optimizer=adan .*layer_decay=1"):
+        choose("train.optimizer=adamw", "train.layer_decay=0.9")
+    with pytest.raises(ValueError, match="optimizer_impl in"):
+        choose("train.optimizer=adan", "train.optimizer_impl=per_leaf")
+    assert choose("train.optimizer=adan", "train.grad_accum=2",
+                  "precision.policy=fp16") is layout.FLAT
+    assert layout.choose(config.build(sets=["train.optimizer=adan"]).train) is layout.PER_LEAF
+
+
+def test_a_flat_run_resumes_as_optax_and_back_and_evaluates(tmp_path, capsys):
+    """Through the command line: 2 flat steps, resumed to 4 on the optax path, resumed to 6
+    on the flat path again (each step trained once: no run started afresh); ``jaxaccel eval``
+    reads the flat run's checkpoint."""
+    def train(steps, *sets):
+        code, out, err = run_cli(capsys, "train", "--config", TINY_CONFIG, "--set",
+                                 f"workdir={tmp_path}", "--set", f"train.max_steps={steps}",
+                                 "--set", "train.progress=false", "--set", "train.log_every=1",
+                                 *XLA_ADAN_SETS, *sets)
+        assert code == 0, err
+        return json.loads(out[:out.rindex("}") + 1])
+    flat = ("--set", "train.flat_params=true")
+    assert train(2, *flat)["step"] == 2
+    assert train(4)["step"] == 4
+    last = train(6, *flat)
+    assert last["step"] == 6
+    steps = [r["step"] for r in read_metrics(last["run_dir"]) if "train/loss" in r]
+    assert steps == [1, 2, 3, 4, 5, 6]
+    code, out, err = run_cli(capsys, "eval", "--checkpoint", last["run_dir"])
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["step"] == 6 and report["accuracy"] == pytest.approx(last["eval_accuracy"])
+
+
+XLA_ADAN_SETS = [arg for s in XLA_ADAN for arg in ("--set", s)]

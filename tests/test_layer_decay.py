@@ -12,7 +12,7 @@ from jaxaccel.models import spec as model_spec
 from jaxaccel.optim import make_optimizer
 from jaxaccel.optim.layer_decay import depths
 from jaxaccel.precision import get_policy
-from jaxaccel.train import loop
+from jaxaccel.train.run import optimizer_state, resolve
 
 DECAY = 0.5
 
@@ -75,12 +75,19 @@ def test_a_tree_without_layers_is_refused():
 @pytest.mark.parametrize("sets, match", [
     (["train.layer_decay=0.0"], r"\(0, 1\]"),
     (["train.layer_decay=1.5"], r"\(0, 1\]"),
-    (["train.layer_decay=0.8", "train.optimizer=adan", "train.flat_params=true"],
-     "one-pass Adan has no per-layer"),
 ])
 def test_bad_layer_decay_is_refused(sets, match):
     with pytest.raises(ValueError, match=match):
         config.validate(config.build(sets=sets))
+
+
+def test_layer_decay_keeps_a_run_off_the_flat_layout():
+    """The flat layout's one-pass Adan has one learning rate: ``resolve`` (the layout rule,
+    ``train.layout.choose``) refuses the pair before anything is built."""
+    cfg = config.build(sets=["model.name=tiny", "train.layer_decay=0.8",
+                             "train.optimizer=adan", "train.flat_params=true"])
+    with pytest.raises(ValueError, match="layer_decay=1 .*one learning rate"):
+        resolve(cfg)
 
 
 @pytest.mark.parametrize("name", ["tiny", "llama-tiny"])
@@ -88,11 +95,12 @@ def test_the_config_key_reaches_the_trainers_optimizer(name):
     """The embedding table's first update is decay**(L + 1) times the undecayed one."""
     updates = []
     for decay in (1.0, DECAY):
-        cfg = config.build(sets=[f"model.name={name}", f"train.layer_decay={decay}",
-                                 "train.warmup_ratio=0.0"])
+        data = "canterbury" if name.startswith("llama") else "synthetic"    # the model's task
+        cfg = config.build(sets=[f"model.name={name}", f"data.name={data}",
+                                 f"train.layer_decay={decay}", "train.warmup_ratio=0.0"])
         spec, params = _params(name)
-        mesh = loop._mesh(cfg, None, training=True)
-        tx, _, create, _ = loop.make_state(cfg, mesh, spec, params, None, None, 10)
+        r = resolve(cfg)
+        tx, _, create, _ = optimizer_state(r, params, None, None, 10)
         grads = jax.tree_util.tree_map(jnp.ones_like, params)
         update, _ = tx.update(grads, create(params, None).opt_state, params)
         updates.append(jax.tree_util.tree_leaves(update[spec.family.embeddings[0]])[-1])

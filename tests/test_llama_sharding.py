@@ -13,7 +13,8 @@ from jaxaccel.collectives import collective_bytes
 from jaxaccel.models import LLAMA_PRESETS, ModelSpec, build_model
 from jaxaccel.optim import make_optimizer, state_shardings
 from jaxaccel.precision import get_policy
-from jaxaccel.train import loop
+from jaxaccel.train.layout import PER_LEAF
+from jaxaccel.train.run import split_model
 from jaxaccel.train.checkpoint import abstract_like
 from jaxaccel.train.state import TrainState
 from jaxaccel.train.step import make_train_step
@@ -24,11 +25,11 @@ pytestmark = pytest.mark.usefixtures("on_eight_devices")   # DEVICES: the module
 
 def sharded_step(spec, policy, mesh, abstract=False, grad_accum=1):
     """``(jitted step, state or its abstract twin, batch sharding)`` of ``spec`` on ``mesh``,
-    laid out as the trainer lays it out (``loop._split_model``'s logical-axis shardings)."""
+    laid out as the trainer lays it out (``run.split_model``'s logical-axis shardings)."""
     policy = get_policy(policy)
     make = lambda: build_model(spec, policy, 0)
     model = nnx.eval_shape(make) if abstract else make()
-    graphdef, params, fp8, p_sh = loop._split_model(model, mesh)
+    graphdef, params, fp8, p_sh = split_model(model, mesh)
     fp8 = fp8 if policy.fp8 else None
     tx = make_optimizer("adamw", 3e-3, weight_decay=0.01, max_grad_norm=1.0, eps=1e-3,
                         shardings=p_sh)
@@ -40,7 +41,8 @@ def sharded_step(spec, policy, mesh, abstract=False, grad_accum=1):
                            fp8=jax.tree_util.tree_map(lambda _: rep, shapes.fp8))
     state = abstract_like(shapes, shardings) if abstract else \
         jax.jit(create, out_shardings=shardings)(jax.device_put(params, p_sh), fp8)
-    step = jax.jit(make_train_step(graphdef, tx, grad_accum, LM, type(model).fp8_group),
+    step = jax.jit(make_train_step(graphdef, tx, PER_LEAF, task=LM,
+                                   fp8_group=type(model).fp8_group, grad_accum=grad_accum),
                    in_shardings=(shardings, shd.batch_sharding(mesh)),
                    out_shardings=(shardings, rep), donate_argnums=0)
     return step, state, shd.batch_sharding(mesh)

@@ -12,6 +12,7 @@ import pytest
 
 from jaxaccel import cli, plan, topology
 from jaxaccel import devices as devices_lib
+from jaxaccel.precision import get_policy
 from support import CONFIGS, TINY_CONFIG, needs_cuda_plugin, needs_libtpu, run_cli
 
 
@@ -50,11 +51,11 @@ def test_the_estimate_never_goes_below_the_roofline():
     that bound."""
     target = topology.Target("v5e:2x4", "tpu", (SimpleNamespace(device_kind="TPU v5 lite"),) * 8,
                              devices_lib.chip("TPU v5 lite"), 1, 1)
-    cfg = plan.load_config(TINY_CONFIG, [], topology.resolve("local"))
     flops = {"analytic": 8 * 197e12 * 1e-3, "attention": 0.0}
     for xla_s, step_s, source in ((5e-3, 5e-3, "estimate:xla-cost-model"),
                                   (2e-3, 4e-3, "estimate:roofline")):
-        e = plan._estimate(target, cfg, flops, {"optimal_seconds": xla_s}, 16, 32, sent=0.8e9)
+        e = plan.estimate_step(target, get_policy("fp32"), "xla", flops,
+                               {"optimal_seconds": xla_s}, 16, 32, sent=0.8e9)
         assert e["bound"] == "interconnect" and e["interconnect_s"] == pytest.approx(4e-3)
         assert e["step_s"] == pytest.approx(step_s) and e["source"] == source
 
@@ -79,12 +80,12 @@ def test_config_files_size_batches_for_the_target():
     assert cfg.train.batch_size == 16 * 64 and cfg.train.eval_batch_size == 64 * 64
 
 
-def test_a_step_that_does_not_fit_says_by_how_much_and_what_fixes_it(monkeypatch, capsys,
-                                                                     tmp_path):
-    monkeypatch.setattr(plan, "_capacity", lambda target: (1e6, "a 1 MB test device"))
-    code, out, err = compile_cli(capsys, "--topology", "local", "--out", str(tmp_path))
+def test_a_step_that_does_not_fit_says_by_how_much_and_what_fixes_it(capsys, tmp_path):
+    """A 1 MB device (``--memory``: what a device shared with other work leaves)."""
+    code, out, err = compile_cli(capsys, "--topology", "local", "--memory", "0.001", "--out",
+                                 str(tmp_path))
     assert code == cli.EXIT_DOES_NOT_FIT and "DOES NOT FIT" in out
-    assert "does not fit on local" in err and "0.00 GB (a 1 MB test device)" in err
+    assert "does not fit on local" in err and "0.00 GB (0.001 GB given (--memory))" in err
     for fix in ("mesh.fsdp=", "model.remat=true", "train.batch_size=8"):
         assert fix in err, fix
     assert not any(tmp_path.iterdir())                # nothing written
@@ -156,3 +157,44 @@ def test_gpu_plan_uses_the_preallocated_share_of_hbm():
     assert p.capacity == pytest.approx(0.75 * 80e9) and "preallocation" in p.capacity_source
     assert p.flops["xla_per_device"] is None        # the compile-only GPU client gives none
     assert p.estimate["source"] == "estimate:roofline"
+
+
+@needs_libtpu
+@needs_cuda_plugin
+@pytest.mark.parametrize("name", ["v5e-8", "h100:1x8"])
+def test_every_config_is_assembled_for_the_target_as_the_trainer_would(name):
+    """Every config in configs/ (both tasks, both layouts' optimizers, a fine-tuning config
+    whose checkpoint is not on this machine) resolves and assembles abstractly on the target:
+    the task's own batch keys, the trainer's layout, a length and a cost unit."""
+    target = topology.resolve(name)
+    paths = sorted(f for f in os.listdir(CONFIGS) if f.endswith(".py"))
+    tasks = set()
+    for path in paths:
+        cfg, notes = plan.plannable(plan.load_config(os.path.join(CONFIGS, path), [], target))
+        run = plan.abstract_run(cfg, target)
+        batch = plan.abstract_batch(run, cfg.train.batch_size)
+        assert set(batch) == set(run.task.batch_keys), path
+        assert batch["input_ids"].shape[0] == cfg.train.batch_size, path
+        assert run.total_steps >= 1 and run.resolved.mesh.devices.size == 8, path
+        assert bool(notes) == (path == "canterbury_lm_finetune.py"), (path, notes)
+        tasks.add(run.task.name)
+    assert tasks == {"classification", "causal_lm"}
+
+
+LM_TINY = ["model.name=llama-tiny", "train.batch_size=8", "train.eval_batch_size=8"]
+
+
+@pytest.mark.aot_compile
+@needs_libtpu
+@needs_cuda_plugin
+@pytest.mark.parametrize("name", ["v5e-8", "h100:1x8"])
+def test_a_decoder_run_plans_for_tpu_and_gpu(name):
+    """The decoder job (its corpus never read: packed rows of data.max_len tokens) with the
+    tiny decoder, compiled for a TPU slice and a GPU host; its length is in steps, so the cost
+    is the run's."""
+    p = plan.make_plan(os.path.join(CONFIGS, "canterbury_lm.py"), LM_TINY, name)
+    assert p.fits and p.seq == 128 and p.batch == 8
+    assert p.cost["unit"] == "run" and p.cost["steps"] == 200
+    assert "run (estimate): 200 steps" in plan.report(p)
+    row = plan.result(p)["rows"][0]
+    assert row["run_steps"] == 200 and "epoch_steps" not in row

@@ -18,6 +18,7 @@ from jaxaccel import config
 from jaxaccel.models.fp8 import Fp8Linear
 from jaxaccel.precision import POLICIES, LossScale, get_policy
 from jaxaccel.train import loop
+from jaxaccel.train import run as run_lib
 from jaxaccel.train.inference import evaluate_run
 from jaxaccel.train.metrics import read_metrics
 from support import CLI, CONFIGS, ROOT, TINY, cpu_env, logged_losses, sigterm_at, tiny_cfg
@@ -85,7 +86,7 @@ def test_loss_scale_grows_after_the_interval_and_backs_off_on_overflow():
 
 
 def _fp16_run(tmp_path, *sets):
-    run = loop.build(tiny_cfg(tmp_path, "precision.policy=fp16", *sets), jax.devices()[:1])
+    run = run_lib.build(tiny_cfg(tmp_path, "precision.policy=fp16", *sets), jax.devices()[:1])
     return run, run.train_step, (run.put_batch(b) for b in run.train_data.batches(0))
 
 
@@ -118,8 +119,7 @@ def test_fp16_stops_after_too_many_skips_in_a_row(tmp_path):
 
 @pytest.mark.parametrize("policy,metric", [("fp16", "train/loss_scale"),
                                            ("fp8", "train/fp8/qkv_output_grad_scale")])
-def test_policy_trains_and_resume_after_sigterm_matches_uninterrupted(tmp_path, monkeypatch,
-                                                                      policy, metric):
+def test_policy_trains_and_resume_after_sigterm_matches_uninterrupted(tmp_path, policy, metric):
     # fp16 from 2**19: the first steps overflow and back off (skipped, no NaN stop) until the
     # scale fits; then it grows every 5 finite steps, across the resume.
     sets = (f"precision.policy={policy}", "train.epochs=3",
@@ -128,9 +128,7 @@ def test_policy_trains_and_resume_after_sigterm_matches_uninterrupted(tmp_path, 
     full = loop.train(tiny_cfg(tmp_path, "name=full", *sets))
     lf = logged_losses(full["run_dir"])
     assert np.mean([lf[s] for s in (10, 11, 12)]) < np.mean([lf[s] for s in (1, 2, 3)]) - 0.05
-    with monkeypatch.context() as m:
-        sigterm_at(m, 6)
-        part = loop.train(tiny_cfg(tmp_path, "name=part", *sets))
+    part = loop.train(tiny_cfg(tmp_path, "name=part", *sets), sigterm_at(6))
     assert part["status"] == "preempted" and part["step"] == 6
     resumed = loop.train(tiny_cfg(tmp_path, "name=part", *sets))
     assert resumed["status"] == "completed" and resumed["step"] == 12
@@ -178,7 +176,7 @@ def test_step_compiles_for_accelerators_on_a_2x2x2_mesh(tmp_path, compile_target
     2 backward GEMMs each), and every GEMM of the bf16 step, backward ones included, takes
     bf16 operands."""
     target = compile_target(name)
-    run = loop.build(tiny_cfg(tmp_path, f"precision.policy={policy}", "mesh.data=2",
+    run = run_lib.build(tiny_cfg(tmp_path, f"precision.policy={policy}", "mesh.data=2",
                               "mesh.fsdp=2", "mesh.tensor=2"))
     if policy == "fp8":
         for leaf in jax.tree_util.tree_leaves(run.state.fp8):
@@ -193,7 +191,7 @@ def test_step_compiles_for_accelerators_on_a_2x2x2_mesh(tmp_path, compile_target
 def test_fp8_step_compiles_to_cublaslt_fp8_gemms_on_a_gpu(tmp_path):
     if jax.default_backend() != "gpu":
         pytest.skip("needs an NVIDIA GPU (sm89+)")
-    run = loop.build(tiny_cfg(tmp_path, "precision.policy=fp8"), jax.devices()[:1])
+    run = run_lib.build(tiny_cfg(tmp_path, "precision.policy=fp8"), jax.devices()[:1])
     batch = run.put_batch(next(run.train_data.batches(0)))
     hlo = run.train_step.lower(run.state, batch).compile().as_text()
     assert "__cublas$lt$matmul$f8" in hlo

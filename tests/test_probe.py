@@ -130,16 +130,16 @@ def test_predict_gives_empty_and_blank_texts_an_error_record(classifier_run, tmp
 
 # ---- item 4: a run stopped by SIGTERM exits with a status of its own ----
 
-def test_a_run_stopped_by_sigterm_exits_with_the_resumable_status(tmp_path, monkeypatch,
-                                                                   capsys):
+def test_a_run_stopped_by_sigterm_exits_with_the_resumable_status(tmp_path, capsys):
     """Exit 0 made `jaxaccel train ... && jaxaccel eval ...` and schedulers go on as if the
     run had finished; 75 (EX_TEMPFAIL) says stopped, resumable; the same command resumes."""
+    from jaxaccel import config
+    from jaxaccel.train import loop
     from support import TINY, sigterm_at
     sets = [*TINY, f"workdir={tmp_path}", "train.epochs=3"]
     train = ["train", *(a for s in sets for a in ("--set", s))]
-    with monkeypatch.context() as m:
-        sigterm_at(m, 6)
-        assert cli.main(train) == cli.EXIT_PREEMPTED == 75
+    stopped = loop.train(config.build(sets=sets), sigterm_at(6))
+    assert cli.train_outcome(stopped) == cli.EXIT_PREEMPTED == 75
     out = capsys.readouterr()
     assert json.loads(out.out)["status"] == "preempted"
     assert "SIGTERM: saved step 6" in out.err and "(exit status 75: stopped, resumable)" in out.err

@@ -1,5 +1,6 @@
 """The training loop: losses fall, resume equals an uninterrupted run, SIGTERM saves, NaN stops,
 interrupted checkpoint writes leave the previous checkpoint readable."""
+import logging
 import os
 import signal
 import subprocess
@@ -9,31 +10,36 @@ import jax
 import numpy as np
 import pytest
 
-from jaxaccel import config, devices, flops
+from jaxaccel import cli, config, devices, flops
 from jaxaccel.data import splits
 from jaxaccel.models import PRESETS, ModelSpec
 from jaxaccel.train import loop
+from jaxaccel.train import run as run_lib
 from jaxaccel.train.checkpoint import Checkpointer
 from jaxaccel.train.inference import evaluate_run
 from jaxaccel.train.metrics import read_metrics
 from support import CLI, TINY, TINY_CONFIG, logged_losses, sigterm_at, tiny_cfg
 
 
-def test_training_lowers_the_loss(tmp_path, monkeypatch):
+def test_training_lowers_the_loss(tmp_path, caplog):
     """... and compiles its steps ahead: no step compiles once the loop runs."""
-    compiled, ahead = [], []
-    real_ahead = loop.compile_ahead
-    monkeypatch.setattr(loop, "compile_ahead", lambda *a: ahead.append(real_ahead(*a)) or ahead[0])
+    caplog.set_level(logging.INFO, logger="jaxaccel")
+    compiled = []
+
+    def ahead():
+        """The loop's "compiled N programs ahead" records so far."""
+        return [r.getMessage() for r in caplog.records if "programs ahead" in r.getMessage()]
 
     def listen(event, seconds, **kw):
-        if event == "/jax/core/compile/backend_compile_duration" and ahead:
+        if event == "/jax/core/compile/backend_compile_duration" and ahead():
             compiled.append(kw.get("fun_name"))
     jax.monitoring.register_event_duration_secs_listener(listen)
     try:
         result = loop.train(tiny_cfg(tmp_path, "train.epochs=6"))
     finally:
         jax.monitoring.unregister_event_duration_listener(listen)
-    assert ahead == [2], ahead                 # one length: a train and an eval step
+    (said,) = ahead()
+    assert said.startswith("compiled 2 programs ahead"), said   # one length: train and eval
     assert not {"jit(step)", "jit(eval_step)"} & set(compiled), compiled
     assert result["status"] == "completed" and result["step"] == 24
     losses = logged_losses(result["run_dir"])
@@ -71,11 +77,10 @@ def test_grad_accumulation_equals_one_big_batch(tmp_path):
     np.testing.assert_allclose([la[s] for s in (1, 2, 3)], [lb[s] for s in (1, 2, 3)], rtol=2e-5)
 
 
-def test_sigterm_saves_and_resume_matches_uninterrupted(tmp_path, monkeypatch):
+def test_sigterm_saves_and_resume_matches_uninterrupted(tmp_path):
     full = loop.train(tiny_cfg(tmp_path, "name=full", "train.epochs=3"))
-    with monkeypatch.context() as m:
-        sigterm_at(m, 6)               # mid-epoch 2 (4 steps per epoch)
-        part = loop.train(tiny_cfg(tmp_path, "name=part", "train.epochs=3"))
+    # SIGTERM after step 6: mid-epoch 2 (4 steps per epoch).
+    part = loop.train(tiny_cfg(tmp_path, "name=part", "train.epochs=3"), sigterm_at(6))
     assert part["status"] == "preempted" and part["step"] == 6
     assert Checkpointer(part["checkpoint_dir"]).latest_step() == 6
     resumed = loop.train(tiny_cfg(tmp_path, "name=part", "train.epochs=3"))
@@ -101,7 +106,7 @@ def test_external_sigterm_exits_cleanly_with_a_checkpoint(tmp_path):
         time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 0, err[-2000:]
+    assert proc.returncode == cli.EXIT_PREEMPTED, err[-2000:]      # stopped, resumable
     assert "SIGTERM: saved step" in err
     step = Checkpointer(str(workdir / "tiny_synthetic" / "checkpoints")).latest_step()
     assert step is not None and step >= 3
@@ -145,8 +150,8 @@ def test_eval_of_a_run_folder_builds_only_the_eval_side(tmp_path, monkeypatch):
 
     def refuse(*args, **kwargs):
         raise AssertionError("evaluation built a training-only part")
-    for module, name in ((splits, "train_batches"), (loop, "make_optimizer"),
-                         (loop, "create_model")):
+    for module, name in ((splits, "train_batches"), (run_lib, "optimizer_state"),
+                         (run_lib, "create_model")):
         monkeypatch.setattr(module, name, refuse)
     ev = evaluate_run(result["run_dir"])
     assert ev["step"] == 3 and ev["examples"] == result["eval_examples"] == 64
@@ -157,7 +162,7 @@ def test_eval_of_a_run_folder_builds_only_the_eval_side(tmp_path, monkeypatch):
 
 
 def test_sharded_state_follows_the_rules(tmp_path, eight_devices):
-    run = loop.build(tiny_cfg(tmp_path, "mesh.data=2", "mesh.fsdp=4"), eight_devices)
+    run = run_lib.build(tiny_cfg(tmp_path, "mesh.data=2", "mesh.fsdp=4"), eight_devices)
     kernel = run.state.params["layers"][0]["intermediate"]["kernel"]
     assert kernel.sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor")
     assert len(kernel.addressable_shards) == 8

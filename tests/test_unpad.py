@@ -15,7 +15,7 @@ from jaxaccel.data.pipeline import BatchIterator, Tokenized
 from jaxaccel.models.bert import BertModel
 from jaxaccel.models.spec import PRESETS, ModelSpec
 from jaxaccel.models.unpad import MAX_SHARE, Capacity, Unpadded
-from jaxaccel.train import loop
+from jaxaccel.train import run as run_lib
 from support import TINY_SETS
 
 LENGTHS = np.array([16, 5, 9, 1, 12, 3, 16, 7])
@@ -105,7 +105,7 @@ def _steps(run, k=3):
 
 
 def _build(tmp_path, devices, *sets):
-    return loop.build(config.build(sets=TINY + [f"workdir={tmp_path}", *sets]), devices)
+    return run_lib.build(config.build(sets=TINY + [f"workdir={tmp_path}", *sets]), devices)
 
 
 def _same(a, b):

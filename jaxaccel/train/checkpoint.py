@@ -89,7 +89,7 @@ def _reason(e: Exception) -> str:
     return f"{type(e).__name__}: {text[:200]}"
 
 
-class _Manager(ocp.CheckpointManager):
+class Manager(ocp.CheckpointManager):
     """Orbax's manager, minus its own calls to JAX's preemption sync point.
 
     Orbax calls ``reached_preemption_sync_point(step)`` in ``save`` and again from its
@@ -105,10 +105,11 @@ class _Manager(ocp.CheckpointManager):
 class Checkpointer:
     """The checkpoints of one run folder. ``read_only=True`` (eval, predict) never creates,
     cleans or deletes anything; the writer keeps the newest ``keep`` steps and saves in the
-    background unless ``async_save=False``."""
+    background unless ``async_save=False``. ``manager``: what opens the folder (``Manager``'s
+    signature; a test hands one that fails as a disk or a concurrent writer would)."""
 
     def __init__(self, directory: str, keep: int = 2, read_only: bool = False,
-                 async_save: bool = True):
+                 async_save: bool = True, manager=Manager):
         self.directory = os.path.abspath(directory)
         self.read_only = read_only
         self._writing = None        # (step, bytes) of the save in progress
@@ -122,7 +123,7 @@ class Checkpointer:
             options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
                                                    enable_async_checkpointing=async_save,
                                                    cleanup_tmp_directories=True)
-        self._mngr = self._listing(lambda: _Manager(
+        self._mngr = self._listing(lambda: manager(
             self.directory, options=options,
             item_handlers={"state": ocp.StandardCheckpointHandler(),
                            "meta": ocp.JsonCheckpointHandler()}))
