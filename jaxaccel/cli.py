@@ -94,6 +94,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="v5e-8, v5e:2x4, v5p:2x2x1, v4-8, v6e-8, h100:1x8 (hosts x GPUs), "
                    "local, ...")
     k.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    k.add_argument("--memory", type=float, metavar="GB", help="device memory to plan against, "
+                   "per device, instead of the target's (a device shared with other work)")
     k.add_argument("--out", metavar="DIR", help="also write the plan as a result file "
                    "DIR/plan-<config name>-<topology>.json (e.g. bench/results)")
     return p
@@ -147,7 +149,13 @@ def cmd_train(args) -> int:
             "run folder %s) with the --set overrides; pass --config configs/NAME.py (or NAME) "
             "for another.", cfg.model.name, cfg.data.name, os.path.join(cfg.workdir, cfg.name))
     enable_compilation_cache(cfg.compilation_cache)
-    result = train(cfg)
+    return train_outcome(train(cfg))
+
+
+def train_outcome(result: dict) -> int:
+    """Print a training run's result (JSON, then what it means on stderr) and return the
+    command's exit status: 0 completed, ``EXIT_PREEMPTED`` stopped and resumable,
+    ``EXIT_NONFINITE`` diverged."""
     print(json.dumps(result, indent=2))
     if result["status"] == "nonfinite":
         good = result["last_good_checkpoint"]
@@ -284,7 +292,8 @@ def cmd_compile(args) -> int:
         jax.config.update("jax_platforms", "cpu")
     from jaxaccel import plan
     try:
-        p = plan.make_plan(args.config, args.set, args.topology)
+        p = plan.make_plan(args.config, args.set, args.topology,
+                           device_memory=None if args.memory is None else args.memory * 1e9)
     except plan.DoesNotFit as e:
         if e.plan is not None:
             print(plan.report(e.plan))
