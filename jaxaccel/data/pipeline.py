@@ -24,6 +24,13 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 
 
+def padded_length(longest: int, multiple: int, max_len: int) -> int:
+    """The [b, L] length of a batch whose longest row has ``longest`` tokens: rounded up to a
+    multiple of ``multiple`` (few distinct shapes, few compiles), at most ``max_len``. The one
+    padding rule of training, evaluation, prediction and generation prompts."""
+    return min(-(-max(longest, 1) // multiple) * multiple, max_len)
+
+
 @dataclasses.dataclass(frozen=True)
 class Tokenized:
     """Token ids of every example (int32, variable length <= max_len) and their labels."""
@@ -220,8 +227,8 @@ class BatchIterator:
     def padded_length(self, idx: np.ndarray) -> int:
         """The [b, L] length of the batch of examples ``idx``: its longest row rounded up to
         ``pad_multiple``, at most ``max_len``."""
-        m = self.pad_multiple
-        return min(-(-max(int(self.lengths[idx].max()), 1) // m) * m, self.data.max_len)
+        return padded_length(int(self.lengths[idx].max()), self.pad_multiple,
+                             self.data.max_len)
 
     def _assemble(self, idx: np.ndarray) -> dict[str, np.ndarray]:
         length = self.padded_length(idx)

@@ -28,7 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-PAD_TO = 16      # prompt batches are padded to a multiple of this: fewer prefill compiles
+from jaxaccel.data.pipeline import padded_length
+
 
 
 def prompts_of(input_ids, attention_mask) -> list[list[int]]:
@@ -63,10 +64,12 @@ def check_sampling(temperature: float, top_k: int, vocab_size: int) -> None:
 
 class Sampler:
     """Batched sampling from ``model`` (a model with ``init_cache`` and a ``cache`` argument,
-    e.g. ``llama.LlamaForCausalLM``)."""
+    e.g. ``llama.LlamaForCausalLM``); prompt batches are padded as training batches are
+    (``data.pipeline.padded_length``, to a multiple of ``pad_multiple``: the run's
+    ``data.pad_multiple``), so few prefill lengths are compiled."""
 
-    def __init__(self, model):
-        self.config = model.config
+    def __init__(self, model, pad_multiple: int = 16):
+        self.config, self.pad_multiple = model.config, pad_multiple
         self.init_cache = model.init_cache
         graphdef, self.state = nnx.split(model)
 
@@ -105,7 +108,8 @@ class Sampler:
         check_sampling(temperature, top_k, self.config.vocab_size)
         self.check(prompts, max_new_tokens)
         b = len(prompts)
-        length = -(-max(len(p) for p in prompts) // PAD_TO) * PAD_TO
+        length = padded_length(max(len(p) for p in prompts), self.pad_multiple,
+                               self.config.max_position_embeddings - max_new_tokens)
         ids = np.zeros((b, length), np.int32)
         segments, positions = np.zeros_like(ids), np.zeros_like(ids)
         for i, p in enumerate(prompts):

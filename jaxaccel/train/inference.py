@@ -11,13 +11,17 @@ import numpy as np
 from flax import nnx
 
 from jaxaccel import config as config_lib
-from jaxaccel.data import load_tokenizer, splits
+from jaxaccel.data import BatchIterator, load_tokenizer, splits, tokenize
 from jaxaccel.models import build_model, check_vocab, spec
 from jaxaccel.models.generate import Sampler
 from jaxaccel.models.fp8 import Fp8Meta
 from jaxaccel.precision import policy_of
 from jaxaccel.train import rundir
 from jaxaccel.train.checkpoint import Checkpointer, like
+from jaxaccel.train.step import forward
+from jaxaccel.train.tasks import TASKS
+
+CLASSIFICATION = TASKS["classification"]
 
 
 def load_run(run_dir: str):
@@ -124,42 +128,45 @@ def tokenizer_dir(run_dir: str) -> str:
 
 class Predictor:
     """``Predictor(run_dir)(texts) -> [(label_name, probability), ...]``, ``batch_size``
-    texts per forward pass, each batch padded to its own longest text (sorted by length so
-    that batches pad little); a non-finite probability comes back as ``nan``."""
+    texts per forward pass, batched as evaluation batches are (``BatchIterator``: sorted by
+    length, each batch padded by the run's ``data.pad_multiple``, the last one completed with
+    filler rows) and classified by the task's forward pass (``step.forward``); a non-finite
+    probability comes back as ``nan``."""
 
     def __init__(self, run_dir: str, batch_size: int = 64):
         if batch_size < 1:
             raise ValueError(f"batch_size={batch_size} must be >= 1.")
         model, cfg, meta = load_run(run_dir)
-        if model.spec.task != "classification":
+        if model.spec.task != CLASSIFICATION.name:
             raise ValueError(f"run {run_dir!r} trained a {model.spec.task} model; predict "
                              "classifies texts. Use `jaxaccel generate` (or `jaxaccel eval`).")
-        self.batch_size = batch_size
+        self.batch_size, self.pad_multiple = batch_size, cfg.data.pad_multiple
         self.label_names = meta.get("label_names") or [str(i) for i in
                                                       range(cfg.model.num_labels)]
         self.tokenizer = load_tokenizer(tokenizer_dir(run_dir), light=True)
         self.max_len = min(cfg.data.max_len, model.config.max_position_embeddings)
-        graphdef, params = nnx.split(model)
+        graphdef, params, fp8 = nnx.split(model, nnx.Param, Fp8Meta)
+        self._params = (params, fp8 if model.policy.fp8 else None)
 
         @jax.jit
-        def probs(params, ids, mask):
-            m = nnx.merge(graphdef, params)
-            return jax.nn.softmax(m(ids, mask).logits, axis=-1)
-        self._probs, self._params = probs, params
+        def probs(params, batch):
+            logits = forward(graphdef, params[0], batch, task=CLASSIFICATION,
+                             deterministic=True, fp8=params[1])
+            return jax.nn.softmax(logits, axis=-1)
+        self._probs = probs
 
     def __call__(self, texts: list[str]) -> list[tuple[str, float]]:
         texts = list(texts)
-        ids = self.tokenizer(texts, truncation=True, max_length=self.max_len)["input_ids"]
-        order = sorted(range(len(texts)), key=lambda i: len(ids[i]))
+        if not texts:
+            return []
+        examples = tokenize(self.tokenizer, texts, np.zeros(len(texts), np.int32),
+                            max_len=self.max_len)
+        batches = BatchIterator(examples, self.batch_size, shuffle=False, drop_remainder=False,
+                                pad_multiple=self.pad_multiple,
+                                bucket_window=len(texts) // self.batch_size + 1)
         out: list[tuple[str, float]] = [None] * len(texts)
-        for lo in range(0, len(order), self.batch_size):
-            rows = order[lo:lo + self.batch_size]
-            length = min(-(-max(len(ids[i]) for i in rows) // 16) * 16, self.max_len)
-            batch = np.full((len(rows), length), self.tokenizer.pad_token_id or 0, np.int32)
-            mask = np.zeros((len(rows), length), np.int32)
-            for r, i in enumerate(rows):
-                batch[r, :len(ids[i])], mask[r, :len(ids[i])] = ids[i], 1
-            p = np.asarray(self._probs(self._params, batch, mask))
+        for rows, batch in zip(batches.plan(0), batches.batches(0)):
+            p = np.asarray(self._probs(self._params, batch))
             for r, i in enumerate(rows):
                 best = int(np.nan_to_num(p[r], nan=-1.0).argmax())
                 out[i] = (self.label_names[best], float(p[r, best]))
@@ -173,13 +180,13 @@ class Generator:
     token. Every prompt is checked (length, vocabulary) before anything runs."""
 
     def __init__(self, run_dir: str):
-        model, _, _ = load_run(run_dir)
+        model, cfg, _ = load_run(run_dir)
         if not hasattr(model, "init_cache"):
             raise ValueError(f"run {run_dir!r} trained a {model.spec.task} model, which does "
                              "not generate text; use `jaxaccel predict` or `jaxaccel eval`.")
         self.tokenizer = load_tokenizer(tokenizer_dir(run_dir), light=True)
         check_vocab(len(self.tokenizer), model.config, tokenizer_dir(run_dir))
-        self.sampler = Sampler(model)
+        self.sampler = Sampler(model, cfg.data.pad_multiple)
 
     def __call__(self, texts: list[str], max_new_tokens: int = 64, **options) -> list[str]:
         prompts = self.tokenizer(list(texts))["input_ids"]
