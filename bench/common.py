@@ -1,7 +1,7 @@
 """Shared benchmark plumbing: timing by the measuring rules, energy, result JSON, Markdown.
 
 Every row gets energy and utilisation: ``time_fn`` reads NVML's energy counter and samples
-``utilization.gpu`` around its timed loop where NVML exists (jaxaccel/energy.py);
+``utilization.gpu`` around its timed loop where NVML exists (jaxaccel/compare/energy.py);
 ``write_results`` fills every row still without an ``energy_source`` with the labelled TDP
 estimate (utilisation = the row's MFU when known, else 1).
 """
@@ -21,7 +21,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from jaxaccel import energy  # noqa: E402
+from jaxaccel.compare import energy  # noqa: E402
 
 def device_kind() -> str:
     return jax.devices()[0].device_kind

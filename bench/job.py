@@ -40,7 +40,7 @@ from bench.common import (add_out_argument, device_kind, markdown,  # noqa: E402
                           write_results)
 from jaxaccel import config as config_lib  # noqa: E402
 from jaxaccel.flops import model_shape, peak_flops, train_flops  # noqa: E402
-from jaxaccel import energy  # noqa: E402
+from jaxaccel.compare import energy  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -328,7 +328,7 @@ def main(argv=None) -> int:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     args = _parser().parse_args(argv)
     try:
-        from jaxaccel.topology import cpu_without_accelerator
+        from jaxaccel.distributed import cpu_without_accelerator
         cpu_without_accelerator()
         from jaxaccel.distributed import initialize_from_env
         initialize_from_env()

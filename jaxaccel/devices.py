@@ -2,7 +2,7 @@
 bandwidth. One table.
 
 Keyed by jax's ``device_kind`` (what ``jax.devices()[0].device_kind`` and the compile-only
-devices of ``jaxaccel.topology`` report: v5e is "TPU v5 lite", v6e "TPU v6 lite", v5p
+devices of ``jaxaccel.plan.topology`` report: v5e is "TPU v5 lite", v6e "TPU v6 lite", v5p
 "TPU v5"). MFU (bench/, the training loop) and ``jaxaccel compile``'s estimates read it.
 
 Peaks are dense (no sparsity) datasheet figures for one chip. ``float32`` is the rate XLA's

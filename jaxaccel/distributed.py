@@ -1,6 +1,8 @@
-"""Multi-process start-up: ``jax.distributed.initialize`` from the environment.
+"""Process start-up: the backend this process uses (``cpu_without_accelerator``) and, for a
+run of several processes, ``jax.distributed.initialize`` from the environment.
 
-Called by the CLI before anything touches a device. Recognised, in this order:
+Both are called by the CLI before anything touches a device. Processes are recognised, in
+this order:
 
 * ``JAXACCEL_COORDINATOR=host:port`` with ``JAXACCEL_NUM_PROCESSES`` and ``JAXACCEL_PROCESS_ID``
   (GPU nodes, or several processes on one machine): explicit initialisation. On CPU the
@@ -35,6 +37,27 @@ log = logging.getLogger("jaxaccel")
 EXIT_NO_PEERS = 2
 SLURM_STEP_VARS = ("SLURM_JOB_ID", "SLURM_PROCID", "SLURM_STEP_NODELIST")
 
+
+def accelerator_attached() -> bool:
+    """Whether a TPU, NVIDIA or AMD GPU is attached: jax's own probes (PCI ids, device files),
+    which start no backend."""
+    from jax._src import hardware_utils
+    return (hardware_utils.num_available_tpu_chips_and_device_id()[0] > 0
+            or hardware_utils.has_visible_nvidia_gpu()
+            or hardware_utils.num_available_amd_gpus(stop_at=1) > 0)
+
+
+def cpu_without_accelerator(environ=os.environ, attached=accelerator_attached) -> bool:
+    """Choose the CPU backend where no platform is chosen (``JAX_PLATFORMS``) and no accelerator
+    is attached, before any backend starts: with the ``aot`` extra installed, libtpu and the
+    CUDA plugin would otherwise each try to start their own on a CPU-only machine (TPU metadata
+    probing, a CUDA traceback). Compile-only targets work either way. Returns whether it chose.
+    ``attached``: the probe (``accelerator_attached``)."""
+    if environ.get("JAX_PLATFORMS") or attached():
+        return False
+    environ["JAX_PLATFORMS"] = "cpu"
+    jax.config.update("jax_platforms", "cpu")
+    return True
 
 def _int(env, name: str, default: int) -> int:
     """The integer environment variable ``name`` (``default`` if unset or empty)."""

@@ -1,5 +1,5 @@
 """Helpers of the tests that compile for TPU slices and NVIDIA GPUs on compile-only devices
-(``jaxaccel.topology``; the ``compile_target`` fixture in conftest.py resolves a target or
+(``jaxaccel.plan.topology``; the ``compile_target`` fixture in conftest.py resolves a target or
 skips): meshes of a target's devices, abstract arguments placed on them, a timed compile, and a
 training run moved onto a target.
 

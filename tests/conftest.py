@@ -17,7 +17,7 @@ default) while the CPU backend still has the 8 fake devices forced below, so:
   on CPU, else they skip and say why.
 
 * tests that compile for TPU slices or NVIDIA GPUs without one (``compile_target``) take
-  compile-only devices from ``jaxaccel.topology`` (libtpu, the CUDA plugin: the ``aot`` extra)
+  compile-only devices from ``jaxaccel.plan.topology`` (libtpu, the CUDA plugin: the ``aot`` extra)
   and skip, naming the pip command, where those are not installed. Without an attached
   accelerator the session runs with ``JAX_PLATFORMS=cpu`` (set below), so neither plugin
   starts a backend of its own.
@@ -52,7 +52,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
-from jaxaccel.topology import cpu_without_accelerator  # noqa: E402
+from jaxaccel.distributed import cpu_without_accelerator  # noqa: E402
 
 # The compile tests' libtpu and CUDA plugin (the `aot` extra) make compile-only devices without
 # an accelerator; left to themselves they would also try to start a TPU / GPU backend (seconds
@@ -169,9 +169,9 @@ def minilm_dir():
 
 @pytest.fixture(scope="session")
 def compile_target():
-    """``compile_target(name)``: the ``jaxaccel.topology`` target ``name`` (compile-only TPU or
+    """``compile_target(name)``: the ``jaxaccel.plan.topology`` target ``name`` (compile-only TPU or
     GPU devices), or skip naming what to install."""
-    from jaxaccel import topology
+    from jaxaccel.plan import topology
 
     def resolve(name):
         try:

@@ -25,7 +25,8 @@ import numpy as np
 import optax
 import pytest
 
-from jaxaccel import cli, config, topology
+from jaxaccel import cli, config
+from jaxaccel.plan import topology
 from jaxaccel.data.packing import pack
 from jaxaccel.models import LLAMA_PRESETS
 from jaxaccel.train import loop

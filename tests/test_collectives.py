@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxaccel import topology
-from jaxaccel.collectives import Collective, collective_bytes, collectives, group_size
+from jaxaccel.plan import topology
+from jaxaccel.plan.collectives import Collective, collective_bytes, collectives, group_size
 from support import needs_cuda_plugin, needs_libtpu
 
 

@@ -5,7 +5,8 @@ import sys
 
 import pytest
 
-from jaxaccel import cli, compare, energy, prices
+from jaxaccel import cli, compare
+from jaxaccel.compare import energy, prices
 from support import ROOT
 
 sys.path.insert(0, ROOT)

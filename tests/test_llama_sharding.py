@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from jaxaccel import sharding as shd
-from jaxaccel.collectives import collective_bytes
+from jaxaccel.plan.collectives import collective_bytes
 from jaxaccel.models import LLAMA_PRESETS, ModelSpec, build_model
 from jaxaccel.optim import make_optimizer, state_shardings
 from jaxaccel.precision import get_policy

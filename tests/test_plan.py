@@ -10,7 +10,8 @@ from types import SimpleNamespace
 import jax
 import pytest
 
-from jaxaccel import cli, plan, topology
+from jaxaccel import cli, plan
+from jaxaccel.plan import topology
 from jaxaccel import devices as devices_lib
 from jaxaccel.precision import get_policy
 from support import CONFIGS, TINY_CONFIG, needs_cuda_plugin, needs_libtpu, run_cli

@@ -1,7 +1,6 @@
 """The third fault probe of the command line (issue 32), each item driven the way the probe's
 user drove it: ``jaxaccel.cli.main([...])`` (or the public function the case named) on tiny
 models and checkpoints written here."""
-import dataclasses
 import json
 import os
 

@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 import compile_only
 from jaxaccel import config, plan
-from jaxaccel.collectives import collective_bytes
+from jaxaccel.plan.collectives import collective_bytes
 from jaxaccel.train import loop
 from jaxaccel.train.checkpoint import Checkpointer, on_disk, restore_state
 from support import ADAN, TINY_SHARDED, build, logged_losses, train_steps

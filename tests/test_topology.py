@@ -7,7 +7,9 @@ without a GPU (the plugin's own backend fails to start there)."""
 import jax
 import pytest
 
-from jaxaccel import devices, topology
+from jaxaccel import devices
+from jaxaccel.distributed import cpu_without_accelerator
+from jaxaccel.plan import topology
 from support import needs_cuda_plugin, needs_libtpu
 
 
@@ -81,9 +83,7 @@ def test_the_cpu_is_chosen_only_where_nothing_else_is(monkeypatch):
     platform is chosen and no accelerator is attached, so the aot extra's plugins stay quiet."""
     monkeypatch.setattr(jax.config, "update", lambda *a: None)    # this process keeps its own
     chosen = {"JAX_PLATFORMS": "cuda"}
-    assert not topology.cpu_without_accelerator(chosen) and chosen == {"JAX_PLATFORMS": "cuda"}
-    monkeypatch.setattr(topology, "accelerator_attached", lambda: True)
+    assert not cpu_without_accelerator(chosen) and chosen == {"JAX_PLATFORMS": "cuda"}
     env = {}
-    assert not topology.cpu_without_accelerator(env) and env == {}
-    monkeypatch.setattr(topology, "accelerator_attached", lambda: False)
-    assert topology.cpu_without_accelerator(env) and env == {"JAX_PLATFORMS": "cpu"}
+    assert not cpu_without_accelerator(env, attached=lambda: True) and env == {}
+    assert cpu_without_accelerator(env, attached=lambda: False) and env == {"JAX_PLATFORMS": "cpu"}

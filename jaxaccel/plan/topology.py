@@ -13,7 +13,7 @@ Names:
   (2 per chip): ``Target.devices_per_chip`` says which, and per-device HBM is the chip's
   share. Needs libtpu (``pip install "jax[tpu]==<jax>"``, the ``jaxaccel[aot]`` extra).
 - NVIDIA ``<gpu>:<hosts>x<gpus per host>`` (``h100:1x8`` = one 8-GPU host), from the target
-  configs in ``jaxaccel/targets/`` (GpuTargetConfigProto text; their header names the
+  configs in ``jaxaccel/plan/targets/`` (GpuTargetConfigProto text; their header names the
   openxla/xla file and commit). Needs the CUDA plugin (``pip install
   "jax[cuda12-local]==<jax>"``) and no GPU; run with ``JAX_PLATFORMS=cpu`` on a machine
   without one. No autotuning happens without a device: the compiled HLO is close to, not
@@ -99,27 +99,6 @@ def cuda_plugin_installed() -> bool:
         return any(importlib.util.find_spec(f"jax_plugins.xla_cuda{v}") for v in (12, 13))
     except ModuleNotFoundError:         # no jax_plugins package at all
         return False
-
-
-def accelerator_attached() -> bool:
-    """Whether a TPU, NVIDIA or AMD GPU is attached: jax's own probes (PCI ids, device files),
-    which start no backend."""
-    from jax._src import hardware_utils
-    return (hardware_utils.num_available_tpu_chips_and_device_id()[0] > 0
-            or hardware_utils.has_visible_nvidia_gpu()
-            or hardware_utils.num_available_amd_gpus(stop_at=1) > 0)
-
-
-def cpu_without_accelerator(environ=os.environ) -> bool:
-    """Choose the CPU backend where no platform is chosen (``JAX_PLATFORMS``) and no accelerator
-    is attached, before any backend starts: with the ``aot`` extra installed, libtpu and the
-    CUDA plugin would otherwise each try to start their own on a CPU-only machine (TPU metadata
-    probing, a CUDA traceback). Compile-only targets work either way. Returns whether it chose."""
-    if environ.get("JAX_PLATFORMS") or accelerator_attached():
-        return False
-    environ["JAX_PLATFORMS"] = "cpu"
-    jax.config.update("jax_platforms", "cpu")
-    return True
 
 
 def _with_chip(name, platform, devs, hosts, devices_per_chip=1) -> Target:

@@ -9,7 +9,7 @@ on the target's devices, ``assemble(..., abstract=True)``), so model, optimizer,
 train state are the trainer's, built abstractly (``jax.eval_shape``: shapes, dtypes and
 shardings on the target's mesh; nothing model-sized is allocated), and the trainer's own
 jitted steps (``Run.train_step``, ``Run.eval_step``) are lowered and compiled for the target's
-devices (``jaxaccel.topology``) with the task's batch at the config's largest shape (sequence
+devices (``jaxaccel.plan.topology``) with the task's batch at the config's largest shape (sequence
 length ``data.max_len``; bucketed batches are shorter). Per device (one chip, or one
 TensorCore of a deviceless v4) it gives:
 
@@ -25,7 +25,7 @@ TensorCore of a deviceless v4) it gives:
   unknown before the data is packed: a corpus). Each estimate names its source:
   ``roofline`` = the analytic FLOPs at the chip's published peak for the policy's matmul
   dtype, the bytes XLA says the step moves at the HBM bandwidth, or the bytes its collectives
-  must send (``jaxaccel.collectives``) at the chip's interconnect bandwidth (ICI, NVLink),
+  must send (``jaxaccel.plan.collectives``) at the chip's interconnect bandwidth (ICI, NVLink),
   whichever is slowest (a lower bound: real steps reach a fraction of peak, see MFU in the
   README, and overlap collectives with compute only in part);
   ``xla-cost-model`` = XLA's own ``optimal_seconds`` where it gives one (TPU), which does not
@@ -48,11 +48,12 @@ import time
 
 import jax
 
-from jaxaccel import collectives as collectives_lib
+from jaxaccel.plan import collectives as collectives_lib
 from jaxaccel import config as config_lib
 from jaxaccel import devices as devices_lib
 from jaxaccel import flops as flops_lib
-from jaxaccel import prices, topology
+from jaxaccel.compare import prices
+from jaxaccel.plan import topology
 from jaxaccel.train.run import Run, assemble, resolve
 
 GPU_MEMORY_FRACTION = 0.75      # JAX's default GPU preallocation (XLA_PYTHON_CLIENT_MEM_FRACTION)
@@ -321,7 +322,7 @@ def _cost_of(target, run: Run, estimate) -> dict | None:
         p = prices.lookup(target.device_kind, prices.PRICES)
     except KeyError:
         return {**out, "usd": None, "price": f"no price for {target.device_kind!r} in "
-                                             "jaxaccel/prices.py"}
+                                             "jaxaccel/compare/prices.py"}
     return {**out, "usd": seconds / 3600 * p.usd_per_hour * target.chips,
             "price": f"{p.device} ${p.usd_per_hour}/h per chip x {target.chips} "
                      f"({p.source}, {p.date})"}

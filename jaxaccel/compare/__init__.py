@@ -8,7 +8,7 @@ duplicate candidates and groups of one, each with the reason.
 
 Per candidate: time T (``time_s``, else ``median_s``), cost C = ``cost_usd`` or
 T / 3600 x price per device-hour x devices, energy E (``energy_j``, or ``energy_kwh``; rows
-without any get the labelled TDP estimate of jaxaccel/energy.py) and utilisation O (MFU, else
+without any get the labelled TDP estimate of jaxaccel/compare/energy.py) and utilisation O (MFU, else
 NVML ``gpu_util_pct``, else ``occupancy_pct``: the first source every candidate has; none: the
 O term is 0 and the table says so). Each metric is max-normalised over the group
 (x / max x) and the study's score, lower is better, is::
@@ -29,7 +29,7 @@ import json
 import os
 import re
 
-from jaxaccel import energy, prices
+from jaxaccel.compare import energy, prices
 
 W4 = 0.1
 STRATEGIES = {"balance": (0.3, 0.3, 0.3, W4)}

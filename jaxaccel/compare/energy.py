@@ -51,7 +51,7 @@ def tdp(device_kind: str) -> tuple[float, str]:
         if key.lower() in device_kind.lower():
             return watts, source
     raise KeyError(f"no TDP for device kind {device_kind!r}; known: "
-                   f"{[k for k, _, _ in TDP_W]}. Add it to jaxaccel/energy.py TDP_W.")
+                   f"{[k for k, _, _ in TDP_W]}. Add it to jaxaccel/compare/energy.py TDP_W.")
 
 
 def cpu_cores() -> int:
