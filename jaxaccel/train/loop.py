@@ -89,19 +89,18 @@ def compile_ahead(run: Run, state: TrainState, start: int) -> int:
     and the eval step for every eval length, in parallel threads (XLA compiles a program on
     one core), before the first step; the jitted steps then find them compiled (or read them
     from the persistent compilation cache). Returns how many programs were compiled."""
-    def specs(data, batch_size, start, stop):
+    def specs(data, start, stop):
         """Global batches as put_batch makes them, of each length of steps start..stop: the
-        keys, dtypes and row shapes of the iterator's own first batch (the task's batch)."""
-        first = next(data.batches(0))
-        return [{k: jax.ShapeDtypeStruct((batch_size, n, *v.shape[2:]) if v.ndim > 1
-                                         else (batch_size,), v.dtype, sharding=run.batch_sharding)
+        keys, dtypes and row shapes of the iterator's own first batch (the task's batch), its
+        global rows (the iterator's: an LM eval batch may be clamped to its split)."""
+        first, rows = next(data.batches(0)), data.global_batch_size
+        return [{k: jax.ShapeDtypeStruct((rows, n, *v.shape[2:]) if v.ndim > 1 else (rows,),
+                                         v.dtype, sharding=run.batch_sharding)
                  for k, v in first.items()} for n in sorted(data.batch_lengths(start, stop))]
-    t = run.cfg.train
     jobs = [functools.partial(run.train_step.lower, state, batch)
-            for batch in specs(run.train_data, t.batch_size, start, run.total_steps)]
+            for batch in specs(run.train_data, start, run.total_steps)]
     jobs += [functools.partial(run.eval_step.lower, state.params, batch, state.fp8)
-             for batch in specs(run.eval_data, t.eval_batch_size, 0,
-                                run.eval_data.steps_per_epoch)]
+             for batch in specs(run.eval_data, 0, run.eval_data.steps_per_epoch)]
     with concurrent.futures.ThreadPoolExecutor(min(len(jobs), os.cpu_count() or 1)) as pool:
         list(pool.map(lambda lower: _in_mesh(run.mesh, lambda: lower().compile()), jobs))
     return len(jobs)
