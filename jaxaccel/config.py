@@ -21,9 +21,6 @@ import os
 import sys
 from typing import Any
 
-from jaxaccel import optim
-from jaxaccel.models.attention import ATTENTION_IMPLS
-from jaxaccel.precision import get_policy
 
 BASE: dict[str, Any] = {
     "name": "run",                  # run name: outputs go to {workdir}/{name}
@@ -333,7 +330,10 @@ def load(path: str | None, sets: list[str] | None = None, *,
 
 
 def validate(cfg: Config) -> None:
-    """Check values that are wrong whatever the hardware, before anything is built."""
+    """Check values that are wrong whatever they configure (ranges, divisibility), before
+    anything is built. Which names a choice takes (optimizer, policy, attention kernel) is
+    checked by the part that owns the choice, when a run is resolved
+    (``jaxaccel.train.run.resolve``): the schema does not import what it configures."""
     t = cfg.train
     if not cfg.name or os.sep in cfg.name or cfg.name in (".", ".."):
         raise ValueError(f"name={cfg.name!r} must be a folder name (outputs go to "
@@ -389,25 +389,12 @@ def validate(cfg: Config) -> None:
         raise ValueError(f"train.batch_size={t.batch_size} is not divisible by "
                          f"train.grad_accum={t.grad_accum}.")
     p = cfg.precision
-    get_policy(p.policy)
     for key in ("loss_scale_growth_interval", "max_consecutive_skips", "fp8_amax_history"):
         if p[key] < 1:
             raise ValueError(f"precision.{key}={p[key]} must be >= 1.")
     if p.loss_scale_init <= 0:
         raise ValueError(f"precision.loss_scale_init={p.loss_scale_init} must be > 0 "
                          "(e.g. 32768.0).")
-    if cfg.model.attention_impl == "cudnn" and p.policy == "fp32":
-        raise ValueError("model.attention_impl='cudnn' with precision.policy='fp32': cuDNN "
-                         "flash attention takes fp16/bf16 inputs only. Use precision.policy="
-                         "bf16, fp16 or fp8 (attention runs in bf16 under fp8), or "
-                         "model.attention_impl='xla'.")
-    choices = {"train.schedule": (t.schedule, ("linear", "cosine", "constant")),
-               "train.optimizer": (t.optimizer, optim.OPTIMIZERS),
-               "train.optimizer_impl": (t.optimizer_impl, optim.IMPLS),
-               "model.attention_impl": (cfg.model.attention_impl, ATTENTION_IMPLS)}
-    for key, (value, allowed) in choices.items():
-        if value not in allowed:
-            raise ValueError(f"{key}={value!r} is not one of {allowed}.")
     for axis, size in cfg.mesh.items():
         if size == 0 or size < -1:
             raise ValueError(f"mesh.{axis}={size}: use a positive size or -1 (fill).")

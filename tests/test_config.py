@@ -4,8 +4,9 @@ import sys
 
 import pytest
 
-from jaxaccel import config
-from support import CONFIGS
+from jaxaccel import cli, config
+from jaxaccel.train.run import resolve
+from support import CONFIGS, run_cli
 
 
 def test_base_builds_and_attribute_access():
@@ -47,8 +48,18 @@ def test_nested_and_dotted_overrides_from_files():
     ("train.warmup_ratio=1.5", "warmup_ratio"),
 ])
 def test_bad_values_fail_before_building(override, match):
+    """Ranges by the config's checks, choices by their owners when the run is resolved
+    (``train.run.resolve``: the optimizer's by ``optim``, the kernel's by ``models.attention``);
+    before anything is built either way, and before the run folder is made."""
     with pytest.raises(ValueError, match=match):
-        config.build(sets=[override])
+        resolve(config.build(sets=["model.name=tiny", "data.name=synthetic", override]))
+
+
+def test_a_refused_choice_leaves_no_run_folder(tmp_path, capsys):
+    code, _, err = run_cli(capsys, "train", "--config", "tiny_synthetic", "--set",
+                           f"workdir={tmp_path}", "--set", "train.optimizer=sgd")
+    assert code == cli.EXIT_ERROR and "train.optimizer='sgd' is not one of" in err
+    assert not os.listdir(tmp_path)
 
 
 def test_missing_config_file_names_known_ones():

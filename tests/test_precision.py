@@ -19,6 +19,7 @@ from jaxaccel.models.fp8 import Fp8Linear
 from jaxaccel.precision import POLICIES, LossScale, get_policy
 from jaxaccel.train import loop
 from jaxaccel.train import run as run_lib
+from jaxaccel.train.run import resolve
 from jaxaccel.train.inference import evaluate_run
 from jaxaccel.train.metrics import read_metrics
 from support import CLI, CONFIGS, ROOT, TINY, cpu_env, logged_losses, sigterm_at, tiny_cfg
@@ -201,7 +202,7 @@ def test_fp8_step_compiles_to_cublaslt_fp8_gemms_on_a_gpu(tmp_path):
 
 def test_unknown_policy_names_the_four():
     with pytest.raises(ValueError) as e:
-        config.build(sets=["precision.policy=fp4"])
+        resolve(config.build(sets=TINY + ["precision.policy=fp4"]))
     for name in POLICIES:
         assert repr(name) in str(e.value)
     assert sorted(POLICIES) == ["bf16", "fp16", "fp32", "fp8"]
@@ -214,8 +215,10 @@ def test_unknown_policy_names_the_four():
     (["precision.policy=fp8", "precision.fp8_amax_history=0"], "fp8_amax_history=0"),
 ])
 def test_impossible_combinations_fail_before_building(sets, message):
+    """Refused by the config's checks or, for a choice, by its owner when the run is resolved
+    (``train.run.resolve``): before anything is built either way."""
     with pytest.raises(ValueError, match=message):
-        config.build(sets=TINY + sets)
+        resolve(config.build(sets=TINY + sets))
 
 
 # ---- accuracy on the main job ----

@@ -28,7 +28,19 @@ from jaxaccel import sharding as shd
 from kernels_pallas import attention as kernel
 from kernels_pallas.attention import IMPLS as ATTENTION_IMPLS, check_impl
 
-__all__ = ["ATTENTION_IMPLS", "attention", "check_impl"]
+__all__ = ["ATTENTION_IMPLS", "attention", "check_config", "check_impl"]
+
+def check_config(impl: str, policy) -> None:
+    """``model.attention_impl`` is a name of the kernel's registry and works under ``policy``
+    (a ``precision.Policy``)."""
+    if impl not in ATTENTION_IMPLS:
+        raise ValueError(f"model.attention_impl={impl!r} is not one of {ATTENTION_IMPLS}.")
+    if impl == "cudnn" and policy.name == "fp32":
+        raise ValueError("model.attention_impl='cudnn' with precision.policy='fp32': cuDNN "
+                         "flash attention takes fp16/bf16 inputs only. Use precision.policy="
+                         "bf16, fp16 or fp8 (attention runs in bf16 under fp8), or "
+                         "model.attention_impl='xla'.")
+
 
 _Q = shd.logical_to_mesh(("batch", None, "heads", None))
 _KV = shd.logical_to_mesh(("batch", None, "kv_heads", None))

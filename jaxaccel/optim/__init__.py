@@ -22,10 +22,23 @@ from jaxaccel.optim.clip import clip_by_global_norm, global_norm
 from jaxaccel.optim.layer_decay import entry_name, scale_by_layer
 from jaxaccel.optim.adan import IMPLS, AdanState, adan
 
-__all__ = ["IMPLS", "OPTIMIZERS", "decay_mask", "flat", "global_norm", "make_optimizer",
+__all__ = ["IMPLS", "OPTIMIZERS", "SCHEDULES", "check_config", "decay_mask", "flat", "global_norm", "make_optimizer",
            "make_schedule", "scale_by_layer", "state_shardings"]
 
 OPTIMIZERS = ("adamw", "adan")
+
+
+SCHEDULES = ("linear", "cosine", "constant")
+
+
+def check_config(t) -> None:
+    """The ``train`` config section's optimizer choices are names this package has."""
+    choices = {"train.schedule": (t.schedule, SCHEDULES),
+               "train.optimizer": (t.optimizer, OPTIMIZERS),
+               "train.optimizer_impl": (t.optimizer_impl, IMPLS)}
+    for key, (value, allowed) in choices.items():
+        if value not in allowed:
+            raise ValueError(f"{key}={value!r} is not one of {allowed}.")
 
 
 def make_schedule(kind: str, learning_rate: float, total_steps: int, warmup_steps: int):
@@ -38,7 +51,7 @@ def make_schedule(kind: str, learning_rate: float, total_steps: int, warmup_step
         "constant": optax.constant_schedule(learning_rate),
     }
     if kind not in after:
-        raise ValueError(f"schedule {kind!r} is unknown; expected one of {sorted(after)}.")
+        raise ValueError(f"schedule {kind!r} is unknown; expected one of {SCHEDULES}.")
     if warmup_steps == 0:
         return after[kind]
     warm = optax.linear_schedule(0.0, learning_rate, warmup_steps)

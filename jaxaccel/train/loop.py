@@ -123,8 +123,10 @@ def _sync(name: str) -> None:
 
 def train(cfg: Config, services: Services = Services()) -> dict:
     """Fine-tune as configured; returns the final metrics (and ``status``). Process 0 holds
-    the run folder's lock for the whole run."""
-    run_dir = os.path.join(cfg.workdir, cfg.name)
+    the run folder's lock for the whole run. The run is resolved (and so checked) before its
+    folder is touched."""
+    resolved = resolve(cfg)
+    run_dir = resolved.run_dir
     main = jax.process_index() == 0
     if main:
         rundir.make_run_dir(run_dir)
@@ -132,7 +134,7 @@ def train(cfg: Config, services: Services = Services()) -> dict:
             rundir.library_log(run_dir) if main else contextlib.nullcontext():
         changes = rundir.prepare(run_dir, cfg.to_dict()) if main else {}
         _sync("jaxaccel_run_dir_ready")
-        run = assemble(resolve(cfg))
+        run = assemble(resolved)
         with jax.set_mesh(run.mesh):      # the one mesh of every step and evaluation
             return _train(run, changes, services)
 

@@ -22,14 +22,14 @@ import os
 import jax
 from flax import nnx
 
+from jaxaccel import optim
 from jaxaccel import sharding as shd
 from jaxaccel.config import Config
 from jaxaccel.data import BatchIterator, load_tokenizer, splits
 from jaxaccel.data.packing import PackedBatches
-from jaxaccel.models import ModelSpec, check_vocab, create_model, model_spec
+from jaxaccel.models import ModelSpec, attention, check_vocab, create_model, model_spec
 from jaxaccel.models.fp8 import Fp8Meta
 from jaxaccel.models.unpad import Capacity
-from jaxaccel.optim import make_schedule
 from jaxaccel.precision import LossScale, Policy, policy_of
 from jaxaccel.train import layout as layout_lib
 from jaxaccel.train.checkpoint import abstract_like
@@ -88,7 +88,11 @@ def resolve(cfg: Config, devices=None, *, training: bool = True,
     """The run ``cfg`` describes on ``devices`` (default all; a planned target's compile-only
     devices for ``jaxaccel compile``), checked and derived once. ``training=False``: a run that
     only evaluates (no optimizer, only the eval batch must fit the mesh). ``spec``: the model's
-    spec where it is known already (a checkpoint's), else read from the config."""
+    spec where it is known already (a checkpoint's), else read from the config. The config's
+    choices are checked by their owners first (precision policy, optimizer, attention kernel)."""
+    policy = policy_of(cfg.precision)
+    optim.check_config(cfg.train)
+    attention.check_config(cfg.model.attention_impl, policy)
     spec = model_spec(cfg.model) if spec is None else spec
     if training:
         splits.check_task(cfg, spec.task)
@@ -101,8 +105,8 @@ def resolve(cfg: Config, devices=None, *, training: bool = True,
     t = cfg.train
     total = t.max_steps if t.max_steps > 0 else (
         None if per_epoch is None else t.epochs * per_epoch)
-    return Resolved(cfg, mesh, policy_of(cfg.precision), spec, TASKS[spec.task], layout,
-                    training, per_epoch, total)
+    return Resolved(cfg, mesh, policy, spec, TASKS[spec.task], layout, training, per_epoch,
+                    total)
 
 
 @dataclasses.dataclass
@@ -224,7 +228,7 @@ def optimizer_state(r: Resolved, params, fp8, param_shardings, total_steps: int)
     where the policy scales) and the state's shardings on the run's mesh. ``params`` and
     ``fp8`` (None unless the policy is fp8) may be abstract: nothing is computed here."""
     cfg, t = r.cfg, r.cfg.train
-    schedule = make_schedule(t.schedule, t.learning_rate, total_steps,
+    schedule = optim.make_schedule(t.schedule, t.learning_rate, total_steps,
                              int(t.warmup_ratio * total_steps))
     tx = r.layout.make_optimizer(t, schedule, r.spec, param_shardings,
                                  shd.BATCH_AXES if cfg.sharding.zero1 else ())
