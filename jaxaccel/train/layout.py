@@ -30,45 +30,6 @@ from jaxaccel.train.state import TrainState
 from kernels_pallas.adan import IMPLS as ONEPASS_IMPLS
 
 
-@dataclasses.dataclass(frozen=True)
-class Layout:
-    """A parameter layout. ``name`` is what plans and logs call it."""
-
-    name: str
-
-    def make_optimizer(self, t, schedule, spec, param_shardings, zero_axes):
-        """The optimizer of the ``train`` config section ``t`` on this layout, over
-        ``schedule``; ``spec`` names the model family's embeddings (layer decay),
-        ``param_shardings`` and ``zero_axes`` place a multi-tensor state per device."""
-        raise NotImplementedError
-
-    def flatten(self, tx, params):
-        """A parameter tree (the model's) in this layout's form."""
-        raise NotImplementedError
-
-    def view(self, params):
-        """The parameter tree the model reads, from this layout's form."""
-        raise NotImplementedError
-
-    def differentiated(self, params):
-        """What the step differentiates: the leaves the gradient is taken with respect to."""
-        raise NotImplementedError
-
-    def view_of(self, params, x):
-        """``view`` of ``params`` with its differentiated part replaced by ``x``."""
-        raise NotImplementedError
-
-    def apply(self, tx, grads, opt_state, params):
-        """``(params, opt_state)`` after one update by ``grads`` (``differentiated``-shaped)."""
-        raise NotImplementedError
-
-    def state_shardings(self, abstract: TrainState, param_shardings, mesh, zero1: bool):
-        """Where each leaf of the train state ``abstract`` (an ``eval_shape``) lives on
-        ``mesh``: parameters as ``param_shardings`` say (their form in this layout), the
-        optimizer state like them (ZeRO-1: split further), everything else replicated."""
-        raise NotImplementedError
-
-
 def _replicated_rest(abstract: TrainState, mesh) -> TrainState:
     return jax.tree_util.tree_map(lambda _: shd.replicated(mesh), abstract)
 
@@ -80,30 +41,48 @@ def _hyper(t) -> dict:
                 **{k: v for k, v in given.items() if v is not None})
 
 
-class _PerLeaf(Layout):
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """A parameter layout; ``name`` is what plans and logs call it. This class is the
+    per-leaf layout (``PER_LEAF``): parameters as the model's tree, an optax optimizer; the
+    flat layout overrides each method."""
+
+    name: str
+
     def make_optimizer(self, t, schedule, spec, param_shardings, zero_axes):
+        """The optimizer of the ``train`` config section ``t`` on this layout, over
+        ``schedule``; ``spec`` names the model family's embeddings (layer decay),
+        ``param_shardings`` and ``zero_axes`` place a multi-tensor state per device."""
         return make_optimizer(t.optimizer, schedule, impl=t.optimizer_impl,
                               shardings=param_shardings, zero_axes=zero_axes,
                               layer_decay=t.layer_decay, embeddings=spec.family.embeddings,
                               **_hyper(t))
 
     def flatten(self, tx, params):
+        """A parameter tree (the model's) in this layout's form."""
         return params
 
     def view(self, params):
+        """The parameter tree the model reads, from this layout's form."""
         return params
 
     def differentiated(self, params):
+        """What the step differentiates: the leaves the gradient is taken with respect to."""
         return params
 
     def view_of(self, params, x):
+        """``view`` of ``params`` with its differentiated part replaced by ``x``."""
         return x
 
     def apply(self, tx, grads, opt_state, params):
+        """``(params, opt_state)`` after one update by ``grads`` (``differentiated``-shaped)."""
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
 
-    def state_shardings(self, abstract, param_shardings, mesh, zero1):
+    def state_shardings(self, abstract: TrainState, param_shardings, mesh, zero1: bool):
+        """Where each leaf of the train state ``abstract`` (an ``eval_shape``) lives on
+        ``mesh``: parameters as ``param_shardings`` say (their form in this layout), the
+        optimizer state like them (ZeRO-1: split further), everything else replicated."""
         return _replicated_rest(abstract, mesh).replace(
             params=param_shardings,
             opt_state=state_shardings(abstract.opt_state, param_shardings, mesh, zero1=zero1))
@@ -138,7 +117,7 @@ class _Flat(Layout):
             opt_state=state_shardings(abstract.opt_state, leaves, mesh))
 
 
-PER_LEAF = _PerLeaf("per_leaf")
+PER_LEAF = Layout("per_leaf")
 FLAT = _Flat("flat")
 
 
