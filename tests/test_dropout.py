@@ -101,6 +101,6 @@ def test_on_tpu_the_mask_fuses_into_dropout(compile_target):
     key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
     compiled, _ = compile_only.compile_timed(lambda k, x: dropout(x, 0.1, k),
                                              *compile_only.replicated(m, key, x), mesh=m)
-    cost = plan._cost(compiled)
+    cost = plan.xla_cost(compiled)
     x_bytes = 4 * 4 * 256 * 256 * 4
     assert cost["bytes accessed"] <= 2.1 * x_bytes, cost["bytes accessed"] / x_bytes

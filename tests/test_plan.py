@@ -118,7 +118,7 @@ def test_tpu_plan_shards_with_fsdp_and_counts_chips(capsys, tmp_path):
     # Data parallel (abstract only, not compiled) holds every parameter on every chip.
     target = topology.resolve("v5e:2x2")
     dp = plan.abstract_run(plan.load_config(TINY_CONFIG, [], target), target)
-    assert p.memory["params"] < plan._shard_bytes(dp.state.params) / 3
+    assert p.memory["params"] < plan.shard_bytes(dp.state.params) / 3
     assert p.estimate["source"].startswith("estimate:") and p.estimate["step_s"] > 0
     assert p.cost["usd"] > 0 and "TPU v5 lite $1.2/h" in p.cost["price"]
     # FSDP gathers the parameters and reduce-scatters the gradients (libtpu fuses the latter as

@@ -46,7 +46,7 @@ SPLIT_SEED = 2014
 LABEL_NAMES = ("neg", "pos")
 
 
-def _download_sdist(dest: str) -> str:
+def download_sdist(dest: str) -> str:
     return pip_download(SDIST_REQUIREMENT, SDIST_NAME, SDIST_SHA256, SOURCE_ENV, dest)
 
 
@@ -62,7 +62,7 @@ def fetch_source(source: str | os.PathLike | None = None) -> bytes:
             data = f.read()
     else:
         with tempfile.TemporaryDirectory() as tmp:
-            with open(_download_sdist(tmp), "rb") as f:
+            with open(download_sdist(tmp), "rb") as f:
                 data = f.read()
         source = f"pip download {SDIST_REQUIREMENT}"
     digest = hashlib.sha256(data).hexdigest()

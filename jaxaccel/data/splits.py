@@ -63,7 +63,8 @@ def _rows(texts: list[str], labels: np.ndarray, split: str, validation_size: int
     return [texts[i] for i in keep], labels[keep]
 
 
-def _examples(cfg, tokenizer, max_positions: int, split: str) -> tuple[Tokenized, tuple]:
+def split_examples(cfg, tokenizer, max_positions: int,
+                   split: str) -> tuple[Tokenized, tuple]:
     """``(examples, label_names)`` of ``split``; text is truncated to ``data.max_len`` (at
     most the model's ``max_positions``)."""
     d = cfg.data
@@ -167,7 +168,7 @@ def train_batches(cfg, tokenizer, max_positions: int) -> tuple[BatchIterator | P
     corpus, packed causal-LM rows and no labels."""
     if _is_corpus(cfg):
         return _packed(cfg, tokenizer, max_positions, "train", training=True), ()
-    examples, label_names = _examples(cfg, tokenizer, max_positions, "train")
+    examples, label_names = split_examples(cfg, tokenizer, max_positions, "train")
     t = cfg.train
     batches = BatchIterator(examples, t.batch_size, shuffle=True, seed=cfg.seed,
                             drop_remainder=True,
@@ -183,7 +184,8 @@ def eval_batches(cfg, tokenizer, max_positions: int) -> tuple[BatchIterator | Pa
     in document order, every token once, and no labels."""
     if _is_corpus(cfg):
         return _packed(cfg, tokenizer, max_positions, cfg.data.eval_split, training=False), ()
-    examples, label_names = _examples(cfg, tokenizer, max_positions, cfg.data.eval_split)
+    examples, label_names = split_examples(cfg, tokenizer, max_positions,
+                                           cfg.data.eval_split)
     size = cfg.train.eval_batch_size
     batches = BatchIterator(examples, size, shuffle=False, drop_remainder=False,
                             bucket_window=len(examples) // size + 1, **_process_shard(cfg))

@@ -53,6 +53,7 @@ from jaxaccel import config as config_lib
 from jaxaccel import devices as devices_lib
 from jaxaccel import flops as flops_lib
 from jaxaccel.compare import prices
+from jaxaccel.models import attention
 from jaxaccel.plan import topology
 from jaxaccel.train.run import Run, assemble, resolve
 
@@ -142,7 +143,7 @@ def abstract_run(cfg, target: topology.Target) -> Run:
     return assemble(resolve(cfg, target.devices), abstract=True)
 
 
-def _shard_bytes(tree) -> int:
+def shard_bytes(tree) -> int:
     return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
                for x in jax.tree_util.tree_leaves(tree))
 
@@ -156,7 +157,7 @@ def _memory(compiled, **known) -> dict:
             "code": m.generated_code_size_in_bytes, "total": total}
 
 
-def _cost(compiled) -> dict:
+def xla_cost(compiled) -> dict:
     """XLA's cost analysis of one device's program ({} where the backend gives none)."""
     cost = compiled.cost_analysis()
     if isinstance(cost, list):                  # older jax: one dict per program
@@ -247,13 +248,14 @@ def make_plan(config_path: str | None, sets: list[str], topology_name: str, *,
     with other work, or a budget of one's own)."""
     target = topology.resolve(topology_name)
     cfg, notes = plannable(load_config(config_path, sets, target))
+    attention.check_target(cfg.model.attention_impl, target.platform, target.name)
     run = abstract_run(cfg, target)
     t = cfg.train
     batch = abstract_batch(run, t.batch_size)
     eval_batch = abstract_batch(run, t.eval_batch_size)
     seq = batch["input_ids"].shape[1]
     state = run.state
-    known = {"params": _shard_bytes(state.params), "opt_state": _shard_bytes(state.opt_state)}
+    known = {"params": shard_bytes(state.params), "opt_state": shard_bytes(state.opt_state)}
     compile_s = {}
 
     def compile_(step, jitted, *args):
@@ -275,10 +277,10 @@ def make_plan(config_path: str | None, sets: list[str], topology_name: str, *,
     with jax.set_mesh(run.mesh):
         train = compile_("train", run.train_step, state, batch)
         evaluate = compile_("eval", run.eval_step, state.params, eval_batch, state.fp8)
-    memory = _memory(train, **known, batch=_shard_bytes(batch))
+    memory = _memory(train, **known, batch=shard_bytes(batch))
     eval_memory = _memory(evaluate)
     shape = flops_lib.model_shape(run.spec)
-    cost = _cost(train)
+    cost = xla_cost(train)
     flops = {"analytic": flops_lib.train_flops(shape, t.batch_size, seq),
              "attention": flops_lib.attention_flops(shape, t.batch_size, seq),
              "xla_per_device": cost.get("flops")}
