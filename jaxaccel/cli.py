@@ -286,8 +286,24 @@ def cmd_compare(args) -> int:
     return 0
 
 
+def _check_out_dir(path: str) -> None:
+    """Refuse an output folder that cannot be made or written, before any work: a file of that
+    name (or above it), or a folder without write permission."""
+    here = os.path.abspath(path)
+    while not os.path.exists(here):
+        here = os.path.dirname(here)
+    if not os.path.isdir(here):
+        raise ValueError(f"--out {path!r}: {here!r} is a file, not a folder; --out names the "
+                         "folder the result file is written into (made if missing).")
+    if not os.access(here, os.W_OK | os.X_OK):
+        raise ValueError(f"--out {path!r}: the folder {here!r} is not writable; name a folder "
+                         "you can write to.")
+
+
 def cmd_compile(args) -> int:
     import jax
+    if args.out:
+        _check_out_dir(args.out)
     if args.topology != "local":       # compile-only devices: no accelerator is used
         jax.config.update("jax_platforms", "cpu")
     from jaxaccel import plan

@@ -7,7 +7,7 @@ import os
 import pytest
 
 from jaxaccel import cli
-from support import CONFIGS, TINY_CONFIG
+from support import CONFIGS, TINY_CONFIG, needs_libtpu, run_cli
 
 FINETUNE = os.path.join(CONFIGS, "canterbury_lm_finetune.py")
 
@@ -362,3 +362,47 @@ def test_an_internal_key_error_is_a_sentence_naming_where(monkeypatch, capsys):
                    "it with the command line."), err
     assert cli.main(["train", "--set", "trian.epochs=2"]) == cli.EXIT_ERROR   # a sentence
     assert capsys.readouterr().err.startswith("error: unknown config key 'trian.epochs'.")
+
+
+# ---- item 10: compile names 'local' sizes, checks --out, and cuDNN against the target ----
+
+def test_compile_refuses_a_sized_local_target(capsys):
+    """'local:2' said there is no target 'local' while listing `local`."""
+    code, out, err = run_cli(capsys, "compile", "--config", TINY_CONFIG, "--topology", "local:2")
+    assert code == cli.EXIT_ERROR and out == ""
+    assert err.strip() == (
+        "error: topology 'local:2': 'local' takes no size: it is this machine's devices as "
+        "they are (all of jax.devices()). Give --topology local, or a TPU slice or GPU hosts "
+        "of the size wanted (e.g. v5e:2x4, h100:1x2).")
+
+
+@pytest.mark.parametrize("where", ["a file", "under a file"])
+def test_compile_checks_out_before_compiling(tmp_path, capsys, where):
+    """--out naming an existing file was found only after the compile (the plan printed, then
+    a FileExistsError)."""
+    file = tmp_path / "plan.json"
+    file.write_text("{}")
+    out_dir = file if where == "a file" else file / "results"
+    code, out, err = run_cli(capsys, "compile", "--config", TINY_CONFIG, "--topology", "local",
+                             "--out", str(out_dir))
+    assert code == cli.EXIT_ERROR and out == "", out       # nothing compiled, no plan
+    assert err.strip() == (f"error: --out {str(out_dir)!r}: {str(file)!r} is a file, not a "
+                           "folder; --out names the folder the result file is written into "
+                           "(made if missing).")
+    assert file.read_text() == "{}"
+
+
+@needs_libtpu
+@pytest.mark.parametrize("policy", ["fp32", "bf16"])
+def test_compile_refuses_cudnn_attention_for_a_tpu_first(capsys, policy):
+    """cuDNN attention planned for a TPU named the target 'cpu' (bf16), or gave the fp32
+    advice, after which bf16 was refused again: one refusal naming the target, whatever the
+    policy."""
+    code, out, err = run_cli(capsys, "compile", "--config", TINY_CONFIG, "--topology", "v5e-8",
+                             "--set", "model.attention_impl=cudnn",
+                             "--set", f"precision.policy={policy}")
+    assert code == cli.EXIT_ERROR and out == ""
+    assert err.strip() == (
+        "error: model.attention_impl='cudnn' runs on GPUs only, and the devices of the "
+        "target v5e:2x4 are TPUs: use model.attention_impl='auto' (the best kernel the target "
+        "has), 'pallas' or 'xla'."), err

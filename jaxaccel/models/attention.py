@@ -28,7 +28,7 @@ from jaxaccel import sharding as shd
 from kernels_pallas import attention as kernel
 from kernels_pallas.attention import IMPLS as ATTENTION_IMPLS, check_impl
 
-__all__ = ["ATTENTION_IMPLS", "attention", "check_config", "check_impl"]
+__all__ = ["ATTENTION_IMPLS", "attention", "check_config", "check_impl", "check_target"]
 
 def check_config(impl: str, policy) -> None:
     """``model.attention_impl`` is a name of the kernel's registry and works under ``policy``
@@ -40,6 +40,19 @@ def check_config(impl: str, policy) -> None:
                          "flash attention takes fp16/bf16 inputs only. Use precision.policy="
                          "bf16, fp16 or fp8 (attention runs in bf16 under fp8), or "
                          "model.attention_impl='xla'.")
+
+
+def check_target(impl: str, platform: str, target: str) -> None:
+    """``model.attention_impl`` runs on the devices of a planned ``target`` (jax's
+    ``platform`` name): ``jaxaccel compile`` checks it before the run is resolved, so that a
+    kernel the target cannot run is named before advice about other settings (the policy
+    cuDNN needs) that would not make it run."""
+    only = kernel.ONLY_ON.get(impl)
+    if only and platform not in only:
+        raise ValueError(f"model.attention_impl={impl!r} runs on {'/'.join(only).upper()}s "
+                         f"only, and the devices of the target {target} are "
+                         f"{platform.upper()}s: use model.attention_impl='auto' (the best "
+                         "kernel the target has), 'pallas' or 'xla'.")
 
 
 _Q = shd.logical_to_mesh(("batch", None, "heads", None))

@@ -151,6 +151,11 @@ def resolve(name: str) -> Target:
         devs = jax.devices()
         return _with_chip("local", devs[0].platform, devs, jax.process_count())
     generation, _, grid = name.partition(":")
+    if generation == "local":
+        raise TopologyError(
+            f"topology {name!r}: 'local' takes no size: it is this machine's devices as they "
+            "are (all of jax.devices()). Give --topology local, or a TPU slice or GPU hosts of "
+            "the size wanted (e.g. v5e:2x4, h100:1x2).")
     if generation in TPU_GENERATIONS:
         if not re.fullmatch(r"\d+(x\d+){1,2}", grid):
             raise _unknown(name, "expected a chip grid like 2x4 or 2x2x1 after the colon")
