@@ -344,10 +344,8 @@ def main(argv=None) -> int:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     args = _parser().parse_args(argv)
     try:
-        from jaxaccel.distributed import cpu_without_accelerator
-        cpu_without_accelerator()
-        from jaxaccel.distributed import initialize_from_env
-        initialize_from_env()
+        from jaxaccel import distributed
+        distributed.start()
         return {"train": cmd_train, "eval": cmd_eval, "predict": cmd_predict,
                 "generate": cmd_generate, "bench": cmd_bench, "compare": cmd_compare,
                 "compile": cmd_compile}[args.command](args)

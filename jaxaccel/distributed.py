@@ -1,8 +1,15 @@
 """Process start-up: the backend this process uses (``cpu_without_accelerator``) and, for a
 run of several processes, ``jax.distributed.initialize`` from the environment.
 
-Both are called by the CLI before anything touches a device. Processes are recognised, in
-this order:
+Both are called by the CLI (``start``) before anything touches a device, after jax and its
+plugins are loaded with their known start-up lines kept off stderr (``native_noise_filtered``):
+with the ``aot`` extra on a machine without a GPU, the CUDA plugin's libraries each print
+"cudart_stub.cc ... Could not find cuda drivers on your machine, GPU will not be used." (with
+absl's "All log messages before absl::InitializeLog() ..." preamble) when they load, at
+``import jax`` and when jax discovers its plugins; no environment variable turns those lines
+off (``TF_CPP_MIN_LOG_LEVEL`` does not reach them), so exactly those lines are dropped and any
+other line is passed on as it comes. (libtpu's start-up complaints are avoided at their source,
+by the environment ``plan.topology`` gives it.) Processes are recognised, in this order:
 
 * ``JAXACCEL_COORDINATOR=host:port`` with ``JAXACCEL_NUM_PROCESSES`` and ``JAXACCEL_PROCESS_ID``
   (GPU nodes, or several processes on one machine): explicit initialisation. On CPU the
@@ -26,16 +33,77 @@ it catches SIGTERM so that all processes stop and save after the same step
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import re
 import sys
 import threading
-
-import jax
 
 log = logging.getLogger("jaxaccel")
 EXIT_NO_PEERS = 2
 SLURM_STEP_VARS = ("SLURM_JOB_ID", "SLURM_PROCID", "SLURM_STEP_NODELIST")
+
+
+# What the native libraries print on stderr while they load on a machine without a GPU, and
+# which says only that: the CUDA runtime stub of the CUDA plugin's libraries (INFO), and absl's
+# preamble to a library's first log line. Matched against whole lines; nothing else is dropped.
+NATIVE_NOISE = (
+    re.compile(rb"I\d{4} [\d:. ]+\d+ cudart_stub\.cc:\d+\] Could not find cuda drivers on your "
+               rb"machine, GPU will not be used\.\r?\n?"),
+    re.compile(rb"WARNING: All log messages before absl::InitializeLog\(\) is called are written "
+               rb"to STDERR\r?\n?"),
+)
+_started = False
+
+
+@contextlib.contextmanager
+def native_noise_filtered(noise=NATIVE_NOISE):
+    """Within the block, what is written to file descriptor 2 (native libraries' logs, Python's
+    stderr) goes through a pipe: lines that match one of ``noise`` whole are dropped, every
+    other line is passed on to the real stderr as it comes. Without a usable descriptor 2,
+    nothing is filtered."""
+    sys.stderr.flush()
+    try:
+        saved = os.dup(2)
+        read, write = os.pipe()
+    except OSError:
+        yield
+        return
+
+    def forward():
+        with os.fdopen(read, "rb") as lines:
+            for line in lines:
+                if not any(p.fullmatch(line) for p in noise):
+                    os.write(saved, line)
+    os.dup2(write, 2)
+    os.close(write)
+    pump = threading.Thread(target=forward, name="jaxaccel-stderr-filter", daemon=True)
+    pump.start()
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)           # the pipe's last writer closed: the pump reads to the end
+        pump.join()
+        os.close(saved)
+
+
+def start(environ=os.environ, attached=None) -> None:
+    """The process's start-up, before anything touches a device: jax's plugins loaded (the
+    first time) with ``NATIVE_NOISE`` kept off stderr, the CPU backend chosen where no
+    accelerator is attached (``cpu_without_accelerator``: before the plugins load, so that the
+    CUDA plugin does not check a CUDA it will not use), then ``initialize_from_env``."""
+    global _started
+    if not _started:
+        with native_noise_filtered():
+            cpu_without_accelerator(environ, attached or accelerator_attached)
+            from jax._src import xla_bridge     # jax's own plugin discovery (no backend starts)
+            getattr(xla_bridge, "_discover_and_register_pjrt_plugins", lambda: None)()
+        _started = True
+    else:
+        cpu_without_accelerator(environ, attached or accelerator_attached)
+    initialize_from_env(environ)
 
 
 def accelerator_attached() -> bool:
@@ -53,6 +121,7 @@ def cpu_without_accelerator(environ=os.environ, attached=accelerator_attached) -
     CUDA plugin would otherwise each try to start their own on a CPU-only machine (TPU metadata
     probing, a CUDA traceback). Compile-only targets work either way. Returns whether it chose.
     ``attached``: the probe (``accelerator_attached``)."""
+    import jax      # imported here, not above: ``start`` loads jax inside its filter
     if environ.get("JAX_PLATFORMS") or attached():
         return False
     environ["JAX_PLATFORMS"] = "cpu"
@@ -92,6 +161,7 @@ def multi_process_env(env=os.environ) -> str | None:
 
 def initialize_from_env(env=os.environ) -> bool:
     """Initialise jax.distributed if the environment asks for it; True if it did."""
+    import jax
     kind = multi_process_env(env)
     if kind is None:
         return False

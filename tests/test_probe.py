@@ -406,3 +406,61 @@ def test_compile_refuses_cudnn_attention_for_a_tpu_first(capsys, policy):
         "error: model.attention_impl='cudnn' runs on GPUs only, and the devices of the "
         "target v5e:2x4 are TPUs: use model.attention_impl='auto' (the best kernel the target "
         "has), 'pallas' or 'xla'."), err
+
+
+# ---- item 13: a command prints only what jaxaccel has to say ----
+
+def jaxaccel_process(*argv, **env):
+    """``jaxaccel *argv`` in a fresh process (start-up is the point): the CompletedProcess."""
+    import subprocess
+
+    from support import CLI, cpu_env
+    environ = {k: v for k, v in cpu_env().items() if k not in env}
+    environ.update({k: v for k, v in env.items() if v is not None})
+    return subprocess.run([*CLI, *argv], env=environ, capture_output=True, text=True,
+                          timeout=600)
+
+
+@needs_libtpu
+def test_compile_for_a_tpu_prints_no_start_up_noise():
+    """With the aot extra, every CPU command printed the CUDA plugin's `cudart_stub ... Could
+    not find cuda drivers` (4 times, each after absl's preamble) and a TPU compile libtpu's
+    "Failed to find host bounds" and "E0000 ... unexpected worker hostname" lines, also with
+    JAX_PLATFORMS=cpu (cpu_env) and on a successful compile."""
+    done = jaxaccel_process("compile", "--config", TINY_CONFIG, "--topology", "v5e-8")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("target v5e:2x4: 8 x TPU v5 lite, 8 chips")
+    assert all(line.startswith(("INFO jaxaccel: ", "WARNING jaxaccel: "))
+               for line in done.stderr.splitlines()), done.stderr
+
+
+def test_a_refused_command_prints_its_error_line_alone():
+    """Without JAX_PLATFORMS (the CLI chooses the CPU where no accelerator is attached): the
+    error line and nothing else."""
+    done = jaxaccel_process("compile", "--config", TINY_CONFIG, "--topology", "local:2",
+                            JAX_PLATFORMS=None)
+    assert done.returncode == cli.EXIT_ERROR and done.stdout == ""
+    assert done.stderr.splitlines() == [
+        "error: topology 'local:2': 'local' takes no size: it is this machine's devices as "
+        "they are (all of jax.devices()). Give --topology local, or a TPU slice or GPU hosts "
+        "of the size wanted (e.g. v5e:2x4, h100:1x2)."]
+
+
+def test_the_start_up_filter_drops_only_the_known_lines(capfd):
+    """Exactly the known lines are dropped; a real native error, and Python's stderr, pass."""
+    from jaxaccel.distributed import native_noise_filtered
+    noise = (b"WARNING: All log messages before absl::InitializeLog() is called are written to "
+             b"STDERR\n"
+             b"I0000 00:00:1795626969.540827    4961 cudart_stub.cc:31] Could not find cuda "
+             b"drivers on your machine, GPU will not be used.\n")
+    real = (b"E0000 00:00:1795626970.654754    4961 common_lib.cc:554] INVALID_ARGUMENT: a real "
+            b"error\n"
+            b"I0000 00:00:1795626969.540827    4961 cudart_stub.cc:31] Could not find cuda "
+            b"drivers on your machine, GPU will not be used. And more.\n")
+    with native_noise_filtered():
+        os.write(2, noise + real + noise)
+        import sys
+        print("python's own stderr", file=sys.stderr)
+    err = capfd.readouterr().err      # (capfd takes Python's stderr apart from descriptor 2)
+    assert sorted(err.splitlines(True)) == sorted([*real.decode().splitlines(True),
+                                                   "python's own stderr\n"]), err

@@ -106,6 +106,21 @@ def _with_chip(name, platform, devs, hosts, devices_per_chip=1) -> Target:
                   devices_per_chip, hosts)
 
 
+def _one_worker_host(environ=os.environ) -> None:
+    """On a machine without a TPU, tell libtpu that this host is the one worker of a one-host
+    slice: without a TPU VM's metadata it otherwise prints its failure to find them when it
+    starts ("Failed to find host bounds for accelerator type: WARNING: could not determine TPU
+    accelerator type ...", "E0000 ... unexpected worker hostname 'WARNING: could not determine
+    TPU worker hostnames ...'"). The compile-only devices do not depend on it: their grid and
+    hosts come from the target name (the same devices, coordinates and process indices either
+    way, for every slice in TPU_SLICES). Variables already set are kept; on a TPU VM nothing is
+    set."""
+    from jax._src import hardware_utils
+    if hardware_utils.num_available_tpu_chips_and_device_id()[0] == 0:
+        environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+        environ.setdefault("TPU_HOST_BOUNDS", "1,1,1")
+
+
 def _tpu(name: str) -> Target:
     if importlib.util.find_spec("libtpu") is None:
         raise _needs("libtpu (the TPU compiler)", "jax[tpu]", name)
@@ -113,6 +128,7 @@ def _tpu(name: str) -> Target:
     # Compile-only: no TPU is opened, so libtpu's one-process-per-host lock (which makes a
     # second compiling process fail, e.g. a pytest worker) does not apply.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    _one_worker_host()
     generation, _, grid = name.partition(":")
     dims = [*map(int, grid.split("x")), 1][:3]
     one_host = math.prod(dims) <= MAX_CHIPS_PER_HOST[generation]
