@@ -464,3 +464,17 @@ def test_the_start_up_filter_drops_only_the_known_lines(capfd):
     err = capfd.readouterr().err      # (capfd takes Python's stderr apart from descriptor 2)
     assert sorted(err.splitlines(True)) == sorted([*real.decode().splitlines(True),
                                                    "python's own stderr\n"]), err
+
+
+# ---- item 11: a batch larger than the data names train.batch_size and the data's size ----
+
+def test_a_train_batch_larger_than_the_data_names_the_key_and_the_size(tmp_path, capsys):
+    """It named BatchIterator and drop_remainder, neither of them a config key."""
+    from support import TINY
+    sets = [*TINY, f"workdir={tmp_path}", "train.batch_size=4096"]
+    code, out, err = run_cli(capsys, "train", *(a for s in sets for a in ("--set", s)))
+    assert code == cli.EXIT_ERROR and out == ""
+    assert err.strip() == (
+        "error: train.batch_size=4096 is more than the 64 examples of the 'synthetic' 'train' "
+        "split: no full batch to train on. Set train.batch_size to at most 64 (a multiple of "
+        "the device count), or train on more data."), err

@@ -139,11 +139,25 @@ def _packed(cfg, tokenizer, max_positions: int, split: str, *, training: bool) -
                          f"<= {max_positions}.")
     docs = tokenize_documents(
         tokenizer, load_corpus(d.name, data_dir=d.data_dir or None, splits=(split,))[split])
-    size = cfg.train.batch_size if training else \
-        _eval_batch_size(cfg, -(-sum(map(len, docs)) // d.max_len), split)
+    rows = -(-sum(map(len, docs)) // d.max_len)
+    if training:
+        _check_train_batch(cfg, rows, f"rows of {d.max_len} tokens (data.max_len) that the "
+                           f"{d.name!r} {split!r} split packs into")
+    size = cfg.train.batch_size if training else _eval_batch_size(cfg, rows, split)
     return PackedBatches(docs, d.max_len, size, shuffle=training, seed=cfg.seed,
                          drop_remainder=training, process_index=jax.process_index(),
                          process_count=jax.process_count())
+
+
+def _check_train_batch(cfg, rows: int, what: str) -> None:
+    """A training batch of ``train.batch_size`` rows is refused where the train split has fewer
+    (no full batch to train on), naming the key and the data's size, before any batch is
+    made."""
+    size = cfg.train.batch_size
+    if rows < size:
+        raise ValueError(f"train.batch_size={size} is more than the {rows} {what}: no full "
+                         f"batch to train on. Set train.batch_size to at most {rows} (a "
+                         "multiple of the device count), or train on more data.")
 
 
 def _eval_batch_size(cfg, rows: int, split: str) -> int:
@@ -170,6 +184,7 @@ def train_batches(cfg, tokenizer, max_positions: int) -> tuple[BatchIterator | P
         return _packed(cfg, tokenizer, max_positions, "train", training=True), ()
     examples, label_names = split_examples(cfg, tokenizer, max_positions, "train")
     t = cfg.train
+    _check_train_batch(cfg, len(examples), f"examples of the {cfg.data.name!r} 'train' split")
     batches = BatchIterator(examples, t.batch_size, shuffle=True, seed=cfg.seed,
                             drop_remainder=True,
                             bucket_window=TRAIN_BUCKET_WINDOW if cfg.data.bucket else 0,
