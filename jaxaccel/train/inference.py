@@ -18,10 +18,8 @@ from jaxaccel.models.fp8 import Fp8Meta
 from jaxaccel.precision import policy_of
 from jaxaccel.train import rundir
 from jaxaccel.train.checkpoint import Checkpointer, like
+from jaxaccel.train.run import assemble, resolve
 from jaxaccel.train.step import forward
-from jaxaccel.train.tasks import TASKS
-
-CLASSIFICATION = TASKS["classification"]
 
 
 def load_run(run_dir: str):
@@ -97,17 +95,12 @@ def evaluate_run(run_dir: str, sets: list[str] | None = None, devices=None) -> d
     ``tasks.TASKS``) of the run's latest checkpoint on its eval split, data parallel over
     ``devices`` (default all at hand, not the training mesh, which may need more) unless
     ``sets`` say (only ``EVAL_SETTABLE`` keys). Builds only the evaluation side
-    (``loop.build_eval``): the model from the run folder, the eval split; no optimizer state,
+    (``checkpoint_run``): the model from the run folder, the eval split; no optimizer state,
     no training split."""
-    from jaxaccel.train.run import assemble, resolve
     check_eval_sets(sets or [])
     check_eval_task(run_dir, sets or [])
-    model, cfg, meta = load_run(run_dir)
-    cfg = config_lib.build(cfg.to_dict(), ["mesh.data=-1", "mesh.fsdp=1", "mesh.tensor=1",
-                                           *(sets or [])])
-    # The checkpoint holds the per-parameter form whatever the trainer's layout was.
-    run = assemble(resolve(cfg, devices, training=False, spec=model.spec), model=model,
-                   tokenizer_dir=tokenizer_dir(run_dir))
+    run, meta = checkpoint_run(run_dir, sets or [], devices)
+    cfg = run.cfg
     with jax.set_mesh(run.mesh):
         result = run.evaluate()
     # Records before the step was saved with them give the data position (epoch, step in it).
@@ -115,6 +108,20 @@ def evaluate_run(run_dir: str, sets: list[str] | None = None, devices=None) -> d
         meta["epoch"] * splits.steps_per_epoch(cfg) + meta["step_in_epoch"]
     result.update(step=step, run_dir=run_dir)
     return result
+
+
+def checkpoint_run(run_dir: str, sets=(), devices=None, *, data: bool = True):
+    """``(run, meta)``: the eval-only ``Run`` of the run folder's newest readable checkpoint
+    (``train.run.resolve`` and ``assemble``, as every command builds its run), data parallel
+    over ``devices`` (default all) whatever mesh trained it, with ``sets`` applied; its eval
+    split batched unless ``data`` is False (predict brings its own texts). The checkpoint holds
+    the per-parameter form whatever the trainer's layout was."""
+    model, cfg, meta = load_run(run_dir)
+    cfg = config_lib.build(cfg.to_dict(), ["mesh.data=-1", "mesh.fsdp=1", "mesh.tensor=1",
+                                           *sets])
+    run = assemble(resolve(cfg, devices, training=False, spec=model.spec), model=model,
+                   tokenizer_dir=tokenizer_dir(run_dir) if data else None, data=data)
+    return run, meta
 
 
 def tokenizer_dir(run_dir: str) -> str:
@@ -136,22 +143,22 @@ class Predictor:
     def __init__(self, run_dir: str, batch_size: int = 64):
         if batch_size < 1:
             raise ValueError(f"batch_size={batch_size} must be >= 1.")
-        model, cfg, meta = load_run(run_dir)
-        if model.spec.task != CLASSIFICATION.name:
-            raise ValueError(f"run {run_dir!r} trained a {model.spec.task} model; predict "
+        run, meta = checkpoint_run(run_dir, devices=jax.devices()[:1], data=False)
+        cfg, task = run.cfg, run.task
+        if task.name != "classification":
+            raise ValueError(f"run {run_dir!r} trained a {task.name} model; predict "
                              "classifies texts. Use `jaxaccel generate` (or `jaxaccel eval`).")
         self.batch_size, self.pad_multiple = batch_size, cfg.data.pad_multiple
         self.label_names = meta.get("label_names") or [str(i) for i in
                                                       range(cfg.model.num_labels)]
         self.tokenizer = load_tokenizer(tokenizer_dir(run_dir), light=True)
-        self.max_len = min(cfg.data.max_len, model.config.max_position_embeddings)
-        graphdef, params, fp8 = nnx.split(model, nnx.Param, Fp8Meta)
-        self._params = (params, fp8 if model.policy.fp8 else None)
+        self.max_len = min(cfg.data.max_len, run.spec.architecture.max_position_embeddings)
+        self._state = run.state
 
         @jax.jit
-        def probs(params, batch):
-            logits = forward(graphdef, params[0], batch, task=CLASSIFICATION,
-                             deterministic=True, fp8=params[1])
+        def probs(state, batch):
+            logits = forward(run.graphdef, state.params, batch, task=task, deterministic=True,
+                             fp8=state.fp8)
             return jax.nn.softmax(logits, axis=-1)
         self._probs = probs
 
@@ -166,7 +173,7 @@ class Predictor:
                                 bucket_window=len(texts) // self.batch_size + 1)
         out: list[tuple[str, float]] = [None] * len(texts)
         for rows, batch in zip(batches.plan(0), batches.batches(0)):
-            p = np.asarray(self._probs(self._params, batch))
+            p = np.asarray(self._probs(self._state, batch))
             for r, i in enumerate(rows):
                 best = int(np.nan_to_num(p[r], nan=-1.0).argmax())
                 out[i] = (self.label_names[best], float(p[r, best]))

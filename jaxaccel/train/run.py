@@ -273,8 +273,9 @@ def assemble(r: Resolved, *, model=None, tokenizer_dir: str | None = None,
       benchmark feeding its own, ``bench/train_step.py``), the schedule over
       ``r.total_steps``;
     * evaluation only: ``model`` (e.g. a checkpoint's, ``inference.load_run``) and the eval
-      split tokenized by ``tokenizer_dir``'s tokenizer; no optimizer state, and the training
-      split is neither read nor tokenized;
+      split tokenized by ``tokenizer_dir``'s tokenizer (``data=False``: no split; predict
+      brings its texts); no optimizer state, and the training split is neither read nor
+      tokenized;
     * ``abstract`` (``jaxaccel compile``): the training run's state as ShapeDtypeStructs with
       the trainer's shardings, and no data: what the jitted steps need to be compiled.
     """
@@ -286,7 +287,7 @@ def assemble(r: Resolved, *, model=None, tokenizer_dir: str | None = None,
             return _abstract(r, shapes)
     with jax.set_mesh(r.mesh):
         if not r.training:
-            return _eval_only(r, model, tokenizer_dir)
+            return _eval_only(r, model, tokenizer_dir, data)
         return _training(r, model, tokenizer_dir, data)
 
 
@@ -338,7 +339,7 @@ def _data(r: Resolved, model, tokenizer_dir: str) -> dict:
                 train_data=train_data)
 
 
-def _eval_only(r: Resolved, model, tokenizer_dir: str | None) -> Run:
+def _eval_only(r: Resolved, model, tokenizer_dir: str | None, data: bool) -> Run:
     graphdef, params, fp8, param_shardings = split_model(model, r.mesh)
     replicated = lambda tree: jax.tree_util.tree_map(lambda _: shd.replicated(r.mesh), tree)
     fp8 = fp8 if r.policy.fp8 else None
@@ -346,6 +347,8 @@ def _eval_only(r: Resolved, model, tokenizer_dir: str | None) -> Run:
                            fp8=replicated(fp8))
     state = jax.device_put(TrainState(step=None, params=params, opt_state=None, rng=None,
                                       fp8=fp8), shardings)
+    if not data:
+        return Run(r, graphdef, state, shardings)
     tokenizer = load_tokenizer(tokenizer_dir, light=True) if r.cfg.data.name != "synthetic" \
         else None
     eval_data, label_names = splits.eval_batches(r.cfg, tokenizer,
