@@ -325,7 +325,7 @@ def cmd_compile(args) -> int:
     return 0
 
 
-def _message(e: Exception) -> str:
+def error_message(e: Exception) -> str:
     """What the catch-all prints for ``e``: its own sentence (jaxaccel's ``KeyError``s are
     sentences too), or, for a lookup that failed inside the code (a ``KeyError`` of a bare key)
     or an exception without a message, what failed and where, never one bare word."""
@@ -350,7 +350,7 @@ def main(argv=None) -> int:
                 "generate": cmd_generate, "bench": cmd_bench, "compare": cmd_compare,
                 "compile": cmd_compile}[args.command](args)
     except (ValueError, KeyError, OSError) as e:
-        print(f"error: {_message(e)}", file=sys.stderr)
+        print(f"error: {error_message(e)}", file=sys.stderr)
         return EXIT_ERROR
     except KeyboardInterrupt:
         print("interrupted: stopped without saving.", file=sys.stderr)
