@@ -475,3 +475,20 @@ def test_a_train_batch_larger_than_the_data_names_the_key_and_the_size(tmp_path,
         "error: train.batch_size=4096 is more than the 64 examples of the 'synthetic' 'train' "
         "split: no full batch to train on. Set train.batch_size to at most 64 (a multiple of "
         "the device count), or train on more data."), err
+
+
+# ---- item 12: a refused command changes nothing, and leaves no folder it made ----
+
+def test_refused_commands_leave_no_folder_and_no_events_file(tmp_path, capsys):
+    """A batch the data cannot fill (refused when the data is read, after the folder was made)
+    left an empty run folder; a resume refused for its length left a new TensorBoard events
+    file in the run's folder."""
+    from support import TINY
+    args = [a for s in [*TINY, f"workdir={tmp_path}"] for a in ("--set", s)]
+    code, _, _ = run_cli(capsys, "train", *args, "--set", "train.batch_size=4096")
+    assert code == cli.EXIT_ERROR and not os.listdir(tmp_path)
+    assert run_cli(capsys, "train", *args, "--set", "train.max_steps=4")[0] == 0
+    events = sorted(os.listdir(tmp_path / "run" / "tensorboard"))
+    code, _, err = run_cli(capsys, "train", *args, "--set", "train.max_steps=2")
+    assert code == cli.EXIT_ERROR and "ends at step 2" in err, err
+    assert sorted(os.listdir(tmp_path / "run" / "tensorboard")) == events

@@ -128,15 +128,21 @@ def train(cfg: Config, services: Services = Services()) -> dict:
     resolved = resolve(cfg)
     run_dir = resolved.run_dir
     main = jax.process_index() == 0
+    fresh = main and not os.path.exists(run_dir)
     if main:
         rundir.make_run_dir(run_dir)
-    with rundir.RunLock(run_dir) if main else contextlib.nullcontext(), \
-            rundir.library_log(run_dir) if main else contextlib.nullcontext():
-        changes = rundir.prepare(run_dir, cfg.to_dict()) if main else {}
-        _sync("jaxaccel_run_dir_ready")
-        run = assemble(resolved)
-        with jax.set_mesh(run.mesh):      # the one mesh of every step and evaluation
-            return _train(run, changes, services)
+    try:
+        with rundir.RunLock(run_dir) if main else contextlib.nullcontext(), \
+                rundir.library_log(run_dir) if main else contextlib.nullcontext():
+            changes = rundir.prepare(run_dir, cfg.to_dict()) if main else {}
+            _sync("jaxaccel_run_dir_ready")
+            run = assemble(resolved)
+            with jax.set_mesh(run.mesh):      # the one mesh of every step and evaluation
+                return _train(run, changes, services)
+    except BaseException:
+        if fresh:       # refused (the data, a resume) before the run wrote anything: no folder
+            rundir.remove_if_unused(run_dir)
+        raise
 
 
 def _resume_note(run: Run, start: int, changes: dict) -> None:
@@ -193,18 +199,22 @@ def _train(run: Run, changes: dict, services: Services) -> dict:
     main = jax.process_index() == 0
     ckpt = services.checkpointer(os.path.join(run.run_dir, "checkpoints"),
                                  keep=t.keep_checkpoints)
-    writer = services.metrics(run.run_dir)
-
     state = run.state
-    if t.resume and ckpt.latest_step() is not None:
-        restored = restore_state(ckpt, state, run.state_shardings)
-        if restored is not None:
-            state = restored[0]
-            log.info("resumed from %s at step %d", ckpt.directory, int(state.step))
-    start = int(jax.device_get(state.step))
-    _resume_note(run, start, changes)
-    if main:            # only now: a refused resume leaves the saved config as it was
+    try:
+        if t.resume and ckpt.latest_step() is not None:
+            restored = restore_state(ckpt, state, run.state_shardings)
+            if restored is not None:
+                state = restored[0]
+                log.info("resumed from %s at step %d", ckpt.directory, int(state.step))
+        start = int(jax.device_get(state.step))
+        _resume_note(run, start, changes)
+    except BaseException:
+        ckpt.close()
+        raise
+    # Only now: a refused resume leaves the saved config and the metrics as they were.
+    if main:
         rundir.write_files(run.run_dir, cfg.to_dict(), run.tokenizer)
+    writer = services.metrics(run.run_dir)
     steps_per_epoch = run.train_data.steps_per_epoch
 
     def save(step):

@@ -168,6 +168,14 @@ def make_run_dir(run_dir: str) -> None:
                              "(or another name=...).") from None
 
 
+def remove_if_unused(run_dir: str) -> None:
+    """Remove ``run_dir`` if it holds no run (``has_run``: no checkpoint step, no metrics), as
+    a command that created it and then was refused leaves it (only its lock, log, tokenizer
+    or an empty checkpoints folder): a refused command changes nothing."""
+    if os.path.isdir(run_dir) and not has_run(run_dir):
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
 def prepare(run_dir: str, cfg: dict) -> dict[str, tuple]:
     """Apply the resume/overwrite rules to ``run_dir`` (held under its lock) before the run
     writes anything; returns the config changes a resume accepted (empty otherwise)."""
