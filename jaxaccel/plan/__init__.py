@@ -410,6 +410,9 @@ def report(plan: Plan) -> str:
         usd = f"${c['usd']:.2f}" if c["usd"] is not None else "no price"
         lines.append(f"{c['unit']} (estimate): {c['steps']} steps x step time = "
                      f"{c['seconds']:.1f} s, {usd} ({c['price']})")
+    elif e["step_s"] is not None:
+        lines.append("epoch: no estimate (a corpus's steps per epoch are known once it is "
+                     "packed; train.max_steps gives the run's)")
     if plan.notes:
         lines += ["", "notes: " + "; ".join(plan.notes) + "."]
     lines += ["", "caveats: " + "; ".join(CAVEATS) + "."]
