@@ -182,18 +182,15 @@ def test_every_config_is_assembled_for_the_target_as_the_trainer_would(name):
     assert tasks == {"classification", "causal_lm"}
 
 
-LM_TINY = ["model.name=llama-tiny", "train.batch_size=8", "train.eval_batch_size=8"]
-
-
 @pytest.mark.aot_compile
 @needs_libtpu
 @needs_cuda_plugin
 @pytest.mark.parametrize("name", ["v5e-8", "h100:1x8"])
 def test_a_decoder_run_plans_for_tpu_and_gpu(name):
-    """The decoder job (its corpus never read: packed rows of data.max_len tokens) with the
-    tiny decoder, compiled for a TPU slice and a GPU host; its length is in steps, so the cost
-    is the run's."""
-    p = plan.make_plan(os.path.join(CONFIGS, "canterbury_lm.py"), LM_TINY, name)
+    """The decoder job as committed (its small llama-cpu; its corpus never read: packed rows
+    of data.max_len tokens), compiled for a TPU slice and a GPU host; its length is in steps,
+    so the cost is the run's."""
+    p = plan.make_plan(os.path.join(CONFIGS, "canterbury_lm.py"), [], name)
     assert p.fits and p.seq == 128 and p.batch == 8
     assert p.cost["unit"] == "run" and p.cost["steps"] == 200
     assert "run (estimate): 200 steps" in plan.report(p)

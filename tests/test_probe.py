@@ -492,3 +492,21 @@ def test_refused_commands_leave_no_folder_and_no_events_file(tmp_path, capsys):
     code, _, err = run_cli(capsys, "train", *args, "--set", "train.max_steps=2")
     assert code == cli.EXIT_ERROR and "ends at step 2" in err, err
     assert sorted(os.listdir(tmp_path / "run" / "tensorboard")) == events
+
+
+# ---- item 11: data.tokenizer_vocab is checked, by its name, before a BPE is trained ----
+
+@pytest.mark.parametrize("vocab,says", [
+    (5, "data.tokenizer_vocab=5 is too small: a byte-level BPE needs its 256 byte symbols"),
+    (100000, "data.tokenizer_vocab=100000 is more than the model's vocab_size=256 "
+             "(model.name='llama-tiny')")])
+def test_the_bpe_size_is_refused_by_its_key_before_the_bpe_is_trained(tmp_path, capsys, vocab,
+                                                                       says):
+    """5 named BPE's vocab_size; 100000 was refused only after a BPE of that size had been
+    trained and cached. Now both are refused before the corpus is read (none is built here)."""
+    code, out, err = run_cli(capsys, "train", "--set", "model.name=llama-tiny", "--set",
+                             "data.name=canterbury", "--set", f"data.data_dir={tmp_path}",
+                             "--set", f"data.tokenizer_vocab={vocab}", "--set",
+                             f"workdir={tmp_path}")
+    assert code == cli.EXIT_ERROR and err.startswith(f"error: {says}"), err
+    assert not os.listdir(tmp_path)

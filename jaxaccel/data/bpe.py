@@ -21,6 +21,9 @@ from collections.abc import Callable, Sequence
 EOS = "<|endoftext|>"
 
 
+MIN_VOCAB = 257     # a byte-level BPE's 256 byte symbols and its end-of-text token
+
+
 def train(texts: Sequence[str], vocab_size: int):
     """A ``transformers.PreTrainedTokenizerFast``: byte-level BPE of ``vocab_size`` tokens
     (special token included) learnt from ``texts``."""
@@ -28,7 +31,7 @@ def train(texts: Sequence[str], vocab_size: int):
     from transformers import PreTrainedTokenizerFast
 
     alphabet = pre_tokenizers.ByteLevel.alphabet()
-    if vocab_size < len(alphabet) + 1:
+    if vocab_size < MIN_VOCAB:
         raise ValueError(f"BPE vocab_size={vocab_size} is too small: a byte-level BPE needs the "
                          f"{len(alphabet)} byte symbols and {EOS}; use e.g. 8192.")
     tok = Tokenizer(models.BPE())

@@ -117,13 +117,37 @@ def check_task(cfg, task: str) -> None:
                          f"(model.name={cfg.model.name!r}) trains {task}; use {fix}.")
 
 
+def _trains_bpe(cfg) -> bool:
+    """Whether the run's tokenizer is the corpus's own BPE (a corpus, and the config names
+    neither ``model.tokenizer`` nor ``model.checkpoint``)."""
+    return _is_corpus(cfg) and not (cfg.model.tokenizer or cfg.model.checkpoint)
+
+
+def check_tokenizer_vocab(cfg, architecture) -> None:
+    """A run that trains the corpus's BPE: ``data.tokenizer_vocab`` must be a size a byte-level
+    BPE can have and that the model's embedding table (``architecture.vocab_size``) can index,
+    checked before the BPE is trained and cached."""
+    if not _trains_bpe(cfg):
+        return
+    n, vocab = cfg.data.tokenizer_vocab, architecture.vocab_size
+    if n < bpe.MIN_VOCAB:
+        raise ValueError(f"data.tokenizer_vocab={n} is too small: a byte-level BPE needs its "
+                         f"{bpe.MIN_VOCAB - 1} byte symbols and the end-of-text token; use at "
+                         f"least {bpe.MIN_VOCAB} (e.g. 8192).")
+    if n > vocab:
+        raise ValueError(f"data.tokenizer_vocab={n} is more than the model's vocab_size={vocab} "
+                         f"(model.name={cfg.model.name!r}): its token ids would index past the "
+                         f"embedding table. Set data.tokenizer_vocab <= {vocab}, or train a "
+                         "preset whose vocabulary is at least the tokenizer's.")
+
+
 def tokenizer_dir(cfg, model_tokenizer_dir: str) -> str:
     """The tokenizer folder of a run: ``model_tokenizer_dir`` (the model's, from
     ``create_model``), except for a corpus when the config names neither ``model.tokenizer``
     nor ``model.checkpoint``: then the corpus's BPE of ``data.tokenizer_vocab`` tokens, trained
     on its train split the first time."""
-    m, d = cfg.model, cfg.data
-    if not _is_corpus(cfg) or m.tokenizer or m.checkpoint:
+    d = cfg.data
+    if not _trains_bpe(cfg):
         return model_tokenizer_dir
     return bpe.cached(corpus_folder(d.name, d.data_dir or None), d.tokenizer_vocab,
                       lambda: load_corpus(d.name, data_dir=d.data_dir or None,

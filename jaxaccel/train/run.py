@@ -96,6 +96,7 @@ def resolve(cfg: Config, devices=None, *, training: bool = True,
     spec = model_spec(cfg.model) if spec is None else spec
     if training:
         splits.check_task(cfg, spec.task)
+        splits.check_tokenizer_vocab(cfg, spec.architecture)
     mesh = shd.make_mesh(dict(cfg.mesh), devices)
     splits.check_batch_fits(cfg.train, {a: mesh.shape[a] for a in shd.BATCH_AXES},
                             training=training)
