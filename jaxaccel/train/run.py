@@ -79,8 +79,15 @@ class Resolved:
 
     def length(self, steps_per_epoch: int) -> int:
         """The run's total steps given the epoch's (``total_steps`` once known)."""
-        t = self.cfg.train
-        return t.max_steps if t.max_steps > 0 else t.epochs * steps_per_epoch
+        return _length(self.cfg.train, steps_per_epoch)
+
+
+def _length(t, steps_per_epoch: int | None) -> int | None:
+    """``train.max_steps``, else ``train.epochs`` epochs of ``steps_per_epoch`` (None while
+    that is unknown)."""
+    if t.max_steps > 0:
+        return t.max_steps
+    return None if steps_per_epoch is None else t.epochs * steps_per_epoch
 
 
 def resolve(cfg: Config, devices=None, *, training: bool = True,
@@ -103,11 +110,8 @@ def resolve(cfg: Config, devices=None, *, training: bool = True,
     shd.check_model_fits(spec.architecture, mesh)
     layout = layout_lib.choose(cfg.train) if training else layout_lib.PER_LEAF
     per_epoch = splits.steps_per_epoch(cfg) if training else None
-    t = cfg.train
-    total = t.max_steps if t.max_steps > 0 else (
-        None if per_epoch is None else t.epochs * per_epoch)
     return Resolved(cfg, mesh, policy, spec, TASKS[spec.task], layout, training, per_epoch,
-                    total)
+                    _length(cfg.train, per_epoch))
 
 
 @dataclasses.dataclass
