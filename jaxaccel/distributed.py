@@ -95,14 +95,12 @@ def start(environ=os.environ, attached=None) -> None:
     accelerator is attached (``cpu_without_accelerator``: before the plugins load, so that the
     CUDA plugin does not check a CUDA it will not use), then ``initialize_from_env``."""
     global _started
-    if not _started:
-        with native_noise_filtered():
-            cpu_without_accelerator(environ, attached or accelerator_attached)
-            from jax._src import xla_bridge     # jax's own plugin discovery (no backend starts)
-            getattr(xla_bridge, "_discover_and_register_pjrt_plugins", lambda: None)()
-        _started = True
-    else:
+    with contextlib.nullcontext() if _started else native_noise_filtered():
         cpu_without_accelerator(environ, attached or accelerator_attached)
+        if not _started:
+            from jax._src import xla_bridge     # jax's plugin discovery (no backend starts)
+            getattr(xla_bridge, "_discover_and_register_pjrt_plugins", lambda: None)()
+    _started = True
     initialize_from_env(environ)
 
 
@@ -127,6 +125,7 @@ def cpu_without_accelerator(environ=os.environ, attached=accelerator_attached) -
     environ["JAX_PLATFORMS"] = "cpu"
     jax.config.update("jax_platforms", "cpu")
     return True
+
 
 def _int(env, name: str, default: int) -> int:
     """The integer environment variable ``name`` (``default`` if unset or empty)."""

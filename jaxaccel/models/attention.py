@@ -30,6 +30,7 @@ from kernels_pallas.attention import IMPLS as ATTENTION_IMPLS, check_impl
 
 __all__ = ["ATTENTION_IMPLS", "attention", "check_config", "check_impl", "check_target"]
 
+
 def check_config(impl: str, policy) -> None:
     """``model.attention_impl`` is a name of the kernel's registry and works under ``policy``
     (a ``precision.Policy``)."""

@@ -22,7 +22,8 @@ from jaxaccel.optim.clip import clip_by_global_norm, global_norm
 from jaxaccel.optim.layer_decay import entry_name, scale_by_layer
 from jaxaccel.optim.adan import IMPLS, AdanState, adan
 
-__all__ = ["IMPLS", "OPTIMIZERS", "SCHEDULES", "check_config", "decay_mask", "flat", "global_norm", "make_optimizer",
+__all__ = ["IMPLS", "OPTIMIZERS", "SCHEDULES", "check_config", "decay_mask", "flat",
+           "global_norm", "make_optimizer",
            "make_schedule", "scale_by_layer", "state_shardings"]
 
 OPTIMIZERS = ("adamw", "adan")

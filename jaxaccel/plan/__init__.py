@@ -48,12 +48,12 @@ import time
 
 import jax
 
-from jaxaccel.plan import collectives as collectives_lib
 from jaxaccel import config as config_lib
 from jaxaccel import devices as devices_lib
 from jaxaccel import flops as flops_lib
 from jaxaccel.compare import prices
 from jaxaccel.models import attention
+from jaxaccel.plan import collectives as collectives_lib
 from jaxaccel.plan import topology
 from jaxaccel.train.run import Run, assemble, resolve
 
@@ -90,7 +90,7 @@ class Plan:
     compile_s: dict         # {"train": s, "eval": s}
     flops: dict             # per step (all devices): analytic, attention, xla (per device)
     estimate: dict          # step_s, source, tokens_per_s, ... (all labelled estimate)
-    cost: dict | None       # per epoch
+    cost: dict | None       # per epoch, or per run for a corpus (``cost["unit"]``)
     collectives: dict = dataclasses.field(default_factory=dict)  # train step, bytes per device
     sent: float = 0.0       # bytes a device sends at least per train step (collectives.py)
     notes: tuple = ()       # what the plan assumed that the run may not (said in the report)
@@ -121,7 +121,8 @@ def _seq_len(cfg, max_positions: int) -> int:
 def abstract_batch(run: Run, size: int) -> dict:
     """A batch of the run's task of ``size`` rows at the config's longest sequence length, as
     the trainer places its batches (``Run.abstract_batch``)."""
-    return run.abstract_batch(size, _seq_len(run.cfg, run.spec.architecture.max_position_embeddings))
+    seq = _seq_len(run.cfg, run.spec.architecture.max_position_embeddings)
+    return run.abstract_batch(size, seq)
 
 
 def plannable(cfg) -> tuple:
