@@ -249,13 +249,17 @@ def cmd_predict(args) -> int:
 
 
 def cmd_generate(args) -> int:
+    from jaxaccel.train import rundir
     from jaxaccel.train.inference import Generator
     for i, prompt in enumerate(args.prompts):
         bad = _not_utf8(prompt)
         if bad:
             raise ValueError(f"prompt {i} is not valid UTF-8 ({bad.reason} at byte {bad.start}); "
                              "give prompts as UTF-8 text.")
-    texts = Generator(_run_dir(args.checkpoint))(
+    run_dir = _run_dir(args.checkpoint)
+    with rundir.library_log(run_dir):
+        generator = Generator(run_dir)
+    texts = generator(
         args.prompts, args.max_new_tokens, temperature=0.0 if args.greedy else args.temperature,
         top_k=args.top_k, seed=args.seed)
     for i, (prompt, text) in enumerate(zip(args.prompts, texts)):

@@ -510,3 +510,158 @@ def test_the_bpe_size_is_refused_by_its_key_before_the_bpe_is_trained(tmp_path, 
                              f"workdir={tmp_path}")
     assert code == cli.EXIT_ERROR and err.startswith(f"error: {says}"), err
     assert not os.listdir(tmp_path)
+
+
+# ---- item 14: a failed save or read leaves no folder behind and prints nothing after the error ----
+
+@pytest.fixture
+def cls_copy(classifier_run, tmp_path):
+    """A copy of the classifier run (checkpoint step 4), to change."""
+    import shutil
+    dest = str(tmp_path / "cls")
+    shutil.copytree(classifier_run, dest)
+    return dest
+
+
+def cls_sets(run_dir, *more):
+    from support import TINY
+    return [a for s in [*TINY, f"workdir={os.path.dirname(run_dir)}", "name=cls", *more]
+            for a in ("--set", s)]
+
+
+def test_a_full_disk_leaves_no_unfinished_save(cls_copy, capsys, caplog, monkeypatch):
+    """The probe's full disk kept `checkpoints/8.orbax-checkpoint-tmp` (on the disk that was
+    full) after the error line. ENOSPC is injected into Orbax's background write, as in
+    test_faults; the next resume also says which unfinished saves it removes (one left by a
+    process killed while saving)."""
+    import errno
+    import logging
+
+    import orbax.checkpoint as ocp
+
+    from jaxaccel.train import checkpoint
+
+    class Full:
+        def result(self, timeout=None):
+            raise OSError(errno.ENOSPC, "No space left on device", "ocdbt.process_0/d/0")
+
+        def cancel(self):
+            pass
+
+    async def full(self, *args, **kwargs):
+        return [Full()]
+    folder = os.path.join(cls_copy, "checkpoints")
+    with monkeypatch.context() as m:
+        m.setattr(ocp.StandardCheckpointHandler, "async_save", full)
+        code, out, err = run_cli(capsys, "train", *cls_sets(cls_copy, "train.epochs=2"))
+    assert code == cli.EXIT_ERROR
+    assert [line for line in err.splitlines() if line.startswith("error:")] == [
+        f"error: [Errno 28] no space left on the device of {folder} to save checkpoint step 8 "
+        "(its unfinished folder 8.orbax-checkpoint-tmp was removed): one checkpoint needs "
+        "about 23.3 MiB free; the earlier step(s) [4] are intact (resume continues from step "
+        "4). Free that much space (or give workdir=... on a disk with room, copying the run "
+        "folder there) and run the same command again."], err
+    assert os.listdir(folder) == ["4"]
+    os.makedirs(os.path.join(folder, "8.orbax-checkpoint-tmp", "state"))     # killed saving
+    with caplog.at_level(logging.INFO, logger="jaxaccel"):
+        checkpoint.Checkpointer(folder).close()         # as the resume opens it
+    assert (f"removed 8.orbax-checkpoint-tmp in {folder}: unfinished save(s) of an earlier "
+            "run (stopped, or out of disk space, while saving); the finished checkpoints are "
+            "untouched") in caplog.text
+    assert os.listdir(folder) == ["4"]
+
+
+def test_results_reaching_a_closed_orbax_loop_print_nothing(monkeypatch, caplog):
+    """The probe's "Event loop is closed" tracebacks after the error line: Orbax runs an
+    operation on an event loop of its own and closes it when the operation raises (its
+    asyncio_utils.run_sync), while TensorStore still writes the operation's other arrays; as
+    each write ends, TensorStore's thread hands the result to the closed loop. Here that write
+    is a TensorStore promise that ends 0.2 s after the failure."""
+    import asyncio
+    import errno
+    import gc
+    import sys
+    import threading
+
+    import tensorstore as ts
+
+    from jaxaccel.train import checkpoint
+    promise, in_flight = ts.Promise.new()
+
+    async def failing():
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    async def operation():
+        await asyncio.gather(failing(), in_flight)
+    loop = asyncio.new_event_loop()
+    with pytest.raises(OSError):
+        loop.run_until_complete(operation())
+    loop.close()
+    reports = []
+    monkeypatch.setattr(sys, "unraisablehook", reports.append)
+    ending = threading.Timer(0.2, promise.set_result, [None])
+    ending.start()
+    checkpoint.quiet_leftovers()
+    ending.join()
+    assert in_flight.done()         # waited for
+    gc.collect()
+    assert reports == [], [(r.exc_value, r.object) for r in reports]
+    assert not [r for r in caplog.records if r.name == "asyncio"], caplog.text
+
+
+def truncate_arrays(step_dir):
+    """Cut every array file of a checkpoint step, and its Orbax metadata, in half."""
+    for d, _, files in os.walk(step_dir):
+        for name in files:
+            if os.path.basename(d) == "d" or name == "_CHECKPOINT_METADATA":
+                truncate(os.path.join(d, name))
+
+
+@pytest.fixture
+def truncated_lm(lm_run, tmp_path):
+    """A copy of the LM run whose only checkpoint (step 2) is truncated."""
+    import shutil
+    dest = str(tmp_path / "lm")
+    shutil.copytree(lm_run, dest)
+    truncate_arrays(os.path.join(dest, "checkpoints", "2"))
+    return dest
+
+
+def test_a_failed_read_leaves_nothing_to_report_later(truncated_lm, monkeypatch, caplog,
+                                                      capsys):
+    """What a failed read leaves (Orbax's tasks and coroutines in reference cycles) printed
+    "Task exception was never retrieved" and "Exception ignored in: <coroutine ...>" tracebacks
+    whenever it was collected: after the error line, or at exit. Now it is collected while the
+    read fails, its reports in library.log."""
+    import gc
+    import sys
+    reports = []
+    monkeypatch.setattr(sys, "unraisablehook", reports.append)
+    code, out, err = run_cli(capsys, "generate", "--checkpoint", truncated_lm, "Alice was")
+    assert code == cli.EXIT_ERROR and out == ""
+    assert err.startswith(f"error: no checkpoint in {truncated_lm}/checkpoints can be read: "
+                          "step 2: "), err
+    gc.collect()
+    assert reports == [], [(r.exc_value, r.object) for r in reports]
+    assert not [r for r in caplog.records if r.name in ("asyncio", "absl")], caplog.text
+    with open(os.path.join(truncated_lm, "library.log")) as f:
+        assert "Traceback" in f.read()
+
+
+@pytest.mark.parametrize("command", ["eval", "generate"])
+def test_a_truncated_only_checkpoint_is_one_error_line(truncated_lm, command):
+    """The probe's generate on a folder whose only checkpoint is truncated printed Orbax's
+    errors ("Failed to json parse Metadata file") and, in two runs of four, asyncio's tracebacks
+    after the error line; a fresh process each, as the user runs it."""
+    argv = ["--checkpoint", truncated_lm] + (["Alice was"] if command == "generate" else [])
+    done = jaxaccel_process(command, *argv)
+    assert done.returncode == cli.EXIT_ERROR and done.stdout == ""
+    for noise in ("Traceback", "Event loop is closed", "Exception ignored", "never retrieved",
+                  "ERROR absl"):
+        assert noise not in done.stderr, done.stderr
+    log = os.path.join(truncated_lm, "library.log")
+    details, error = done.stderr.splitlines()
+    assert details.startswith("INFO jaxaccel: the details of the problem(s) above (")
+    assert details.endswith(f"of Orbax/absl/TensorStore) are in {log}"), details
+    assert error.startswith(f"error: no checkpoint in {truncated_lm}/checkpoints can be read: "
+                            "step 2: "), error

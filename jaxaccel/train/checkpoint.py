@@ -3,8 +3,11 @@
 Writes are atomic: Orbax writes into a temporary folder and renames it when complete, so an
 interrupted write leaves the previous checkpoint as the latest readable one, and no reader ever
 sees a step before it is complete. Only the writer (the trainer holding the run folder's lock)
-cleans unfinished temporary folders up; readers (eval, predict) open the folder read-only and
-never delete, clean or create anything, so they can run while the trainer saves.
+cleans unfinished temporary folders up: the one of a save that failed for lack of space at once
+(it takes the space the disk lacks), any other as it opens the folder, saying so; readers
+(eval, predict, generate) open the folder read-only and never delete, clean or create anything,
+so they can run while the trainer saves. A failed read or write leaves nothing that reports
+itself later (``quiet_leftovers``).
 
 Saves are asynchronous: ``save`` checks that the parameters are all finite (a state that is not
 is never saved), copies the state to host memory (after which the caller may donate or
@@ -24,11 +27,15 @@ back into the layout and shardings of a target state.
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import errno
+import gc
 import logging
 import os
 import shutil
+import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -38,7 +45,7 @@ from jaxaccel.optim import flat
 
 log = logging.getLogger("jaxaccel")
 # Tracebacks of failed reads and writes: kept out of the console; the run folder's library.log
-# while ``rundir.library_log`` is active (the CLI's train, eval, predict).
+# while ``rundir.library_log`` is active (the CLI's train, eval, predict, generate).
 details = logging.getLogger("jaxaccel.details")
 details.propagate = False
 details.addHandler(logging.NullHandler())
@@ -50,6 +57,9 @@ logging.getLogger("absl").addFilter(lambda r: "is read only" not in r.getMessage
 
 # How often a reader lists the steps again when the trainer deletes one under it.
 _LISTING_ATTEMPTS = 5
+# What Orbax calls the folder of a save in progress: STEP.orbax-checkpoint-tmp[-...], renamed to
+# STEP when the save is complete.
+_UNFINISHED = ".orbax-checkpoint-tmp"
 
 
 class NonFiniteState(RuntimeError):
@@ -89,6 +99,73 @@ def _reason(e: Exception) -> str:
     return f"{type(e).__name__}: {text[:200]}"
 
 
+# How long ``quiet_leftovers`` waits for the TensorStore reads and writes of a failed Orbax
+# operation that are still going on.
+_IN_FLIGHT_WAIT_S = 10.0
+
+
+def _dropped(*args, **kwargs) -> None:
+    """``call_soon_threadsafe`` of a closed event loop (``quiet_leftovers``)."""
+    details.debug("a result handed to a closed Orbax event loop was dropped: %r", args[:1])
+
+
+def _unraisable_to_details(u) -> None:
+    details.warning("%s: %r", u.err_msg or "Exception ignored in", u.object,
+                    exc_info=(u.exc_type, u.exc_value, u.exc_traceback))
+
+
+def quiet_leftovers() -> None:
+    """After a failed Orbax read or write: settle what it left behind, so that nothing prints
+    after the command's error line, and nothing writes into the checkpoint folder any more.
+
+    Orbax runs each operation on an event loop of its own and closes that loop as soon as the
+    operation raises, while TensorStore is still reading or writing the operation's other
+    arrays, and its tasks and coroutines wait in reference cycles. Each of these printed a
+    traceback when it finished at some later moment (a garbage collection, the interpreter's
+    exit): a TensorStore thread handing its result to the closed loop ("RuntimeError: Event
+    loop is closed"), "Task exception was never retrieved", "Task was destroyed but it is
+    pending!", "Exception ignored in: <coroutine ...>". Here a closed loop drops what is handed
+    to it (nothing runs on a closed loop again), the TensorStore operations still going on are
+    waited for (up to ``_IN_FLIGHT_WAIT_S``), the closed loops' futures and tasks are marked
+    as reported, and the leftovers are collected now with their reports going to ``details``
+    (the run folder's ``library.log`` under ``rundir.library_log``)."""
+    import tensorstore as ts
+    # type(obj), not isinstance: that reads obj.__class__, which some objects (deprecated
+    # aliases of other libraries) answer with a warning.
+    in_flight = []
+    for obj in gc.get_objects():
+        if issubclass(type(obj), asyncio.BaseEventLoop) and obj.is_closed():
+            obj.call_soon_threadsafe = _dropped
+        elif issubclass(type(obj), ts.Future) and not obj.done():
+            in_flight.append(obj)
+    deadline = time.monotonic() + _IN_FLIGHT_WAIT_S
+    for future in in_flight:
+        try:
+            future.exception(timeout=max(0.0, deadline - time.monotonic()))
+        except Exception:  # noqa: BLE001 -- its error is the failure already reported
+            pass
+    del in_flight
+    for obj in gc.get_objects():
+        if issubclass(type(obj), asyncio.Future) and obj.get_loop().is_closed():
+            if not obj.done():
+                if issubclass(type(obj), asyncio.Task):
+                    obj._log_destroy_pending = False   # asyncio's own switch for this
+            elif not obj.cancelled():
+                obj.exception()                        # retrieved: not reported again
+
+    def to_details(record):
+        details.handle(record)
+        return False
+    asyncio_log = logging.getLogger("asyncio")
+    asyncio_log.addFilter(to_details)
+    hook, sys.unraisablehook = sys.unraisablehook, _unraisable_to_details
+    try:
+        gc.collect()
+    finally:
+        sys.unraisablehook = hook
+        asyncio_log.removeFilter(to_details)
+
+
 class Manager(ocp.CheckpointManager):
     """Orbax's manager, minus its own calls to JAX's preemption sync point.
 
@@ -120,6 +197,7 @@ class Checkpointer:
                                                    cleanup_tmp_directories=False,
                                                    enable_async_checkpointing=False)
         else:
+            self._remove_earlier_unfinished()
             options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
                                                    enable_async_checkpointing=async_save,
                                                    cleanup_tmp_directories=True)
@@ -127,6 +205,48 @@ class Checkpointer:
             self.directory, options=options,
             item_handlers={"state": ocp.StandardCheckpointHandler(),
                            "meta": ocp.JsonCheckpointHandler()}))
+
+    def _unfinished(self, step: int | None = None) -> list[str]:
+        """The folders of saves that did not complete (of ``step``, or of any step)."""
+        names = os.listdir(self.directory) if os.path.isdir(self.directory) else []
+        return sorted(n for n in names if _UNFINISHED in n
+                      and (step is None or n.split(".")[0] == str(step)))
+
+    def _remove_earlier_unfinished(self) -> None:
+        """Remove the folders of saves that did not complete (a run stopped, or out of disk
+        space, while saving) as the writer opens the folder, and say so (Orbax's own clean-up
+        of them runs in the background, unannounced)."""
+        unfinished = self._unfinished() if jax.process_index() == 0 else []
+        for name in unfinished:
+            shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+        if unfinished:
+            log.warning("removed %s in %s: unfinished save(s) of an earlier run (stopped, or "
+                        "out of disk space, while saving); the finished checkpoints are "
+                        "untouched", ", ".join(unfinished), self.directory)
+
+    def _remove_unfinished(self, step: int) -> str:
+        """Remove the folder(s) of the failed save of ``step`` (the writer's process 0: the
+        space they take is what the disk lacks) and say so. A TensorStore write of that save
+        may still be ending (``quiet_leftovers`` waited for it), so a removal that finds a new
+        file is tried again."""
+        if jax.process_index() != 0:
+            return "process 0 removes its unfinished folder"
+        names = self._unfinished(step)
+        if not names:
+            return "no unfinished folder of it is left"
+        left = []
+        for name in names:
+            path = os.path.join(self.directory, name)
+            for _ in range(5):
+                shutil.rmtree(path, ignore_errors=True)
+                if not os.path.exists(path):
+                    break
+                time.sleep(0.2)
+            else:
+                left.append(path)
+        if left:
+            return f"its unfinished folder could not be removed: delete {', '.join(left)}"
+        return f"its unfinished folder {', '.join(names)} was removed"
 
     def _listing(self, list_steps):
         """``list_steps()``, listed again if a step folder vanished while it ran.
@@ -150,25 +270,31 @@ class Checkpointer:
     def _disk_full_is_one_error(self):
         """Turn a save failing for lack of space (Orbax raises it in ``save``, ``wait`` or
         ``close``, after logging pages of it) into one ``DiskFull`` naming what to do."""
+        failed = None
         try:
             yield
         except Exception as e:  # noqa: BLE001 -- Orbax/TensorStore raise many types
             if self._writing is None or not _is_disk_full(e):
+                quiet_leftovers()
                 raise
-            step, nbytes = self._writing
-            self._writing = None
-            details.error("saving checkpoint step %d in %s failed", step, self.directory,
+            failed, self._writing = self._writing, None
+            details.error("saving checkpoint step %d in %s failed", failed[0], self.directory,
                           exc_info=True)
-            intact = sorted(int(n) for n in os.listdir(self.directory)
-                            if n.isdigit() and int(n) != step)
-            kept = (f"the earlier step(s) {intact} are intact (resume continues from step "
-                    f"{intact[-1]})" if intact else "no earlier step was saved")
-            raise DiskFull(
-                errno.ENOSPC,
-                f"no space left on the device of {self.directory} to save checkpoint step "
-                f"{step}: one checkpoint needs about {_mib(nbytes)} free; {kept}. Free that "
-                "much space (or give workdir=... on a disk with room, copying the run folder "
-                "there) and run the same command again.") from None
+        if failed is None:
+            return
+        step, nbytes = failed
+        quiet_leftovers()
+        unfinished = self._remove_unfinished(step)
+        intact = sorted(int(n) for n in os.listdir(self.directory)
+                        if n.isdigit() and int(n) != step)
+        kept = (f"the earlier step(s) {intact} are intact (resume continues from step "
+                f"{intact[-1]})" if intact else "no earlier step was saved")
+        raise DiskFull(
+            errno.ENOSPC,
+            f"no space left on the device of {self.directory} to save checkpoint step {step} "
+            f"({unfinished}): one checkpoint needs about {_mib(nbytes)} free; {kept}. Free "
+            "that much space (or give workdir=... on a disk with room, copying the run folder "
+            "there) and run the same command again.") from None
 
     def latest_step(self) -> int | None:
         self.wait()
@@ -242,18 +368,21 @@ class Checkpointer:
         """``_first_readable`` over one listing of ``steps``; ``None`` if a reader should list
         again (a step folder vanished under it, unless ``last``). One warning line per step
         skipped (the writer sets it aside); the tracebacks go to ``details``."""
-        skipped = []
+        skipped, vanished = [], False
         for s in steps:
             try:
                 out = read(s)
             except Exception as e:  # noqa: BLE001 -- Orbax/TensorStore/JSON raise many types
                 if self.read_only and not last and not os.path.isdir(
                         os.path.join(self.directory, str(s))):
-                    return None
+                    vanished = True
+                    break
                 details.warning("checkpoint step %d in %s cannot be read", s, self.directory,
                                 exc_info=True)
                 skipped.append((s, _reason(e)))
                 continue
+            if skipped:
+                quiet_leftovers()
             for k, reason in skipped:
                 if self.read_only:
                     log.warning("checkpoint step %d in %s cannot be read, skipped (using step "
@@ -262,6 +391,9 @@ class Checkpointer:
                     self.set_aside(k, f"unreadable at resume, skipped (using step {s}): "
                                       f"{reason}")
             return s, out
+        quiet_leftovers()       # of the reads that failed (every step's, or a vanished one's)
+        if vanished:
+            return None
         raise ValueError(f"no checkpoint in {self.directory} can be read: "
                          + "; ".join(f"step {k}: {r}" for k, r in skipped)
                          + ". If the config changed since they were saved (model, optimizer, "
