@@ -665,3 +665,49 @@ def test_a_truncated_only_checkpoint_is_one_error_line(truncated_lm, command):
     assert details.endswith(f"of Orbax/absl/TensorStore) are in {log}"), details
     assert error.startswith(f"error: no checkpoint in {truncated_lm}/checkpoints can be read: "
                             "step 2: "), error
+
+
+
+# ---- item 15: eval of a run folder it cannot write says where its log goes ----
+
+def test_eval_of_a_read_only_run_folder_logs_elsewhere_and_says_where(cls_copy, tmp_path,
+                                                                      monkeypatch, caplog,
+                                                                      capsys):
+    """eval wrote library.log into the run folder; a read-only one was evaluated with Orbax's
+    errors on the console instead, and no word of where its log went. The newest step (8, a
+    copy of 4) is unreadable here, so there are tracebacks to log. The folder is made
+    read-only; a test running as root, whom permissions do not stop, also has
+    ``rundir.writable`` answer as permissions answer other users."""
+    import logging
+    import shutil
+    import stat
+
+    from jaxaccel.train import rundir
+    step_8 = os.path.join(cls_copy, "checkpoints", "8")
+    shutil.copytree(os.path.join(cls_copy, "checkpoints", "4"), step_8)
+    truncate_arrays(step_8)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    if os.geteuid() == 0:
+        monkeypatch.setattr(rundir, "writable",
+                            lambda folder: bool(os.stat(folder).st_mode & stat.S_IWUSR))
+    mode = os.stat(cls_copy).st_mode
+    os.chmod(cls_copy, mode & ~0o222)
+    try:
+        log = rundir.library_log_path(cls_copy)
+        with caplog.at_level(logging.INFO, logger="jaxaccel"):
+            code, out, err = run_cli(capsys, "eval", "--checkpoint", cls_copy)
+    finally:
+        os.chmod(cls_copy, mode)
+    assert code == 0, err
+    assert json.loads(out)["step"] == 4
+    assert log.startswith(str(tmp_path / "cache" / "jaxaccel" / "logs" / "cls-"))
+    console = [r.getMessage() for r in caplog.records if r.name in ("jaxaccel", "absl",
+                                                                     "orbax", "asyncio")]
+    assert console[0] == (f"the run folder {cls_copy} is not writable: what "
+                          f"Orbax/absl/TensorStore log goes to {log} instead of its library.log")
+    assert "checkpoint step 8 in" in console[1] and "skipped (using step 4)" in console[1]
+    assert console[2].endswith(f"of Orbax/absl/TensorStore) are in {log}"), console
+    assert len(console) == 3, console
+    assert "library.log" not in os.listdir(cls_copy)
+    with open(log) as f:
+        assert "Traceback" in f.read()

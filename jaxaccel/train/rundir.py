@@ -5,7 +5,9 @@
         config.json           the config of the run (written only after the checks below
                               and the resume's own: the checkpoint's step within the run)
         library.log           what Orbax, absl and TensorStore log (a failed read's
-                              tracebacks); the console gets one line per problem
+                              tracebacks); the console gets one line per problem (a reader
+                              that cannot write the folder logs to ~/.cache/jaxaccel/logs/
+                              instead, and says so: ``library_log_path``)
         tokenizer/            the tokenizer's files (predict needs nothing else)
         checkpoints/STEP/     Orbax checkpoints; each one's JSON record holds the config, the
                               model architecture and the label names
@@ -41,6 +43,7 @@ import contextlib
 import dataclasses
 import errno
 import gc
+import hashlib
 import json
 import logging
 import os
@@ -219,15 +222,48 @@ LIBRARY_LOGGERS = ("absl", "orbax", "tensorstore", "asyncio", "jaxaccel.details"
 (Orbax's event loops), and the tracebacks jaxaccel keeps out of the console."""
 
 
+def writable(folder: str) -> bool:
+    """Whether this process may create files in ``folder`` (``library_log``): ``os.access``,
+    which a read-only mount fails for every user, and permissions for all but root (a test
+    running as root puts its own answer here)."""
+    return os.access(folder, os.W_OK | os.X_OK)
+
+
+def library_log_path(run_dir: str, environ=os.environ) -> str | None:
+    """Where ``library_log`` appends for ``run_dir``: its ``library.log``; for a run folder
+    this process cannot write (eval, predict or generate of a read-only copy),
+    ``$XDG_CACHE_HOME/jaxaccel/logs/NAME-HASH.library.log`` (``~/.cache`` without
+    XDG_CACHE_HOME; NAME the run folder's, HASH of its full path, so that two folders of one
+    name do not share a log); None if that cannot be written either."""
+    if writable(run_dir):
+        return os.path.join(run_dir, LIBRARY_LOG)
+    base = environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    folder = os.path.join(base, "jaxaccel", "logs")
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError:
+        return None
+    if not writable(folder):
+        return None
+    run_dir = os.path.abspath(run_dir)
+    digest = hashlib.sha256(run_dir.encode()).hexdigest()[:8]
+    return os.path.join(folder, f"{os.path.basename(run_dir)}-{digest}.{LIBRARY_LOG}")
+
+
 @contextlib.contextmanager
 def library_log(run_dir: str):
     """Within the block, what ``LIBRARY_LOGGERS`` log (warnings and errors, with their
-    tracebacks) is appended to ``run_dir/library.log`` instead of the console, where
-    jaxaccel's own one-line messages stay; at the end one line says where the errors and
-    tracebacks went, if there were any. A folder that cannot be written leaves logging as it
-    is."""
-    path = os.path.join(run_dir, LIBRARY_LOG)
-    if not os.access(run_dir, os.W_OK):
+    tracebacks) is appended to ``library_log_path(run_dir)`` (the run folder's
+    ``library.log``) instead of the console, where jaxaccel's own one-line messages stay; at
+    the end one line says where the errors and tracebacks went, if there were any. A run
+    folder this process cannot write is still read (eval, predict, generate): one line says
+    where its log goes instead (or that logging stays on the console, if nowhere can be
+    written)."""
+    path = library_log_path(run_dir)
+    if path != os.path.join(run_dir, LIBRARY_LOG):
+        log.info("the run folder %s is not writable: what Orbax/absl/TensorStore log goes to "
+                 "%s instead of its %s", run_dir, path or "the console", LIBRARY_LOG)
+    if path is None:
         yield None
         return
     handler = logging.FileHandler(path, delay=True)      # created only if something is logged
