@@ -73,11 +73,13 @@ def test_train_eval_predict_round_trip(capsys, tmp_path, monkeypatch):
 
 
 def test_training_with_adan_through_the_cli_lowers_the_loss(capsys, tmp_path):
+    """3 epochs (48 steps) at a 3e-3 learning rate: the loss falls by 0.18 (6 epochs at the
+    config's 1e-3 took twice as long for 0.15)."""
     from jaxaccel.train.metrics import read_metrics
     code, out, err = run_cli(capsys, "train", "--config", TINY_CONFIG,
                              "--set", f"workdir={tmp_path}", "--set", "train.optimizer=adan",
-                             "--set", "train.epochs=6", "--set", "train.log_every=4",
-                             "--set", "train.progress=false")
+                             "--set", "train.epochs=3", "--set", "train.learning_rate=3e-3",
+                             "--set", "train.log_every=4", "--set", "train.progress=false")
     assert code == 0, err
     losses = [r["train/loss"] for r in read_metrics(os.path.join(tmp_path, "tiny_synthetic"))
               if "train/loss" in r]
