@@ -163,12 +163,16 @@ _scores.defvjp(_scores_fwd, _scores_bwd)
 
 
 def attention_reference(q, k, v, *, key_lengths=None, segment_ids=None, causal=False,
-                        scale=None, dropout_rate: float = 0.0, dropout_rng=None):
+                        scale=None, dropout_rate: float = 0.0, dropout_rng=None,
+                        dropout_rows=None):
     """Plain-XLA attention with the kernels' semantics (fully masked rows give zeros).
 
     Score matmuls take the input dtype with fp32 accumulation, softmax is fp32, P is rounded
     to v's dtype for P V. ``dropout_rate > 0`` drops entries of P with that probability
-    (``dropout_rng``) and scales the rest by ``1 / (1 - dropout_rate)``."""
+    (``dropout_rng``) and scales the rest by ``1 / (1 - dropout_rate)``; ``dropout_rows``
+    (int [B]) numbers q's rows within a larger batch: row ``r`` then draws the mask row
+    ``dropout_rows[r]`` of that batch draws (a micro-batch of a pipeline draws its rows' part
+    of the whole batch's masks)."""
     b, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
@@ -198,7 +202,12 @@ def attention_reference(q, k, v, *, key_lengths=None, segment_ids=None, causal=F
             raise ValueError(f"dropout_rate={dropout_rate} needs dropout_rng (a PRNG key).")
         # Drawn per query head, [B, Hq, Sq, Sk], whatever the grouping (keep_mask: both
         # words of every Threefry hash, the mask independent of the mesh).
-        keep = keep_mask(dropout_rng, 1.0 - dropout_rate, (b, hq, sq, sk))
+        rows = None
+        if dropout_rows is not None:          # row-major numbers of (row, head, query)
+            rows = ((jnp.asarray(dropout_rows, jnp.int32)[:, None, None] * hq
+                     + jnp.arange(hq, dtype=jnp.int32)[None, :, None]) * sq
+                    + jnp.arange(sq, dtype=jnp.int32)[None, None, :])
+        keep = keep_mask(dropout_rng, 1.0 - dropout_rate, (b, hq, sq, sk), rows)
         p = jnp.where(keep, p / (1.0 - dropout_rate), 0.0)
     # P V in v's dtype: the matmul accumulates in float32 and rounds once, and its backward
     # (dP = dO V^T, dV = P^T dO) multiplies input-dtype operands.
@@ -653,17 +662,17 @@ def _no_dropout(name, dropout_rate):
                                   "attention dropout to 0.")
 
 
-def _xla(q, k, v, *, dropout_rate=0.0, dropout_rng=None, **mask):
+def _xla(q, k, v, *, dropout_rate=0.0, dropout_rng=None, dropout_rows=None, **mask):
     return attention_reference(q, k, v, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
-                               **mask)
+                               dropout_rows=dropout_rows, **mask)
 
 
-def _pallas(q, k, v, *, dropout_rate=0.0, dropout_rng=None, **mask):
+def _pallas(q, k, v, *, dropout_rate=0.0, dropout_rng=None, dropout_rows=None, **mask):
     _no_dropout("pallas", dropout_rate)
     return flash_attention(q, k, v, **mask)
 
 
-def _cudnn(q, k, v, *, dropout_rate=0.0, dropout_rng=None, **mask):
+def _cudnn(q, k, v, *, dropout_rate=0.0, dropout_rng=None, dropout_rows=None, **mask):
     _no_dropout("cudnn", dropout_rate)
     return cudnn_attention(q, k, v, **mask)
 
@@ -696,11 +705,13 @@ def check_impl(impl, dropout_rate: float = 0.0) -> None:
 
 def attention(q, k, v, *, key_lengths=None, segment_ids=None, causal: bool = False,
               scale: float | None = None, dropout_rate: float = 0.0, dropout_rng=None,
-              impl="auto"):
+              dropout_rows=None, impl="auto"):
     """Multi-head attention by ``impl`` (``IMPLS``, or a tuple of names tried in order).
 
-    Arguments as ``flash_attention``'s, plus attention dropout (``"xla"`` only). Returns
+    Arguments as ``flash_attention``'s, plus attention dropout (``"xla"`` only; its arguments
+    as ``attention_reference``'s). Returns
     [B, Sq, Hq, D] in q's dtype; a query with no unmasked key gets zeros."""
     segs = _check(q, k, v, key_lengths, segment_ids, scale)
     return REGISTRY(q, k, v, key_lengths=key_lengths, segment_ids=segs, causal=causal,
-                    scale=scale, dropout_rate=dropout_rate, dropout_rng=dropout_rng, impl=impl)
+                    scale=scale, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
+                    dropout_rows=dropout_rows, impl=impl)

@@ -64,17 +64,19 @@ _SEQ = shd.logical_to_mesh(("batch", None))
 
 def attention(q, k, v, attention_mask=None, *, segment_ids=None, causal: bool = False,
               impl="xla", dropout_rate: float = 0.0, deterministic: bool = True,
-              dropout_rng=None):
+              dropout_rng=None, dropout_rows=None):
     """Multi-head attention over [batch, seq, heads, head_dim] inputs; returns q's layout and
     dtype. ``segment_ids``: [batch, seq] ints or a (q [batch, seq], kv [batch, kv_seq]) pair; a
-    query attends only to keys of its segment. ``causal``: query i attends keys j <= i."""
+    query attends only to keys of its segment. ``causal``: query i attends keys j <= i.
+    ``dropout_rows`` (int [batch]): each row's number in the whole batch, for a micro-batch
+    (``models.stack``): its dropout masks are then that batch's rows'."""
     lengths = None if attention_mask is None else attention_mask.astype(jnp.int32).sum(axis=-1)
     rate = 0.0 if deterministic else dropout_rate
     masks = {k: v for k, v in (("key_lengths", lengths), ("segment_ids", segment_ids))
              if v is not None}
     if impl == "xla" or rate > 0:
         return kernel.attention(q, k, v, **masks, causal=causal, dropout_rate=rate,
-                                dropout_rng=dropout_rng, impl=impl)
+                                dropout_rng=dropout_rng, dropout_rows=dropout_rows, impl=impl)
     mask_specs = {"key_lengths": _ROWS, "segment_ids": (_SEQ, _SEQ)
                   if isinstance(segment_ids, (tuple, list)) else _SEQ}
     local = shd.per_shard(

@@ -25,6 +25,7 @@ from jaxaccel.models.attention import ATTENTION_IMPLS, attention, check_impl
 from jaxaccel.models.dropout import Dropout
 from jaxaccel.models.fp8 import Fp8Linear
 from jaxaccel.models.spec import BertConfig, ModelSpec
+from jaxaccel.models.stack import layers_key, sequential, token_rows
 from jaxaccel.models.unpad import Unpadded
 from jaxaccel.precision import Policy, get_policy
 from jaxaccel.sharding import by_batch
@@ -105,6 +106,12 @@ class BertEmbeddings(nnx.Module):
                             rows=rows)
 
 
+def _hidden_rows(x, tokens: Unpadded | None, rows):
+    """The dropout row numbers of hidden states ``x``: the unpadded tokens' (``tokens``), a
+    micro-batch's (``rows``, ``stack.token_rows``), or None (row-major: the whole batch)."""
+    return tokens.rows() if tokens is not None else token_rows(rows, x.shape[1])
+
+
 class BertAttention(nnx.Module):
     """Self-attention plus its output projection, residual and post-LayerNorm."""
 
@@ -118,9 +125,11 @@ class BertAttention(nnx.Module):
         self.layer_norm = _layer_norm(cfg, policy, rngs)
         self.dropout = Dropout(cfg.hidden_dropout_prob)
 
-    def __call__(self, x, attention_mask, deterministic, rngs, tokens: Unpadded | None = None):
+    def __call__(self, x, attention_mask, deterministic, rngs, tokens: Unpadded | None = None,
+                 rows=None):
         """``x`` [B, S, H], or [G, C, H] the real tokens of ``tokens`` (attention alone runs
-        on [B, S]: Q, K, V scattered there, its output gathered back)."""
+        on [B, S]: Q, K, V scattered there, its output gathered back); ``rows`` numbers x's
+        rows in the whole batch (``models.stack``)."""
         heads, d = self.cfg.num_attention_heads, self.cfg.head_dim
 
         def split(t):                  # [B, S, H] (the real tokens put back) -> [B, S, heads, d]
@@ -133,11 +142,11 @@ class BertAttention(nnx.Module):
         ctx = attention(split(self.query(x)), split(self.key(x)), split(self.value(x)),
                         attention_mask, impl=self.attention_impl,
                         dropout_rate=self.cfg.attention_probs_dropout_prob,
-                        deterministic=deterministic, dropout_rng=dropout_rng)
+                        deterministic=deterministic, dropout_rng=dropout_rng, dropout_rows=rows)
         ctx = ctx.reshape(*ctx.shape[:2], heads * d)
         ctx = ctx if tokens is None else tokens.gather(ctx)
         y = self.dropout(self.output(ctx), deterministic=deterministic, rngs=rngs,
-                         rows=None if tokens is None else tokens.rows())
+                         rows=_hidden_rows(x, tokens, rows))
         return self.layer_norm(y + x)
 
 
@@ -152,11 +161,12 @@ class BertLayer(nnx.Module):
         self.dropout = Dropout(cfg.hidden_dropout_prob)
         self.act = _ACTIVATIONS[cfg.hidden_act]
 
-    def __call__(self, x, attention_mask, deterministic, rngs, tokens: Unpadded | None = None):
-        x = self.attention(x, attention_mask, deterministic, rngs, tokens)
+    def __call__(self, x, attention_mask, deterministic, rngs, tokens: Unpadded | None = None,
+                 rows=None):
+        x = self.attention(x, attention_mask, deterministic, rngs, tokens, rows)
         y = self.output(self.act(self.intermediate(x)))
         y = self.dropout(y, deterministic=deterministic, rngs=rngs,
-                         rows=None if tokens is None else tokens.rows())
+                         rows=_hidden_rows(x, tokens, rows))
         return self.layer_norm(y + x)
 
 
@@ -179,11 +189,6 @@ class BertMLMHead(nnx.Module):
         return logits + self.bias[...].astype(jnp.float32)
 
 
-@nnx.remat(static_argnums=(5,))
-def _remat_layer(layer, x, attention_mask, rngs, tokens, deterministic):
-    return layer(x, attention_mask, deterministic, rngs, tokens)
-
-
 def _masked_mean(x, attention_mask):
     x = x.astype(jnp.float32)
     if attention_mask is None:
@@ -202,6 +207,12 @@ class BertModel(nnx.Module):
     """
 
     fp8_group = staticmethod(fp8_group)
+
+    @staticmethod
+    def layer_call(layer, x, args, deterministic, rngs, rows=None):
+        """One layer on ``x`` with ``args`` = (attention mask, unpadding plan) (``stack``)."""
+        attention_mask, tokens = args
+        return layer(x, attention_mask, deterministic, rngs, tokens, rows)
 
     def __init__(self, spec: ModelSpec, policy: str | Policy | None = None,
                  rngs: nnx.Rngs | None = None):
@@ -225,11 +236,12 @@ class BertModel(nnx.Module):
 
     def __call__(self, input_ids, attention_mask=None, token_type_ids=None, *,
                  deterministic: bool = True, rngs: nnx.Rngs | None = None,
-                 tokens: Unpadded | None = None) -> BertOutput:
+                 tokens: Unpadded | None = None, stack=None) -> BertOutput:
         """Run the model; ``rngs`` (an ``nnx.Rngs`` with a ``dropout`` stream) when not
         deterministic. With ``tokens`` (``unpad.Unpadded`` of ``attention_mask``) the
         per-token layers run on the real tokens only; ``last_hidden_state`` is then 0 at
-        padding positions (every other output is the padded model's)."""
+        padding positions (every other output is the padded model's). ``stack`` runs the
+        layers instead of this model's own loop (``models.stack``: a pipeline's)."""
         seq = input_ids.shape[1]
         if seq > self.config.max_position_embeddings:
             raise ValueError(f"sequence length {seq} exceeds max_position_embeddings="
@@ -245,13 +257,8 @@ class BertModel(nnx.Module):
             positions, rows = tokens.positions(), tokens.rows()
         x = by_batch(self.embeddings(input_ids, token_type_ids, positions, deterministic, rngs,
                                      rows))
-        for layer in self.layers:
-            if self.spec.remat:
-                x = _remat_layer(layer, x, attention_mask, rngs, tokens,
-                                 deterministic=deterministic)
-            else:
-                x = layer(x, attention_mask, deterministic, rngs, tokens)
-            x = by_batch(x)
+        stack = stack or sequential(self.layers, self.layer_call, remat=self.spec.remat)
+        x = stack(x, (attention_mask, tokens), layers_key(rngs, deterministic), deterministic)
         x = x if tokens is None else tokens.scatter(x)
         pooled = jnp.tanh(self.pooler(x[:, 0]).astype(jnp.float32))
         logits = None

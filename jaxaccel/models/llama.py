@@ -46,6 +46,7 @@ from flax import struct
 from jaxaccel.models.attention import attention, check_impl
 from jaxaccel.models.fp8 import Fp8Linear
 from jaxaccel.models.spec import LlamaConfig, ModelSpec
+from jaxaccel.models.stack import layer_rngs, layers_key, sequential
 from jaxaccel.precision import Policy, get_policy
 from jaxaccel.sharding import by_batch
 
@@ -141,9 +142,10 @@ class LlamaAttention(nnx.Module):
         self.v_proj = _dense(h, kv, ("embed", "kv_heads"), cfg, policy, rngs, b)
         self.o_proj = _dense(q, h, ("heads", "embed"), cfg, policy, rngs, b)
 
-    def __call__(self, x, positions, segment_ids, deterministic, rngs, cache=None):
+    def __call__(self, x, positions, segment_ids, deterministic, rngs, cache=None, rows=None):
         """``(output, (keys, values))``: with ``cache`` = (keys, values, kv segment ids, index)
-        of this layer, this call's keys and values are written at ``index`` first."""
+        of this layer, this call's keys and values are written at ``index`` first; ``rows``
+        numbers x's rows in the whole batch (``models.stack``)."""
         cfg = self.cfg
         b, s, _ = x.shape
         heads = lambda t, n: t.reshape(b, s, n, cfg.head_dim)
@@ -166,7 +168,7 @@ class LlamaAttention(nnx.Module):
             dropout_rng = rngs.dropout()
         ctx = attention(q, k, v, segment_ids=segments, causal=causal, impl=self.attention_impl,
                         dropout_rate=cfg.attention_dropout, deterministic=deterministic,
-                        dropout_rng=dropout_rng)
+                        dropout_rng=dropout_rng, dropout_rows=rows)
         return self.o_proj(ctx.reshape(b, s, -1)), kv
 
 
@@ -190,16 +192,11 @@ class LlamaDecoderLayer(nnx.Module):
         self.post_attention_layernorm = _rms_norm(cfg, policy, rngs)
         self.mlp = LlamaMLP(cfg, policy, rngs)
 
-    def __call__(self, x, positions, segment_ids, deterministic, rngs, cache=None):
+    def __call__(self, x, positions, segment_ids, deterministic, rngs, cache=None, rows=None):
         y, kv = self.self_attn(self.input_layernorm(x), positions, segment_ids, deterministic,
-                               rngs, cache)
+                               rngs, cache, rows)
         x = x + y
         return x + self.mlp(self.post_attention_layernorm(x)), kv
-
-
-@nnx.remat(static_argnums=(5,))
-def _remat_layer(layer, x, positions, segment_ids, rngs, deterministic):
-    return layer(x, positions, segment_ids, deterministic, rngs)[0]
 
 
 class LlamaForCausalLM(nnx.Module):
@@ -233,6 +230,12 @@ class LlamaForCausalLM(nnx.Module):
             cfg.hidden_size, cfg.vocab_size, ("embed", "vocab"), cfg, policy, rngs, block=False))
 
     @staticmethod
+    def layer_call(layer, x, args, deterministic, rngs, rows=None):
+        """One layer on ``x`` with ``args`` = (positions, segment ids) (``models.stack``)."""
+        positions, segment_ids = args
+        return layer(x, positions, segment_ids, deterministic, rngs, rows=rows)[0]
+
+    @staticmethod
     def fp8_group(path: tuple) -> str | None:
         """The FP8_GROUPS group of a layer path such as ``("layers", "3", "mlp", "up_proj")``."""
         return FP8_GROUPS.get(tuple(path[2:])) if path[:1] == ("layers",) else None
@@ -249,13 +252,14 @@ class LlamaForCausalLM(nnx.Module):
 
     def __call__(self, input_ids, positions=None, segment_ids=None, *,
                  cache: KVCache | None = None, deterministic: bool = True,
-                 rngs: nnx.Rngs | None = None) -> LlamaOutput:
+                 rngs: nnx.Rngs | None = None, stack=None) -> LlamaOutput:
         """float32 logits [batch, seq, vocab] of every position.
 
         ``positions`` [batch, seq] (default 0, 1, ...; the cache's ``index`` onwards with a
         cache), ``segment_ids`` [batch, seq] (default one document per row). With ``cache``
         the call either fills it from empty (a prompt; ``cache.index`` must be 0) or appends
-        one token (seq 1), and ``LlamaOutput.cache`` is the updated cache."""
+        one token (seq 1), and ``LlamaOutput.cache`` is the updated cache. ``stack`` runs the
+        layers instead of this model's own loop (``models.stack``: a pipeline's; no cache)."""
         cfg = self.config
         b, s = input_ids.shape
         limit = cfg.max_position_embeddings if cache is None else cache.segment_ids.shape[1]
@@ -271,20 +275,19 @@ class LlamaForCausalLM(nnx.Module):
         if segment_ids is None and cache is not None:
             segment_ids = jnp.ones((b, s), jnp.int32)
         x = by_batch(self.embed_tokens(input_ids))
+        key = layers_key(rngs, deterministic)
         new_kv, kv_segments = [], None
-        if cache is not None:
+        if cache is None:
+            stack = stack or sequential(self.layers, self.layer_call, remat=self.spec.remat)
+            x = stack(x, (positions, segment_ids), key, deterministic)
+        else:
             kv_segments = jax.lax.dynamic_update_slice(cache.segment_ids,
                                                        segment_ids.astype(jnp.int32), (0, start))
-        for i, layer in enumerate(self.layers):
-            if cache is not None:
-                x, kv = layer(x, positions, segment_ids, deterministic, rngs,
+            for i, layer in enumerate(self.layers):
+                x, kv = layer(x, positions, segment_ids, deterministic, layer_rngs(key, i),
                               (cache.keys[i], cache.values[i], kv_segments, start))
                 new_kv.append(kv)
-            elif self.spec.remat:
-                x = _remat_layer(layer, x, positions, segment_ids, rngs, deterministic)
-            else:
-                x = layer(x, positions, segment_ids, deterministic, rngs)[0]
-            x = by_batch(x)
+                x = by_batch(x)
         h = self.policy.cast_to_compute(self.norm(x))
         head = (self.embed_tokens.embedding[...].T if self.lm_head is None
                 else self.lm_head.kernel[...])
