@@ -46,6 +46,8 @@ BASE: dict[str, Any] = {
         "hidden_dropout": None,     # None = the checkpoint's value
         "attention_dropout": None,  # None = the checkpoint's value
         "remat": False,             # rematerialise each layer in the backward pass
+        "pipeline_repeats": 1,      # pipeline: layer groups per stage (R); R > 1 is the
+                                    # circular (interleaved) schedule, a smaller bubble
     },
     "data": {
         "name": "rt_snippets",      # rt_snippets | imdb_reviews | synthetic (classification);
@@ -91,6 +93,9 @@ BASE: dict[str, Any] = {
                                     # jaxaccel/train/layout.py); optimizer_impl then picks the
                                     # kernel: auto|xla|pallas
         "grad_accum": 1,            # micro-batches per optimizer step
+        "microbatches": 0,          # pipeline (mesh.stage > 1): micro-batches per pass through
+                                    # the stages, >= mesh.stage; 0 = mesh.stage. The bubble
+                                    # is (S-1)/(R*M+S-1)
         "unpad": True,              # classification: the per-token layers skip padding
                                     # (models/unpad.py); steps without grad_accum only
         "log_every": 10,            # steps between metric records
@@ -117,6 +122,8 @@ BASE: dict[str, Any] = {
         "data": -1,                 # pure data parallel: batch split, params replicated
         "fsdp": 1,                  # FSDP / ZeRO-3: params, grads, optimizer state split
         "tensor": 1,                # Megatron tensor parallel: heads and MLP hidden split
+        "stage": 1,                 # pipeline stages: the layers split into groups, run on
+                                    # micro-batches (train/pipeline.py); 1 = no pipeline
     },
     "sharding": {
         "zero1": False,             # ZeRO-1: also split the optimizer state over the batch
@@ -344,7 +351,11 @@ def validate(cfg: Config) -> None:
                 "train.grad_accum": t.grad_accum, "train.log_every": t.log_every,
                 "data.max_len": cfg.data.max_len, "data.pad_multiple": cfg.data.pad_multiple,
                 "data.tokenizer_vocab": cfg.data.tokenizer_vocab,
-                "model.num_labels": cfg.model.num_labels}
+                "model.num_labels": cfg.model.num_labels,
+                "model.pipeline_repeats": cfg.model.pipeline_repeats}
+    if t.microbatches < 0:
+        raise ValueError(f"train.microbatches={t.microbatches} must be >= 0 (0: one per "
+                         "pipeline stage).")
     if cfg.data.validation_size < 0:
         raise ValueError(f"data.validation_size={cfg.data.validation_size} must be >= 0.")
     if not 0 <= cfg.data.synthetic_min_len <= cfg.data.synthetic_seq_len:

@@ -1,14 +1,17 @@
 """Device mesh from config and the logical-axis rules that place parameters and batches on it.
 
 Models name the axes of every parameter logically (``vocab``, ``embed``, ``heads``,
-``kv_heads``, ``kv``, ``mlp``); this module alone knows the mesh axes (``data``, ``fsdp``, ``tensor``). One rules
-table maps the first to the second, MaxText-style:
+``kv_heads``, ``kv``, ``mlp``, and ``stage`` for a pipeline's stacked layers); this module
+alone knows the mesh axes (``stage``, ``data``, ``fsdp``, ``tensor``). One rules table maps the
+first to the second, MaxText-style:
 
 * data parallel: batch split over ``data``; params replicated.
 * FSDP / ZeRO-3: ``embed`` dimension of every weight split over ``fsdp``; batch split over
   ``data`` x ``fsdp``.
 * Megatron tensor parallel: ``heads``, ``kv_heads`` and ``mlp`` (attention QKV/out, MLP in/out)
   and ``vocab`` split over ``tensor``: column-parallel in, row-parallel out.
+* pipeline: the layers split into groups over ``stage`` (outermost: the slowest links carry
+  only the stage-to-stage activations); ``jaxaccel.train.pipeline``.
 
 ``per_shard`` runs a function on each device's shards (``shard_map``): the one way both Pallas
 kernels (flash attention, the fused Adan on its flat layout) run on sharded operands. It finds
@@ -24,7 +27,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-MESH_AXES = ("data", "fsdp", "tensor")
+MESH_AXES = ("stage", "data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")
 
 # logical axis -> mesh axis (or tuple of mesh axes, or None for replicated)
@@ -36,11 +39,13 @@ DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("kv_heads", "tensor"),         # a decoder's key/value heads (grouped-query attention)
     ("kv", None),
     ("mlp", "tensor"),
+    ("stage", "stage"),             # a pipeline's stacked layers [stage, repeat, group, ...]
 )
 
 
 def mesh_shape(sizes: dict[str, int], num_devices: int) -> tuple[int, ...]:
-    """Resolve -1 in ``{"data": -1, "fsdp": 1, "tensor": 1}`` and check the product."""
+    """Resolve -1 in ``{"data": -1, "fsdp": 1, "tensor": 1, "stage": 1}`` (absent axes: 1)
+    and check the product."""
     unknown = [a for a in sizes if a not in MESH_AXES]
     if unknown:
         raise ValueError(f"mesh axes {unknown} are unknown; the mesh axes are {MESH_AXES}.")
@@ -59,7 +64,8 @@ def mesh_shape(sizes: dict[str, int], num_devices: int) -> tuple[int, ...]:
 
 
 def make_mesh(sizes: dict[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A ('data', 'fsdp', 'tensor') mesh over ``devices`` (default: all devices of all processes)."""
+    """A ('stage', 'data', 'fsdp', 'tensor') mesh over ``devices`` (default: all devices of
+    all processes)."""
     devices = list(jax.devices() if devices is None else devices)
     shape = mesh_shape(sizes, len(devices))
     try:
@@ -191,6 +197,22 @@ def current_mesh(*args):
 def batch_shards(mesh) -> int:
     """How many ways the mesh's batch axes split a batch (their sizes' product)."""
     return math.prod(mesh.shape.get(a, 1) for a in BATCH_AXES)
+
+
+def batch_share(mesh: Mesh) -> tuple[int, int]:
+    """``(i, n)``: this process's devices hold part ``i`` of ``n`` equal contiguous parts of
+    every batch (split over the batch axes); what its data loader reads. Processes whose
+    devices differ only along other axes (pipeline stages, a tensor axis spanning processes)
+    hold, and load, the same part."""
+    shards = batch_shards(mesh)
+    held = batch_sharding(mesh).addressable_devices_indices_map((shards,))
+    rows = sorted({index[0].start or 0 for index in held.values()})
+    part = len(rows)
+    if rows != list(range(rows[0], rows[0] + part)) or shards % part:
+        raise ValueError(f"this process's devices hold batch shards {rows} of {shards}, not one "
+                         "contiguous part; order the mesh so that each process's devices are "
+                         "adjacent along the batch axes.")
+    return rows[0] // part, shards // part
 
 
 def batch_split(x) -> tuple:

@@ -125,3 +125,34 @@ def test_two_processes_stop_together_on_sigterm_to_one_and_resume_like_one_proce
                         capture_output=True, text=True, timeout=300)
     assert ev.returncode == 0, ev.stderr[-2000:]
     assert json.loads(ev.stdout)["accuracy"] == pytest.approx(final, abs=1e-6)
+
+
+def test_a_pipeline_whose_stages_are_two_processes_trains_like_one_process(tmp_path):
+    """``mesh.stage=2`` over two processes of 2 CPU devices each (the stage axis is outermost:
+    process 0 holds stage 0, process 1 stage 1; the stage-to-stage permutes cross processes)
+    with dropout on: the losses of one process with 4 devices, unpipelined."""
+    steps = 3
+    sets = (f"train.max_steps={steps}", "train.log_every=1", "train.progress=false",
+            "train.eval_every_epoch=false", "model.hidden_dropout=0.1")
+
+    def start(workdir, env, *extra):
+        return subprocess.Popen([*CLI, "train", "--config", TINY_CONFIG,
+                                 f"--set=workdir={workdir}",
+                                 *(f"--set={x}" for x in (*sets, *extra))],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env=env)
+
+    port = _port()
+    procs = [start(tmp_path / "two", cpu_env(2, JAXACCEL_COORDINATOR=f"localhost:{port}",
+                                             JAXACCEL_NUM_PROCESSES="2",
+                                             JAXACCEL_PROCESS_ID=str(i)),
+                   "mesh.stage=2", "mesh.data=2", "train.microbatches=4")
+             for i in range(2)]
+    procs.append(start(tmp_path / "one", cpu_env(4)))
+    for p in procs:
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err[-3000:]
+    losses = {name: [r["train/loss"] for r in read_metrics(str(tmp_path / name / "tiny_synthetic"))
+                     if "train/loss" in r] for name in ("one", "two")}
+    assert len(losses["two"]) == steps
+    np.testing.assert_allclose(losses["two"], losses["one"], rtol=1e-5)

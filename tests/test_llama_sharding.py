@@ -54,7 +54,7 @@ TINY = ModelSpec(LLAMA_PRESETS["llama-tiny"])
 
 def train(mesh_shape, devices, grad_accum=1):
     """3 steps on one batch (8 rows of 3 documents) on the mesh ``mesh_shape``."""
-    mesh = shd.make_mesh(dict(zip(shd.MESH_AXES, mesh_shape)), DEVICES[:devices])
+    mesh = shd.make_mesh(dict(zip(("data", "fsdp", "tensor"), mesh_shape)), DEVICES[:devices])
     with jax.set_mesh(mesh):
         step, state, batch_sharding = sharded_step(TINY, "fp32", mesh, grad_accum=grad_accum)
         losses = []

@@ -29,7 +29,7 @@ def local_plan():
 def test_local_plan_reports_memory_fit_and_labelled_estimates(local_plan):
     p = local_plan
     m = p.memory
-    assert p.fits and p.mesh == {"data": len(jax.devices()), "fsdp": 1, "tensor": 1}
+    assert p.fits and p.mesh == {"stage": 1, "data": len(jax.devices()), "fsdp": 1, "tensor": 1}
     # Data parallel: every device holds all parameters; AdamW keeps two moments of them.
     assert m["opt_state"] >= 2 * m["params"] > 0
     assert m["total"] >= m["temp"] > 0 and m["arguments"] >= m["params"] + m["opt_state"]

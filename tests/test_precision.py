@@ -182,7 +182,7 @@ def test_step_compiles_for_accelerators_on_a_2x2x2_mesh(tmp_path, compile_target
     if policy == "fp8":
         for leaf in jax.tree_util.tree_leaves(run.state.fp8):
             assert leaf.sharding.is_fully_replicated and len(leaf.addressable_shards) == 8
-    m = compile_only.mesh(target, (2, 2, 2), run.mesh.axis_names)
+    m = compile_only.mesh(target, run.mesh.devices.shape, run.mesh.axis_names)
     text = compile_only.compile_step(run, m)[0].as_text()
     if target.platform == "gpu":
         compile_only.assert_gemm_dtypes(text, policy, run.spec.architecture.num_hidden_layers)

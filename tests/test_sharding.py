@@ -188,7 +188,7 @@ def test_train_step_compiles_for_accelerators_on_a_2x2x2_mesh(tmp_path, compile_
                 "data.synthetic_min_len=1", "data.bucket=false")
     shape = next(run.train_data.batches(0))["attention_mask"].shape
     slots = run.unpad.slots[tuple(shape)]
-    m = compile_only.mesh(target, (2, 2, 2), run.mesh.axis_names)
+    m = compile_only.mesh(target, run.mesh.devices.shape, run.mesh.axis_names)
     compiled = compile_only.compile_step(run, m)[0]
     assert_step_kernels(compiled, target.platform)
     # Each chip holds one group of real tokens: [1, slots, hidden] activations (64 wide).
@@ -204,7 +204,7 @@ def test_fsdp_lowers_memory_per_chip_on_accelerators(tmp_path, compile_target, n
     sizes = {}
     for mesh in ((8, 1, 1), (1, 8, 1), (1, 2, 4)):
         run = build(tmp_path, mesh, 8, "model.attention_impl=pallas")
-        m = compile_only.mesh(target, mesh, run.mesh.axis_names)
+        m = compile_only.mesh(target, run.mesh.devices.shape, run.mesh.axis_names)
         sizes[mesh] = compile_only.compile_step(run, m)[0].memory_analysis() \
             .argument_size_in_bytes
     assert sizes[(1, 8, 1)] < sizes[(8, 1, 1)] / 4, sizes

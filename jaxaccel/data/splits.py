@@ -91,9 +91,13 @@ def split_examples(cfg, tokenizer, max_positions: int,
             ds.label_names)
 
 
-def _process_shard(cfg) -> dict:
-    return dict(pad_multiple=cfg.data.pad_multiple, process_index=jax.process_index(),
-                process_count=jax.process_count())
+def _process_shard(share: tuple[int, int] | None) -> dict:
+    """The part of every batch this process loads: ``share`` = (i, n), part i of n equal
+    contiguous parts (``sharding.batch_share`` of the run's mesh; processes that hold the same
+    rows, e.g. two pipeline stages, load the same part); None: its process index of the
+    process count."""
+    i, n = share or (jax.process_index(), jax.process_count())
+    return dict(process_index=i, process_count=n)
 
 
 def _is_corpus(cfg) -> bool:
@@ -154,7 +158,8 @@ def tokenizer_dir(cfg, model_tokenizer_dir: str) -> str:
                                           splits=("train",))["train"])
 
 
-def _packed(cfg, tokenizer, max_positions: int, split: str, *, training: bool) -> PackedBatches:
+def _packed(cfg, tokenizer, max_positions: int, split: str, *, training: bool,
+            share: tuple[int, int] | None = None) -> PackedBatches:
     """A corpus split's documents, tokenized and packed into rows of ``data.max_len``."""
     d = cfg.data
     if d.max_len > max_positions:
@@ -169,8 +174,7 @@ def _packed(cfg, tokenizer, max_positions: int, split: str, *, training: bool) -
                            f"{d.name!r} {split!r} split packs into")
     size = cfg.train.batch_size if training else _eval_batch_size(cfg, rows, split)
     return PackedBatches(docs, d.max_len, size, shuffle=training, seed=cfg.seed,
-                         drop_remainder=training, process_index=jax.process_index(),
-                         process_count=jax.process_count())
+                         drop_remainder=training, **_process_shard(share))
 
 
 def _check_train_batch(cfg, rows: int, what: str) -> None:
@@ -200,34 +204,37 @@ def _eval_batch_size(cfg, rows: int, split: str) -> int:
     return fit
 
 
-def train_batches(cfg, tokenizer, max_positions: int) -> tuple[BatchIterator | PackedBatches,
-                                                                tuple]:
-    """This process's training batches (shuffled, bucketed, full) and the label names; for a
-    corpus, packed causal-LM rows and no labels."""
+def train_batches(cfg, tokenizer, max_positions: int, share: tuple[int, int] | None = None
+                  ) -> tuple[BatchIterator | PackedBatches, tuple]:
+    """This process's training batches (shuffled, bucketed, full; its ``share`` of every
+    batch, ``_process_shard``) and the label names; for a corpus, packed causal-LM rows and no
+    labels."""
     if _is_corpus(cfg):
-        return _packed(cfg, tokenizer, max_positions, "train", training=True), ()
+        return _packed(cfg, tokenizer, max_positions, "train", training=True, share=share), ()
     examples, label_names = split_examples(cfg, tokenizer, max_positions, "train")
     t = cfg.train
     _check_train_batch(cfg, len(examples), f"examples of the {cfg.data.name!r} 'train' split")
     batches = BatchIterator(examples, t.batch_size, shuffle=True, seed=cfg.seed,
                             drop_remainder=True,
                             bucket_window=TRAIN_BUCKET_WINDOW if cfg.data.bucket else 0,
-                            **_process_shard(cfg))
+                            pad_multiple=cfg.data.pad_multiple, **_process_shard(share))
     return batches, label_names
 
 
-def eval_batches(cfg, tokenizer, max_positions: int) -> tuple[BatchIterator | PackedBatches,
-                                                               tuple]:
-    """This process's batches of ``data.eval_split`` (length-sorted, every example once) and
-    the label names; the training split is neither read nor tokenized. A corpus: packed rows
-    in document order, every token once, and no labels."""
+def eval_batches(cfg, tokenizer, max_positions: int, share: tuple[int, int] | None = None
+                 ) -> tuple[BatchIterator | PackedBatches, tuple]:
+    """This process's batches of ``data.eval_split`` (length-sorted, every example once; its
+    ``share`` as ``train_batches``') and the label names; the training split is neither read
+    nor tokenized. A corpus: packed rows in document order, every token once, and no labels."""
     if _is_corpus(cfg):
-        return _packed(cfg, tokenizer, max_positions, cfg.data.eval_split, training=False), ()
+        return _packed(cfg, tokenizer, max_positions, cfg.data.eval_split, training=False,
+                       share=share), ()
     examples, label_names = split_examples(cfg, tokenizer, max_positions,
                                            cfg.data.eval_split)
     size = cfg.train.eval_batch_size
     batches = BatchIterator(examples, size, shuffle=False, drop_remainder=False,
-                            bucket_window=len(examples) // size + 1, **_process_shard(cfg))
+                            bucket_window=len(examples) // size + 1,
+                            pad_multiple=cfg.data.pad_multiple, **_process_shard(share))
     return batches, label_names
 
 

@@ -19,6 +19,10 @@ TensorCore of a deviceless v4) it gives:
   (HBM from ``jaxaccel.devices``; on GPU the 75 % JAX preallocates by default), and the
   headroom;
 - the bytes the train step's collectives write per device, by kind, and the least they send;
+- for a pipelined run (``mesh.stage`` > 1, ``jaxaccel.train.pipeline``): the schedule (stages,
+  repeats, micro-batches, layers per group), its bubble ``(S-1)/(R*M+S-1)`` and the
+  stage-to-stage collective permutes per device; every device holds one stage's layers, so
+  the memory per device is the memory per stage;
 - FLOPs per step: analytic (``jaxaccel.flops.train_flops``) and XLA's ``cost_analysis()`` (not
   given by the compile-only GPU client);
 - an estimated step time, tokens/s and cost per epoch (per run where the epoch's steps are
@@ -27,7 +31,9 @@ TensorCore of a deviceless v4) it gives:
   dtype, the bytes XLA says the step moves at the HBM bandwidth, or the bytes its collectives
   must send (``jaxaccel.plan.collectives``) at the chip's interconnect bandwidth (ICI, NVLink),
   whichever is slowest (a lower bound: real steps reach a fraction of peak, see MFU in the
-  README, and overlap collectives with compute only in part);
+  README, and overlap collectives with compute only in part); a pipeline's compute bound is
+  divided by ``1 - bubble``: every stage computes on each of the schedule's ``R*M+S-1``
+  steps, ``S-1`` of which carry no micro-batch;
   ``xla-cost-model`` = XLA's own ``optimal_seconds`` where it gives one (TPU), which does not
   cost Pallas kernels (custom calls), so their analytic FLOPs at peak are added; used where it
   is above the roofline (no estimate goes below a lower bound).
@@ -94,6 +100,7 @@ class Plan:
     collectives: dict = dataclasses.field(default_factory=dict)  # train step, bytes per device
     sent: float = 0.0       # bytes a device sends at least per train step (collectives.py)
     notes: tuple = ()       # what the plan assumed that the run may not (said in the report)
+    pipeline: dict | None = None  # Stages.as_dict() + "permute_bytes" (per device, per step)
 
     @property
     def fits(self) -> bool | None:
@@ -200,9 +207,11 @@ def _interconnect_s(target, sent: float) -> tuple[float | None, str]:
 
 
 def estimate_step(target, policy, attention_impl: str, flops: dict, cost: dict, batch: int,
-                  seq: int, sent: float) -> dict:
+                  seq: int, sent: float, bubble: float = 0.0) -> dict:
     """Estimated step time of a step under ``policy`` (its matmul dtype's peak) with
-    ``attention_impl``: the roofline and, where XLA gives one, its cost model."""
+    ``attention_impl``: the roofline and, where XLA gives one, its cost model. ``bubble``: a
+    pipeline schedule's idle fraction, which the compute bound is divided by ``1 - bubble``
+    for."""
     peak = devices_lib.peak_flops(target.device_kind, policy.matmul_dtype)
     if peak is None:
         return {"step_s": None, "source": f"none: no peak for {target.device_kind!r} in "
@@ -211,12 +220,13 @@ def estimate_step(target, policy, attention_impl: str, flops: dict, cost: dict, 
     per_chip = 1.0 / target.chips
     bandwidth = target.chip.hbm_bandwidth
     link_s, link = _interconnect_s(target, sent)
-    bounds = {"compute": flops["analytic"] * per_chip / peak_flops,
+    bounds = {"compute": flops["analytic"] * per_chip / peak_flops / (1.0 - bubble),
               "memory": cost["bytes accessed"] * target.devices_per_chip / bandwidth
               if cost.get("bytes accessed", 0) > 0 else 0.0,
               "interconnect": link_s or 0.0}
     bound = max(bounds, key=bounds.get)
-    out = {"roofline_s": bounds[bound], "bound": bound, "interconnect_s": link_s,
+    out = {"roofline_s": bounds[bound], "bound": bound, "bubble": bubble,
+           "interconnect_s": link_s,
            "interconnect": link, "peak": f"{peak_flops:.4g} FLOP/s ({which}), "
                                          f"{bandwidth:.3g} B/s HBM ({target.chip.source})"}
     # XLA's cost model: absent on the compile-only GPU client, negative when it cannot cost
@@ -289,12 +299,15 @@ def make_plan(config_path: str | None, sets: list[str], topology_name: str, *,
         (device_memory, f"{device_memory / 1e9:g} GB given (--memory)")
     found = collectives_lib.collectives(train.as_text(), len(target.devices))
     sent = sum(c.sent for c in found)
+    stages = run.resolved.stages
+    pipeline = None if stages is None else {
+        **stages.as_dict(), "permute_bytes": collectives_lib.by_kind(found)["collective-permute"]}
     estimate = estimate_step(target, run.resolved.policy, run.spec.attention_impl, flops, cost,
-                             t.batch_size, seq, sent)
+                             t.batch_size, seq, sent, 0.0 if stages is None else stages.bubble)
     plan = Plan(target, cfg, dict(run.mesh.shape), t.batch_size, t.eval_batch_size, seq,
                 memory, eval_memory, capacity, capacity_source, compile_s, flops, estimate,
                 _cost_of(target, run, estimate),
-                collectives_lib.by_kind(found), sent, notes)
+                collectives_lib.by_kind(found), sent, notes, pipeline)
     if plan.fits is False:
         m, e = plan.memory, plan.eval_memory
         raise DoesNotFit(does_not_fit(
@@ -384,6 +397,13 @@ def report(plan: Plan) -> str:
     moved = {k: v for k, v in plan.collectives.items() if v}
     lines.append(f"  {'collectives per step':<26}{_gb(sum(moved.values())):>12}  (" + (", ".join(
         f"{k} {_gb(v)}" for k, v in moved.items()) or "none") + ")")
+    if plan.pipeline:
+        p = plan.pipeline
+        lines += ["", f"pipeline: {p['stages']} stages x {p['repeats']} repeat(s) of "
+                      f"{p['layers_per_group']} layer(s), {p['microbatches']} micro-batches; "
+                      f"bubble (S-1)/(R*M+S-1) = {p['bubble']:.1%}; stage-to-stage permutes "
+                      f"{_gb(p['permute_bytes'])} per device per step (memory above is per "
+                      "stage: a device holds one)"]
     lines += ["", f"compile time: train {plan.compile_s['train']:.1f} s, eval "
                   f"{plan.compile_s['eval']:.1f} s",
               f"FLOPs per step: analytic {f['analytic']:.4g} (6N x tokens + attention "
@@ -395,6 +415,9 @@ def report(plan: Plan) -> str:
                      f"{e['tokens_per_s']:.4g} tokens/s (estimate)")
         lines.append(f"  roofline {e['roofline_s'] * 1e3:.2f} ms ({e['bound']}-bound at "
                      f"{e['peak']})")
+        if e.get("bubble"):
+            lines.append(f"  (the compute bound includes the pipeline's bubble: / (1 - "
+                         f"{e['bubble']:.3f}))")
         if e["interconnect"]:
             link = "no estimate" if e["interconnect_s"] is None else \
                 f"{e['interconnect_s'] * 1e3:.2f} ms"
@@ -432,7 +455,7 @@ def result(plan: Plan) -> dict:
            "memory_per_device": plan.memory, "eval_memory_per_device": plan.eval_memory,
            "device_memory": plan.capacity, "device_memory_source": plan.capacity_source,
            "collective_bytes_per_device": plan.collectives,
-           "collective_sent_bytes_per_device": plan.sent,
+           "collective_sent_bytes_per_device": plan.sent, "pipeline": plan.pipeline,
            "interconnect_s": e.get("interconnect_s"),
            "compile_s": plan.compile_s, "model_flops": plan.flops["analytic"],
            "xla_flops_per_device": plan.flops["xla_per_device"],

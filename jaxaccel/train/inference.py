@@ -115,10 +115,10 @@ def checkpoint_run(run_dir: str, sets=(), devices=None, *, data: bool = True):
     (``train.run.resolve`` and ``assemble``, as every command builds its run), data parallel
     over ``devices`` (default all) whatever mesh trained it, with ``sets`` applied; its eval
     split batched unless ``data`` is False (predict brings its own texts). The checkpoint holds
-    the per-parameter form whatever the trainer's layout was."""
+    the per-parameter form whatever the trainer's layout or pipeline was."""
     model, cfg, meta = load_run(run_dir)
     cfg = config_lib.build(cfg.to_dict(), ["mesh.data=-1", "mesh.fsdp=1", "mesh.tensor=1",
-                                           *sets])
+                                           "mesh.stage=1", *sets])
     run = assemble(resolve(cfg, devices, training=False, spec=model.spec), model=model,
                    tokenizer_dir=tokenizer_dir(run_dir) if data else None, data=data)
     return run, meta

@@ -32,6 +32,7 @@ from jaxaccel.models.fp8 import Fp8Meta
 from jaxaccel.models.unpad import Capacity
 from jaxaccel.precision import LossScale, Policy, policy_of
 from jaxaccel.train import layout as layout_lib
+from jaxaccel.train import pipeline
 from jaxaccel.train.checkpoint import abstract_like
 from jaxaccel.train.layout import Layout
 from jaxaccel.train.state import TrainState
@@ -56,6 +57,7 @@ class Resolved:
         a corpus until it is packed.
       total_steps: the run's length (``train.max_steps``, else ``train.epochs`` epochs); None
         while ``steps_per_epoch`` is.
+      stages: the pipeline (``pipeline.Stages``: ``mesh.stage`` > 1, training), else None.
     """
 
     cfg: Config
@@ -67,6 +69,7 @@ class Resolved:
     training: bool
     steps_per_epoch: int | None
     total_steps: int | None
+    stages: pipeline.Stages | None = None
 
     @property
     def run_dir(self) -> str:
@@ -109,9 +112,37 @@ def resolve(cfg: Config, devices=None, *, training: bool = True,
                             training=training)
     shd.check_model_fits(spec.architecture, mesh)
     layout = layout_lib.choose(cfg.train) if training else layout_lib.PER_LEAF
+    stages = _stages(cfg, spec, policy, layout) if training else None
     per_epoch = splits.steps_per_epoch(cfg) if training else None
     return Resolved(cfg, mesh, policy, spec, TASKS[spec.task], layout, training, per_epoch,
-                    _length(cfg.train, per_epoch))
+                    _length(cfg.train, per_epoch), stages)
+
+
+def _stages(cfg: Config, spec: ModelSpec, policy: Policy, layout: Layout):
+    """The run's pipeline (``pipeline.of``), checked against what it does not run with yet
+    and the batch sizes its micro-batches split."""
+    stages = pipeline.of(cfg, spec.architecture.num_hidden_layers)
+    if stages is None:
+        return None
+    t, problems = cfg.train, []
+    if layout is not layout_lib.PER_LEAF:
+        problems.append("train.flat_params=false (the flat layout is not staged yet)")
+    if t.layer_decay != 1:
+        problems.append("train.layer_decay=1 (layer-wise decay reads per-layer paths)")
+    if policy.fp8:
+        problems.append("a precision policy other than fp8 (its per-layer scaling state is not "
+                        "staged yet)")
+    if problems:
+        raise ValueError(f"a pipelined run (mesh.stage={stages.stages}) needs "
+                         + "; ".join(problems) + ". Set those, or mesh.stage=1.")
+    sizes = {"train.batch_size / train.grad_accum": t.batch_size // t.grad_accum,
+             "train.eval_batch_size": t.eval_batch_size}
+    for key, size in sizes.items():
+        if size % stages.microbatches:
+            raise ValueError(f"{key}={size} does not split into train.microbatches="
+                             f"{stages.microbatches} micro-batches; use a multiple of "
+                             f"{stages.microbatches}.")
+    return stages
 
 
 @dataclasses.dataclass
@@ -235,6 +266,8 @@ def optimizer_state(r: Resolved, params, fp8, param_shardings, total_steps: int)
     cfg, t = r.cfg, r.cfg.train
     schedule = optim.make_schedule(t.schedule, t.learning_rate, total_steps,
                              int(t.warmup_ratio * total_steps))
+    if r.stages is not None:
+        param_shardings = pipeline.staged_shardings(r.stages, param_shardings)
     tx = r.layout.make_optimizer(t, schedule, r.spec, param_shardings,
                                  shd.BATCH_AXES if cfg.sharding.zero1 else ())
     loss_scale = LossScale.create(cfg.precision.loss_scale_init,
@@ -242,6 +275,8 @@ def optimizer_state(r: Resolved, params, fp8, param_shardings, total_steps: int)
         if r.policy.loss_scaling else None
 
     def create(params, fp8):
+        if r.stages is not None:
+            params = pipeline.StagedParams.create(r.stages, params)
         return TrainState.create(r.layout.flatten(tx, params), tx, cfg.seed, loss_scale, fp8)
     shardings = r.layout.state_shardings(jax.eval_shape(create, params, fp8), param_shardings,
                                          r.mesh, cfg.sharding.zero1)
@@ -252,10 +287,11 @@ def _unpad_plan(r: Resolved, eval_data, train_data=None,
                 train_steps: int = 0) -> Capacity | None:
     """The run's unpadding plan (``models.unpad``) over one pass of ``eval_data`` and the
     first ``train_steps`` batches of ``train_data`` (if any), or None: ``train.unpad`` off, a
-    task without padded rows, gradient accumulation, or batches from an iterator that cannot
-    plan (packed LM rows)."""
+    task without padded rows, gradient accumulation or a pipeline (micro-batches), or batches
+    from an iterator that cannot plan (packed LM rows)."""
     cfg = r.cfg
-    if not (cfg.train.unpad and r.task.unpads and cfg.train.grad_accum == 1):
+    if not (cfg.train.unpad and r.task.unpads and cfg.train.grad_accum == 1
+            and r.stages is None):
         return None
     sources = [eval_data] + ([] if train_data is None else [train_data])
     if not all(isinstance(data, BatchIterator) for data in sources):
@@ -338,8 +374,9 @@ def _data(r: Resolved, model, tokenizer_dir: str) -> dict:
     tokenizer = load_tokenizer(tokenizer_dir)
     check_vocab(len(tokenizer), model.config, tokenizer_dir)
     max_positions = model.config.max_position_embeddings
-    train_data, label_names = splits.train_batches(cfg, tokenizer, max_positions)
-    eval_data, _ = splits.eval_batches(cfg, tokenizer, max_positions)
+    share = shd.batch_share(r.mesh)
+    train_data, label_names = splits.train_batches(cfg, tokenizer, max_positions, share)
+    eval_data, _ = splits.eval_batches(cfg, tokenizer, max_positions, share)
     return dict(eval_data=eval_data, tokenizer=tokenizer, label_names=label_names,
                 train_data=train_data)
 
@@ -357,7 +394,8 @@ def _eval_only(r: Resolved, model, tokenizer_dir: str | None, data: bool) -> Run
     tokenizer = load_tokenizer(tokenizer_dir, light=True) if r.cfg.data.name != "synthetic" \
         else None
     eval_data, label_names = splits.eval_batches(r.cfg, tokenizer,
-                                                 model.config.max_position_embeddings)
+                                                 model.config.max_position_embeddings,
+                                                 shd.batch_share(r.mesh))
     return Run(r, graphdef, state, shardings, eval_data, tokenizer, label_names,
                unpad=_unpad_plan(r, eval_data))
 

@@ -61,16 +61,19 @@ RESUMABLE = frozenset({
     "train.epochs", "train.max_steps", "train.eval_batch_size", "train.log_every",
     "train.checkpoint_every", "train.keep_checkpoints", "train.resume", "train.overwrite",
     "train.eval_every_epoch", "train.progress", "train.optimizer_impl", "train.flat_params",
-    "train.unpad",
+    "train.unpad", "train.microbatches",
     "model.attention_impl", "model.remat", "model.checkpoint", "model.tokenizer",
+    "model.pipeline_repeats",
     "data.data_dir", "data.manual_dir", "data.eval_split",
-    "mesh.data", "mesh.fsdp", "mesh.tensor", "sharding.zero1",
+    "mesh.data", "mesh.fsdp", "mesh.tensor", "mesh.stage", "sharding.zero1",
 })
 """Config keys a resumed run may change: run length, observation, storage, device layout,
 kernel choice, unpadding (the same numbers up to summation order), trainer path
 (``train.flat_params``: the flat-buffer and the optax Adan resume
-each other's checkpoints, which hold the per-parameter form) and where files are (checkpoints
-are portable across meshes and kernels)."""
+each other's checkpoints, which hold the per-parameter form), the pipeline (``mesh.stage``,
+``train.microbatches``, ``model.pipeline_repeats``: a pipelined step is the plain step, and its
+checkpoint the per-layer form) and where files are (checkpoints are portable across meshes and
+kernels)."""
 
 RUN_FILES = ("checkpoints", "skipped_checkpoints", "metrics.jsonl", "tensorboard",
              "config.json", "tokenizer")

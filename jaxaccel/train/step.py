@@ -29,6 +29,7 @@ from flax import nnx
 from jaxaccel.models.fp8 import summary as fp8_summary
 from jaxaccel.optim.clip import global_norm
 from jaxaccel.train.layout import Layout
+from jaxaccel.train.pipeline import StagedParams, forward_model
 from jaxaccel.train.state import TrainState
 from jaxaccel.train.tasks import Task, weight_sum
 
@@ -45,11 +46,15 @@ def forward(graphdef, params, batch, *, task: Task, deterministic, rng=None, fp8
     """The task's float32 logits of the model ``graphdef`` with ``params`` (a parameter tree,
     and the fp8 state ``fp8``) on ``batch``; dropout from ``rng`` unless ``deterministic``; the
     per-token layers on the real tokens only by the plan ``unpad`` (``models.unpad.Capacity``),
-    if given. The one forward pass of training, evaluation and prediction."""
-    model = nnx.merge(graphdef, params, *(() if fp8 is None else (fp8,)))
+    if given. Parameters staged for a pipeline (``pipeline.StagedParams``) run the layers by
+    its schedule. The one forward pass of training, evaluation and prediction."""
+    kwargs = {} if unpad is None else {"unpad": unpad}
+    if isinstance(params, StagedParams):
+        model, kwargs["stack"] = forward_model(graphdef, params)
+    else:
+        model = nnx.merge(graphdef, params, *(() if fp8 is None else (fp8,)))
     rngs = None if deterministic else nnx.Rngs(dropout=rng)
-    return task.logits(model, batch, deterministic, rngs,
-                       **({} if unpad is None else {"unpad": unpad}))
+    return task.logits(model, batch, deterministic, rngs, **kwargs)
 
 
 def _all_finite(tree) -> jax.Array:

@@ -38,8 +38,9 @@ class Task:
       batch_keys: what a batch holds (numpy per process, leading dimension the rows): int32
         [rows, length], except ``row_keys`` ([rows]) and ``weights`` (float32).
       weights: the batch key weighting the loss (its sum is ``count``).
-      logits: ``logits(model, batch, deterministic, rngs[, unpad])`` -> float32 logits;
-        ``unpad`` (a ``models.unpad.Capacity``) is passed only to a task that ``unpads``.
+      logits: ``logits(model, batch, deterministic, rngs[, unpad], stack=None)`` -> float32
+        logits; ``unpad`` (a ``models.unpad.Capacity``) is passed only to a task that
+        ``unpads``; ``stack`` runs the model's layers (``models.stack``; a pipeline's).
       unpads: whether the task's rows are padded and ``logits`` takes ``unpad``.
       sums: ``sums(logits, batch)`` -> (loss_sum, correct, count), float32 scalars.
       report: eval totals {"loss_sum", "correct", "count"} -> what eval reports.
@@ -72,10 +73,10 @@ def _weighted_sums(logits, labels, weights):
     return jnp.sum(ce * w), jnp.sum(correct * w), jnp.sum(w)
 
 
-def _classification_logits(model, batch, deterministic, rngs, unpad=None):
+def _classification_logits(model, batch, deterministic, rngs, unpad=None, stack=None):
     tokens = None if unpad is None else unpad.tokens(batch["attention_mask"])
     out = model(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"],
-                deterministic=deterministic, rngs=rngs, tokens=tokens)
+                deterministic=deterministic, rngs=rngs, tokens=tokens, stack=stack)
     return out.logits.astype(jnp.float32)
 
 
@@ -84,9 +85,10 @@ def _classification_report(t: dict) -> dict:
     return {"accuracy": t["correct"] / n, "loss": t["loss_sum"] / n, "examples": int(t["count"])}
 
 
-def _lm_logits(model, batch, deterministic, rngs):
+def _lm_logits(model, batch, deterministic, rngs, stack=None):
     out = model(batch["input_ids"], positions=batch["positions"],
-                segment_ids=batch["segment_ids"], deterministic=deterministic, rngs=rngs)
+                segment_ids=batch["segment_ids"], deterministic=deterministic, rngs=rngs,
+                stack=stack)
     return out.logits.astype(jnp.float32)
 
 

@@ -1,0 +1,276 @@
+"""Pipeline parallelism: a model's layers split into stages over the mesh's ``stage`` axis and
+run on micro-batches by a GPipe schedule, or the circular (interleaved) one when each stage
+holds several layer groups (MaxText's ``layers/pipeline.py``: ``jax.vmap`` over the stage
+dimension with ``spmd_axis_name="stage"``, activations passed on by a shift along it, which
+XLA compiles to a collective permute).
+
+Placement (``Stages``): ``L`` layers, ``S`` stages, ``R`` repeats (``model.pipeline_repeats``),
+groups of ``G = L / (S R)`` consecutive layers; stage ``s`` holds groups ``r S + s`` for
+``r < R``, i.e. layer ``l = (r S + s) G + j``. The parameters of the layers are stacked
+[S, R, G, ...] and split over ``stage`` on the first dimension (``StagedParams``); the rest of
+the model (embeddings, head) is placed as without a pipeline and runs on the whole batch.
+
+Schedule: the batch's hidden states are cut into ``M`` strided micro-batches (rows ``m, m + M,
+...``, as gradient accumulation cuts them: every device's block of the batch holds rows of
+each), and for ``t`` in ``0 .. R M + S - 2`` every stage ``s`` runs its group of repeat
+``(t - s) // M`` on micro-batch ``(t - s) % M`` at once (idle where ``t - s`` is outside
+``[0, R M)``: the bubble, ``(S - 1) / (R M + S - 1)`` of the iterations), then its output moves
+to stage ``s + 1``. Stage 0 reads micro-batch ``t % M`` from a buffer: the embeddings for the
+first repeat, the last stage's output of the repeat before for the next (``M >= S`` makes it
+ready in time). The last stage's outputs of the last repeat are the stack's output.
+
+Every micro-batch row draws its dropout masks by its number in the whole batch and every layer
+its own stream (``models.stack``), so a pipelined step is the plain step, dropout included
+(tests: loss and gradients equal). Differentiating the scan gives the backward pipeline.
+
+A checkpoint holds the per-layer form (``StagedParams.portable``): a pipelined run resumes
+unpipelined, on any stage count, and the reverse.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxaccel import sharding as shd
+from jaxaccel.models.stack import layer_rngs
+from jaxaccel.optim.flat import FlatNode
+from kernels_pallas import registry
+
+LAYERS = "layers"
+
+
+@dataclasses.dataclass(frozen=True)
+class Stages:
+    """A pipeline's shape: ``stages`` (S, the mesh's ``stage`` size), ``repeats`` (R),
+    ``microbatches`` (M) and the model's ``layers`` (L)."""
+
+    stages: int
+    repeats: int
+    microbatches: int
+    layers: int
+
+    @property
+    def group(self) -> int:
+        """Layers per group (G = L / (S R))."""
+        return self.layers // (self.stages * self.repeats)
+
+    @property
+    def iterations(self) -> int:
+        """Schedule steps per pass: R M + S - 1."""
+        return self.repeats * self.microbatches + self.stages - 1
+
+    @property
+    def bubble(self) -> float:
+        """The idle fraction of a stage's schedule steps: (S - 1) / (R M + S - 1)."""
+        return (self.stages - 1) / self.iterations
+
+    def layer(self, stage: int, repeat: int, j: int) -> int:
+        """The model layer at position ``j`` of stage ``stage``'s group of ``repeat``."""
+        return (repeat * self.stages + stage) * self.group + j
+
+    def check(self) -> None:
+        """``ValueError`` naming the numbers when the layers do not split or too few
+        micro-batches keep the stages fed."""
+        s, r, m, n = self.stages, self.repeats, self.microbatches, self.layers
+        if n % (s * r):
+            raise ValueError(f"the model's {n} layers do not split into mesh.stage={s} stages x "
+                             f"model.pipeline_repeats={r} groups of equal size; use stage and "
+                             f"repeat counts whose product divides {n}.")
+        if m < s:
+            raise ValueError(f"train.microbatches={m} is fewer than mesh.stage={s}: a stage "
+                             f"would wait for its own output; use at least {s} micro-batches "
+                             f"(more shrink the bubble (S-1)/(R*M+S-1)).")
+
+    def as_dict(self) -> dict:
+        return {"stages": self.stages, "repeats": self.repeats,
+                "microbatches": self.microbatches, "layers_per_group": self.group,
+                "bubble": self.bubble}
+
+
+def of(cfg, num_layers: int) -> Stages | None:
+    """The pipeline of a config (``mesh.stage`` > 1), checked against the model's
+    ``num_layers``; None without one. ``train.microbatches`` 0 is one per stage."""
+    s = int(cfg.mesh.get("stage", 1))
+    if s <= 1:
+        return None
+    m = cfg.train.microbatches or s
+    stages = Stages(s, int(cfg.model.pipeline_repeats), int(m), int(num_layers))
+    stages.check()
+    return stages
+
+
+def _stack(stages: Stages, layers: dict):
+    """Per-layer trees ``{l: tree}`` -> one tree of [S, R, G, ...] arrays."""
+    s, r, g = stages.stages, stages.repeats, stages.group
+    order = [layers[stages.layer(i, k, j)] for i in range(s) for k in range(r) for j in range(g)]
+    return jax.tree_util.tree_map(
+        lambda *xs: jnp.stack(xs).reshape(s, r, g, *xs[0].shape), *order)
+
+
+def _unstack(stages: Stages, stacked) -> dict:
+    """Inverse of ``_stack``."""
+    return {stages.layer(i, k, j): jax.tree_util.tree_map(lambda a: a[i, k, j], stacked)
+            for i in range(stages.stages) for k in range(stages.repeats)
+            for j in range(stages.group)}
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class StagedParams(FlatNode):
+    """A model's parameters with its layers stacked by stage: ``layers`` one layer's tree of
+    [S, R, G, ...] arrays (split over ``stage``), ``rest`` every other parameter, as in the
+    model's tree; ``layout`` the ``Stages``. Optimizer moments of these parameters are
+    ``StagedParams`` too (optax maps over the pytree), and both convert to the per-layer form
+    checkpoints hold (``portable``, ``jaxaccel.optim.flat``)."""
+
+    layers: dict
+    rest: dict
+    layout: Stages | None = None
+
+    @classmethod
+    def create(cls, stages: Stages, params: dict) -> "StagedParams":
+        rest = {k: v for k, v in params.items() if k != LAYERS}
+        return cls(_stack(stages, params[LAYERS]), rest, stages)
+
+    def unstaged(self) -> dict:
+        """The model's parameter tree (``layers[l]`` per layer)."""
+        return {**self.rest, LAYERS: _unstack(self.layout, self.layers)}
+
+    def portable(self):
+        return _unstaged(self)
+
+    def from_portable(self, saved):
+        """``saved`` staged, placed as this node's arrays are (where they are placed)."""
+        placed = [getattr(a, "sharding", None) for a in jax.tree_util.tree_leaves(self)]
+        if None in placed:
+            return _staged(self.layout, saved)
+        shardings = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(self), placed)
+        return jax.jit(StagedParams.create, static_argnums=0,
+                       out_shardings=shardings)(self.layout, saved)
+
+    def portable_shardings(self, shardings):
+        one = jax.tree_util.tree_map(
+            lambda s: NamedSharding(s.mesh, P(*tuple(s.spec)[3:])), shardings.layers)
+        return {**shardings.rest, LAYERS: {l: one for l in range(self.layout.layers)}}
+
+
+jax.tree_util.register_dataclass(StagedParams, data_fields=["layers", "rest"],
+                                 meta_fields=["layout"])
+
+
+@jax.jit
+def _unstaged(params: StagedParams) -> dict:
+    return params.unstaged()
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _staged(stages: Stages, params: dict) -> StagedParams:
+    return StagedParams.create(stages, params)
+
+
+def staged_shardings(stages: Stages, shardings: dict) -> StagedParams:
+    """The shardings of ``StagedParams.create(stages, params)`` given the per-layer
+    ``shardings`` of ``params``: a layer's placement with [S, R, G] in front, S over
+    ``stage``."""
+    def stacked(s):
+        return NamedSharding(s.mesh, P("stage", None, None, *tuple(s.spec)))
+    layers = jax.tree_util.tree_map(stacked, shardings[LAYERS][0])
+    return StagedParams(layers, {k: v for k, v in shardings.items() if k != LAYERS}, stages)
+
+
+def _micro(a, m: int):
+    """[B, ...] -> [M, B / M, ...], micro-batch ``i`` the rows i, i + M, ..."""
+    return a.reshape(a.shape[0] // m, m, *a.shape[1:]).swapaxes(0, 1)
+
+
+def _unmicro(a):
+    return a.swapaxes(0, 1).reshape(-1, *a.shape[2:])
+
+
+def _placed(x, lead):
+    """[lead, rows, ...] activations constrained to ``lead`` (a mesh axis or None) on the
+    first dimension and the rows over the batch axes (unchanged without a mesh)."""
+    mesh = shd.current_mesh(x)
+    if mesh is None:
+        return x
+    spec = P(shd.drop_trivial(lead, mesh), shd.drop_trivial(shd.BATCH_AXES, mesh),
+             *[P.UNCONSTRAINED] * (x.ndim - 2))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
+def stack(params: StagedParams, layer_graphdef, layer_call, *, remat: bool = False):
+    """The layers' ``stack(x, args, key, deterministic)`` (``models.stack``) of the staged
+    ``params``: the schedule of this module's docstring. ``layer_graphdef`` is one layer's,
+    ``layer_call`` the family's; ``remat`` rematerialises each layer in the backward pass."""
+    st = params.layout
+    s_, m_, g_ = st.stages, st.microbatches, st.group
+
+    def one_layer(p, x, args, rows, key, index, deterministic):
+        layer = nnx.merge(layer_graphdef, p)
+        return layer_call(layer, x, args, deterministic, layer_rngs(key, index), rows)
+
+    def run(x, args, key, deterministic):
+        if x.shape[0] % m_:
+            raise ValueError(f"a batch of {x.shape[0]} rows does not split into "
+                             f"train.microbatches={m_} micro-batches.")
+        layer_fn = jax.checkpoint(one_layer, static_argnums=(6,)) if remat else one_layer
+        # XLA:CPU's runtime can run a loop's collectives and independent ones outside it in
+        # different orders on different devices (a rendezvous deadlock, seen with the stage
+        # permute against the loss denominator's all-reduce): on the CPU the loops are
+        # unrolled, so every collective is in the program's one ordered sequence.
+        unroll = registry.platform(x) == "cpu"
+        xs = _placed(_micro(x, m_), None)
+        args_m = jax.tree_util.tree_map(lambda a: _micro(a, m_), args)
+        rows_m = _micro(jnp.arange(x.shape[0], dtype=jnp.int32), m_)
+        stage_ids = jnp.arange(s_)
+
+        def stage_fn(group_params, h, stage, t):
+            k = t - stage
+            micro, repeat = k % m_, jnp.clip(k // m_, 0, st.repeats - 1)
+            p = jax.tree_util.tree_map(lambda a: a[repeat], group_params)
+            a = jax.tree_util.tree_map(lambda v: v[micro], args_m)
+            rows = rows_m[micro]
+            first = (repeat * s_ + stage) * g_
+
+            def body(h, pj):
+                p_j, j = pj
+                return layer_fn(p_j, h, a, rows, key, first + j, deterministic), None
+            h, _ = jax.lax.scan(body, h, (p, jnp.arange(g_)), unroll=unroll)
+            return h
+
+        staged = jax.vmap(stage_fn, in_axes=(0, 0, 0, None), spmd_axis_name="stage")
+
+        def tick(carry, t):
+            state, buffer = carry
+            state = state.at[0].set(buffer[t % m_])
+            out = staged(params.layers, state, stage_ids, t)
+            k = t - (s_ - 1)
+            done = (k >= 0) & (k < st.repeats * m_)
+            slot = k % m_
+            buffer = buffer.at[slot].set(jnp.where(done, out[s_ - 1], buffer[slot]))
+            return (_placed(jnp.roll(out, 1, axis=0), "stage"), _placed(buffer, None)), None
+
+        state = _placed(jnp.zeros((s_, *xs.shape[1:]), xs.dtype), "stage")
+        (_, buffer), _ = jax.lax.scan(tick, (state, xs), jnp.arange(st.iterations),
+                                      unroll=unroll)
+        return _unmicro(buffer)
+
+    return run
+
+
+def forward_model(graphdef, params: StagedParams):
+    """``(model, stack)``: the model of ``graphdef`` with ``params.rest`` (its layers hold
+    placeholders the stack never reads) and the pipelined stack over ``params.layers`` to
+    call it with (``model(..., stack=stack)``)."""
+    first = jax.tree_util.tree_map(lambda a: a[0, 0, 0], params.layers)
+    model = nnx.merge(graphdef, {**params.rest,
+                                 LAYERS: {l: first for l in range(params.layout.layers)}})
+    layer_graphdef = nnx.graphdef(model.layers[0])
+    return model, stack(params, layer_graphdef, type(model).layer_call, remat=model.spec.remat)
+
+
+__all__ = ["StagedParams", "Stages", "forward_model", "of", "stack", "staged_shardings"]

@@ -1,0 +1,189 @@
+"""Pipeline parallelism (``jaxaccel.train.pipeline``) on 8 fake CPU devices: a pipelined step is
+the plain step (loss and updated parameters, fp32, dropout on) for both families on the three
+meshes of issue 33 with M in {S, 2S, 4S} and R in {1, 2}; the layer placement and the bubble;
+the settings it refuses; checkpoints move between pipelined and plain runs both ways."""
+import dataclasses
+import itertools
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from jaxaccel import config, plan
+from jaxaccel.models import model_spec
+from jaxaccel.optim import flat
+from jaxaccel.train import inference, loop, pipeline
+from jaxaccel.train import run as run_lib
+from support import (CONFIGS, DEVICES, TINY, TINY_SETS, docs, logged_losses, needs_cuda_plugin,
+                     needs_libtpu, packed, sigterm_at, tiny_cfg)
+
+pytestmark = pytest.mark.usefixtures("on_eight_devices")   # DEVICES: the module's 8 devices
+
+# The tiny BERT (synthetic rows) and the tiny decoder (packed documents: no data is read, the
+# tokenizer is named only so that no corpus BPE is sized), dropout on.
+BERT = TINY_SETS + ["model.hidden_dropout=0.1", "model.attention_dropout=0.1",
+                    "train.eps=1e-3"]
+LLAMA = ["model.name=llama-tiny", "data.name=canterbury", "model.tokenizer=unused",
+         "data.max_len=16", "train.batch_size=16", "train.eval_batch_size=16",
+         "train.max_steps=3", "train.learning_rate=3e-3", "train.eps=1e-3",
+         "model.attention_dropout=0.1", "train.progress=false"]
+LM_BATCHES = [packed([docs(8 * i + r, 5, 9, 2) for r in range(16)], 16) for i in range(2)]
+MESHES = {"stage2_fsdp2_data2": {"stage": 2, "fsdp": 2, "data": 2},
+          "stage4_tensor2": {"stage": 4, "tensor": 2, "data": 1},
+          "stage8": {"stage": 8, "data": 1}}
+
+
+def _run(sets, tmp_path, mesh, layers, *extra):
+    cfg = config.build(sets=[*sets, f"workdir={tmp_path}",
+                             *(f"mesh.{k}={v}" for k, v in mesh.items()), *extra])
+    spec = model_spec(cfg.model)
+    spec = dataclasses.replace(spec, architecture=dataclasses.replace(
+        spec.architecture, num_hidden_layers=layers))
+    lm = spec.task == "causal_lm"
+    return run_lib.assemble(run_lib.resolve(cfg, DEVICES, spec=spec), data=not lm), lm
+
+
+def two_steps(sets, tmp_path, mesh, layers, *extra):
+    """Losses of two train steps and the parameters after them (the per-layer form)."""
+    run, lm = _run(sets, tmp_path, mesh, layers, *extra)
+    batches = LM_BATCHES if lm else itertools.islice(run.train_data.batches(0), 2)
+    state, losses = run.state, []
+    with jax.set_mesh(run.mesh):
+        for batch in batches:
+            state, metrics = run.train_step(state, run.put_batch(batch))
+            losses.append(float(metrics["loss"]))
+    return losses, jax.device_get(flat.portable(state.params)), run
+
+
+LAYERS = 8
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory):
+    """The unpipelined references: 8 layers of each family, data parallel over 8 devices."""
+    tmp = tmp_path_factory.mktemp("plain")
+    return {family: two_steps(sets, tmp, {"data": 8}, LAYERS)[:2]
+            for family, sets in (("bert", BERT), ("llama", LLAMA))}
+
+
+# (mesh, micro-batches per stage, repeats): each family on every mesh, with M = S, 2S or 4S
+# and R = 1 or 2 among them (groups of 1 to 4 layers).
+CASES = {"bert": [("stage2_fsdp2_data2", 4, 1), ("stage4_tensor2", 1, 2), ("stage8", 1, 1)],
+         "llama": [("stage2_fsdp2_data2", 1, 2), ("stage4_tensor2", 2, 1), ("stage8", 1, 1)]}
+
+
+@pytest.mark.parametrize("family,mesh,per_stage,repeats",
+                         [(f, *c) for f, cases in CASES.items() for c in cases])
+def test_pipelined_steps_equal_the_plain_steps(plain, tmp_path, family, mesh, per_stage,
+                                               repeats):
+    sizes = MESHES[mesh]
+    m = per_stage * sizes["stage"]
+    losses, params, run = two_steps(BERT if family == "bert" else LLAMA, tmp_path, sizes, LAYERS,
+                                    f"train.microbatches={m}",
+                                    f"model.pipeline_repeats={repeats}")
+    stages = run.resolved.stages
+    assert (stages.stages, stages.microbatches, stages.repeats) == (sizes["stage"], m, repeats)
+    assert isinstance(run.state.params, pipeline.StagedParams)
+    # the layers live split over the stages: each device holds its stage's groups only
+    leaf = jax.tree_util.tree_leaves(run.state.params.layers)[0]
+    assert leaf.sharding.spec[0] == "stage"
+    ref_losses, ref_params = plain[family]
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    for a, b in zip(jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(ref_params)):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
+
+
+def test_remat_gradient_accumulation_and_fp16_compose_with_the_pipeline(tmp_path):
+    """The decoder with per-layer remat, 2 accumulated micro-batches each cut into 2 pipeline
+    micro-batches, fp16 with loss scaling: the plain run's losses (fp16 rounding apart) and
+    the same loss scale."""
+    extra = ("model.remat=true", "train.grad_accum=2", "precision.policy=fp16")
+    pipe = two_steps(LLAMA, tmp_path, {"stage": 2, "data": 4}, 4, *extra,
+                     "train.microbatches=2")
+    ref = two_steps(LLAMA, tmp_path, {"data": 8}, 4, *extra)
+    np.testing.assert_allclose(pipe[0], ref[0], rtol=2e-3)
+    for a, b in zip(jax.tree_util.tree_leaves(pipe[1]), jax.tree_util.tree_leaves(ref[1])):
+        np.testing.assert_allclose(np.float32(a), np.float32(b), rtol=0, atol=2e-3)
+
+
+def test_layers_are_placed_round_robin_by_repeat_and_the_bubble_follows():
+    st = pipeline.Stages(stages=4, repeats=2, microbatches=8, layers=16)
+    assert st.group == 2 and st.iterations == 2 * 8 + 3
+    assert st.bubble == pytest.approx(3 / 19)
+    # stage 1 holds layers 2, 3 (repeat 0) and 10, 11 (repeat 1)
+    assert [st.layer(1, r, j) for r in range(2) for j in range(2)] == [2, 3, 10, 11]
+    params = {"embed": np.zeros(3), "layers": {i: {"w": np.full((2,), i)} for i in range(16)}}
+    staged = pipeline.StagedParams.create(st, params)
+    assert staged.layers["w"].shape == (4, 2, 2, 2)
+    assert staged.layers["w"][1, 1, 0, 0] == 10
+    back = staged.unstaged()
+    assert all((back["layers"][i]["w"] == i).all() for i in range(16))
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["mesh.stage=4", "mesh.data=2", "model.pipeline_repeats=3"], "do not split into"),
+    (["mesh.stage=2", "mesh.data=4", "train.microbatches=1"], "fewer than mesh.stage=2"),
+    (["mesh.stage=2", "mesh.data=4", "train.microbatches=3"], "does not split into"),
+    (["mesh.stage=2", "mesh.data=4", "train.optimizer=adan", "train.flat_params=true"],
+     "train.flat_params=false"),
+    (["mesh.stage=2", "mesh.data=4", "precision.policy=fp8"], "other than fp8"),
+    (["mesh.stage=2", "mesh.data=4", "train.layer_decay=0.8"], "train.layer_decay=1"),
+])
+def test_pipelines_it_cannot_run_are_refused_before_anything_is_built(tmp_path, extra, message):
+    cfg = config.build(sets=TINY + [f"workdir={tmp_path}", *extra])
+    with pytest.raises(ValueError, match=message):
+        run_lib.resolve(cfg, DEVICES)
+
+
+@pytest.mark.parametrize("first,second", [("mesh.stage=2", "mesh.stage=1"),
+                                          ("mesh.stage=1", "mesh.stage=2")])
+def test_checkpoints_move_between_pipelined_and_plain_runs(tmp_path, first, second):
+    """Stopped after step 3 on one layout, resumed on the other: the losses of the run that
+    never stopped (dropout on), its final eval, and the eval of its folder on 2 devices."""
+    sets = ["model.hidden_dropout=0.1", "model.attention_dropout=0.1", "train.epochs=2",
+            "mesh.data=-1"]
+    full = loop.train(tiny_cfg(tmp_path, "name=full", *sets))
+    part = loop.train(tiny_cfg(tmp_path, "name=part", *sets, first), sigterm_at(3))
+    assert part["status"] == "preempted"
+    resumed = loop.train(tiny_cfg(tmp_path, "name=part", *sets, second))
+    assert resumed["status"] == "completed"
+    lf, lp = logged_losses(full["run_dir"]), logged_losses(part["run_dir"])
+    assert sorted(lp) == sorted(lf)
+    np.testing.assert_allclose([lp[s] for s in sorted(lf)], [lf[s] for s in sorted(lf)],
+                               rtol=1e-5)
+    assert resumed["eval_accuracy"] == pytest.approx(full["eval_accuracy"])
+    # jaxaccel eval of the folder: data parallel on the devices at hand, whatever mesh trained
+    assert inference.evaluate_run(part["run_dir"], devices=DEVICES[:2])["accuracy"] == \
+        pytest.approx(full["eval_accuracy"])
+
+
+# The decoder job's config with the tiny decoder (2 layers; a tokenizer named so that no corpus
+# BPE is sized) on 2 stages x 2 FSDP x 2 data, 32 rows of 64 tokens.
+PLANNED = ["model.name=llama-tiny", "model.tokenizer=unused", "data.max_len=64",
+           "mesh.stage=2", "mesh.fsdp=2", "mesh.data=2", "train.batch_size=32",
+           "train.eval_batch_size=32"]
+
+
+@pytest.mark.aot_compile
+@needs_libtpu
+@needs_cuda_plugin
+@pytest.mark.parametrize("name", ["v5e-8", "h100:1x8"])
+def test_a_pipelined_decoder_plans_for_tpu_and_gpu(name):
+    """The TPU and GPU compilers take the pipelined step (its loops scanned there, not
+    unrolled): the stage-to-stage collective permutes are in the compiled program, the plan
+    states the bubble, and on the TPU the memory per stage does not grow with the
+    micro-batches: parameters and optimizer state are the same, the activations of a fixed
+    batch no larger."""
+    config_path = os.path.join(CONFIGS, "canterbury_lm.py")
+    p = plan.make_plan(config_path, PLANNED + ["train.microbatches=2"], name)
+    assert p.pipeline["permute_bytes"] > 0 and p.collectives["collective-permute"] > 0
+    assert p.pipeline["bubble"] == pytest.approx(1 / 3) and p.estimate["bubble"] == 1 / 3
+    assert "bubble (S-1)/(R*M+S-1) = 33.3%" in plan.report(p)
+    assert plan.result(p)["rows"][0]["pipeline"]["stages"] == 2
+    if name == "v5e-8":
+        more = plan.make_plan(config_path, PLANNED + ["train.microbatches=8"], name)
+        assert more.pipeline["bubble"] == pytest.approx(1 / 9)
+        for key in ("params", "opt_state"):
+            assert more.memory[key] == p.memory[key]
+        assert more.memory["temp"] <= p.memory["temp"] * 1.05, (more.memory, p.memory)
