@@ -129,8 +129,10 @@ def _losses_and_params(run, k=3):
     """The losses of ``k`` steps, and the parameter tree (in the per-parameter form), fp16
     loss scale and fp8 state they leave."""
     losses, state = train_steps(run, k)
-    return losses, jax.device_get((run.resolved.layout.view(state.params), state.loss_scale,
-                                   state.fp8))
+    # The view jitted: one program instead of a few eager ops per parameter (183 compiles on a
+    # sharded flat layout).
+    view = jax.jit(run.resolved.layout.view)(state.params)
+    return losses, jax.device_get((view, state.loss_scale, state.fp8))
 
 
 @pytest.fixture(scope="module")
