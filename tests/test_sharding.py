@@ -175,17 +175,25 @@ def assert_step_kernels(compiled, platform):
         assert kernel in calls, kernel
 
 
+@pytest.fixture(scope="module")
+def kernels_run(tmp_path_factory):
+    """The run the accelerator compiles below move onto each target (built once: compiling
+    for a target does not change it)."""
+    return build(tmp_path_factory.mktemp("kernels"), (2, 2, 2), 8, *ADAN, "sharding.zero1=true",
+                 "model.attention_impl=pallas", "data.synthetic_seq_len=32",
+                 "data.synthetic_min_len=1", "data.bucket=false")
+
+
 @pytest.mark.parametrize("name", ["v5e:2x4", "v6e:2x4", "h100:1x8"])
-def test_train_step_compiles_for_accelerators_on_a_2x2x2_mesh(tmp_path, compile_target, name):
+def test_train_step_compiles_for_accelerators_on_a_2x2x2_mesh(kernels_run, compile_target,
+                                                               name):
     """The whole step with both Pallas kernels (flash attention, fused Adan with ZeRO-1) on a
     2x2x2 mesh of an 8-chip TPU slice / 8-GPU host, compiled by its compiler from this CPU
     machine: the kernels (chosen from the mesh) are in the compiled program, run per shard.
     Rows of mixed lengths, so the step is the unpadded one (``models.unpad``, on by default),
     its per-token layers on [groups, slots] arrays of the real tokens."""
     target = compile_target(name)
-    run = build(tmp_path, (2, 2, 2), 8, *ADAN, "sharding.zero1=true",
-                "model.attention_impl=pallas", "data.synthetic_seq_len=32",
-                "data.synthetic_min_len=1", "data.bucket=false")
+    run = kernels_run
     shape = next(run.train_data.batches(0))["attention_mask"].shape
     slots = run.unpad.slots[tuple(shape)]
     m = compile_only.mesh(target, run.mesh.devices.shape, run.mesh.axis_names)
