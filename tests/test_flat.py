@@ -167,14 +167,20 @@ def test_sharded_flat_training_equals_one_device(tmp_path, optax_path, mesh, dev
     _assert_same(_losses_and_params(run), optax_path)
 
 
+@pytest.fixture(scope="module")
+def flat_142(tmp_path_factory):
+    """The flat run both targets below compile (built once: compiling does not change it)."""
+    return build(tmp_path_factory.mktemp("flat_142"), (1, 4, 2), 8, *ADAN, *FLAT)
+
+
 @pytest.mark.parametrize("name", ["v5e:2x4", "h100:1x8"])
-def test_flat_step_compiles_for_tpu_and_gpu_with_one_kernel_per_group(tmp_path, compile_target,
+def test_flat_step_compiles_for_tpu_and_gpu_with_one_kernel_per_group(flat_142, compile_target,
                                                                        name):
     """The one-pass step on a (1, 4, 2) mesh of compile-only devices: one apply kernel per
     group in the compiled program (Mosaic / Triton, chosen from the mesh), no update kernel."""
     from jax.sharding import PartitionSpec as P
     target = compile_target(name)
-    run = build(tmp_path, (1, 4, 2), 8, *ADAN, *FLAT)
+    run = flat_142
     assert run.state.params.layout.param_spec == P(("fsdp", "tensor"))
     m = compile_only.mesh(target, run.mesh.devices.shape, run.mesh.axis_names)
     text = compile_only.compile_step(run, m)[0].as_text()
