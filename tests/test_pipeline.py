@@ -56,30 +56,37 @@ def two_steps(sets, tmp_path, mesh, layers, *extra):
     return losses, jax.device_get(flat.portable(state.params)), run
 
 
-LAYERS = 8
+SETS = {"bert": BERT, "llama": LLAMA}
 
 
 @pytest.fixture(scope="module")
 def plain(tmp_path_factory):
-    """The unpipelined references: 8 layers of each family, data parallel over 8 devices."""
-    tmp = tmp_path_factory.mktemp("plain")
-    return {family: two_steps(sets, tmp, {"data": 8}, LAYERS)[:2]
-            for family, sets in (("bert", BERT), ("llama", LLAMA))}
+    """The unpipelined references, data parallel over 8 devices: ``plain(family, layers)``."""
+    tmp, done = tmp_path_factory.mktemp("plain"), {}
+
+    def reference(family, layers):
+        if (family, layers) not in done:
+            done[family, layers] = two_steps(SETS[family], tmp, {"data": 8}, layers)[:2]
+        return done[family, layers]
+    return reference
 
 
-# (mesh, micro-batches per stage, repeats): each family on every mesh, with M = S, 2S or 4S
-# and R = 1 or 2 among them (groups of 1 to 4 layers).
-CASES = {"bert": [("stage2_fsdp2_data2", 4, 1), ("stage4_tensor2", 1, 2), ("stage8", 1, 1)],
-         "llama": [("stage2_fsdp2_data2", 1, 2), ("stage4_tensor2", 2, 1), ("stage8", 1, 1)]}
+# (mesh, micro-batches per stage, repeats, layers): each family on every mesh, with M = S, 2S
+# or 4S, R = 1 or 2 and groups of 1 or 2 layers among them. The schedule is unrolled on the CPU
+# (R M + S - 1 steps of a group each), so the models are as small as the case allows.
+CASES = {"bert": [("stage2_fsdp2_data2", 4, 1, 2), ("stage4_tensor2", 1, 1, 8),
+                  ("stage8", 1, 1, 8)],
+         "llama": [("stage2_fsdp2_data2", 1, 2, 4), ("stage4_tensor2", 2, 1, 4),
+                   ("stage8", 1, 1, 8)]}
 
 
-@pytest.mark.parametrize("family,mesh,per_stage,repeats",
+@pytest.mark.parametrize("family,mesh,per_stage,repeats,layers",
                          [(f, *c) for f, cases in CASES.items() for c in cases])
 def test_pipelined_steps_equal_the_plain_steps(plain, tmp_path, family, mesh, per_stage,
-                                               repeats):
+                                               repeats, layers):
     sizes = MESHES[mesh]
     m = per_stage * sizes["stage"]
-    losses, params, run = two_steps(BERT if family == "bert" else LLAMA, tmp_path, sizes, LAYERS,
+    losses, params, run = two_steps(SETS[family], tmp_path, sizes, layers,
                                     f"train.microbatches={m}",
                                     f"model.pipeline_repeats={repeats}")
     stages = run.resolved.stages
@@ -88,7 +95,7 @@ def test_pipelined_steps_equal_the_plain_steps(plain, tmp_path, family, mesh, pe
     # the layers live split over the stages: each device holds its stage's groups only
     leaf = jax.tree_util.tree_leaves(run.state.params.layers)[0]
     assert leaf.sharding.spec[0] == "stage"
-    ref_losses, ref_params = plain[family]
+    ref_losses, ref_params = plain(family, layers)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     for a, b in zip(jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(ref_params)):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
@@ -99,9 +106,9 @@ def test_remat_gradient_accumulation_and_fp16_compose_with_the_pipeline(tmp_path
     micro-batches, fp16 with loss scaling: the plain run's losses (fp16 rounding apart) and
     the same loss scale."""
     extra = ("model.remat=true", "train.grad_accum=2", "precision.policy=fp16")
-    pipe = two_steps(LLAMA, tmp_path, {"stage": 2, "data": 4}, 4, *extra,
+    pipe = two_steps(LLAMA, tmp_path, {"stage": 2, "data": 4}, 2, *extra,
                      "train.microbatches=2")
-    ref = two_steps(LLAMA, tmp_path, {"data": 8}, 4, *extra)
+    ref = two_steps(LLAMA, tmp_path, {"data": 8}, 2, *extra)
     np.testing.assert_allclose(pipe[0], ref[0], rtol=2e-3)
     for a, b in zip(jax.tree_util.tree_leaves(pipe[1]), jax.tree_util.tree_leaves(ref[1])):
         np.testing.assert_allclose(np.float32(a), np.float32(b), rtol=0, atol=2e-3)
@@ -136,26 +143,28 @@ def test_pipelines_it_cannot_run_are_refused_before_anything_is_built(tmp_path, 
         run_lib.resolve(cfg, DEVICES)
 
 
-@pytest.mark.parametrize("first,second", [("mesh.stage=2", "mesh.stage=1"),
-                                          ("mesh.stage=1", "mesh.stage=2")])
-def test_checkpoints_move_between_pipelined_and_plain_runs(tmp_path, first, second):
-    """Stopped after step 3 on one layout, resumed on the other: the losses of the run that
-    never stopped (dropout on), its final eval, and the eval of its folder on 2 devices."""
-    sets = ["model.hidden_dropout=0.1", "model.attention_dropout=0.1", "train.epochs=2",
+def test_checkpoints_move_between_pipelined_and_plain_runs(tmp_path):
+    """Stopped after step 3 on one layout, resumed on the other, both ways: the losses of the
+    run that never stopped (dropout on), its final eval, and the eval of the folder on 2
+    devices."""
+    sets = ["model.hidden_dropout=0.1", "model.attention_dropout=0.1", "train.max_steps=6",
             "mesh.data=-1"]
     full = loop.train(tiny_cfg(tmp_path, "name=full", *sets))
-    part = loop.train(tiny_cfg(tmp_path, "name=part", *sets, first), sigterm_at(3))
-    assert part["status"] == "preempted"
-    resumed = loop.train(tiny_cfg(tmp_path, "name=part", *sets, second))
-    assert resumed["status"] == "completed"
-    lf, lp = logged_losses(full["run_dir"]), logged_losses(part["run_dir"])
-    assert sorted(lp) == sorted(lf)
-    np.testing.assert_allclose([lp[s] for s in sorted(lf)], [lf[s] for s in sorted(lf)],
-                               rtol=1e-5)
-    assert resumed["eval_accuracy"] == pytest.approx(full["eval_accuracy"])
-    # jaxaccel eval of the folder: data parallel on the devices at hand, whatever mesh trained
-    assert inference.evaluate_run(part["run_dir"], devices=DEVICES[:2])["accuracy"] == \
-        pytest.approx(full["eval_accuracy"])
+    lf = logged_losses(full["run_dir"])
+    for first, second in (("mesh.stage=2", "mesh.stage=1"), ("mesh.stage=1", "mesh.stage=2")):
+        name = f"name=from_{first[-1]}"
+        part = loop.train(tiny_cfg(tmp_path, name, *sets, first), sigterm_at(3))
+        assert part["status"] == "preempted"
+        resumed = loop.train(tiny_cfg(tmp_path, name, *sets, second))
+        assert resumed["status"] == "completed"
+        lp = logged_losses(part["run_dir"])
+        assert sorted(lp) == sorted(lf)
+        np.testing.assert_allclose([lp[s] for s in sorted(lf)], [lf[s] for s in sorted(lf)],
+                                   rtol=1e-5)
+        assert resumed["eval_accuracy"] == pytest.approx(full["eval_accuracy"])
+        # jaxaccel eval of the folder: data parallel on the devices at hand, whatever trained it
+        assert inference.evaluate_run(part["run_dir"], devices=DEVICES[:2])["accuracy"] == \
+            pytest.approx(full["eval_accuracy"])
 
 
 # The decoder job's config with the tiny decoder (2 layers; a tokenizer named so that no corpus
