@@ -116,19 +116,27 @@ def _same(a, b):
     assert a[2]["accuracy"] == b[2]["accuracy"]
 
 
-def test_training_is_the_same_unpadded(tmp_path):
+@pytest.fixture(scope="module")
+def unpadded_one_device(tmp_path_factory):
+    """Three unpadded steps on one device and the evaluation after them (both tests below
+    compare with it)."""
+    run = _build(tmp_path_factory.mktemp("one"), jax.devices()[:1])
+    assert run.unpad.slots
+    return _steps(run)
+
+
+def test_training_is_the_same_unpadded(tmp_path, unpadded_one_device):
     """Three steps of the trainer with dropout on, unpadded and not, and the evaluation after
     them: same loss, parameters and eval sums."""
-    one = jax.devices()[:1]
-    padded = _build(tmp_path, one, "train.unpad=false")
-    unpadded = _build(tmp_path, one)
-    assert padded.unpad is None and unpadded.unpad.slots
-    _same(_steps(unpadded), _steps(padded))
+    padded = _build(tmp_path, jax.devices()[:1], "train.unpad=false")
+    assert padded.unpad is None
+    _same(unpadded_one_device, _steps(padded))
 
 
-def test_sharded_unpadded_training_equals_one_device(tmp_path, eight_devices):
+def test_sharded_unpadded_training_equals_one_device(tmp_path, eight_devices,
+                                                     unpadded_one_device):
     """On a 2x2x2 mesh the batch's 4 row groups unpad separately (no token crosses a device):
     the same training as on one device, dropout masks included."""
     sharded = _build(tmp_path, eight_devices, "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2")
     assert sharded.unpad.groups == 4 and sharded.unpad.slots
-    _same(_steps(sharded), _steps(_build(tmp_path, jax.devices()[:1])))
+    _same(_steps(sharded), unpadded_one_device)
