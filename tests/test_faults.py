@@ -116,12 +116,14 @@ def test_readers_open_read_only_while_a_trainer_saves(tmp_path):
     assert pending.is_dir(), "a reader deleted a writer's unfinished save"
 
 
-def test_resume_false_on_a_used_folder_is_refused_or_overwritten(run_copy):
-    """Item 2: never mix two runs in one folder."""
+def test_resume_false_on_a_used_folder_is_refused_or_overwritten(run_copy, capsys):
+    """Item 2: never mix two runs in one folder. (The refusal in process: it comes before
+    anything is built.)"""
     workdir = os.path.dirname(run_copy)
-    proc = jaxaccel(*train_args(workdir, "train.resume=false", "train.max_steps=2"))
-    assert proc.returncode == cli.EXIT_ERROR
-    assert "already holds a run" in text(proc) and "train.overwrite=true" in text(proc)
+    assert cli.main(train_args(workdir, "train.resume=false", "train.max_steps=2")) == \
+        cli.EXIT_ERROR
+    err = capsys.readouterr().err
+    assert "already holds a run" in err and "train.overwrite=true" in err, err
     assert steps(run_copy) == [16, 32]
 
     proc = jaxaccel(*train_args(workdir, "train.resume=false", "train.overwrite=true",
@@ -292,15 +294,16 @@ def test_corrupt_metadata_falls_back_and_readers_leave_unfinished_saves(run_copy
     assert os.path.isdir(pending), "a reader deleted a writer's unfinished save"
 
 
-def test_changed_config_resume(run_copy):
+def test_changed_config_resume(run_copy, capsys):
     """Item 5: a model change is refused before anything is written, naming the key; more
-    epochs continue the run on the schedule of the new length."""
+    epochs continue the run on the schedule of the new length. (The refusals in process:
+    they come before anything is built.)"""
     workdir = os.path.dirname(run_copy)
     with open(os.path.join(run_copy, "config.json")) as f:
         saved = f.read()
-    proc = jaxaccel(*train_args(workdir, "model.hidden_dropout=0.2", "train.b1=0.8"))
-    assert proc.returncode == cli.EXIT_ERROR
-    err = text(proc)
+    assert cli.main(train_args(workdir, "model.hidden_dropout=0.2", "train.b1=0.8")) == \
+        cli.EXIT_ERROR
+    err = capsys.readouterr().err
     assert "model.hidden_dropout: None -> 0.2" in err and "train.b1: None -> 0.8" in err, err
     assert "Traceback" not in err
     with open(os.path.join(run_copy, "config.json")) as f:
@@ -315,8 +318,9 @@ def test_changed_config_resume(run_copy):
     lrs = [r["train/learning_rate"] for r in rows if "train/learning_rate" in r and r["step"] > 32]
     assert lrs and all(b < a for a, b in zip(lrs, lrs[1:])), lrs   # decays, no jump back up
 
-    proc = jaxaccel(*train_args(workdir, "train.epochs=1"))
-    assert proc.returncode == cli.EXIT_ERROR and "ends at step 16" in text(proc), text(proc)
+    assert cli.main(train_args(workdir, "train.epochs=1")) == cli.EXIT_ERROR
+    err = capsys.readouterr().err
+    assert "ends at step 16" in err, err
     with open(os.path.join(run_copy, "config.json")) as f:      # second probe, item 2
         assert json.load(f)["train"]["epochs"] == 3, "a refused resume rewrote config.json"
 
@@ -477,15 +481,16 @@ def test_fp16_stop_at_a_huge_initial_loss_scale_names_that_knob(tmp_path):
     assert "Lower precision.loss_scale_init" in error and "learning_rate" not in error, error
 
 
-def test_resume_without_config_json_compares_with_the_checkpoint_record(run_copy):
+def test_resume_without_config_json_compares_with_the_checkpoint_record(run_copy, capsys):
     """Item 2: with config.json gone, a changed optimizer called both good checkpoints
-    unreadable and advised deleting them; the correct command was refused afterwards."""
+    unreadable and advised deleting them; the correct command was refused afterwards. (The
+    refusal in process: it comes before anything is built.)"""
     os.remove(os.path.join(run_copy, "config.json"))
     workdir = os.path.dirname(run_copy)
-    proc = jaxaccel(*train_args(workdir, "train.optimizer=adan"))
-    assert proc.returncode == cli.EXIT_ERROR, text(proc)
-    assert "train.optimizer: 'adamw' -> 'adan'" in text(proc), text(proc)
-    assert "cannot be read" not in text(proc) and "Traceback" not in text(proc)
+    assert cli.main(train_args(workdir, "train.optimizer=adan")) == cli.EXIT_ERROR
+    out, err = capsys.readouterr()
+    assert "train.optimizer: 'adamw' -> 'adan'" in err, out + err
+    assert "cannot be read" not in out + err and "Traceback" not in out + err
     assert steps(run_copy) == [16, 32] and not os.path.exists(os.path.join(run_copy, "config.json"))
     assert not os.path.exists(os.path.join(run_copy, "skipped_checkpoints"))
     proc = jaxaccel(*train_args(workdir))
