@@ -94,13 +94,13 @@ def test_layer_decay_keeps_a_run_off_the_flat_layout():
 def test_the_config_key_reaches_the_trainers_optimizer(name):
     """The embedding table's first update is decay**(L + 1) times the undecayed one."""
     updates = []
+    spec, params = _params(name)            # the same parameters for both optimizers
     for decay in (1.0, DECAY):
         # Data of the model's task; a decoder's tokenizer named, so no corpus BPE is sized.
         data = ["data.name=canterbury", "model.tokenizer=unused"] if name.startswith("llama") \
             else ["data.name=synthetic"]
         cfg = config.build(sets=[f"model.name={name}", *data, f"train.layer_decay={decay}",
                                  "train.warmup_ratio=0.0"])
-        spec, params = _params(name)
         r = resolve(cfg)
         tx, _, create, _ = optimizer_state(r, params, None, None, 10)
         grads = jax.tree_util.tree_map(jnp.ones_like, params)
