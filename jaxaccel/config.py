@@ -33,13 +33,21 @@ BASE: dict[str, Any] = {
     "model": {
         "name": "minilm-l6",        # preset: minilm-l6, bert-base, bert-large, tiny (BERT:
                                     # classification); llama-tiny, llama-cpu, llama-125m,
-                                    # llama-350m, llama-1b (decoders: causal LM); models/spec.py
+                                    # llama-350m, llama-1b (decoders: causal LM); vit-tiny,
+                                    # vit-audio-cpu, vit-b16-mae, audiomae-b16 (ViT: MAE,
+                                    # classification); models/spec.py
         "checkpoint": "",           # HF checkpoint dir; "" = the packaged MiniLM for minilm-l6,
                                     # random init for the other presets
+        "init_from": "",            # a run folder: start from its newest checkpoint's weights
+                                    # where paths and shapes agree (e.g. an MAE run's encoder
+                                    # for classification); its head is new
         "tokenizer": "",            # tokenizer dir; "" = the checkpoint's (or the packaged
                                     # MiniLM's uncased BERT vocab for random-init presets; a
                                     # corpus's own BPE, data.tokenizer_vocab, for its LM run)
-        "num_labels": 2,            # BERT only (decoders have an LM head)
+        "task": "",                 # "" = the family's first: classification (BERT), causal_lm
+                                    # (Llama), mae (ViT: masked-autoencoder pretraining; or
+                                    # classification)
+        "num_labels": 2,            # classification models only
         "attention_impl": "xla",    # auto | xla | pallas | cudnn (kernels_pallas/attention.py)
         "pooling": "cls",           # what the classifier reads: cls (BERT pooler) | mean
                                     # (masked mean of the last hidden states)

@@ -56,15 +56,73 @@ class Shape:
             + self.head_weights
 
 
-def attention_flops(shape: Shape, batch: int, seq: int) -> float:
+    def attention_flops(self, batch: int, seq: int) -> float:
+        attention = 12.0 * self.layers * seq * seq * self.heads * self.head_dim
+        return attention * batch * (0.5 if self.causal else 1.0)
+
+    def train_flops(self, batch: int, seq: int) -> float:
+        return 6.0 * self.matmul_weights * batch * seq + self.attention_flops(batch, seq)
+
+    @staticmethod
+    def rows(batch: dict) -> tuple[int, int]:
+        """(rows, padded length) of a host batch of token rows."""
+        return batch["input_ids"].shape
+
+    @staticmethod
+    def row_tokens(seq: int) -> int:
+        """Tokens of a row of ``seq`` tokens (a ViT's: its patches, whatever ``seq``)."""
+        return seq
+
+    @staticmethod
+    def batch_tokens(batch: dict) -> tuple[int, int]:
+        return batch_tokens(batch)
+
+
+@dataclasses.dataclass(frozen=True)
+class ViTShape:
+    """A ViT (``models.vit``): its encoder on ``encoder_tokens`` per row (the CLS token and
+    the kept patches under MAE, every patch otherwise), the MAE decoder on every patch and the
+    CLS token (``decoder_tokens``; 0 without one), and the patch embedding (``patch_weights``
+    per patch). A row's tokens are its ``patches``; the ``seq`` of the formula is unused."""
+
+    encoder: Shape
+    encoder_tokens: int
+    decoder: Shape | None
+    decoder_tokens: int
+    patches: int
+    patch_weights: int
+
+    def attention_flops(self, batch: int, seq: int | None = None) -> float:
+        dec = 0.0 if self.decoder is None else \
+            self.decoder.attention_flops(batch, self.decoder_tokens)
+        return self.encoder.attention_flops(batch, self.encoder_tokens) + dec
+
+    def train_flops(self, batch: int, seq: int | None = None) -> float:
+        dec = 0.0 if self.decoder is None else \
+            self.decoder.train_flops(batch, self.decoder_tokens)
+        return (self.encoder.train_flops(batch, self.encoder_tokens) + dec
+                + 6.0 * self.patch_weights * batch * self.patches)
+
+    def rows(self, batch: dict) -> tuple[int, int]:
+        return len(batch["pixels"]), self.patches
+
+    def row_tokens(self, seq: int | None = None) -> int:
+        return self.patches
+
+    def batch_tokens(self, batch: dict) -> tuple[int, int]:
+        """(patches, patches of real rows: weight > 0)."""
+        rows = len(batch["pixels"])
+        return rows * self.patches, int(np.count_nonzero(batch["weights"])) * self.patches
+
+
+def attention_flops(shape: Shape | ViTShape, batch: int, seq: int) -> float:
     """The attention term of ``train_flops``: QK^T and AV, forward and backward."""
-    attention = 12.0 * shape.layers * seq * seq * shape.heads * shape.head_dim
-    return attention * batch * (0.5 if shape.causal else 1.0)
+    return shape.attention_flops(batch, seq)
 
 
-def train_flops(shape: Shape, batch: int, seq: int) -> float:
+def train_flops(shape: Shape | ViTShape, batch: int, seq: int) -> float:
     """Model FLOPs of one training step on ``batch`` rows of ``seq`` tokens (module doc)."""
-    return 6.0 * shape.matmul_weights * batch * seq + attention_flops(shape, batch, seq)
+    return shape.train_flops(batch, seq)
 
 
 def bert_shape(spec) -> Shape:
@@ -88,7 +146,29 @@ def llama_shape(spec) -> Shape:
                  head_weights=a.hidden_size * a.vocab_size, causal=True)
 
 
-def model_shape(spec) -> Shape:
+def vit_shape(spec) -> ViTShape:
+    """A ViT (bidirectional, GELU MLP): the encoder, and under MAE the decoder (its embedding
+    and its patch prediction counted as its head), else the classifier on one token per row
+    (counted per encoder token, as BERT's head)."""
+    a = spec.architecture
+    h, n = a.hidden_size, a.num_patches
+    mae = spec.task == "mae"
+    encoder = Shape(hidden=h, layers=a.num_hidden_layers, heads=a.num_attention_heads,
+                    kv_heads=a.num_attention_heads, head_dim=a.head_dim,
+                    intermediate=a.intermediate_size, mlp_matrices=2,
+                    head_weights=0 if mae else h * (spec.num_labels or 0), causal=False)
+    decoder = None
+    if mae:
+        d, heads = a.decoder_hidden_size, a.decoder_num_attention_heads
+        decoder = Shape(hidden=d, layers=a.decoder_num_hidden_layers, heads=heads,
+                        kv_heads=heads, head_dim=d // heads,
+                        intermediate=a.decoder_intermediate_size, mlp_matrices=2,
+                        head_weights=h * d + d * a.patch_dim, causal=False)
+    kept = 1 + int(n * (1 - a.mask_ratio)) if mae else 1 + n
+    return ViTShape(encoder, kept, decoder, n + 1 if mae else 0, n, a.patch_dim * h)
+
+
+def model_shape(spec) -> Shape | ViTShape:
     """The FLOPs shape of a model spec, by its family's entry (``models.spec.FAMILIES``)."""
     return spec.family.resolve("flops")(spec)
 
@@ -129,8 +209,8 @@ class Throughput:
         if self._skip_next:
             self._skip_next = False
             return
-        processed, real = batch_tokens(batch)
-        rows, length = batch["input_ids"].shape
+        processed, real = self.shape.batch_tokens(batch)
+        rows, length = self.shape.rows(batch)
         flops = train_flops(self.shape, rows * self.processes, length)
         self._sums += (processed * self.processes, real * self.processes, flops, seconds)
 

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from jaxaccel import config
+from jaxaccel.models.spec import LLAMA_PRESETS, PRESETS, VIT_PRESETS, ModelSpec
 from jaxaccel.data import bpe, canterbury, load_corpus, load_text_dataset, load_tokenizer, splits
 from jaxaccel.data.packing import KEYS, PackedBatches, pack, tokenize_documents
 from support import CLI, CONFIGS, ROOT, cpu_env
@@ -282,7 +283,12 @@ def test_data_and_model_tasks_must_agree():
     with pytest.raises(ValueError, match="data.name='canterbury' gives causal_lm batches but "
                                          "the model \\(model.name='minilm-l6'\\) trains "
                                          "classification; use a decoder"):
-        splits.check_task(lm, "classification")
-    splits.check_task(lm, "causal_lm")
+        splits.check_task(lm, ModelSpec(PRESETS["minilm-l6"], num_labels=2))
+    splits.check_task(lm, ModelSpec(LLAMA_PRESETS["llama-cpu"]))
     with pytest.raises(ValueError, match="'rt_snippets' gives classification batches"):
-        splits.check_task(config.build(sets=["model.name=llama-cpu"]), "causal_lm")
+        splits.check_task(config.build(sets=["model.name=llama-cpu"]),
+                          ModelSpec(LLAMA_PRESETS["llama-cpu"]))
+    with pytest.raises(ValueError, match="'rt_snippets' holds text but the model "
+                                         "\\(model.name='vit-tiny'\\) reads arrays"):
+        splits.check_task(config.build(sets=["model.name=vit-tiny"]),
+                          ModelSpec(VIT_PRESETS["vit-tiny"], task="mae"))

@@ -174,7 +174,8 @@ def test_every_config_is_assembled_for_the_target_as_the_trainer_would(name):
         cfg, notes = plan.plannable(plan.load_config(os.path.join(CONFIGS, path), [], target))
         run = plan.abstract_run(cfg, target)
         batch = plan.abstract_batch(run, cfg.train.batch_size)
-        assert set(batch) == set(run.task.batch_keys), path
+        model = run.spec.family.resolve("model")
+        assert set(batch) == set(model.input_keys + run.task.targets), path
         assert batch["input_ids"].shape[0] == cfg.train.batch_size, path
         assert run.total_steps >= 1 and run.resolved.mesh.devices.size == 8, path
         assert bool(notes) == (path == "canterbury_lm_finetune.py"), (path, notes)

@@ -42,15 +42,23 @@ class DatasetEntry:
       records hold text only, read with ``load_corpus``).
     train_examples: examples in the train split (steps per epoch before the data is read:
       ``jaxaccel compile``); None for a corpus, whose rows depend on the packing.
+    arrays: an array dataset's reader (``load_arrays``): ``(data_dir, source, split, shape)
+      -> (x float32 [n, *shape], labels int32 [n])``, ``shape`` the model's input (e.g.
+      [frames, mel bins] of a spectrogram); None for text.
     """
 
     prepare: Callable
     label_names: tuple[str, ...] | None
     train_examples: int | None = None
+    arrays: Callable | None = None
 
     @property
     def is_corpus(self) -> bool:
         return self.label_names is None
+
+    @property
+    def is_arrays(self) -> bool:
+        return self.arrays is not None
 
 
 DATASETS: dict[str, DatasetEntry] = {
@@ -135,6 +143,17 @@ def load_text_dataset(
     return TextDataset(name, {s: _read_split(builder, s) for s in splits}, labels)
 
 
+def load_arrays(name: str, split: str, shape: tuple[int, ...], *, data_dir: str | None = None,
+                source: str | os.PathLike | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """``(x float32 [n, *shape], labels int32 [n])`` of ``split`` of an array dataset of
+    DATASETS, built on first use; ``shape`` the model's input shape."""
+    entry = dataset_entry(name)
+    if not entry.is_arrays:
+        raise ValueError(f"{name!r} is a text dataset; array datasets: "
+                         f"{', '.join(n for n, e in DATASETS.items() if e.is_arrays)}.")
+    return entry.arrays(data_dir, source, split, tuple(shape))
+
+
 def load_corpus(name: str, *, data_dir: str | None = None,
                 source: str | os.PathLike | None = None,
                 splits: tuple[str, ...] = ("train", "validation")) -> dict[str, list[str]]:
@@ -166,6 +185,7 @@ def corpus_folder(name: str, data_dir: str | None = None) -> str:
 __all__ = [
     "DATASETS",
     "DatasetEntry",
+    "load_arrays",
     "BatchIterator",
     "TextDataset",
     "Tokenized",

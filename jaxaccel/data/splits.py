@@ -32,10 +32,12 @@ import math
 import jax
 import numpy as np
 
-from jaxaccel.data import bpe, corpus_folder, dataset_entry, load_corpus, load_text_dataset
+from jaxaccel.data import (bpe, corpus_folder, dataset_entry, load_arrays, load_corpus,
+                           load_text_dataset)
+from jaxaccel.data.arrays import ArrayBatches
 from jaxaccel.data.packing import PackedBatches, tokenize_documents
 from jaxaccel.data.pipeline import BatchIterator, Tokenized, tokenize
-from jaxaccel.data.synthetic import synthetic
+from jaxaccel.data.synthetic import synthetic, synthetic_arrays
 
 SYNTHETIC_VOCAB = 30522      # BERT's uncased vocabulary: synthetic ids lie in [0, 30522)
 TRAIN_BUCKET_WINDOW = 50     # global batches sorted by length together (data.bucket)
@@ -104,21 +106,94 @@ def _is_corpus(cfg) -> bool:
     return cfg.data.name != "synthetic" and dataset_entry(cfg.data.name).is_corpus
 
 
-def data_task(cfg) -> str:
-    """The task (``train.tasks.TASKS``) the configured data is for: a corpus gives
-    ``causal_lm`` batches, the other datasets ``classification`` ones."""
-    return "causal_lm" if _is_corpus(cfg) else "classification"
+DATA_FOR = {"causal_lm": ("data.name=canterbury",),
+            "classification": ("data.name=rt_snippets", "imdb_reviews", "spoken_digits",
+                               "synthetic"),
+            "mae": ("data.name=spoken_digits", "synthetic")}
 
 
-def check_task(cfg, task: str) -> None:
-    """The model's training task must be the one the data is for (``data_task``)."""
-    given = data_task(cfg)
-    if task != given:
-        fix = ("a decoder (e.g. model.name=llama-cpu) for it, or a labelled dataset" if task ==
-               "classification" else "a BERT model (e.g. model.name=minilm-l6) for it, or a "
-               "corpus (data.name=canterbury)")
-        raise ValueError(f"data.name={cfg.data.name!r} gives {given} batches but the model "
-                         f"(model.name={cfg.model.name!r}) trains {task}; use {fix}.")
+def reads_pixels(spec) -> bool:
+    """Whether the model of ``spec`` reads arrays (``pixels``: images, spectrograms) rather
+    than tokens."""
+    return "pixels" in spec.family.resolve("model").input_keys
+
+
+def reads_arrays(cfg, spec=None) -> bool:
+    """Whether the configured data is arrays (an array dataset, or synthetic arrays for a
+    model that reads pixels: the model, ``spec`` or the config's, decides)."""
+    if cfg.data.name == "synthetic":
+        if spec is None:
+            from jaxaccel.models import model_spec
+            spec = model_spec(cfg.model)
+        return reads_pixels(spec)
+    return dataset_entry(cfg.data.name).is_arrays
+
+
+def split_arrays(cfg, spec, split: str) -> tuple[np.ndarray, np.ndarray, tuple]:
+    """``(x, labels, label_names)`` of ``split`` of array data, each example the shape of the
+    model's input (``spec``'s ``pixels``): synthetic arrays (train from ``seed``, eval from
+    ``seed + 1``) or an array dataset's, the validation split held out of its training split
+    as for text."""
+    d = cfg.data
+    shape = spec.family.resolve("model").input_shapes(spec.architecture, None)["pixels"][0]
+    if d.name == "synthetic":
+        n = cfg.model.num_labels
+        x, labels = synthetic_arrays(shape=shape, num_examples=d.synthetic_examples,
+                                     seed=cfg.seed if split == "train" else cfg.seed + 1,
+                                     num_classes=n)
+        return x, labels, tuple(str(i) for i in range(n))
+    if split == "validation" and not d.validation_size:
+        raise ValueError("data.eval_split='validation' needs data.validation_size > 0 (e.g. "
+                         "300): the validation split is held out of the training split.")
+    source = "train" if split == "validation" else split
+    x, labels = load_arrays(d.name, source, shape, data_dir=d.data_dir or None)
+    if source == "train" and d.validation_size:
+        held = validation_rows(len(labels), d.validation_size)
+        keep = held if split == "validation" else np.setdiff1d(np.arange(len(labels)), held)
+        x, labels = x[keep], labels[keep]
+    names = dataset_entry(d.name).label_names
+    if spec.num_labels is not None and len(names) > spec.num_labels:
+        raise ValueError(f"data {d.name!r} has {len(names)} classes but model.num_labels="
+                         f"{spec.num_labels}; set model.num_labels={len(names)}.")
+    return x, labels, names
+
+
+def _array_batches(cfg, spec, split: str, *, training: bool, share) -> tuple:
+    x, labels, names = split_arrays(cfg, spec, split)
+    if training:
+        _check_train_batch(cfg, len(x), f"examples of the {cfg.data.name!r} {split!r} split")
+    size = cfg.train.batch_size if training else _eval_batch_size(cfg, len(x), split)
+    return ArrayBatches(x, labels, size, shuffle=training, seed=cfg.seed,
+                        drop_remainder=training, **_process_shard(share)), names
+
+
+def data_tasks(cfg) -> tuple[str, ...]:
+    """The tasks (``train.tasks.TASKS``) the configured data gives batches for: a corpus
+    ``causal_lm``, an array dataset ``mae`` and ``classification``, a labelled text dataset
+    ``classification``."""
+    if _is_corpus(cfg):
+        return ("causal_lm",)
+    return ("mae", "classification") if reads_arrays(cfg) else ("classification",)
+
+
+def check_task(cfg, spec) -> None:
+    """The model's training task must be one the data gives batches for (``data_tasks``),
+    and the model must read what the data holds (tokens or arrays)."""
+    given, task = data_tasks(cfg), spec.task
+    arrays = cfg.data.name != "synthetic" and dataset_entry(cfg.data.name).is_arrays
+    if arrays != reads_pixels(spec) and cfg.data.name != "synthetic":
+        holds, reads = ("arrays", "tokens") if arrays else ("text", "arrays")
+        raise ValueError(f"data.name={cfg.data.name!r} holds {holds} but the model "
+                         f"(model.name={cfg.model.name!r}) reads {reads}; pick a model of "
+                         f"the {'vit' if arrays else 'bert or llama'} family for it.")
+    if task not in given:
+        models = {"causal_lm": "a decoder (e.g. model.name=llama-cpu)",
+                  "classification": "a classifier (e.g. model.name=minilm-l6)",
+                  "mae": "a ViT (e.g. model.name=vit-tiny)"}
+        raise ValueError(f"data.name={cfg.data.name!r} gives {'/'.join(given)} batches but "
+                         f"the model (model.name={cfg.model.name!r}) trains {task}; use "
+                         f"{models[given[0]]} for it, or data for {task} "
+                         f"({', '.join(DATA_FOR[task])}).")
 
 
 def _trains_bpe(cfg) -> bool:
@@ -204,11 +279,14 @@ def _eval_batch_size(cfg, rows: int, split: str) -> int:
     return fit
 
 
-def train_batches(cfg, tokenizer, max_positions: int, share: tuple[int, int] | None = None
-                  ) -> tuple[BatchIterator | PackedBatches, tuple]:
+def train_batches(cfg, tokenizer, max_positions: int, share: tuple[int, int] | None = None,
+                  spec=None) -> tuple[BatchIterator | PackedBatches | ArrayBatches, tuple]:
     """This process's training batches (shuffled, bucketed, full; its ``share`` of every
     batch, ``_process_shard``) and the label names; for a corpus, packed causal-LM rows and no
-    labels."""
+    labels; for array data (``reads_arrays``; ``tokenizer`` unused), ``ArrayBatches`` of the
+    model ``spec``'s input shape."""
+    if spec is not None and reads_arrays(cfg, spec):
+        return _array_batches(cfg, spec, "train", training=True, share=share)
     if _is_corpus(cfg):
         return _packed(cfg, tokenizer, max_positions, "train", training=True, share=share), ()
     examples, label_names = split_examples(cfg, tokenizer, max_positions, "train")
@@ -221,11 +299,14 @@ def train_batches(cfg, tokenizer, max_positions: int, share: tuple[int, int] | N
     return batches, label_names
 
 
-def eval_batches(cfg, tokenizer, max_positions: int, share: tuple[int, int] | None = None
-                 ) -> tuple[BatchIterator | PackedBatches, tuple]:
+def eval_batches(cfg, tokenizer, max_positions: int, share: tuple[int, int] | None = None,
+                 spec=None) -> tuple[BatchIterator | PackedBatches | ArrayBatches, tuple]:
     """This process's batches of ``data.eval_split`` (length-sorted, every example once; its
     ``share`` as ``train_batches``') and the label names; the training split is neither read
-    nor tokenized. A corpus: packed rows in document order, every token once, and no labels."""
+    nor tokenized. A corpus: packed rows in document order, every token once, and no labels;
+    array data: in order, the last batch completed with weight-0 rows."""
+    if spec is not None and reads_arrays(cfg, spec):
+        return _array_batches(cfg, spec, cfg.data.eval_split, training=False, share=share)
     if _is_corpus(cfg):
         return _packed(cfg, tokenizer, max_positions, cfg.data.eval_split, training=False,
                        share=share), ()

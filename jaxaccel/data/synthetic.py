@@ -32,3 +32,18 @@ def synthetic(
     if min_len:
         rows = [r[:n] for r, n in zip(rows, rng.integers(min_len, seq_len + 1, num_examples))]
     return Tokenized(input_ids=rows, labels=labels, max_len=seq_len, pad_id=0)
+
+
+def synthetic_arrays(*, shape: tuple[int, ...], num_examples: int, seed: int = 0,
+                     num_classes: int = 2) -> tuple[np.ndarray, np.ndarray]:
+    """``(x float32 [num_examples, *shape], labels int32)``: standard-normal noise plus one of
+    ``num_classes`` fixed patterns (drawn from a seed of their own, the same for every split),
+    the label the pattern's index, so the task is learnable and the splits share it."""
+    if num_examples < 1 or num_classes < 2:
+        raise ValueError(f"synthetic_arrays: num_examples={num_examples}, num_classes="
+                         f"{num_classes}; expected >= 1 and >= 2.")
+    patterns = np.random.default_rng(12345).normal(size=(num_classes, *shape))
+    rng = np.random.default_rng(seed)
+    labels = rng.integers(0, num_classes, num_examples).astype(np.int32)
+    x = rng.normal(size=(num_examples, *shape)) + patterns[labels]
+    return x.astype(np.float32), labels

@@ -1,5 +1,5 @@
 """Models and their construction from config: presets, packaged and user checkpoints, of every
-family in ``spec.FAMILIES`` (bert, llama)."""
+family in ``spec.FAMILIES`` (bert, llama, vit)."""
 from __future__ import annotations
 
 import importlib.util
@@ -79,14 +79,17 @@ def create_model(model_cfg, policy, seed: int, spec: ModelSpec | None = None):
     """``(model, tokenizer_dir)`` from the ``model`` section of a config.
 
     A checkpoint directory (``checkpoint_of``) is loaded with its weights; other presets are
-    initialised randomly from ``seed``. The model's spec is ``spec``, default
+    initialised randomly from ``seed``, with ``model.tokenizer`` or the packaged MiniLM's
+    (None for a model that reads no tokens, e.g. a ViT). The model's spec is ``spec``, default
     ``model_spec(model_cfg)``.
     """
     checkpoint = checkpoint_of(model_cfg)
     spec = model_spec(model_cfg) if spec is None else spec
     if checkpoint:
         return load_checkpoint(checkpoint, spec, policy, seed), model_cfg.tokenizer or checkpoint
-    return build_model(spec, policy, seed), model_cfg.tokenizer or packaged_minilm_dir()
+    reads_tokens = "input_ids" in spec.family.resolve("model").input_keys
+    return build_model(spec, policy, seed), model_cfg.tokenizer or (
+        packaged_minilm_dir() if reads_tokens else None)
 
 
 __all__ = ["BertConfig", "BertModel", "FAMILIES", "LLAMA_PRESETS", "LlamaConfig", "ModelSpec",

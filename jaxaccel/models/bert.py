@@ -207,6 +207,12 @@ class BertModel(nnx.Module):
     """
 
     fp8_group = staticmethod(fp8_group)
+    input_keys = ("input_ids", "attention_mask", "token_type_ids")   # the batch keys it reads
+
+    @staticmethod
+    def input_shapes(config: BertConfig, length: int) -> dict:
+        """{key: (shape of one row, dtype)} of the inputs of rows of ``length`` tokens."""
+        return {k: ((length,), jnp.int32) for k in BertModel.input_keys}
 
     @staticmethod
     def layer_call(layer, x, args, deterministic, rngs, rows=None):

@@ -229,6 +229,13 @@ class LlamaForCausalLM(nnx.Module):
         self.lm_head = nnx.data(None if cfg.tie_word_embeddings else _dense(
             cfg.hidden_size, cfg.vocab_size, ("embed", "vocab"), cfg, policy, rngs, block=False))
 
+    input_keys = ("input_ids", "positions", "segment_ids")    # the batch keys it reads
+
+    @staticmethod
+    def input_shapes(config: LlamaConfig, length: int) -> dict:
+        """{key: (shape of one row, dtype)} of the inputs of rows of ``length`` tokens."""
+        return {k: ((length,), jnp.int32) for k in LlamaForCausalLM.input_keys}
+
     @staticmethod
     def layer_call(layer, x, args, deterministic, rngs, rows=None):
         """One layer on ``x`` with ``args`` = (positions, segment ids) (``models.stack``)."""

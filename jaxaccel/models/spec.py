@@ -240,6 +240,134 @@ LLAMA_PRESETS = {
 }
 
 
+VIT_MODEL_TYPES = ("vit_mae", "vit")
+POSITION_EMBEDDINGS = ("sincos", "learned")
+
+
+@dataclasses.dataclass(frozen=True)
+class ViTConfig:
+    """A Vision Transformer over 2-D inputs (images, spectrograms) and its masked-autoencoder
+    decoder; field names are those of transformers' ``ViTMAEConfig`` (a ``ViTConfig``'s are a
+    subset of them), plus ``decoder_window`` and ``position_embedding_type``.
+
+    ``image_size`` (height, width) need not be square: a spectrogram of 1024 frames x 128 mel
+    bins is a 64 x 8 grid of 16 x 16 patches; an int is a square. ``position_embedding_type``
+    "sincos": fixed 2-D sin-cos positions (MAE's; computed, never trained or stored),
+    "learned": a trained table (transformers' ``ViTForImageClassification``).
+    ``decoder_window`` (rows, cols): the MAE decoder attends within local windows of that
+    many patches, shifted by half a window every other layer (Audio-MAE); None: globally.
+    ``mask_ratio`` and ``norm_pix_loss`` are the MAE task's (``models.vit``)."""
+
+    hidden_size: int = 768
+    num_hidden_layers: int = 12
+    num_attention_heads: int = 12
+    intermediate_size: int = 3072
+    hidden_act: str = "gelu"
+    hidden_dropout_prob: float = 0.0
+    attention_probs_dropout_prob: float = 0.0
+    initializer_range: float = 0.02
+    layer_norm_eps: float = 1e-12
+    image_size: tuple = (224, 224)
+    patch_size: int = 16
+    num_channels: int = 3
+    qkv_bias: bool = True
+    decoder_num_attention_heads: int = 16
+    decoder_hidden_size: int = 512
+    decoder_num_hidden_layers: int = 8
+    decoder_intermediate_size: int = 2048
+    mask_ratio: float = 0.75
+    norm_pix_loss: bool = False
+    decoder_window: tuple | None = None
+    position_embedding_type: str = "sincos"
+
+    def __post_init__(self):
+        size = self.image_size
+        size = (size, size) if isinstance(size, int) else tuple(size)
+        object.__setattr__(self, "image_size", size)
+        if self.decoder_window is not None:
+            object.__setattr__(self, "decoder_window", tuple(self.decoder_window))
+        problems = []
+        if len(size) != 2 or any(s % self.patch_size for s in size):
+            problems.append(f"image_size={size} must be (height, width), each a multiple of "
+                            f"patch_size={self.patch_size}")
+        for hidden, heads in (("hidden_size", "num_attention_heads"),
+                              ("decoder_hidden_size", "decoder_num_attention_heads")):
+            if getattr(self, hidden) % getattr(self, heads):
+                problems.append(f"{hidden}={getattr(self, hidden)} is not divisible by "
+                                f"{heads}={getattr(self, heads)}")
+            if getattr(self, hidden) % 4:
+                problems.append(f"{hidden}={getattr(self, hidden)} must be a multiple of 4 "
+                                "(2-D sin-cos positions)")
+        if not 0.0 <= self.mask_ratio < 1.0:
+            problems.append(f"mask_ratio={self.mask_ratio} must be in [0, 1)")
+        elif int(self.num_patches * (1 - self.mask_ratio)) < 1:
+            problems.append(f"mask_ratio={self.mask_ratio} keeps no patch of {self.num_patches}")
+        if self.hidden_act not in HIDDEN_ACTS:
+            problems.append(f"hidden_act={self.hidden_act!r} is not one of {HIDDEN_ACTS}")
+        if self.position_embedding_type not in POSITION_EMBEDDINGS:
+            problems.append(f"position_embedding_type={self.position_embedding_type!r} is not "
+                            f"one of {POSITION_EMBEDDINGS}")
+        w = self.decoder_window
+        if w is not None and (len(w) != 2 or min(w) < 1):
+            problems.append(f"decoder_window={w} must be None or (rows, cols) of patches >= 1")
+        if problems:
+            raise ValueError("ViTConfig: " + "; ".join(problems) + ".")
+
+    @property
+    def grid(self) -> tuple[int, int]:
+        """(rows, cols) of the patch grid."""
+        return (self.image_size[0] // self.patch_size, self.image_size[1] // self.patch_size)
+
+    @property
+    def num_patches(self) -> int:
+        return self.grid[0] * self.grid[1]
+
+    @property
+    def patch_dim(self) -> int:
+        """Values per patch: patch_size**2 x num_channels."""
+        return self.patch_size * self.patch_size * self.num_channels
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def max_position_embeddings(self) -> int:
+        """Positions of a row: the CLS token and every patch."""
+        return self.num_patches + 1
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], source: str = "config") -> "ViTConfig":
+        """Build from a transformers ``ViTMAEConfig`` or ``ViTConfig`` config.json dict (other
+        keys ignored): a ViT's positions are learned, a ViT-MAE's sin-cos."""
+        model_type = d.get("model_type")
+        if model_type not in VIT_MODEL_TYPES:
+            raise ValueError(f"{source}: model_type={model_type!r} is not a ViT-family model; "
+                             f"this loader reads {VIT_MODEL_TYPES}.")
+        names = {f.name for f in dataclasses.fields(cls)}
+        values = {k: v for k, v in d.items() if k in names}
+        values.setdefault("position_embedding_type",
+                          "learned" if model_type == "vit" else "sincos")
+        return cls(**values)
+
+
+VIT_PRESETS = {
+    # Tests: a non-square 5 x 3 grid of 8 x 8 patches of a one-channel input, MAE decoder.
+    "vit-tiny": ViTConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                          intermediate_size=128, image_size=(40, 24), patch_size=8,
+                          num_channels=1, decoder_num_attention_heads=4,
+                          decoder_hidden_size=64, decoder_num_hidden_layers=1,
+                          decoder_intermediate_size=128, mask_ratio=0.6, norm_pix_loss=True),
+    # ViT-B/16 with MAE's ViT-B decoder (He et al. 2022: 8 blocks of 512, 16 heads) on
+    # 224 x 224 RGB images: facebook/vit-mae-base's config.
+    "vit-b16-mae": ViTConfig(),
+    # Audio-MAE's ViT-B/16 (Huang et al. 2022): 1024 frames x 128 mel bins (a 64 x 8 grid),
+    # one channel, 80% of the patches masked, normalised-patch targets, a local-window decoder.
+    "audiomae-b16": ViTConfig(image_size=(1024, 128), num_channels=1, mask_ratio=0.8,
+                              norm_pix_loss=True, decoder_window=(4, 4)),
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class Family:
     """One model family's entry in ``FAMILIES``.
@@ -248,10 +376,9 @@ class Family:
       name: the family's name (saved in every spec).
       architecture: its architecture dataclass, with ``from_dict(config_json, source)``.
       presets: ``model.name`` -> architecture.
-      tasks: the training tasks (``jaxaccel.train.tasks``) its model has a head for; the
-        first is the default.
-      options: the ``ModelSpec`` options (config keys of the same names) it takes; the
-        others must keep their defaults.
+      options: per training task (``jaxaccel.train.tasks``) its model has a head for (the
+        first is the default, ``tasks``), the ``ModelSpec`` options (config keys of the same
+        names) a model of that task takes; the others must keep their defaults.
       dropouts: config key -> architecture field the configured dropout goes to.
       hf_model_types: the config.json ``model_type`` values it reads.
       model, reader, writer: ``"module:name"`` of the model class (``Model(spec, policy,
@@ -268,8 +395,7 @@ class Family:
     name: str
     architecture: type
     presets: Mapping[str, Any]
-    tasks: tuple[str, ...]
-    options: tuple[str, ...]
+    options: Mapping[str, tuple[str, ...]]
     dropouts: Mapping[str, str]
     hf_model_types: tuple[str, ...]
     model: str
@@ -277,6 +403,11 @@ class Family:
     writer: str | None
     flops: str
     embeddings: tuple[str, ...]
+
+    @property
+    def tasks(self) -> tuple[str, ...]:
+        """The training tasks its model has a head for; the first is the default."""
+        return tuple(self.options)
 
     def resolve(self, part: str):
         """The object ``part`` ("model", "reader" or "writer") names, imported."""
@@ -287,21 +418,31 @@ class Family:
 
 
 FAMILIES = {
-    "bert": Family("bert", BertConfig, BERT_PRESETS, tasks=("classification",),
-                   options=("num_labels", "pooling", "attention_impl", "remat", "mlm_head"),
+    "bert": Family("bert", BertConfig, BERT_PRESETS,
+                   options={"classification": ("num_labels", "pooling", "attention_impl",
+                                               "remat", "mlm_head")},
                    dropouts=DROPOUTS, hf_model_types=BERT_MODEL_TYPES,
                    model="jaxaccel.models.bert:BertModel",
                    reader="jaxaccel.models.hf:load_checkpoint",
                    writer=None, flops="jaxaccel.flops:bert_shape",
                    embeddings=("embeddings",)),
-    "llama": Family("llama", LlamaConfig, LLAMA_PRESETS, tasks=("causal_lm",),
-                    options=("attention_impl", "remat"),
+    "llama": Family("llama", LlamaConfig, LLAMA_PRESETS,
+                    options={"causal_lm": ("attention_impl", "remat")},
                     dropouts={"attention_dropout": "attention_dropout"},
                     hf_model_types=LLAMA_MODEL_TYPES,
                     model="jaxaccel.models.llama:LlamaForCausalLM",
                     reader="jaxaccel.models.hf_llama:load_checkpoint",
                     writer="jaxaccel.models.hf_llama:save_checkpoint",
                     flops="jaxaccel.flops:llama_shape", embeddings=("embed_tokens",)),
+    "vit": Family("vit", ViTConfig, VIT_PRESETS,
+                  options={"mae": ("attention_impl", "remat"),
+                           "classification": ("num_labels", "pooling", "attention_impl",
+                                              "remat")},
+                  dropouts=DROPOUTS, hf_model_types=VIT_MODEL_TYPES,
+                  model="jaxaccel.models.vit:ViTModel",
+                  reader="jaxaccel.models.hf_vit:load_checkpoint",
+                  writer="jaxaccel.models.hf_vit:save_checkpoint",
+                  flops="jaxaccel.flops:vit_shape", embeddings=("embeddings",)),
 }
 ARCHITECTURES = tuple(f.architecture for f in FAMILIES.values())
 
@@ -339,7 +480,7 @@ def preset(name: str):
     close = difflib.get_close_matches(name, names, n=2, cutoff=0.5)
     hint = f" Did you mean {close[0]!r}?" if close else ""
     raise ValueError(f"model.name={name!r} is unknown; presets: {names}.{hint} "
-                     "For any other BERT- or Llama-family model set model.checkpoint to its "
+                     "For any other BERT-, Llama- or ViT-family model set model.checkpoint to its "
                      "Hugging Face directory.")
 
 
@@ -381,11 +522,12 @@ class ModelSpec:
             raise ValueError(f"task={self.task!r}: the {family.name} family's model has heads "
                              f"for {family.tasks} only.")
         defaults = {f.name: f.default for f in dataclasses.fields(ModelSpec)}
-        foreign = [k for k in defaults if k not in family.options + ("architecture", "task")
+        options = family.options[self.task]
+        foreign = [k for k in defaults if k not in options + ("architecture", "task")
                    and getattr(self, k) != defaults[k]]
         if foreign:
-            raise ValueError(f"the {family.name} family takes no option(s) {foreign} (it takes "
-                             f"{family.options}); leave them at their defaults.")
+            raise ValueError(f"the {family.name} family's {self.task} model takes no option(s) "
+                             f"{foreign} (it takes {options}); leave them at their defaults.")
         if self.pooling not in POOLINGS:
             raise ValueError(f"pooling={self.pooling!r} is not one of {POOLINGS} (config: "
                              "model.pooling); use 'cls' (BERT's pooler) or 'mean' (masked mean "
@@ -462,10 +604,14 @@ def _with_options(architecture, model_cfg) -> ModelSpec:
             raise ValueError(f"model.{key}={model_cfg[key]}: the {family.name} family has no "
                              f"such dropout (it has {sorted(family.dropouts)}); leave it None.")
         dropouts[family.dropouts[key]] = model_cfg[key]
-    options = {k: model_cfg[k] for k in family.options if k in model_cfg}
-    return ModelSpec(dataclasses.replace(architecture, **dropouts), **options)
+    task = (model_cfg["task"] if "task" in model_cfg else "") or family.tasks[0]
+    if task not in family.tasks:
+        raise ValueError(f"model.task={task!r}: the {family.name} family's model has heads for "
+                         f"{family.tasks} only.")
+    options = {k: model_cfg[k] for k in family.options[task] if k in model_cfg}
+    return ModelSpec(dataclasses.replace(architecture, **dropouts), **options, task=task)
 
 
 __all__ = ["ARCHITECTURES", "BertConfig", "FAMILIES", "Family", "LLAMA_PRESETS", "LlamaConfig",
-           "ModelSpec", "POOLINGS", "PRESETS", "architecture_from_hf", "family_of",
-           "from_config", "from_saved", "hf_rope", "preset"]
+           "ModelSpec", "POOLINGS", "PRESETS", "VIT_PRESETS", "ViTConfig", "architecture_from_hf",
+           "family_of", "from_config", "from_saved", "hf_rope", "preset"]

@@ -125,6 +125,15 @@ def _seq_len(cfg, max_positions: int) -> int:
     return min(d.max_len, max_positions)
 
 
+NO_TILING = "Couldn't find output tile sizes"
+CUBLAS_GEMMS = {"xla_gpu_enable_triton_gemm": False}
+CUBLAS_NOTE = ("XLA's GPU compiler, without a GPU to autotune on, found no Triton tiling for a "
+               "GEMM whose rows are a token count that is not a multiple of 16 (a ViT's "
+               "patches and CLS token); the step was compiled with cuBLAS GEMMs instead "
+               "(xla_gpu_enable_triton_gemm=false), whose memory and cost may differ from "
+               "what a real GPU's autotuned step uses")
+
+
 def abstract_batch(run: Run, size: int) -> dict:
     """A batch of the run's task of ``size`` rows at the config's longest sequence length, as
     the trainer places its batches (``Run.abstract_batch``)."""
@@ -264,15 +273,24 @@ def make_plan(config_path: str | None, sets: list[str], topology_name: str, *,
     t = cfg.train
     batch = abstract_batch(run, t.batch_size)
     eval_batch = abstract_batch(run, t.eval_batch_size)
-    seq = batch["input_ids"].shape[1]
+    shape = flops_lib.model_shape(run.spec)
+    seq = shape.row_tokens(_seq_len(cfg, run.spec.architecture.max_position_embeddings))
     state = run.state
     known = {"params": shard_bytes(state.params), "opt_state": shard_bytes(state.opt_state)}
-    compile_s = {}
+    compile_s, notes = {}, list(notes)
 
     def compile_(step, jitted, *args):
         t0 = time.perf_counter()
+        lowered = jitted.lower(*args)
         try:
-            compiled = jitted.lower(*args).compile()
+            try:
+                compiled = lowered.compile()
+            except jax.errors.JaxRuntimeError as e:
+                if target.platform != "gpu" or NO_TILING not in str(e):
+                    raise
+                compiled = lowered.compile(compiler_options=CUBLAS_GEMMS)
+                if CUBLAS_NOTE not in notes:
+                    notes.append(CUBLAS_NOTE)
         except jax.errors.JaxRuntimeError as e:
             if "RESOURCE_EXHAUSTED" not in str(e):
                 raise
@@ -290,7 +308,6 @@ def make_plan(config_path: str | None, sets: list[str], topology_name: str, *,
         evaluate = compile_("eval", run.eval_step, state.params, eval_batch, state.fp8)
     memory = _memory(train, **known, batch=shard_bytes(batch))
     eval_memory = _memory(evaluate)
-    shape = flops_lib.model_shape(run.spec)
     cost = xla_cost(train)
     flops = {"analytic": flops_lib.train_flops(shape, t.batch_size, seq),
              "attention": flops_lib.attention_flops(shape, t.batch_size, seq),
@@ -307,7 +324,7 @@ def make_plan(config_path: str | None, sets: list[str], topology_name: str, *,
     plan = Plan(target, cfg, dict(run.mesh.shape), t.batch_size, t.eval_batch_size, seq,
                 memory, eval_memory, capacity, capacity_source, compile_s, flops, estimate,
                 _cost_of(target, run, estimate),
-                collectives_lib.by_kind(found), sent, notes, pipeline)
+                collectives_lib.by_kind(found), sent, tuple(notes), pipeline)
     if plan.fits is False:
         m, e = plan.memory, plan.eval_memory
         raise DoesNotFit(does_not_fit(

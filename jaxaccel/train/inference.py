@@ -8,43 +8,15 @@ import os
 
 import jax
 import numpy as np
-from flax import nnx
 
 from jaxaccel import config as config_lib
 from jaxaccel.data import BatchIterator, load_tokenizer, splits, tokenize
-from jaxaccel.models import build_model, check_vocab, spec
+from jaxaccel.models import check_vocab
 from jaxaccel.models.generate import Sampler
-from jaxaccel.models.fp8 import Fp8Meta
-from jaxaccel.precision import policy_of
 from jaxaccel.train import rundir
-from jaxaccel.train.checkpoint import Checkpointer, like
 from jaxaccel.train.run import assemble, resolve
+from jaxaccel.train.saved import load_run
 from jaxaccel.train.step import forward
-
-
-def load_run(run_dir: str):
-    """``(model, cfg, meta)``: the model of the run's newest readable checkpoint (with its
-    fp8 scaling state under the fp8 policy), rebuilt from the model spec saved with it (the
-    original HF checkpoint is not needed; runs saved before specs existed hold the bare
-    architecture, and their options come from the saved config)."""
-    ckpt = Checkpointer(os.path.join(run_dir, "checkpoints"), read_only=True)
-    try:
-        saved, meta = ckpt.restore_items(("params", "fp8"))
-        cfg = config_lib.build(meta["config"])
-        policy = policy_of(cfg.precision)
-        # Shapes only, no random initialisation: every value comes from the checkpoint.
-        model = nnx.eval_shape(
-            lambda: build_model(spec.from_saved(meta["architecture"], cfg.model), policy))
-        restored = [(nnx.Param, saved["params"])]
-        if policy.fp8:
-            restored.append((Fp8Meta, saved["fp8"]))
-    finally:
-        ckpt.close()
-    for kind, values in restored:
-        state = nnx.state(model, kind)
-        nnx.replace_by_pure_dict(state, like(nnx.to_pure_dict(state), values))
-        nnx.update(model, state)
-    return model, cfg, meta
 
 
 EVAL_SETTABLE = ("data", "mesh", "train.eval_batch_size")
@@ -81,13 +53,15 @@ def check_eval_task(run_dir: str, sets: list[str]) -> None:
     if saved is None or not sets:
         return                    # load_run says what a folder without a config lacks
     trained, asked = config_lib.build(saved[0]), config_lib.build(saved[0], sets)
-    was, now = splits.data_task(trained), splits.data_task(asked)
+    was, now = splits.data_tasks(trained), splits.data_tasks(asked)
     if was != now:
-        fix = ("a corpus (e.g. data.name=canterbury)" if was == "causal_lm" else
-               "a labelled dataset (e.g. data.name=rt_snippets)")
+        fix = {"causal_lm": "a corpus (e.g. data.name=canterbury)",
+               "classification": "a labelled dataset (e.g. data.name=rt_snippets)",
+               "mae": "an array dataset (e.g. data.name=spoken_digits)"}[was[0]]
         raise ValueError(f"eval --set data.name={asked.data.name}: the run {run_dir!r} trained "
-                         f"a {was} model (on data.name={trained.data.name!r}), but "
-                         f"{asked.data.name!r} gives {now} batches; evaluate it on {fix}.")
+                         f"a {'/'.join(was)} model (on data.name={trained.data.name!r}), but "
+                         f"{asked.data.name!r} gives {'/'.join(now)} batches; evaluate it on "
+                         f"{fix}.")
 
 
 def evaluate_run(run_dir: str, sets: list[str] | None = None, devices=None) -> dict:
@@ -119,8 +93,9 @@ def checkpoint_run(run_dir: str, sets=(), devices=None, *, data: bool = True):
     model, cfg, meta = load_run(run_dir)
     cfg = config_lib.build(cfg.to_dict(), ["mesh.data=-1", "mesh.fsdp=1", "mesh.tensor=1",
                                            "mesh.stage=1", *sets])
+    reads_text = data and not splits.reads_arrays(cfg, model.spec)
     run = assemble(resolve(cfg, devices, training=False, spec=model.spec), model=model,
-                   tokenizer_dir=tokenizer_dir(run_dir) if data else None, data=data)
+                   tokenizer_dir=tokenizer_dir(run_dir) if reads_text else None, data=data)
     return run, meta
 
 

@@ -233,7 +233,7 @@ def _train(run: Run, changes: dict, services: Services) -> dict:
         """Fetch one step's metrics (one step late, so the device stays busy)."""
         nonlocal t_last
         step_no, metrics, batch = pending
-        rows = batch["input_ids"].shape[0] * jax.process_count()
+        rows = len(next(iter(batch.values()))) * jax.process_count()
         m = {k: float(v) for k, v in jax.device_get(metrics).items()}
         # A non-finite loss is divergence under every policy, fp16 included (there a step
         # whose gradients alone are non-finite is an overflow, and is skipped).

@@ -34,6 +34,7 @@ from jaxaccel.precision import LossScale, Policy, policy_of
 from jaxaccel.train import layout as layout_lib
 from jaxaccel.train import pipeline
 from jaxaccel.train.checkpoint import abstract_like
+from jaxaccel.train.saved import init_from
 from jaxaccel.train.layout import Layout
 from jaxaccel.train.state import TrainState
 from jaxaccel.train.step import make_eval_step, make_train_step
@@ -105,7 +106,7 @@ def resolve(cfg: Config, devices=None, *, training: bool = True,
     attention.check_config(cfg.model.attention_impl, policy)
     spec = model_spec(cfg.model) if spec is None else spec
     if training:
-        splits.check_task(cfg, spec.task)
+        splits.check_task(cfg, spec)
         splits.check_tokenizer_vocab(cfg, spec.architecture)
     mesh = shd.make_mesh(dict(cfg.mesh), devices)
     splits.check_batch_fits(cfg.train, {a: mesh.shape[a] for a in shd.BATCH_AXES},
@@ -208,7 +209,8 @@ class Run:
         """A global batch of the task's keys (``Task.batch_shapes``) of ``rows`` x ``length``,
         as ShapeDtypeStructs placed as ``put_batch`` places batches."""
         return {k: jax.ShapeDtypeStruct(shape, dtype, sharding=self.batch_sharding)
-                for k, (shape, dtype) in self.task.batch_shapes(rows, length).items()}
+                for k, (shape, dtype) in self.task.batch_shapes(self.spec, rows,
+                                                                length).items()}
 
     @functools.cached_property
     def train_step(self):
@@ -309,7 +311,7 @@ def assemble(r: Resolved, *, model=None, tokenizer_dir: str | None = None,
     """The ``Run`` of ``r``:
 
     * training (``r.training``): the model (``create_model``: a checkpoint's weights or random
-      from the seed; or ``model``), its tokenizer, both splits' batches, the layout's
+      from the seed, then a run's weights where ``model.init_from`` names one; or ``model``), its tokenizer, both splits' batches, the layout's
       optimizer and the sharded train state; ``data=False``: no tokenizer and no batches (a
       benchmark feeding its own, ``bench/train_step.py``), the schedule over
       ``r.total_steps``;
@@ -353,6 +355,8 @@ def _training(r: Resolved, model, tokenizer_dir: str | None, data: bool) -> Run:
     cfg = r.cfg
     if model is None:
         model, tokenizer_dir = create_model(cfg.model, r.policy, cfg.seed, r.spec)
+        if cfg.model.init_from:
+            init_from(model, cfg.model.init_from)
     graphdef, params, fp8, param_shardings = split_model(model, r.mesh)
     fp8 = fp8 if r.policy.fp8 else None
     sources = _data(r, model, tokenizer_dir) if data else {}
@@ -369,14 +373,15 @@ def _training(r: Resolved, model, tokenizer_dir: str | None, data: bool) -> Run:
 
 def _data(r: Resolved, model, tokenizer_dir: str) -> dict:
     """A training run's tokenizer and both splits' batches (``Run`` fields)."""
-    cfg = r.cfg
-    tokenizer_dir = splits.tokenizer_dir(cfg, tokenizer_dir)
-    tokenizer = load_tokenizer(tokenizer_dir)
-    check_vocab(len(tokenizer), model.config, tokenizer_dir)
+    cfg, tokenizer = r.cfg, None
+    if not splits.reads_arrays(cfg, r.spec):
+        tokenizer_dir = splits.tokenizer_dir(cfg, tokenizer_dir)
+        tokenizer = load_tokenizer(tokenizer_dir)
+        check_vocab(len(tokenizer), model.config, tokenizer_dir)
     max_positions = model.config.max_position_embeddings
     share = shd.batch_share(r.mesh)
-    train_data, label_names = splits.train_batches(cfg, tokenizer, max_positions, share)
-    eval_data, _ = splits.eval_batches(cfg, tokenizer, max_positions, share)
+    train_data, label_names = splits.train_batches(cfg, tokenizer, max_positions, share, r.spec)
+    eval_data, _ = splits.eval_batches(cfg, tokenizer, max_positions, share, r.spec)
     return dict(eval_data=eval_data, tokenizer=tokenizer, label_names=label_names,
                 train_data=train_data)
 
@@ -391,11 +396,12 @@ def _eval_only(r: Resolved, model, tokenizer_dir: str | None, data: bool) -> Run
                                       fp8=fp8), shardings)
     if not data:
         return Run(r, graphdef, state, shardings)
-    tokenizer = load_tokenizer(tokenizer_dir, light=True) if r.cfg.data.name != "synthetic" \
-        else None
+    tokenizer = None
+    if r.cfg.data.name != "synthetic" and not splits.reads_arrays(r.cfg, r.spec):
+        tokenizer = load_tokenizer(tokenizer_dir, light=True)
     eval_data, label_names = splits.eval_batches(r.cfg, tokenizer,
                                                  model.config.max_position_embeddings,
-                                                 shd.batch_share(r.mesh))
+                                                 shd.batch_share(r.mesh), r.spec)
     return Run(r, graphdef, state, shardings, eval_data, tokenizer, label_names,
                unpad=_unpad_plan(r, eval_data))
 

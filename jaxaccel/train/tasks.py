@@ -2,21 +2,30 @@
 and what an evaluation sums and reports. One entry per task in ``TASKS``; the model spec names
 its task (``ModelSpec.task``) and the step, the loop and ``jaxaccel eval`` take that entry.
 
-A task's ``sums(logits, batch)`` gives three float32 sums over the batch, weighted by the
-batch's ``weights`` key: the cross entropy ``loss_sum``, the ``correct`` predictions and the
+A batch holds the model's inputs (its class's ``input_keys``: token ids and masks for the
+text families, ``pixels`` for ViT) and the task's ``targets``. A task's ``sums(logits, batch)``
+gives three float32 sums over the batch, weighted by the batch's ``weights`` key: the
+``loss_sum`` (cross entropy; MAE's reconstruction error), the ``correct`` predictions and the
 total ``count`` (the weight). The train step's loss is ``loss_sum / count`` over the global
 batch (micro-batches accumulate the sums), its metrics ``loss`` and ``accuracy = correct /
 count``; an evaluation adds the sums over every batch and ``report``\\s from the totals.
 
-* ``classification`` (one label per row): batch ``input_ids``, ``attention_mask``,
-  ``token_type_ids`` [B, L], ``labels`` [B], ``weights`` [B] (0 = padding row); logits
-  [B, labels]; eval reports ``accuracy``, ``loss``, ``examples``.
+* ``classification`` (one label per row): the model's inputs (BERT: ``input_ids``,
+  ``attention_mask``, ``token_type_ids`` [B, L]; ViT: ``pixels`` [B, H, W]), ``labels`` [B],
+  ``weights`` [B] (0 = padding row); logits [B, labels]; eval reports ``accuracy``, ``loss``,
+  ``examples``.
 * ``causal_lm`` (packed rows of documents): batch ``input_ids``, ``positions`` (within the
   document, from 0), ``segment_ids`` (1, 2, ... per document, 0 = padding), ``targets`` (the
   next token of the same document) [B, L] int32 and ``target_weights`` [B, L] float32 (1
   where ``targets`` is a real next token, else 0); logits [B, L, vocab]; the loss is the
   next-token cross entropy ``-sum_t w_t log p(targets_t) / sum_t w_t``; eval reports ``loss``,
   ``perplexity = exp(loss)``, token ``accuracy`` and ``tokens``.
+* ``mae`` (masked-autoencoder pretraining, ``models.vit``): batch ``pixels`` [B, H, W] and
+  ``weights`` [B]; the model masks each row's patches at random and predicts them; a row's
+  loss is the mean squared error over its masked patches (of the normalised patches under
+  ``norm_pix_loss``), the batch's the weighted mean over rows (transformers'
+  ``ViTMAEForPreTraining`` loss: every row masks as many patches); nothing is counted
+  ``correct``. Eval reports ``loss`` and ``examples`` (its masks from a fixed key).
 """
 from __future__ import annotations
 
@@ -35,8 +44,9 @@ class Task:
 
     Attributes:
       name: the task's name (``ModelSpec.task``).
-      batch_keys: what a batch holds (numpy per process, leading dimension the rows): int32
-        [rows, length], except ``row_keys`` ([rows]) and ``weights`` (float32).
+      targets: what a batch holds besides the model's inputs (numpy per process, leading
+        dimension the rows): int32 [rows, length], except ``row_keys`` ([rows]) and
+        ``weights`` (float32).
       weights: the batch key weighting the loss (its sum is ``count``).
       logits: ``logits(model, batch, deterministic, rngs[, unpad], stack=None)`` -> float32
         logits; ``unpad`` (a ``models.unpad.Capacity``) is passed only to a task that
@@ -49,7 +59,7 @@ class Task:
     """
 
     name: str
-    batch_keys: tuple[str, ...]
+    targets: tuple[str, ...]
     weights: str
     logits: Callable
     sums: Callable
@@ -58,11 +68,16 @@ class Task:
     unpads: bool = False
     row_keys: tuple[str, ...] = ()
 
-    def batch_shapes(self, rows: int, length: int) -> dict:
-        """``{key: (shape, dtype)}`` of a batch of ``rows`` x ``length`` tokens: what a step
+    def batch_shapes(self, spec, rows: int, length: int) -> dict:
+        """``{key: (shape, dtype)}`` of a batch of ``rows`` of the model of ``spec`` (its
+        inputs: ``input_shapes`` of its class) with ``length`` tokens (text): what a step
         compiled ahead of its data (``jaxaccel compile``) is given."""
-        return {k: ((rows,) if k in self.row_keys else (rows, length),
-                    jnp.float32 if k == self.weights else jnp.int32) for k in self.batch_keys}
+        inputs = spec.family.resolve("model").input_shapes(spec.architecture, length)
+        shapes = {k: ((rows, *shape), dtype) for k, (shape, dtype) in inputs.items()}
+        shapes.update({k: ((rows,) if k in self.row_keys else (rows, length),
+                           jnp.float32 if k == self.weights else jnp.int32)
+                       for k in self.targets})
+        return shapes
 
 
 def _weighted_sums(logits, labels, weights):
@@ -74,9 +89,9 @@ def _weighted_sums(logits, labels, weights):
 
 
 def _classification_logits(model, batch, deterministic, rngs, unpad=None, stack=None):
-    tokens = None if unpad is None else unpad.tokens(batch["attention_mask"])
-    out = model(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"],
-                deterministic=deterministic, rngs=rngs, tokens=tokens, stack=stack)
+    extra = {} if unpad is None else {"tokens": unpad.tokens(batch["attention_mask"])}
+    out = model(*(batch[k] for k in model.input_keys), deterministic=deterministic, rngs=rngs,
+                stack=stack, **extra)
     return out.logits.astype(jnp.float32)
 
 
@@ -99,23 +114,46 @@ def _lm_report(t: dict) -> dict:
             "tokens": int(t["count"])}
 
 
+def _mae_logits(model, batch, deterministic, rngs, stack=None):
+    """``(predicted patches, mask, target patches)``, float32."""
+    out = model(batch["pixels"], deterministic=deterministic, rngs=rngs, stack=stack)
+    return out.logits.astype(jnp.float32), out.mask, model.target(batch["pixels"])
+
+
+def _mae_sums(out, batch):
+    pred, mask, target = out
+    per_row = jnp.sum(jnp.mean((pred - target) ** 2, -1) * mask, -1) / \
+        jnp.maximum(jnp.sum(mask, -1), 1.0)
+    w = batch["weights"].astype(jnp.float32)
+    return jnp.sum(per_row * w), jnp.zeros((), jnp.float32), jnp.sum(w)
+
+
+def _mae_report(t: dict) -> dict:
+    n = max(t["count"], 1.0)
+    return {"loss": t["loss_sum"] / n, "examples": int(t["count"])}
+
+
 TASKS = {
     "classification": Task(
-        "classification",
-        batch_keys=("input_ids", "attention_mask", "token_type_ids", "labels", "weights"),
+        "classification", targets=("labels", "weights"),
         weights="weights", logits=_classification_logits,
         sums=lambda logits, b: _weighted_sums(logits, b["labels"], b["weights"]),
         report=_classification_report,
         summary=lambda r: f"final test accuracy: {r['accuracy']:.4f} ({r['examples']} examples)",
         unpads=True, row_keys=("labels", "weights")),
     "causal_lm": Task(
-        "causal_lm",
-        batch_keys=("input_ids", "positions", "segment_ids", "targets", "target_weights"),
+        "causal_lm", targets=("targets", "target_weights"),
         weights="target_weights", logits=_lm_logits,
         sums=lambda logits, b: _weighted_sums(logits, b["targets"], b["target_weights"]),
         report=_lm_report,
         summary=lambda r: f"final eval loss {r['loss']:.4f}, perplexity {r['perplexity']:.2f} "
                           f"({r['tokens']} tokens)"),
+    "mae": Task(
+        "mae", targets=("weights",), weights="weights", logits=_mae_logits, sums=_mae_sums,
+        report=_mae_report,
+        summary=lambda r: f"final eval loss {r['loss']:.4f} (masked patches' mean squared "
+                          f"error, {r['examples']} examples)",
+        row_keys=("weights",)),
 }
 
 

@@ -1,0 +1,71 @@
+"""Batches of fixed-shape arrays (spectrograms, images) with labels: what the ViT family's tasks
+train and evaluate on (``mae``, ``classification``).
+
+A batch is ``{"pixels": float32 [rows, *shape], "labels": int32 [rows], "weights": float32
+[rows]}`` (weight 0: a padding row completing the last eval batch). Training batches are
+whole, from an order shuffled per (seed, epoch); evaluation batches take every example once,
+in order. Each process loads its part of every global batch (``process_index`` of
+``process_count`` equal contiguous parts), as the text iterators do.
+
+    data = ArrayBatches(x, y, 32, shuffle=True, seed=0)
+    for batch in data.batches(epoch, start_step): ...
+"""
+from __future__ import annotations
+
+from typing import Iterator
+
+import numpy as np
+
+
+class ArrayBatches:
+    """Epochs of batches of ``x`` [n, *shape] (float32) and ``labels`` [n] (module doc)."""
+
+    def __init__(self, x: np.ndarray, labels: np.ndarray, global_batch_size: int, *,
+                 shuffle: bool = True, seed: int = 0, drop_remainder: bool = True,
+                 process_index: int = 0, process_count: int = 1):
+        x, labels = np.asarray(x, np.float32), np.asarray(labels, np.int32)
+        if len(x) == 0 or len(x) != len(labels):
+            raise ValueError(f"ArrayBatches: {len(x)} examples and {len(labels)} labels; "
+                             "expected the same number, at least one.")
+        if global_batch_size < 1 or global_batch_size % process_count:
+            raise ValueError(f"ArrayBatches: global_batch_size={global_batch_size} must be "
+                             f">= 1 and divide by process_count={process_count}.")
+        if drop_remainder and len(x) < global_batch_size:
+            raise ValueError(f"ArrayBatches: {len(x)} examples < global_batch_size="
+                             f"{global_batch_size} with drop_remainder=True gives no batch.")
+        self.x, self.labels = x, labels
+        self.global_batch_size = global_batch_size
+        self.local_batch_size = global_batch_size // process_count
+        self.shuffle, self.seed, self.drop_remainder = shuffle, seed, drop_remainder
+        self.process_index = process_index
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    @property
+    def steps_per_epoch(self) -> int:
+        n, b = len(self.x), self.global_batch_size
+        return n // b if self.drop_remainder else -(-n // b)
+
+    def batch_lengths(self, start: int, stop: int) -> set[int]:
+        """The sizes of the batches' second dimension (``x.shape[1]``): every batch has it."""
+        return {self.x.shape[1]} if stop > start else set()
+
+    def batches(self, epoch: int, start_step: int = 0) -> Iterator[dict[str, np.ndarray]]:
+        """This process's rows of each batch of ``epoch``, from ``start_step`` on."""
+        if not 0 <= start_step <= self.steps_per_epoch:
+            raise ValueError(f"start_step={start_step}; expected 0..{self.steps_per_epoch}.")
+        n = len(self.x)
+        order = np.random.default_rng((self.seed, epoch)).permutation(n) if self.shuffle \
+            else np.arange(n)
+        b, lo = self.global_batch_size, self.process_index * self.local_batch_size
+        for step in range(start_step, self.steps_per_epoch):
+            rows = order[step * b + lo:step * b + lo + self.local_batch_size]
+            short = self.local_batch_size - len(rows)
+            weights = np.concatenate([np.ones(len(rows), np.float32),
+                                      np.zeros(short, np.float32)])
+            rows = np.concatenate([rows, np.zeros(short, rows.dtype)])
+            yield {"pixels": self.x[rows], "labels": self.labels[rows], "weights": weights}
+
+
+__all__ = ["ArrayBatches"]
