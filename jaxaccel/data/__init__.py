@@ -28,7 +28,7 @@ import numpy as np
 if importlib.util.find_spec("importlib_resources") is None:
     sys.modules["importlib_resources"] = importlib.resources
 
-from jaxaccel.data import canterbury, imdb, rt_snippets
+from jaxaccel.data import bfsong, canterbury, imdb, rt_snippets
 from jaxaccel.data.pipeline import BatchIterator, Tokenized, load_tokenizer, tokenize
 from jaxaccel.data.synthetic import synthetic
 
@@ -45,12 +45,16 @@ class DatasetEntry:
     arrays: an array dataset's reader (``load_arrays``): ``(data_dir, source, split, shape)
       -> (x float32 [n, *shape], labels int32 [n])``, ``shape`` the model's input (e.g.
       [frames, mel bins] of a spectrogram); None for text.
+    features: an array dataset's examples made from files (``jaxaccel predict``):
+      ``(data_dir, paths, shape) -> x float32 [len(paths), *shape]``, as ``arrays`` makes
+      them; None where it reads none.
     """
 
     prepare: Callable
     label_names: tuple[str, ...] | None
     train_examples: int | None = None
     arrays: Callable | None = None
+    features: Callable | None = None
 
     @property
     def is_corpus(self) -> bool:
@@ -68,8 +72,12 @@ DATASETS: dict[str, DatasetEntry] = {
         data_dir, manual_dir), imdb.LABEL_NAMES, 25_000),
     "canterbury": DatasetEntry(lambda data_dir, manual_dir, source: canterbury.prepare(
         data_dir, source), None),
+    "bfsong": DatasetEntry(lambda data_dir, manual_dir, source: bfsong.prepare(
+        data_dir, source), bfsong.LABEL_NAMES, 450, arrays=bfsong.arrays,
+        features=bfsong.features),
 }
-"""Text datasets by name (``data.name``); `synthetic(...)` makes token ids directly."""
+"""Datasets by name (``data.name``): labelled texts, a corpus, and labelled log-mel
+spectrograms (``bfsong``, for the ViT family); ``synthetic`` makes token ids or arrays."""
 
 
 def dataset_entry(name: str) -> DatasetEntry:

@@ -374,8 +374,44 @@ def load(data_dir: str | None = None, source: str | os.PathLike | None = None,
 def arrays(data_dir: str | None, source: str | os.PathLike | None, split: str,
            shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
     """``(x float32 [n, frames, n_mels], labels int32 [n])`` of ``split`` for a model input
-    of ``shape = (frames, n_mels)``; the other settings are the module defaults. The reader
-    signature of ``jaxaccel.data.DatasetEntry.arrays``."""
+    of ``shape = (frames, n_mels)``, normalised to zero mean and unit variance by the train
+    split's mean and standard deviation (one scalar each, as AST and Audio-MAE normalise their
+    filterbanks); the other settings are the module defaults. The reader signature of
+    ``jaxaccel.data.DatasetEntry.arrays``."""
     if len(shape) != 2:
         raise ValueError(f"bfsong gives [frames, mel bins] spectrograms; got input shape {shape}.")
-    return load(data_dir, source, (split,), frames=shape[0], n_mels=shape[1])[split]
+    data = load(data_dir, source, tuple(dict.fromkeys(("train", split))), frames=shape[0],
+                n_mels=shape[1])
+    x, labels = data[split]
+    return _normalised(x, data["train"][0]), labels
+
+
+def _normalised(x: np.ndarray, train: np.ndarray) -> np.ndarray:
+    return ((x - train.mean()) / train.std()).astype(np.float32)
+
+
+def read_wav(path: str) -> np.ndarray:
+    """A WAV recording at ``SAMPLE_RATE`` as float samples in [-1, 1) (its first channel)."""
+    from scipy.io import wavfile
+    rate, samples = wavfile.read(path)
+    if rate != SAMPLE_RATE:
+        raise ValueError(f"{path}: sampled at {rate} Hz; bfsong's spectrograms are made from "
+                         f"{SAMPLE_RATE} Hz recordings (resample it first, e.g. with sox).")
+    samples = samples[:, MIC_CHANNEL] if samples.ndim == 2 else samples
+    if samples.dtype == np.int16:
+        return samples / 32768.0
+    if samples.dtype.kind == "f":
+        return samples.astype(np.float64)
+    raise ValueError(f"{path}: {samples.dtype} samples; expected 16-bit PCM or float WAV.")
+
+
+def features(data_dir: str | None, paths: list[str], shape: tuple[int, ...]) -> np.ndarray:
+    """float32 [len(paths), frames, n_mels]: each WAV recording (one syllable, at
+    ``SAMPLE_RATE``) as ``arrays`` makes the dataset's examples (log-mel, then the train split's
+    normalisation, which reads the built dataset). The reader of
+    ``jaxaccel.data.DatasetEntry.features``."""
+    frames, n_mels = shape
+    x = np.stack([log_mel(read_wav(p), SAMPLE_RATE, n_fft=N_FFT, hop=HOP, n_mels=n_mels,
+                          frames=frames, fmin=FMIN, fmax=FMAX) for p in paths])
+    return _normalised(x, load(data_dir, None, ("train",), frames=frames,
+                               n_mels=n_mels)["train"][0])

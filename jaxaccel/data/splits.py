@@ -107,9 +107,9 @@ def _is_corpus(cfg) -> bool:
 
 
 DATA_FOR = {"causal_lm": ("data.name=canterbury",),
-            "classification": ("data.name=rt_snippets", "imdb_reviews", "spoken_digits",
+            "classification": ("data.name=rt_snippets", "imdb_reviews", "bfsong",
                                "synthetic"),
-            "mae": ("data.name=spoken_digits", "synthetic")}
+            "mae": ("data.name=bfsong", "synthetic")}
 
 
 def reads_pixels(spec) -> bool:
@@ -156,6 +156,19 @@ def split_arrays(cfg, spec, split: str) -> tuple[np.ndarray, np.ndarray, tuple]:
         raise ValueError(f"data {d.name!r} has {len(names)} classes but model.num_labels="
                          f"{spec.num_labels}; set model.num_labels={len(names)}.")
     return x, labels, names
+
+
+def input_features(cfg, spec, paths: list[str]) -> np.ndarray:
+    """float32 [len(paths), *input shape]: the model's inputs made from files (recordings) as
+    the array dataset ``data.name`` makes its examples (``DatasetEntry.features``), for
+    ``jaxaccel predict``."""
+    entry = dataset_entry(cfg.data.name) if cfg.data.name != "synthetic" else None
+    if entry is None or entry.features is None:
+        raise ValueError(f"data.name={cfg.data.name!r} makes no inputs from files; predict "
+                         "takes files for an array dataset that reads them (e.g. bfsong: WAV "
+                         "recordings).")
+    shape = spec.family.resolve("model").input_shapes(spec.architecture, None)["pixels"][0]
+    return entry.features(cfg.data.data_dir or None, paths, tuple(shape))
 
 
 def _array_batches(cfg, spec, split: str, *, training: bool, share) -> tuple:
@@ -273,9 +286,8 @@ def _eval_batch_size(cfg, rows: int, split: str) -> int:
     fit = -(-rows // n) * n
     if size <= fit:
         return size
-    log.info("train.eval_batch_size=%d is more than the %d rows of %d tokens of the %r "
-             "split: evaluating them in one batch of %d rows", size, rows, cfg.data.max_len,
-             split, fit)
+    log.info("train.eval_batch_size=%d is more than the %d rows of the %r split: evaluating "
+             "them in one batch of %d rows", size, rows, split, fit)
     return fit
 
 

@@ -358,6 +358,14 @@ VIT_PRESETS = {
                           num_channels=1, decoder_num_attention_heads=4,
                           decoder_hidden_size=64, decoder_num_hidden_layers=1,
                           decoder_intermediate_size=128, mask_ratio=0.6, norm_pix_loss=True),
+    # Trains on a 2-core CPU in minutes: 64 frames x 64 mel bins (bfsong) as an 8 x 8 grid of
+    # 8 x 8 patches, 4 layers of 192, Audio-MAE's 80% masking and local-window decoder.
+    "vit-audio-cpu": ViTConfig(hidden_size=192, num_hidden_layers=4, num_attention_heads=4,
+                               intermediate_size=768, image_size=(64, 64), patch_size=8,
+                               num_channels=1, decoder_num_attention_heads=4,
+                               decoder_hidden_size=128, decoder_num_hidden_layers=2,
+                               decoder_intermediate_size=512, mask_ratio=0.8,
+                               norm_pix_loss=True, decoder_window=(4, 4)),
     # ViT-B/16 with MAE's ViT-B decoder (He et al. 2022: 8 blocks of 512, 16 heads) on
     # 224 x 224 RGB images: facebook/vit-mae-base's config.
     "vit-b16-mae": ViTConfig(),

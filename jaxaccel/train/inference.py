@@ -11,6 +11,7 @@ import numpy as np
 
 from jaxaccel import config as config_lib
 from jaxaccel.data import BatchIterator, load_tokenizer, splits, tokenize
+from jaxaccel.data.arrays import ArrayBatches
 from jaxaccel.models import check_vocab
 from jaxaccel.models.generate import Sampler
 from jaxaccel.train import rundir
@@ -57,7 +58,7 @@ def check_eval_task(run_dir: str, sets: list[str]) -> None:
     if was != now:
         fix = {"causal_lm": "a corpus (e.g. data.name=canterbury)",
                "classification": "a labelled dataset (e.g. data.name=rt_snippets)",
-               "mae": "an array dataset (e.g. data.name=spoken_digits)"}[was[0]]
+               "mae": "an array dataset (e.g. data.name=bfsong)"}[was[0]]
         raise ValueError(f"eval --set data.name={asked.data.name}: the run {run_dir!r} trained "
                          f"a {'/'.join(was)} model (on data.name={trained.data.name!r}), but "
                          f"{asked.data.name!r} gives {'/'.join(now)} batches; evaluate it on "
@@ -109,11 +110,13 @@ def tokenizer_dir(run_dir: str) -> str:
 
 
 class Predictor:
-    """``Predictor(run_dir)(texts) -> [(label_name, probability), ...]``, ``batch_size``
-    texts per forward pass, batched as evaluation batches are (``BatchIterator``: sorted by
-    length, each batch padded by the run's ``data.pad_multiple``, the last one completed with
-    filler rows) and classified by the task's forward pass (``step.forward``); a non-finite
-    probability comes back as ``nan``."""
+    """``Predictor(run_dir)(inputs) -> [(label_name, probability), ...]``, ``batch_size``
+    inputs per forward pass, classified by the task's forward pass (``step.forward``); a
+    non-finite probability comes back as ``nan``. A text model's inputs are texts, batched as
+    evaluation batches are (``BatchIterator``: sorted by length, each batch padded by the run's
+    ``data.pad_multiple``, the last one completed with filler rows); an array model's are files
+    (e.g. WAV recordings), made into its inputs as its dataset makes its examples
+    (``splits.input_features``)."""
 
     def __init__(self, run_dir: str, batch_size: int = 64):
         if batch_size < 1:
@@ -122,12 +125,15 @@ class Predictor:
         cfg, task = run.cfg, run.task
         if task.name != "classification":
             raise ValueError(f"run {run_dir!r} trained a {task.name} model; predict "
-                             "classifies texts. Use `jaxaccel generate` (or `jaxaccel eval`).")
+                             "classifies. Use `jaxaccel generate` (or `jaxaccel eval`).")
         self.batch_size, self.pad_multiple = batch_size, cfg.data.pad_multiple
         self.label_names = meta.get("label_names") or [str(i) for i in
                                                       range(cfg.model.num_labels)]
-        self.tokenizer = load_tokenizer(tokenizer_dir(run_dir), light=True)
-        self.max_len = min(cfg.data.max_len, run.spec.architecture.max_position_embeddings)
+        self.arrays = splits.reads_arrays(cfg, run.spec)
+        self._features = lambda paths: splits.input_features(cfg, run.spec, paths)
+        if not self.arrays:
+            self.tokenizer = load_tokenizer(tokenizer_dir(run_dir), light=True)
+            self.max_len = min(cfg.data.max_len, run.spec.architecture.max_position_embeddings)
         self._state = run.state
 
         @jax.jit
@@ -137,17 +143,27 @@ class Predictor:
             return jax.nn.softmax(logits, axis=-1)
         self._probs = probs
 
-    def __call__(self, texts: list[str]) -> list[tuple[str, float]]:
-        texts = list(texts)
-        if not texts:
-            return []
-        examples = tokenize(self.tokenizer, texts, np.zeros(len(texts), np.int32),
-                            max_len=self.max_len)
+    def _batches(self, inputs: list[str]):
+        """``(rows of inputs, batch)`` pairs covering every input once."""
+        zeros = np.zeros(len(inputs), np.int32)
+        if self.arrays:
+            data = ArrayBatches(self._features(inputs), zeros, self.batch_size, shuffle=False,
+                                drop_remainder=False)
+            rows = np.arange(len(inputs))
+            return ((rows[i * self.batch_size:(i + 1) * self.batch_size], batch)
+                    for i, batch in enumerate(data.batches(0)))
+        examples = tokenize(self.tokenizer, inputs, zeros, max_len=self.max_len)
         batches = BatchIterator(examples, self.batch_size, shuffle=False, drop_remainder=False,
                                 pad_multiple=self.pad_multiple,
-                                bucket_window=len(texts) // self.batch_size + 1)
-        out: list[tuple[str, float]] = [None] * len(texts)
-        for rows, batch in zip(batches.plan(0), batches.batches(0)):
+                                bucket_window=len(inputs) // self.batch_size + 1)
+        return zip(batches.plan(0), batches.batches(0))
+
+    def __call__(self, inputs: list[str]) -> list[tuple[str, float]]:
+        inputs = list(inputs)
+        if not inputs:
+            return []
+        out: list[tuple[str, float]] = [None] * len(inputs)
+        for rows, batch in self._batches(inputs):
             p = np.asarray(self._probs(self._state, batch))
             for r, i in enumerate(rows):
                 best = int(np.nan_to_num(p[r], nan=-1.0).argmax())
@@ -177,7 +193,8 @@ class Generator:
         return [self.tokenizer.decode(ids, skip_special_tokens=True) for ids in new]
 
 
-def prediction_record(text: str, label: str, probability: float) -> dict:
-    """One JSON-lines record; a non-finite probability is ``null`` (valid JSON)."""
-    return {"text": text, "label": label,
+def prediction_record(text: str, label: str, probability: float, key: str = "text") -> dict:
+    """One JSON-lines record (the input under ``key``: "text", or "file" for an array run's
+    file); a non-finite probability is ``null`` (valid JSON)."""
+    return {key: text, "label": label,
             "probability": probability if math.isfinite(probability) else None}

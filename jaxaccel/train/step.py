@@ -125,7 +125,9 @@ def make_train_step(graphdef, tx, layout: Layout, *, task: Task, fp8_group,
             metrics.update(fp8_summary(fp8, fp8_group))
         new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state,
                                   fp8=fp8)
-        metrics.update(loss=loss, accuracy=correct / denom, grad_norm=grad_norm)
+        metrics.update(loss=loss, grad_norm=grad_norm)
+        if task.counts_correct:
+            metrics["accuracy"] = correct / denom
         return new_state, metrics
 
     return step

@@ -56,6 +56,8 @@ class Task:
       report: eval totals {"loss_sum", "correct", "count"} -> what eval reports.
       summary: a report -> the one line ``jaxaccel train`` ends with.
       row_keys: the batch keys with one value per row rather than per token.
+      counts_correct: whether ``correct`` counts anything (the train step's ``accuracy``
+        metric); MAE predicts pixels, nothing is right or wrong.
     """
 
     name: str
@@ -67,6 +69,7 @@ class Task:
     summary: Callable[[dict], str]
     unpads: bool = False
     row_keys: tuple[str, ...] = ()
+    counts_correct: bool = True
 
     def batch_shapes(self, spec, rows: int, length: int) -> dict:
         """``{key: (shape, dtype)}`` of a batch of ``rows`` of the model of ``spec`` (its
@@ -153,7 +156,7 @@ TASKS = {
         report=_mae_report,
         summary=lambda r: f"final eval loss {r['loss']:.4f} (masked patches' mean squared "
                           f"error, {r['examples']} examples)",
-        row_keys=("weights",)),
+        row_keys=("weights",), counts_correct=False),
 }
 
 
