@@ -582,7 +582,7 @@ def test_train_without_config_says_it_trains_the_base(tmp_path, caplog):
 def test_unknown_dataset_names_the_key_and_what_to_type():
     """Item 10: data.name=foo listed `synthetic(...)`, not a value to type."""
     from jaxaccel.data import load_text_dataset
-    with pytest.raises(ValueError, match=r"data.name='foo' .*imdb_reviews, canterbury, synthetic "):
+    with pytest.raises(ValueError, match=r"data.name='foo' .*imdb_reviews, canterbury, bfsong, synthetic "):
         load_text_dataset("foo")
 
 

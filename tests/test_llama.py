@@ -270,7 +270,7 @@ def test_llama_presets_build_specs_and_round_trip_as_json():
                                          r"such dropout"):
         spec.from_config(config.build(sets=["model.name=llama-tiny",
                                             "model.hidden_dropout=0.1"]).model)
-    with pytest.raises(ValueError, match=r"the llama family takes no option\(s\) "
+    with pytest.raises(ValueError, match=r"the llama family's causal_lm model takes no option\(s\) "
                                          r"\['num_labels'\]"):
         ModelSpec(TINY, num_labels=2)
     with pytest.raises(ValueError, match="heads for \\('classification',\\) only"):

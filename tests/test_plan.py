@@ -164,7 +164,7 @@ def test_gpu_plan_uses_the_preallocated_share_of_hbm():
 @needs_cuda_plugin
 @pytest.mark.parametrize("name", ["v5e-8", "h100:1x8"])
 def test_every_config_is_assembled_for_the_target_as_the_trainer_would(name):
-    """Every config in configs/ (both tasks, both layouts' optimizers, a fine-tuning config
+    """Every config in configs/ (the three tasks, both layouts' optimizers, a fine-tuning config
     whose checkpoint is not on this machine) resolves and assembles abstractly on the target:
     the task's own batch keys, the trainer's layout, a length and a cost unit."""
     target = topology.resolve(name)
@@ -176,11 +176,11 @@ def test_every_config_is_assembled_for_the_target_as_the_trainer_would(name):
         batch = plan.abstract_batch(run, cfg.train.batch_size)
         model = run.spec.family.resolve("model")
         assert set(batch) == set(model.input_keys + run.task.targets), path
-        assert batch["input_ids"].shape[0] == cfg.train.batch_size, path
+        assert {v.shape[0] for v in batch.values()} == {cfg.train.batch_size}, path
         assert run.total_steps >= 1 and run.resolved.mesh.devices.size == 8, path
         assert bool(notes) == (path == "canterbury_lm_finetune.py"), (path, notes)
         tasks.add(run.task.name)
-    assert tasks == {"classification", "causal_lm"}
+    assert tasks == {"classification", "causal_lm", "mae"}
 
 
 @pytest.mark.aot_compile

@@ -87,7 +87,7 @@ def dataset_entry(name: str) -> DatasetEntry:
         hint = f" Did you mean {' or '.join(map(repr, close))}?" if close else ""
         raise ValueError(
             f"data.name={name!r} is not a dataset; known: {', '.join(DATASETS)}, synthetic "
-            f"(random token ids).{hint} Set data.name to one of them."
+            f"(random token ids, or arrays for a ViT).{hint} Set data.name to one of them."
         )
     return DATASETS[name]
 

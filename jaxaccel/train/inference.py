@@ -123,13 +123,15 @@ class Predictor:
             raise ValueError(f"batch_size={batch_size} must be >= 1.")
         run, meta = checkpoint_run(run_dir, devices=jax.devices()[:1], data=False)
         cfg, task = run.cfg, run.task
+        self.arrays = splits.reads_arrays(cfg, run.spec)
         if task.name != "classification":
+            use = "`jaxaccel eval`" if self.arrays else \
+                "`jaxaccel generate` (or `jaxaccel eval`)"
             raise ValueError(f"run {run_dir!r} trained a {task.name} model; predict "
-                             "classifies. Use `jaxaccel generate` (or `jaxaccel eval`).")
+                             f"classifies {'files' if self.arrays else 'texts'}. Use {use}.")
         self.batch_size, self.pad_multiple = batch_size, cfg.data.pad_multiple
         self.label_names = meta.get("label_names") or [str(i) for i in
                                                       range(cfg.model.num_labels)]
-        self.arrays = splits.reads_arrays(cfg, run.spec)
         self._features = lambda paths: splits.input_features(cfg, run.spec, paths)
         if not self.arrays:
             self.tokenizer = load_tokenizer(tokenizer_dir(run_dir), light=True)
