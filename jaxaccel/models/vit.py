@@ -219,10 +219,22 @@ class ViTEmbeddings(nnx.Module):
         return jnp.asarray(sincos_positions(self.cfg.hidden_size, rows, cols))[None]
 
 
+def _decoder_call(layer, x, segments, rngs, deterministic):
+    return layer(x, segments, deterministic, rngs)
+
+
+_remat_decoder_call = nnx.remat(_decoder_call, static_argnums=(4,))
+
+
 class ViTMAEDecoder(nnx.Module):
-    def __init__(self, cfg: ViTConfig, policy: Policy, attention_impl: str, rngs: nnx.Rngs):
+    """The MAE decoder; its layers are rematerialised in the backward pass with ``remat``
+    (``model.remat``, as the encoder's: at Audio-MAE's size its 513-token rows hold most of
+    the activations)."""
+
+    def __init__(self, cfg: ViTConfig, policy: Policy, attention_impl: str, rngs: nnx.Rngs,
+                 remat: bool = False):
         d = cfg.decoder_hidden_size
-        self.cfg, self.policy = cfg, policy
+        self.cfg, self.policy, self.remat = cfg, policy, remat
         self.decoder_embed = _dense(cfg.hidden_size, d, ("embed", None), cfg, policy, rngs,
                                     block=False)
         self.mask_token = nnx.Param(
@@ -255,8 +267,9 @@ class ViTMAEDecoder(nnx.Module):
             if cfg.decoder_window is not None:
                 segments = jnp.broadcast_to(
                     window_segments(rows, cols, cfg.decoder_window, shift=i % 2 == 1), (b, n + 1))
-            x = by_batch(layer(x, segments, deterministic,
-                               layer_rngs(key, cfg.num_hidden_layers + i)))
+            call = _remat_decoder_call if self.remat else _decoder_call
+            x = by_batch(call(layer, x, segments, layer_rngs(key, cfg.num_hidden_layers + i),
+                              deterministic))
         pred = self.decoder_pred(self.decoder_norm(x))
         return pred[:, 1:].astype(jnp.float32)
 
@@ -301,8 +314,8 @@ class ViTModel(nnx.Module):
             ViTLayer(cfg.hidden_size, cfg.num_attention_heads, cfg.intermediate_size, cfg,
                      policy, spec.attention_impl, rngs) for _ in range(cfg.num_hidden_layers)])
         self.layernorm = _layer_norm(cfg.hidden_size, cfg, policy, rngs)
-        self.decoder = nnx.data(ViTMAEDecoder(cfg, policy, spec.attention_impl, rngs)
-                                if spec.task == "mae" else None)
+        self.decoder = nnx.data(ViTMAEDecoder(cfg, policy, spec.attention_impl, rngs,
+                                              spec.remat) if spec.task == "mae" else None)
         self.classifier = nnx.data(None if spec.task != "classification" else _dense(
             cfg.hidden_size, spec.num_labels, ("embed", None), cfg, policy, rngs, block=False))
 
