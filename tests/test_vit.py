@@ -271,25 +271,35 @@ def test_a_pipelined_mae_step_equals_the_plain_one(tmp_path):
     np.testing.assert_allclose(train_steps(staged)[0], train_steps(plain)[0], rtol=1e-5)
 
 
-def test_fp8_vit_step_feeds_fp8_operands_to_the_h100_gemms(tmp_path, compile_target):
-    """The classifier's step under fp8 on a 2x2x2 mesh of 8 x H100, compiled by XLA's GPU
-    pipeline (no GPU used): E4M3 x E4M3 forward GEMMs and E5M2-gradient backward GEMMs for
-    every block Dense of the encoder (16 tokens a row: see the next test for other counts)."""
+@pytest.mark.parametrize("task", ["classification", "mae"])
+def test_fp8_vit_step_feeds_fp8_operands_to_the_h100_gemms(tmp_path, compile_target, task):
+    """The step under fp8 on a 2x2x2 mesh of 8 x H100, compiled by XLA's GPU pipeline (no GPU
+    used): E4M3 x E4M3 forward GEMMs and E5M2-gradient backward GEMMs for every block Dense
+    (the encoder's 2 blocks, and MAE's decoder block). MAE's GEMMs have rows of 1 + kept
+    patches (7) and of gathered patches: the XLA of jaxlib 0.10 finds no Triton tiling for
+    them without autotuning (the planner then compiles with cuBLAS, next test); 0.12's does."""
     target = compile_target("h100:1x8")
-    run = run_lib.build(cfg(tmp_path, *CLASSIFY, "precision.policy=fp8", "mesh.data=2",
+    sets = CLASSIFY if task == "classification" else []
+    run = run_lib.build(cfg(tmp_path, *sets, "precision.policy=fp8", "mesh.data=2",
                             "mesh.fsdp=2", "mesh.tensor=2"), DEVICES)
     m = compile_only.mesh(target, run.mesh.devices.shape, run.mesh.axis_names)
-    text = compile_only.compile_step(run, m)[0].as_text()
-    compile_only.assert_gemm_dtypes(text, "fp8", TINY.num_hidden_layers)
+    try:
+        text = compile_only.compile_step(run, m)[0].as_text()
+    except jax.errors.JaxRuntimeError as e:
+        if task != "mae" or plan.NO_TILING not in str(e):
+            raise
+        pytest.skip(f"this jaxlib's XLA finds no Triton GEMM tiling without autotuning: "
+                    f"{str(e).splitlines()[0][:120]}")
+    blocks = TINY.num_hidden_layers + (TINY.decoder_num_hidden_layers if task == "mae" else 0)
+    compile_only.assert_gemm_dtypes(text, "fp8", blocks)
 
 
-def test_the_fp8_mae_step_is_planned_for_h100_with_cublas_gemms(compile_target):
-    """The MAE step's rows are 1 + kept patches (7) and 1 + every patch (16) tokens, and its
-    masking gathers 6-patch rows: XLA's compile-only GPU pipeline (no autotuning) finds no
-    Triton tiling for such GEMMs and the planner compiles with cuBLAS GEMMs, saying so."""
+def test_the_fp8_mae_step_is_planned_for_h100(compile_target):
+    """Planned for one H100 whatever the XLA: where it finds no Triton tiling for the MAE
+    step's GEMMs (jaxlib 0.10, above), the planner compiles with cuBLAS GEMMs and says so."""
     compile_target("h100:1x1")
     p = plan.make_plan(None, SETS + ["precision.policy=fp8"], "h100:1x1")
-    assert p.fits and plan.CUBLAS_NOTE in p.notes
+    assert p.fits and set(p.notes) <= {plan.CUBLAS_NOTE}
 
 
 # ---- real audio: the bfsong syllables ----
