@@ -118,6 +118,11 @@ def reads_pixels(spec) -> bool:
     return "pixels" in spec.family.resolve("model").input_keys
 
 
+def _pixels_shape(spec) -> tuple[int, ...]:
+    """The shape of one example of the array input of the model of ``spec``."""
+    return spec.family.resolve("model").input_shapes(spec.architecture, None)["pixels"][0]
+
+
 def reads_arrays(cfg, spec=None) -> bool:
     """Whether the configured data is arrays (an array dataset, or synthetic arrays for a
     model that reads pixels: the model, ``spec`` or the config's, decides)."""
@@ -135,7 +140,7 @@ def split_arrays(cfg, spec, split: str) -> tuple[np.ndarray, np.ndarray, tuple]:
     ``seed + 1``) or an array dataset's, the validation split held out of its training split
     as for text."""
     d = cfg.data
-    shape = spec.family.resolve("model").input_shapes(spec.architecture, None)["pixels"][0]
+    shape = _pixels_shape(spec)
     if d.name == "synthetic":
         n = cfg.model.num_labels
         x, labels = synthetic_arrays(shape=shape, num_examples=d.synthetic_examples,
@@ -167,7 +172,7 @@ def input_features(cfg, spec, paths: list[str]) -> np.ndarray:
         raise ValueError(f"data.name={cfg.data.name!r} makes no inputs from files; predict "
                          "takes files for an array dataset that reads them (e.g. bfsong: WAV "
                          "recordings).")
-    shape = spec.family.resolve("model").input_shapes(spec.architecture, None)["pixels"][0]
+    shape = _pixels_shape(spec)
     return entry.features(cfg.data.data_dir or None, paths, tuple(shape))
 
 

@@ -48,7 +48,7 @@ from flax import struct
 
 from jaxaccel.models.attention import attention, check_impl
 from jaxaccel.models.dropout import Dropout
-from jaxaccel.models.fp8 import Fp8Linear
+from jaxaccel.models.fp8 import block_dense
 from jaxaccel.models.spec import ModelSpec, ViTConfig
 from jaxaccel.models.stack import layer_rngs, layers_key, sequential, token_rows
 from jaxaccel.precision import Policy, get_policy
@@ -81,14 +81,8 @@ def _partitioned(init, axes: tuple):
 
 def _dense(din, dout, axes, cfg: ViTConfig, policy: Policy, rngs, bias: bool = True,
            block: bool = True):
-    """A Dense layer; a block matmul (``block=True``) is fp8 under the fp8 policy."""
-    linear, extra = nnx.Linear, {}
-    if block and policy.fp8:
-        linear, extra = Fp8Linear, {"amax_history_length": policy.amax_history_length}
-    return linear(din, dout, **extra, use_bias=bias, dtype=policy.compute_dtype,
-                  param_dtype=policy.param_dtype,
-                  kernel_init=_partitioned(nnx.initializers.normal(cfg.initializer_range), axes),
-                  bias_init=_partitioned(nnx.initializers.zeros_init(), (axes[1],)), rngs=rngs)
+    return block_dense(din, dout, axes, cfg.initializer_range, policy, rngs, bias=bias,
+                       block=block)
 
 
 def _layer_norm(size: int, cfg: ViTConfig, policy: Policy, rngs):
