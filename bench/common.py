@@ -12,8 +12,10 @@ import json
 import os
 import platform
 import re
+import statistics
 import subprocess
 import sys
+import sysconfig
 import time
 
 import jax
@@ -45,6 +47,78 @@ def time_fn(fn, *args, warmup: int = 3, n: int = 20) -> dict:
         out.update({k: v for k, v in meter.result.items() if k != "seconds"},
                    energy_j=meter.result["energy_j"] / n)
     return out
+
+
+def timed(step):
+    """An ``interleave`` side that runs in this process: ``run(indices)`` calls ``step(i)``
+    (which returns once batch ``i``'s step is done: block on its outputs) per index and
+    returns its ``(wall, process CPU)`` seconds per call."""
+    def run(indices):
+        out = []
+        for i in indices:
+            t0, c0 = time.perf_counter(), time.process_time()
+            step(i)
+            out.append((time.perf_counter() - t0, time.process_time() - c0))
+        return out
+    return run
+
+
+def interleave(sides: dict, rounds: int, steps: int, warmup: int = 2) -> tuple[dict, dict]:
+    """``(samples, first_call_s)`` of train steps of several sides on the same batches, timed
+    in interleaved rounds. ``sides``: name -> ``run(indices) -> [(wall_s, cpu_s), ...]`` (one
+    pair per batch index, each step timed on its own: ``timed``, or a child process that
+    times its own steps). Each side first runs batches ``0 .. warmup - 1`` (compilation: the
+    first call's wall time is ``first_call_s[name]``); then ``rounds`` rounds of ``steps``
+    steps per side, round ``r`` on batches ``warmup + r * steps`` onwards, the sides in
+    order on even rounds and in reverse on odd ones (no side always runs first, or right
+    after the same neighbour, on a shared CPU)."""
+    samples, first = {name: [] for name in sides}, {}
+    for name, run in sides.items():
+        first[name] = run(range(warmup))[0][0]
+    for r in range(rounds):
+        indices = range(warmup + r * steps, warmup + (r + 1) * steps)
+        for name in (list(sides) if r % 2 == 0 else list(sides)[::-1]):
+            samples[name] += sides[name](indices)
+    return samples, first
+
+
+def step_row(name: str, samples: list, first_call_s: float, tokens: int, work: dict) -> dict:
+    """A result row of per-step ``(wall, cpu)`` samples: median/min/max wall seconds, the
+    median process CPU seconds (``cpu_median_s``: the work done, less sensitive to other
+    processes on a shared CPU than wall time), tokens/s at the median and ``work`` (what
+    ``jaxaccel compare`` joins rows by)."""
+    wall = [w for w, _ in samples]
+    med = statistics.median(wall)
+    return {"name": name, "median_s": med, "min_s": min(wall), "max_s": max(wall),
+            "n": len(wall), "tokens_per_s": tokens / med, "first_call_s": first_call_s,
+            "cpu_median_s": statistics.median(c for _, c in samples), "work": work}
+
+
+def cache_dir() -> str:
+    """``$XDG_CACHE_HOME/jaxaccel``, else ``~/.cache/jaxaccel``."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "jaxaccel")
+
+
+def ensure_venv(version: str) -> str:
+    """The python of a virtual environment with transformers ``version`` that sees this
+    interpreter's packages (``cache_dir()/hf-flax-transformers-<version>``); made (with pip,
+    from PyPI) when missing: pip installs transformers and its pins there, every other
+    package comes from this interpreter's site-packages through a ``.pth``."""
+    venv = os.path.join(cache_dir(), f"hf-flax-transformers-{version}")
+    python = os.path.join(venv, "bin", "python")
+    done = os.path.join(venv, ".installed")
+    if not os.path.exists(done):
+        subprocess.run([sys.executable, "-m", "venv", venv], check=True)
+        purelib = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()"
+                                  "['purelib'])"], check=True, capture_output=True,
+                                 text=True).stdout.strip()
+        with open(os.path.join(purelib, "jaxaccel-shared.pth"), "w") as f:
+            f.write(sysconfig.get_paths()["purelib"] + "\n")
+        subprocess.run([python, "-m", "pip", "install", "-q", f"transformers=={version}"],
+                       check=True)
+        open(done, "w").close()
+    return python
 
 
 def energy_devices() -> int:

@@ -35,42 +35,19 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import subprocess
 import sys
-import sysconfig
 import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from bench.common import ensure_venv, interleave, step_row, timed  # noqa: E402
+
 HF_VERSION = "4.57.6"
 HF_SCHEDULE = "cosine"
 FIXED_LEN = 64
 IN_VENV = "JAXACCEL_HF_FLAX_VENV"
-
-
-def cache_dir() -> str:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "jaxaccel")
-
-
-def ensure_venv(version: str = HF_VERSION) -> str:
-    """The python of a virtual environment with transformers ``version`` that sees this
-    interpreter's packages; made (with pip, from PyPI) when missing."""
-    venv = os.path.join(cache_dir(), f"hf-flax-transformers-{version}")
-    python = os.path.join(venv, "bin", "python")
-    done = os.path.join(venv, ".installed")
-    if not os.path.exists(done):
-        subprocess.run([sys.executable, "-m", "venv", venv], check=True)
-        purelib = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()"
-                                  "['purelib'])"], check=True, capture_output=True,
-                                 text=True).stdout.strip()
-        with open(os.path.join(purelib, "jaxaccel-shared.pth"), "w") as f:
-            f.write(sysconfig.get_paths()["purelib"] + "\n")
-        subprocess.run([python, "-m", "pip", "install", "-q", f"transformers=={version}"],
-                       check=True)
-        open(done, "w").close()
-    return python
 
 
 # ----------------------------------------------------------------------------- the HF loop
@@ -80,7 +57,6 @@ def hf_model_and_state(total_steps: int, warmup_steps: int, learning_rate: float
     """``(model, state, schedule)``: the packaged MiniLM as FlaxBertForSequenceClassification
     and its train state with run_flax_glue's optimizer."""
     import optax
-    from flax import traverse_util
     from flax.training import train_state
     from transformers import FlaxBertForSequenceClassification
 
@@ -88,21 +64,37 @@ def hf_model_and_state(total_steps: int, warmup_steps: int, learning_rate: float
 
     model = FlaxBertForSequenceClassification.from_pretrained(
         packaged_minilm_dir(), num_labels=2, from_pt=True, seed=seed)
-    schedule = optax.join_schedules(
+    schedule = hf_schedule(learning_rate, total_steps, warmup_steps)
+    tx = optax.adamw(schedule, b1=0.9, b2=0.999, eps=1e-6, weight_decay=0.01,
+                     mask=decay_mask(("layernorm",)))
+    state = train_state.TrainState.create(apply_fn=model.__call__, params=model.params, tx=tx)
+    return model, state, schedule
+
+
+def hf_schedule(learning_rate: float, total_steps: int, warmup_steps: int,
+                kind: str = HF_SCHEDULE):
+    """The examples' schedule: linear warm-up from 0, then ``kind`` decay to 0 (default
+    ``HF_SCHEDULE``, our configs' ``cosine``; the examples' own is ``linear``)."""
+    import optax
+    return optax.join_schedules(
         [optax.linear_schedule(0.0, learning_rate, warmup_steps),
          {"cosine": optax.cosine_decay_schedule(learning_rate, total_steps - warmup_steps),
           "linear": optax.linear_schedule(learning_rate, 0.0, total_steps - warmup_steps)}
-         [HF_SCHEDULE]], [warmup_steps])
+         [kind]], [warmup_steps])
 
-    def decay_mask(params):           # run_flax_glue's decay_mask_fn
+
+def decay_mask(norm_names: tuple[str, ...]):
+    """The examples' ``decay_mask_fn``: weight decay on every parameter but biases and the
+    last two path entries of any path whose joined, lower-cased names contain one of
+    ``norm_names`` (run_flax_glue: "layernorm"; run_clm_flax: also "layer_norm", "ln")."""
+    from flax import traverse_util
+
+    def mask(params):
         flat = traverse_util.flatten_dict(params)
-        norms = {p[-2:] for p in flat if "layernorm" in "".join(p).lower()}
+        norms = {p[-2:] for p in flat for n in norm_names if n in "".join(p).lower()}
         return traverse_util.unflatten_dict(
             {p: p[-1] != "bias" and p[-2:] not in norms for p in flat})
-
-    tx = optax.adamw(schedule, b1=0.9, b2=0.999, eps=1e-6, weight_decay=0.01, mask=decay_mask)
-    state = train_state.TrainState.create(apply_fn=model.__call__, params=model.params, tx=tx)
-    return model, state, schedule
+    return mask
 
 
 def hf_train_step(state, batch, dropout_rng):
@@ -184,54 +176,38 @@ def time_steps(config: str, sets: list[str], rounds: int, steps: int) -> tuple[d
                                         t.learning_rate, cfg.seed)
     hf_step = jax.jit(hf_train_step, donate_argnums=(0,))
     batches = [b for _, b in zip(range(rounds * steps + 2), run.train_data.batches(0))]
-    times, cpu, compile_s = {"jaxaccel": [], "hf_flax": []}, {"jaxaccel": [], "hf_flax": []}, {}
     with jax.set_mesh(run.mesh):
         state = run.state
         hf = {"state": hf_state, "rng": jax.random.PRNGKey(cfg.seed)}
 
-        def ours_step(batch):
+        def ours_step(i):
             nonlocal state
-            state, _ = run.train_step(state, run.put_batch(batch))
+            state, _ = run.train_step(state, run.put_batch(batches[i]))
             jax.block_until_ready(state)
 
-        def theirs_step(batch):
-            hf["state"], _, hf["rng"] = hf_step(hf["state"], batch, hf["rng"])
+        def theirs_step(i):
+            hf["state"], _, hf["rng"] = hf_step(hf["state"], batches[i], hf["rng"])
             jax.block_until_ready(hf["state"])
 
-        steppers = {"jaxaccel": ours_step, "hf_flax": theirs_step}
-        for name, fn in steppers.items():          # compile and warm up: 2 steps each
-            t0 = time.perf_counter()
-            fn(batches[0])
-            compile_s[name] = time.perf_counter() - t0
-            fn(batches[1])
-        for r in range(rounds):
-            order = list(steppers) if r % 2 == 0 else list(steppers)[::-1]
-            for name in order:
-                for batch in batches[2 + r * steps: 2 + (r + 1) * steps]:
-                    t0, c0 = time.perf_counter(), time.process_time()
-                    steppers[name](batch)
-                    times[name].append(time.perf_counter() - t0)
-                    cpu[name].append(time.process_time() - c0)
-    tokens = cfg.train.batch_size * FIXED_LEN
-    rows = {}
-    for name, ts in times.items():
-        med = statistics.median(ts)
-        rows[name] = {"name": f"{name} step", "median_s": med, "min_s": min(ts),
-                      "max_s": max(ts), "n": len(ts), "tokens_per_s": tokens / med,
-                      "first_call_s": compile_s[name],
-                      "cpu_median_s": statistics.median(cpu[name]),
-                      "work": {"what": "train step", "model": cfg.model.name,
-                               "batch": cfg.train.batch_size, "seq": FIXED_LEN}}
+        samples, first = interleave({"jaxaccel": timed(ours_step),
+                                     "hf_flax": timed(theirs_step)}, rounds, steps)
+    work = {"what": "train step", "model": cfg.model.name, "batch": cfg.train.batch_size,
+            "seq": FIXED_LEN}
+    rows = {name: step_row(f"{name} step", samples[name], first[name],
+                           cfg.train.batch_size * FIXED_LEN, work) for name in samples}
     return rows, {"speedup": rows["hf_flax"]["median_s"] / rows["jaxaccel"]["median_s"],
                   "cpu_speedup": rows["hf_flax"]["cpu_median_s"]
                   / rows["jaxaccel"]["cpu_median_s"],
                   "config_sets": sets}
 
 
-def our_job(config: str, sets: list[str]) -> dict:
+def our_job(config: str, sets: list[str], metrics: tuple[str, ...] = ("accuracy",)) -> dict:
+    """Our whole job (``jaxaccel.train.loop.train`` of ``config`` in a temporary workdir):
+    ``{"time_s", "steps", "final_<metric>"}`` of the final evaluation's ``metrics``; and the
+    config."""
     from jaxaccel import config as config_lib
     from jaxaccel.train.loop import train
-    with tempfile.TemporaryDirectory(prefix="jaxaccel-hf-flax-") as workdir:
+    with tempfile.TemporaryDirectory(prefix="jaxaccel-hf-bench-") as workdir:
         cfg = config_lib.load(config, sets + [f"workdir={workdir!r}", "train.progress=False"])
         start = time.perf_counter()
         result = train(cfg)
@@ -239,7 +215,7 @@ def our_job(config: str, sets: list[str]) -> dict:
     if result["status"] != "completed":
         raise RuntimeError(f"our job did not complete: {result}")
     return {"time_s": seconds, "steps": result["step"],
-            "final_accuracy": result["eval_accuracy"]}, cfg
+            **{f"final_{m}": result[f"eval_{m}"] for m in metrics}}, cfg
 
 
 def jobs(config: str, sets: list[str], seeds: str | None, sides: list[str],
@@ -290,13 +266,12 @@ def main(argv=None):
                     help="--job: run the jobs once per seed (default: the config's seed)")
     ap.add_argument("--sides", default="ours,hf", metavar="ours,hf",
                     help="--job: whose jobs to run (default both)")
-    sys.path.insert(0, ROOT)
     from bench.common import add_out_argument
     add_out_argument(ap)
     argv = sys.argv[1:] if argv is None else list(argv)
     args = ap.parse_args(argv)
     if os.environ.get(IN_VENV) != "1":
-        python = ensure_venv()
+        python = ensure_venv(HF_VERSION)
         env = {**os.environ, IN_VENV: "1",
                "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
         os.execve(python, [python, os.path.abspath(__file__), *argv], env)
