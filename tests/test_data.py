@@ -361,3 +361,18 @@ def test_validation_split_is_fixed_and_disjoint_from_training(monkeypatch):
     with pytest.raises(ValueError, match="validation_size > 0"):
         splits.split_examples(config.build(sets=["data.eval_split=validation"]), None, 512,
                          "validation")
+
+
+def test_a_tokenizer_class_this_transformers_lacks_is_read_from_tokenizer_json(monkeypatch,
+                                                                              tokenizer):
+    """A folder saved by transformers 5 names its class "TokenizersBackend", which transformers
+    4's AutoTokenizer refuses (bench/hf_llama.py runs the trainer under 4.57.6 on a BPE cached
+    under 5): the loader reads its tokenizer.json instead, the same ids."""
+    import transformers
+
+    def refuse(*args, **kwargs):
+        raise ValueError("Tokenizer class TokenizersBackend does not exist or is not currently "
+                         "imported.")
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", refuse)
+    got = load_tokenizer(MINILM)
+    assert got("don't stop, ever")["input_ids"] == tokenizer("don't stop, ever")["input_ids"]

@@ -58,6 +58,10 @@ def load_tokenizer(path: str | os.PathLike, *, light: bool = False):
       alone, without ``AutoTokenizer``, whose model-config imports load torch (seconds at
       start-up); the same ids. For reading only (eval, predict): it saves under another class
       name than the folder's.
+
+    A folder whose tokenizer_config.json names a class this transformers lacks (one saved by
+    transformers 5, "TokenizersBackend", read by transformers 4) is read from its
+    tokenizer.json as in ``light``.
     """
     if not os.path.isdir(path):
         raise FileNotFoundError(
@@ -65,13 +69,23 @@ def load_tokenizer(path: str | os.PathLike, *, light: bool = False):
             "checkpoint folder (tokenizer.json or vocab.txt, tokenizer_config.json). Fix the path."
         )
     # Heavy imports, only needed for text datasets.
-    if light and os.path.isfile(os.path.join(path, "tokenizer.json")):
-        from transformers import PreTrainedTokenizerFast as Tokenizer
+    from transformers import PreTrainedTokenizerFast
+    has_json = os.path.isfile(os.path.join(path, "tokenizer.json"))
+    if light and has_json:
+        Tokenizer = PreTrainedTokenizerFast
     else:
         from transformers import AutoTokenizer as Tokenizer
     try:
         return Tokenizer.from_pretrained(os.fspath(path), local_files_only=True)
     except (OSError, ValueError) as e:
+        # A folder saved by transformers 5 names its class "TokenizersBackend", which
+        # transformers 4 has not; its tokenizer.json gives the same ids through the fast class.
+        if Tokenizer is not PreTrainedTokenizerFast and has_json:
+            try:
+                return PreTrainedTokenizerFast.from_pretrained(os.fspath(path),
+                                                               local_files_only=True)
+            except (OSError, ValueError):
+                pass
         raise FileNotFoundError(
             f"Could not load a tokenizer from {os.fspath(path)!r} without the network: {e}. "
             "The folder needs tokenizer.json or vocab.txt plus tokenizer_config.json."
