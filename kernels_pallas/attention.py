@@ -137,14 +137,18 @@ def _segments(segment_ids, sq, sk):
 
 @jax.custom_vjp
 def _scores(q, k):
-    """Unscaled grouped scores [b, q, hkv, g, d] x [b, k, hkv, d] -> [b, hkv, g, q, k],
+    """Unscaled grouped scores [b, hkv, g, q, d] x [b, k, hkv, d] -> [b, hkv, g, q, k],
     accumulated and returned in float32 (the softmax's input).
 
     Differentiated by hand so that the backward matmuls, like the forward ones, take their
     operands in the input dtype: autodiff would multiply the float32 score cotangent with k and
     q upcast to float32 (float32/TF32 matmuls over [b, h, q, k] in a bf16 model). The cotangent
-    dS is rounded to q's dtype first, as the fused kernels (Pallas, cuDNN) do."""
-    return jnp.einsum("bqhgd,bkhd->bhgqk", q, k, preferred_element_type=jnp.float32)
+    dS is rounded to q's dtype first, as the fused kernels (Pallas, cuDNN) do.
+
+    q comes with its group axis before its sequence axis, as in the scores: with q as
+    [b, q, hkv, g, d], XLA:CPU computed the grouped scores as [b, hkv, q, k, g] and copied
+    them (and dS in the backward) transposed, a pass over every score per layer."""
+    return jnp.einsum("bhgqd,bkhd->bhgqk", q, k, preferred_element_type=jnp.float32)
 
 
 def _scores_fwd(q, k):
@@ -154,8 +158,8 @@ def _scores_fwd(q, k):
 def _scores_bwd(res, ds):
     q, k = res
     ds = ds.astype(q.dtype)
-    dq = jnp.einsum("bhgqk,bkhd->bqhgd", ds, k, preferred_element_type=jnp.float32)
-    dk = jnp.einsum("bhgqk,bqhgd->bkhd", ds, q, preferred_element_type=jnp.float32)
+    dq = jnp.einsum("bhgqk,bkhd->bhgqd", ds, k, preferred_element_type=jnp.float32)
+    dk = jnp.einsum("bhgqk,bhgqd->bkhd", ds, q, preferred_element_type=jnp.float32)
     return dq.astype(q.dtype), dk.astype(k.dtype)
 
 
@@ -178,8 +182,11 @@ def attention_reference(q, k, v, *, key_lengths=None, segment_ids=None, causal=F
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     g = hq // hkv
     # Scores [B, Hkv, G, Sq, Sk] are handled as [B, Hq, Sq, Sk] (query head h = (h // G, h % G),
-    # a free reshape): XLA:CPU reduced the 5-D form's softmax rows about 4x slower.
-    s = _scores(q.reshape(b, sq, hkv, g, d), k).reshape(b, hq, sq, sk) * scale
+    # a free reshape): XLA:CPU reduced the 5-D form's softmax rows about 4x slower. q and the
+    # output are transposed to [B, Hkv, G, Sq, D] (query-sized copies) so that no score-sized
+    # array is (``_scores``).
+    qt = q.reshape(b, sq, hkv, g, d).transpose(0, 2, 3, 1, 4)
+    s = _scores(qt, k).reshape(b, hq, sq, sk) * scale
     mask = jnp.ones((b, 1, sq, sk), bool)
     if key_lengths is not None:
         lengths = jnp.asarray(key_lengths, jnp.int32)
@@ -195,7 +202,11 @@ def attention_reference(q, k, v, *, key_lengths=None, segment_ids=None, causal=F
     # (MASK_VALUE), so exp underflows to exactly 0 in every row that has a key; a row with
     # none (all MASK_VALUE, a uniform softmax) is zeroed.
     p = jax.nn.softmax(jnp.where(mask, s, MASK_VALUE), axis=-1)
-    if key_lengths is not None or segs is not None:
+    # Causal self-attention within one segment array keeps every query's own key (i == j, the
+    # same segment): no row is empty, and the zeroing pass is skipped.
+    diagonal_kept = causal and sq == sk and key_lengths is None and (
+        segs is None or segs[0] is segs[1])
+    if (key_lengths is not None or segs is not None) and not diagonal_kept:
         p = jnp.where(jnp.any(mask, axis=-1, keepdims=True), p, 0.0)
     if dropout_rate > 0:
         if dropout_rng is None:
@@ -210,9 +221,10 @@ def attention_reference(q, k, v, *, key_lengths=None, segment_ids=None, causal=F
         keep = keep_mask(dropout_rng, 1.0 - dropout_rate, (b, hq, sq, sk), rows)
         p = jnp.where(keep, p / (1.0 - dropout_rate), 0.0)
     # P V in v's dtype: the matmul accumulates in float32 and rounds once, and its backward
-    # (dP = dO V^T, dV = P^T dO) multiplies input-dtype operands.
-    o = jnp.einsum("bhgqk,bkhd->bqhgd", p.reshape(b, hkv, g, sq, sk).astype(v.dtype), v)
-    return o.reshape(b, sq, hq, d).astype(q.dtype)
+    # (dP = dO V^T, dV = P^T dO) multiplies input-dtype operands; computed as [B, Hkv, G, Sq,
+    # D] and transposed after (dO transposed before the backward's score-sized matmuls).
+    o = jnp.einsum("bhgqk,bkhd->bhgqd", p.reshape(b, hkv, g, sq, sk).astype(v.dtype), v)
+    return o.transpose(0, 3, 1, 2, 4).reshape(b, sq, hq, d).astype(q.dtype)
 
 
 # ----------------------------------------------------------------------------- kernels

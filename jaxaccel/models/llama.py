@@ -85,6 +85,14 @@ def _dense(din, dout, axes, cfg: LlamaConfig, policy: Policy, rngs, bias: bool =
                        block=block)
 
 
+def _per_token(dense, x):
+    """``dense`` applied to ``x`` [..., features] as one [tokens, features] matrix (a free
+    reshape): autodiff then contracts the weight gradient over one token axis. Over the
+    [batch, seq] pair XLA:CPU first copied a transposed activation or gradient per matmul
+    (bench/README.md, "The decoder step against the stock Hugging Face loops")."""
+    return dense(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], -1)
+
+
 def _rms_norm(cfg: LlamaConfig, policy: Policy, rngs):
     return nnx.RMSNorm(cfg.hidden_size, epsilon=cfg.rms_norm_eps, dtype=jnp.float32,
                        param_dtype=policy.param_dtype, use_fast_variance=False,
@@ -144,9 +152,9 @@ class LlamaAttention(nnx.Module):
         b, s, _ = x.shape
         heads = lambda t, n: t.reshape(b, s, n, cfg.head_dim)
         freq = rope_frequencies(cfg)
-        q = rope(heads(self.q_proj(x), cfg.num_attention_heads), positions, freq)
-        k = rope(heads(self.k_proj(x), cfg.num_key_value_heads), positions, freq)
-        v = heads(self.v_proj(x), cfg.num_key_value_heads)
+        q = rope(heads(_per_token(self.q_proj, x), cfg.num_attention_heads), positions, freq)
+        k = rope(heads(_per_token(self.k_proj, x), cfg.num_key_value_heads), positions, freq)
+        v = heads(_per_token(self.v_proj, x), cfg.num_key_value_heads)
         kv = (k, v)
         segments, causal = segment_ids, True
         if cache is not None:
@@ -163,7 +171,7 @@ class LlamaAttention(nnx.Module):
         ctx = attention(q, k, v, segment_ids=segments, causal=causal, impl=self.attention_impl,
                         dropout_rate=cfg.attention_dropout, deterministic=deterministic,
                         dropout_rng=dropout_rng, dropout_rows=rows)
-        return self.o_proj(ctx.reshape(b, s, -1)), kv
+        return _per_token(self.o_proj, ctx.reshape(b, s, -1)), kv
 
 
 class LlamaMLP(nnx.Module):
@@ -176,7 +184,9 @@ class LlamaMLP(nnx.Module):
         self.down_proj = _dense(f, h, ("mlp", "embed"), cfg, policy, rngs, b)
 
     def __call__(self, x):
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        x2 = x.reshape(-1, x.shape[-1])
+        y = self.down_proj(jax.nn.silu(self.gate_proj(x2)) * self.up_proj(x2))
+        return y.reshape(x.shape)
 
 
 class LlamaDecoderLayer(nnx.Module):
@@ -292,8 +302,8 @@ class LlamaForCausalLM(nnx.Module):
         h = self.policy.cast_to_compute(self.norm(x))
         head = (self.embed_tokens.embedding[...].T if self.lm_head is None
                 else self.lm_head.kernel[...])
-        logits = jnp.einsum("bsh,hv->bsv", h, self.policy.cast_to_compute(head),
-                            preferred_element_type=jnp.float32)
+        logits = jnp.einsum("th,hv->tv", h.reshape(b * s, -1), self.policy.cast_to_compute(head),
+                            preferred_element_type=jnp.float32).reshape(b, s, -1)
         new_cache = None if cache is None else KVCache(
             tuple(k for k, _ in new_kv), tuple(v for _, v in new_kv), kv_segments, start + s)
         return LlamaOutput(logits=logits, cache=new_cache)
