@@ -192,8 +192,8 @@ def test_a_decoder_run_plans_for_tpu_and_gpu(name):
     of data.max_len tokens), compiled for a TPU slice and a GPU host; its length is in steps,
     so the cost is the run's."""
     p = plan.make_plan(os.path.join(CONFIGS, "canterbury_lm.py"), [], name)
-    assert p.fits and p.seq == 128 and p.batch == 8
-    assert p.cost["unit"] == "run" and p.cost["steps"] == 200
-    assert "run (estimate): 200 steps" in plan.report(p)
+    assert p.fits and p.seq == 128 and p.batch == 16
+    assert p.cost["unit"] == "run" and p.cost["steps"] == 2000
+    assert "run (estimate): 2000 steps" in plan.report(p)
     row = plan.result(p)["rows"][0]
-    assert row["run_steps"] == 200 and "epoch_steps" not in row
+    assert row["run_steps"] == 2000 and "epoch_steps" not in row

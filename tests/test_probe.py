@@ -314,13 +314,13 @@ def test_generate_refuses_a_prompt_that_is_not_utf8(lm_run, capsys):
 def test_generate_refuses_a_top_k_past_the_vocabulary(lm_run, capsys):
     """JAX's own "k argument to top_k must be no larger than size along axis" named neither
     the flag nor the limit."""
-    assert cli.main(["generate", "--checkpoint", lm_run, "--top-k", "9000",
+    assert cli.main(["generate", "--checkpoint", lm_run, "--top-k", "3000",
                      "Alice was"]) == cli.EXIT_ERROR
     out = capsys.readouterr()
     assert out.out == "" and out.err.strip() == (
-        "error: top_k=9000 must be between 0 (no top-k cut) and the model's vocabulary of 8192 "
-        "tokens; give at most 8192.")
-    assert cli.main(["generate", "--checkpoint", lm_run, "--top-k", "8192",
+        "error: top_k=3000 must be between 0 (no top-k cut) and the model's vocabulary of 2048 "
+        "tokens; give at most 2048.")
+    assert cli.main(["generate", "--checkpoint", lm_run, "--top-k", "2048",
                      "--max-new-tokens", "2", "Alice was"]) == 0
 
 

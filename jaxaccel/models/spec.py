@@ -219,8 +219,9 @@ LLAMA_PRESETS = {
     "llama-tiny": LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
                               num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
                               max_position_embeddings=128),
-    # Trains on a 2-core CPU in minutes at 256 tokens: 4 layers, d=256, 8k vocabulary (tied).
-    "llama-cpu": LlamaConfig(vocab_size=8192, hidden_size=256, intermediate_size=768,
+    # The CPU decoder job's (configs/canterbury_lm.py): 4 layers, d=128, a tied 2k vocabulary;
+    # 1.05M matmul weights with the logits, compute-optimal for minutes of a 2-core CPU.
+    "llama-cpu": LlamaConfig(vocab_size=2048, hidden_size=128, intermediate_size=384,
                              num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                              max_position_embeddings=512, tie_word_embeddings=True),
     # GPT-3 Small (Brown et al. 2020, table 2.1: 12 layers, d=768, 12 heads, 2048 tokens) in
