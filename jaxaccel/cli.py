@@ -35,7 +35,8 @@ EXIT_ERROR, EXIT_NONFINITE, EXIT_DOES_NOT_FIT, EXIT_INTERRUPTED = 2, 3, 4, 130
 # by SIGTERM or Ctrl-C after saving; the same command resumes it. Not 0, so that
 # `jaxaccel train ... && jaxaccel eval ...` and job schedulers do not go on as if it had finished.
 EXIT_PREEMPTED = 75
-BENCH_SUITES = ("train_step", "attention", "optimizer", "job", "scaling", "hf_flax", "pipeline")
+BENCH_SUITES = ("train_step", "attention", "optimizer", "job", "scaling", "hf_flax", "hf_llama",
+                "pipeline")
 
 
 def _parser() -> argparse.ArgumentParser:
