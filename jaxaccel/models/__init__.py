@@ -75,19 +75,21 @@ def model_spec(model_cfg) -> ModelSpec:
     return spec_lib.from_config(model_cfg, architecture_of(checkpoint) if checkpoint else None)
 
 
-def create_model(model_cfg, policy, seed: int, spec: ModelSpec | None = None):
+def create_model(model_cfg, policy, seed: int, spec: ModelSpec | None = None, *,
+                 tokenizer: bool = True):
     """``(model, tokenizer_dir)`` from the ``model`` section of a config.
 
     A checkpoint directory (``checkpoint_of``) is loaded with its weights; other presets are
     initialised randomly from ``seed``, with ``model.tokenizer`` or the packaged MiniLM's
-    (None for a model that reads no tokens, e.g. a ViT). The model's spec is ``spec``, default
-    ``model_spec(model_cfg)``.
+    (None for a model that reads no tokens, e.g. a ViT, and where ``tokenizer`` is False: a
+    run that reads no data, such as a plan, needs the preset's shapes only, so not the MiniLM
+    package either). The model's spec is ``spec``, default ``model_spec(model_cfg)``.
     """
     checkpoint = checkpoint_of(model_cfg)
     spec = model_spec(model_cfg) if spec is None else spec
     if checkpoint:
         return load_checkpoint(checkpoint, spec, policy, seed), model_cfg.tokenizer or checkpoint
-    reads_tokens = "input_ids" in spec.family.resolve("model").input_keys
+    reads_tokens = tokenizer and "input_ids" in spec.family.resolve("model").input_keys
     return build_model(spec, policy, seed), model_cfg.tokenizer or (
         packaged_minilm_dir() if reads_tokens else None)
 

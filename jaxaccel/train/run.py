@@ -325,7 +325,7 @@ def assemble(r: Resolved, *, model=None, tokenizer_dir: str | None = None,
     if abstract:
         # Outside the mesh: under one, nnx.eval_shape reads the logical axis names as mesh axes.
         shapes = nnx.eval_shape(lambda: create_model(r.cfg.model, r.policy, r.cfg.seed,
-                                                     r.spec)[0])
+                                                     r.spec, tokenizer=False)[0])
         with jax.set_mesh(r.mesh):
             return _abstract(r, shapes)
     with jax.set_mesh(r.mesh):
@@ -354,7 +354,8 @@ def _abstract(r: Resolved, model) -> Run:
 def _training(r: Resolved, model, tokenizer_dir: str | None, data: bool) -> Run:
     cfg = r.cfg
     if model is None:
-        model, tokenizer_dir = create_model(cfg.model, r.policy, cfg.seed, r.spec)
+        model, tokenizer_dir = create_model(cfg.model, r.policy, cfg.seed, r.spec,
+                                            tokenizer=data)
         if cfg.model.init_from:
             init_from(model, cfg.model.init_from)
     graphdef, params, fp8, param_shardings = split_model(model, r.mesh)
