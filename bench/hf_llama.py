@@ -1,6 +1,6 @@
 """Our decoder train step beside the stock Hugging Face Llama loops, at equal shapes, in one run.
 
-    python bench/hf_llama.py                  # step medians at 8 x 128 and 4 x 512 (minutes)
+    python bench/hf_llama.py                  # step medians at the job's shape and at 512 tokens
     python bench/hf_llama.py --job --seeds 0,1   # also the whole jobs at equal tokens
     jaxaccel bench hf_llama [flags]           # the same
 
@@ -8,8 +8,9 @@ Ours: the trainer's own jitted ``Run.train_step`` (``train.run.resolve`` / ``ass
 ``--config``, default configs/canterbury_lm.py: the ``llama-cpu`` preset, fp32 on a CPU, AdamW
 with the config's schedule, b2, weight decay and clipping) on packed rows of the Canterbury
 corpus (documents laid end to end, attention within a document: ``segment_ids``, positions
-restarting per document), one device. Each shape of ``--shapes`` (default the job's 8 x 128
-and 4 x 512) is set as ``train.batch_size`` x ``data.max_len``.
+restarting per document), one device. Each shape of ``--shapes`` is set as
+``train.batch_size`` x ``data.max_len``; the default is the job's (the config's batch and row
+length, 16 x 128) and rows of 512 tokens holding as many tokens (4 x 512).
 
 Stock sides (``--stock``), on the same token rows:
 
@@ -51,8 +52,9 @@ ours; the stock model reads the rows causally). Rows ``jaxaccel job`` and ``<sid
 ``time_s``, ``final_perplexity`` and ``final_loss``, once per seed of ``--seeds``; ``--sides``
 (default ``jaxaccel,fastest``: ours and the stock side whose step was fastest at the config's
 shape, every stock side of ``--stock`` if that shape was not timed). ``job_speedup[side]``: the
-side's time / ours (first seed). Our job also writes its run folder and final checkpoint (in
-a temporary workdir); the stock loops keep nothing.
+side's time / ours (first seed). Our job evaluates once at the end, as the stock loops do
+(``train.eval_every_epoch=False``), and still writes its run folder and a checkpoint at each
+epoch end (in a temporary workdir); the stock loops keep nothing.
 
 On a CPU shared with other jobs PyTorch's OpenMP threads, which spin while they wait, stall
 each other (steps 10-15x slower here, ours unaffected): ``--torch-omp-wait passive`` there; an
@@ -82,6 +84,9 @@ sys.path.insert(0, ROOT)
 from bench.hf_flax import HF_VERSION, decay_mask, hf_schedule, our_job  # noqa: E402
 
 IN_VENV = "JAXACCEL_HF_LLAMA_VENV"
+# Our job evaluates once, at the end, as the stock loops do (the config may evaluate after every
+# epoch); it still saves its checkpoint at each epoch end.
+OUR_JOB_SETS = ("train.eval_every_epoch=False",)
 TORCH_PYTHON = "JAXACCEL_HF_LLAMA_TORCH_PYTHON"   # the interpreter with transformers >= 5
 WORKER_FLAG = "--torch-worker"
 STOCK = ("hf_flax", "torch")
@@ -103,6 +108,12 @@ def parse_shapes(text: str) -> list[tuple[int, int]]:
         raise SystemExit(f"--shapes {text!r}: expected ROWSxLENGTH[,ROWSxLENGTH...], e.g. "
                          "8x128,4x512.")
     return shapes
+
+
+def default_shapes(rows: int, length: int, long: int = 512) -> list[tuple[int, int]]:
+    """The job's shape and rows of ``long`` tokens holding as many tokens (at least one row)."""
+    longer = (max(rows * length // long, 1), long)
+    return [(rows, length)] + ([longer] if length < long else [])
 
 
 def recipe_of(cfg, total_steps: int) -> dict:
@@ -561,7 +572,7 @@ def jobs(config: str, sets: list[str], seeds: str | None, sides: list[str], adam
         got = {}
         for side in sides:
             if side == "jaxaccel":
-                got[side], _ = our_job(config, sets + [f"seed={seed}"],
+                got[side], _ = our_job(config, sets + [f"seed={seed}", *OUR_JOB_SETS],
                                        ("perplexity", "loss"))
             elif side == "hf_flax":
                 got[side] = flax_job(arch, recipe, seed, tokenizer_dir, data)
@@ -593,8 +604,9 @@ def main(argv=None):
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="override our config (the stock sides take its architecture, recipe, "
                     "batch, length, steps and seed)")
-    ap.add_argument("--shapes", default="8x128,4x512", metavar="ROWSxLEN[,...]",
-                    help="step shapes, rows x tokens per row (default 8x128,4x512)")
+    ap.add_argument("--shapes", default=None, metavar="ROWSxLEN[,...]",
+                    help="step shapes, rows x tokens per row (default: the config's, and rows "
+                    "of 512 tokens holding as many tokens)")
     ap.add_argument("--stock", default="hf_flax,torch", metavar="hf_flax,torch",
                     help="stock sides (default both)")
     ap.add_argument("--torch-modes", default="eager,compile", metavar="eager,compile")
@@ -628,7 +640,7 @@ def main(argv=None):
     known = set(SIDE_NAMES) | {"fastest"}
     if set(sides) - known:
         raise SystemExit(f"--sides {args.sides}: expected some of {', '.join(sorted(known))}.")
-    shapes = parse_shapes(args.shapes) if args.rounds > 0 else []
+    shapes = parse_shapes(args.shapes) if args.rounds > 0 and args.shapes else []
     from jaxaccel.distributed import cpu_without_accelerator
     cpu_without_accelerator()      # before any backend starts, here and in the child processes
     if ("hf_flax" in stock or "hf_flax" in sides) and os.environ.get(IN_VENV) != "1":
@@ -658,6 +670,8 @@ def main(argv=None):
                          torch_omp_wait_policy=torch_worker.omp_wait_policy)
         base = config_lib.load(args.config, args.set)
         job_shape, fastest = f"{base.train.batch_size}x{base.data.max_len}", None
+        if args.rounds > 0 and not args.shapes:
+            shapes = default_shapes(base.train.batch_size, base.data.max_len)
         for shape in shapes:
             got, info = time_steps(args.config, args.set, shape, stock, modes,
                                    args.torch_adamw, args.rounds, args.steps, torch_worker,

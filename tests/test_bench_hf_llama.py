@@ -154,3 +154,9 @@ def test_flags_are_checked_before_anything_runs(tmp_path):
         with pytest.raises(SystemExit, match=message):
             hf_llama.main(argv + ["--out", str(tmp_path)])
     assert not os.listdir(tmp_path)
+
+
+def test_default_shapes_are_the_jobs_and_as_many_tokens_in_512_token_rows():
+    assert hf_llama.default_shapes(16, 128) == [(16, 128), (4, 512)]
+    assert hf_llama.default_shapes(1, 128) == [(1, 128), (1, 512)]
+    assert hf_llama.default_shapes(2, 512) == [(2, 512)]
