@@ -89,22 +89,10 @@ def pytest_sessionfinish(session, exitstatus):
         shutil.rmtree(_SESSION_CACHE, ignore_errors=True)
 
 
-# The longest test files, longest first (seconds on one worker of the idle 2-core CPU at
-# 9f997d5: 282, 228, 227, 139, 138, 125, 121, 114): collected first, so that with
-# ``--dist loadfile`` the workers start on them and the short files fill in at the end,
-# instead of a long file starting last and running alone (alphabetical order put
-# test_sharding and test_vit near the end).
-LONGEST_FILES = ("test_sharding.py", "test_pipeline.py", "test_faults.py", "test_vit.py",
-                 "test_probe.py", "test_precision.py", "test_distributed.py", "test_flat.py")
-
-
 def pytest_collection_modifyitems(config, items):
-    """The longest files first (``LONGEST_FILES``; the same order on every worker, as xdist
-    requires); ``slow`` tests (minutes of training each) run only when asked for (``-m
-    slow``), so the default suite stays within CI's budget; ``gpu`` tests only where the
-    default backend is a GPU."""
-    rank = {name: i for i, name in enumerate(LONGEST_FILES)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+    """``slow`` tests (minutes of training each) run only when asked for (``-m slow``), so the
+    default suite stays within CI's budget; ``gpu`` tests only where the default backend is a
+    GPU."""
     if "slow" not in (config.getoption("markexpr") or ""):
         slow = pytest.mark.skip(reason="slow: run with -m slow")
         for item in items:
