@@ -86,10 +86,11 @@ def _dense(din, dout, axes, cfg: LlamaConfig, policy: Policy, rngs, bias: bool =
 
 
 def _per_token(dense, x):
-    """``dense`` applied to ``x`` [..., features] as one [tokens, features] matrix (a free
-    reshape): autodiff then contracts the weight gradient over one token axis. Over the
-    [batch, seq] pair XLA:CPU first copied a transposed activation or gradient per matmul
-    (bench/README.md, "The decoder step against the stock Hugging Face loops")."""
+    """``dense`` (a layer or a block of them) applied to ``x`` [..., features] as one
+    [tokens, features] matrix (a free reshape): autodiff then contracts the weight gradient
+    over one token axis. Over the [batch, seq] pair XLA:CPU first copied a transposed
+    activation or gradient per matmul (bench/README.md, "The decoder step against the stock
+    Hugging Face loops")."""
     return dense(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], -1)
 
 
@@ -184,9 +185,8 @@ class LlamaMLP(nnx.Module):
         self.down_proj = _dense(f, h, ("mlp", "embed"), cfg, policy, rngs, b)
 
     def __call__(self, x):
-        x2 = x.reshape(-1, x.shape[-1])
-        y = self.down_proj(jax.nn.silu(self.gate_proj(x2)) * self.up_proj(x2))
-        return y.reshape(x.shape)
+        return _per_token(lambda t: self.down_proj(jax.nn.silu(self.gate_proj(t))
+                                                   * self.up_proj(t)), x)
 
 
 class LlamaDecoderLayer(nnx.Module):
