@@ -17,7 +17,8 @@ appendix B; MaxText's ``calculate_tflops_training_per_device``; DESIGN.md):
   MaxText does (nanoGPT and PaLM do not halve); packed rows count the whole row as one
   sequence whatever their documents (the kernels compute it so).
 
-Rematerialisation's recomputed forward is not counted (model FLOPs, not hardware FLOPs).
+Rematerialisation's recomputed forward is not counted (model FLOPs, not hardware FLOPs);
+``recompute_flops`` gives it (the planner's compute bound adds it to a remat run's).
 Tokens are counted twice in the metrics: ``processed_tokens_per_s`` (B x L, padding included:
 the work the FLOPs count) and ``tokens_per_s`` (non-padding tokens only: what a user means by
 throughput). MFU = model FLOP/s / (devices x the device's peak for the policy's dtype);
@@ -63,6 +64,10 @@ class Shape:
     def train_flops(self, batch: int, seq: int) -> float:
         return 6.0 * self.matmul_weights * batch * seq + self.attention_flops(batch, seq)
 
+    def recompute_flops(self, batch: int, seq: int) -> float:
+        """The layers' forward pass again (remat): a third of their training FLOPs."""
+        return (self.train_flops(batch, seq) - 6.0 * self.head_weights * batch * seq) / 3.0
+
     @staticmethod
     def rows(batch: dict) -> tuple[int, int]:
         """(rows, padded length) of a host batch of token rows."""
@@ -103,6 +108,11 @@ class ViTShape:
         return (self.encoder.train_flops(batch, self.encoder_tokens) + dec
                 + 6.0 * self.patch_weights * batch * self.patches)
 
+    def recompute_flops(self, batch: int, seq: int | None = None) -> float:
+        dec = 0.0 if self.decoder is None else \
+            self.decoder.recompute_flops(batch, self.decoder_tokens)
+        return self.encoder.recompute_flops(batch, self.encoder_tokens) + dec
+
     def rows(self, batch: dict) -> tuple[int, int]:
         return len(batch["pixels"]), self.patches
 
@@ -123,6 +133,13 @@ def attention_flops(shape: Shape | ViTShape, batch: int, seq: int) -> float:
 def train_flops(shape: Shape | ViTShape, batch: int, seq: int) -> float:
     """Model FLOPs of one training step on ``batch`` rows of ``seq`` tokens (module doc)."""
     return shape.train_flops(batch, seq)
+
+
+def recompute_flops(shape: Shape | ViTShape, batch: int, seq: int) -> float:
+    """FLOPs a step with ``model.remat`` adds to ``train_flops``: each layer's forward pass is
+    run again in the backward pass (not counted in MFU, which counts the model's FLOPs, but
+    time the hardware spends)."""
+    return shape.recompute_flops(batch, seq)
 
 
 def bert_shape(spec) -> Shape:

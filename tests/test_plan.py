@@ -11,7 +11,8 @@ import jax
 import pytest
 
 from jaxaccel import cli, plan
-from jaxaccel.plan import topology
+from jaxaccel.plan import search, topology
+from jaxaccel import compare as compare_lib
 from jaxaccel import devices as devices_lib
 from jaxaccel.precision import get_policy
 from support import CONFIGS, TINY_CONFIG, needs_cuda_plugin, needs_libtpu, run_cli
@@ -100,7 +101,7 @@ def test_a_step_that_does_not_fit_says_by_how_much_and_what_fixes_it(capsys, tmp
                                  str(tmp_path))
     assert code == cli.EXIT_DOES_NOT_FIT and "DOES NOT FIT" in out
     assert "does not fit on local" in err and "0.00 GB (0.001 GB given (--memory))" in err
-    for fix in ("mesh.fsdp=", "model.remat=true", "train.batch_size=8"):
+    for fix in ("mesh.fsdp=", "model.remat=true", "train.grad_accum=2", "--fit"):
         assert fix in err, fix
     assert not any(tmp_path.iterdir())                # nothing written
 
@@ -153,7 +154,7 @@ def test_a_step_the_tpu_compiler_refuses_is_a_does_not_fit(capsys, tmp_path):
                                  "--set", "data.synthetic_seq_len=128", "--out", str(tmp_path))
     assert code == cli.EXIT_DOES_NOT_FIT and out == ""
     assert "the training step does not fit on v5e:1x1" in err and "exceeds available HBM" in err
-    assert "model.remat=true" in err and "train.batch_size=32768" in err
+    assert "model.remat=true" in err and "train.grad_accum=2" in err
     assert not any(tmp_path.iterdir())
 
 
@@ -210,3 +211,55 @@ def test_a_decoder_run_plans_for_tpu_and_gpu(name):
     assert "run (estimate): 2000 steps" in plan.report(p)
     row = plan.result(p)["rows"][0]
     assert row["run_steps"] == 2000 and "epoch_steps" not in row
+
+
+def test_fit_search_finds_the_fewest_micro_batches_that_fit(capsys):
+    """A batch of 128 x 128 on 60 MB devices: the step as given needs 84 MB (60 of them
+    temporaries), 2 micro-batches 68 MB, 4 fit; the search predicts the accumulation from the
+    first compile's temporaries and keeps the optimizer batch (3 compiles allowed here)."""
+    sets = ["train.batch_size=128", "data.synthetic_seq_len=128"]
+    code, out, err = compile_cli(capsys, "--topology", "local", "--memory", "0.06",
+                                 "--fit", "3", *[a for s in sets for a in ("--set", s)])
+    assert code == 0, err
+    assert "fit search [3/3] --set train.grad_accum=4: fits" in err
+    assert "the fastest configuration that fits: --set train.grad_accum=4" in out
+    assert "the limit of 3 compiles" in out and "global batch 128 x 128" in out
+    found = search.search(TINY_CONFIG, sets, "local", device_memory=0.06e9, limit=3)
+    assert [c.fits for c in found.tried] == [False, False, True]
+    best = found.best.plan
+    assert best.cfg.train.grad_accum == 4 and best.batch == 128
+    assert best.memory["total"] <= 0.06e9 < found.tried[1].plan.memory["total"]
+
+
+def test_fit_search_says_why_nothing_fits(capsys):
+    """1 MB per device: not even FSDP over 8 devices with remat and accumulation fits."""
+    code, out, err = compile_cli(capsys, "--topology", "local", "--memory", "0.001", "--fit",
+                                 "4")
+    assert code == cli.EXIT_DOES_NOT_FIT
+    assert err.count("fit search [") == 4 and "nothing tried fits" in err
+    assert "the least parameter and optimizer state per device seen was" in err
+
+
+@pytest.mark.aot_compile
+@needs_libtpu
+@needs_cuda_plugin
+def test_several_targets_are_planned_and_ranked_by_time_and_cost(capsys, tmp_path):
+    """A TPU slice, a GPU host and a name that is no target, in one command: both targets'
+    plans written, ranked with their epoch's time and price; the bad name listed, unranked."""
+    code, out, err = compile_cli(capsys, "--topology", "v5e-4,h100:1x1,v9:2x2",
+                                 "--out", str(tmp_path))
+    assert code == 0, err
+    assert sorted(os.listdir(tmp_path)) == ["plan-tiny_synthetic-h100_1x1.json",
+                                            "plan-tiny_synthetic-v5e_2x2.json"]
+    table = out[out.index("targets ranked"):].splitlines()
+    rows = [r for r in table if r.startswith("| ")][1:]
+    assert [r.split(" | ")[1] for r in rows] == ["h100:1x1", "v5e-4", "v9:2x2"] or \
+        [r.split(" | ")[1] for r in rows] == ["v5e-4", "h100:1x1", "v9:2x2"]
+    assert rows[0].startswith("| 1 |") and rows[1].startswith("| 2 |")
+    assert rows[2].startswith("| - | v9:2x2 |") and "unknown topology" in rows[2]
+    assert all("$" in r for r in rows[:2]) and "(cheapest)" in out
+    assert "unknown topology 'v9:2x2'" in err
+    # compare reads the plan files (plans are estimates; ranked as one group of the same work)
+    report = compare_lib.compare([str(p) for p in sorted(tmp_path.iterdir())],
+                                 prices_file=None, weights=None)
+    assert len(report["groups"]) == 1 and len(report["groups"][0].candidates) == 2

@@ -27,8 +27,8 @@ TensorCore of a deviceless v4) it gives:
   given by the compile-only GPU client);
 - an estimated step time, tokens/s and cost per epoch (per run where the epoch's steps are
   unknown before the data is packed: a corpus). Each estimate names its source:
-  ``roofline`` = the analytic FLOPs at the chip's published peak for the policy's matmul
-  dtype, the bytes XLA says the step moves at the HBM bandwidth, or the bytes its collectives
+  ``roofline`` = the analytic FLOPs (with a remat run's recomputed forward) at the chip's
+  published peak for the policy's matmul dtype, the bytes XLA says the step moves at the HBM bandwidth, or the bytes its collectives
   must send (``jaxaccel.plan.collectives``) at the chip's interconnect bandwidth (ICI, NVLink),
   whichever is slowest (a lower bound: real steps reach a fraction of peak, see MFU in the
   README, and overlap collectives with compute only in part); a pipeline's compute bound is
@@ -76,9 +76,10 @@ class DoesNotFit(RuntimeError):
     much and what would fix it; ``plan`` holds the numbers (None when the compiler itself
     refused the step, as the TPU compiler does: its own numbers are in the message)."""
 
-    def __init__(self, message: str, plan: "Plan | None" = None):
+    def __init__(self, message: str, plan: "Plan | None" = None, step: str = "train"):
         super().__init__(message)
         self.plan = plan
+        self.step = step            # the step that does not fit: "train" or "eval"
 
 
 @dataclasses.dataclass
@@ -229,7 +230,8 @@ def estimate_step(target, policy, attention_impl: str, flops: dict, cost: dict, 
     per_chip = 1.0 / target.chips
     bandwidth = target.chip.hbm_bandwidth
     link_s, link = _interconnect_s(target, sent)
-    bounds = {"compute": flops["analytic"] * per_chip / peak_flops / (1.0 - bubble),
+    work = flops["analytic"] + flops.get("recompute", 0.0)
+    bounds = {"compute": work * per_chip / peak_flops / (1.0 - bubble),
               "memory": cost["bytes accessed"] * target.devices_per_chip / bandwidth
               if cost.get("bytes accessed", 0) > 0 else 0.0,
               "interconnect": link_s or 0.0}
@@ -299,7 +301,7 @@ def make_plan(config_path: str | None, sets: list[str], topology_name: str, *,
                 target, cfg, dict(run.mesh.shape), step,
                 f"the {target.platform.upper()} compiler refuses it: {said} (parameters "
                 f"{_gb(known['params'])}, optimizer state {_gb(known['opt_state'])} per "
-                "device)")) from None
+                "device)"), step=step) from None
         compile_s[step] = time.perf_counter() - t0
         return compiled
 
@@ -311,6 +313,8 @@ def make_plan(config_path: str | None, sets: list[str], topology_name: str, *,
     cost = xla_cost(train)
     flops = {"analytic": flops_lib.train_flops(shape, t.batch_size, seq),
              "attention": flops_lib.attention_flops(shape, t.batch_size, seq),
+             "recompute": flops_lib.recompute_flops(shape, t.batch_size, seq)
+             if cfg.model.remat else 0.0,
              "xla_per_device": cost.get("flops")}
     capacity, capacity_source = _capacity(target) if device_memory is None else \
         (device_memory, f"{device_memory / 1e9:g} GB given (--memory)")
@@ -327,12 +331,13 @@ def make_plan(config_path: str | None, sets: list[str], topology_name: str, *,
                 collectives_lib.by_kind(found), sent, tuple(notes), pipeline)
     if plan.fits is False:
         m, e = plan.memory, plan.eval_memory
+        step = "train" if m["total"] > capacity else "eval"
         raise DoesNotFit(does_not_fit(
-            target, cfg, plan.mesh, "train" if m["total"] > capacity else "eval",
+            target, cfg, plan.mesh, step,
             f"it needs {_gb(max(m['total'], e['total']))} per device (parameters "
             f"{_gb(m['params'])}, optimizer state {_gb(m['opt_state'])}, temporaries "
             f"{_gb(m['temp'])}; eval step {_gb(e['total'])}) but a device has "
-            f"{_gb(capacity)} ({capacity_source})"), plan)
+            f"{_gb(capacity)} ({capacity_source})"), plan, step)
     return plan
 
 
@@ -368,21 +373,29 @@ def _gb(x) -> str:
 def does_not_fit(target, cfg, mesh: dict, step: str, numbers: str) -> str:
     """The message of a step ("train" or "eval") that does not fit: the numbers and what
     would fix it."""
-    batch = cfg.train.batch_size
-    per_device = batch // max(mesh["data"] * mesh["fsdp"], 1)
+    t = cfg.train
+    rows = max(mesh["data"] * mesh["fsdp"], 1)
     fixes = []
-    if mesh["fsdp"] == 1 and len(target.devices) > 1:
-        fixes.append(f"shard parameters and optimizer state with an FSDP axis (--set mesh.fsdp="
-                     f"{len(target.devices)} --set mesh.data=1)")
-    if not cfg.model.remat:
-        fixes.append("recompute activations in the backward pass (--set model.remat=true)")
-    if per_device > 1:
-        fixes.append(f"a smaller per-device batch (now {per_device}; --set train.batch_size="
-                     f"{batch // 2}, with train.grad_accum=2 for the same optimizer batch)")
+    if step == "eval":
+        if t.eval_batch_size // rows > 1:
+            fixes.append(f"a smaller eval batch (--set train.eval_batch_size="
+                         f"{t.eval_batch_size // 2})")
+    else:
+        if mesh["fsdp"] == 1 and len(target.devices) > 1:
+            fixes.append(f"shard parameters and optimizer state with an FSDP axis (--set "
+                         f"mesh.fsdp={len(target.devices)} --set mesh.data=1)")
+        if not cfg.model.remat:
+            fixes.append("recompute activations in the backward pass (--set model.remat=true)")
+        micro = t.batch_size // t.grad_accum // rows
+        if micro > 1:
+            fixes.append(f"a smaller micro-batch per device (now {micro}) by accumulating "
+                         f"gradients over more of them, the same optimizer batch (--set "
+                         f"train.grad_accum={2 * t.grad_accum})")
     fixes.append("a target with more memory per chip or more chips")
     name = "training" if step == "train" else "eval"
     return (f"the {name} step does not fit on {target.name} ({target.device_kind}): "
-            f"{numbers}. Try: " + "; ".join(fixes) + ".")
+            f"{numbers}. Try: " + "; ".join(fixes) + "; or let --fit search these by "
+            "compiling.")
 
 
 def report(plan: Plan) -> str:
@@ -424,7 +437,9 @@ def report(plan: Plan) -> str:
     lines += ["", f"compile time: train {plan.compile_s['train']:.1f} s, eval "
                   f"{plan.compile_s['eval']:.1f} s",
               f"FLOPs per step: analytic {f['analytic']:.4g} (6N x tokens + attention "
-              f"{f['attention']:.4g}); XLA cost analysis {xla}"]
+              f"{f['attention']:.4g})" + (f" + the remat forward {f['recompute']:.4g}"
+                                          if f.get("recompute") else "")
+              + f"; XLA cost analysis {xla}"]
     if e["step_s"] is None:
         lines.append(f"step time: no estimate ({e['source']})")
     else:
