@@ -134,6 +134,14 @@ def test_tpu_plan_shards_with_fsdp_and_counts_chips(capsys, tmp_path):
     dp = plan.abstract_run(plan.load_config(TINY_CONFIG, [], target), target)
     assert p.memory["params"] < plan.shard_bytes(dp.state.params) / 3
     assert p.estimate["source"].startswith("estimate:") and p.estimate["step_s"] > 0
+    # The forecast: calibrated on v5e's published runs, never below the roofline, in its range.
+    e = p.estimate
+    assert e["roofline_s"] <= e["forecast_low_s"] <= e["forecast_s"] <= e["forecast_high_s"]
+    assert e["calibration"] and all("v5e" in i for i in e["calibration"])
+    assert p.cost["forecast_usd"] >= p.cost["usd"]
+    row = plan.result(p)["rows"][0]
+    assert row["time_s"] == e["forecast_s"] and row["time_source"] == "estimate:forecast"
+    assert row["bound_s"] == e["step_s"] and "forecast" in plan.report(p)
     assert p.cost["usd"] > 0 and "TPU v5 lite $1.2/h" in p.cost["price"]
     # FSDP gathers the parameters and reduce-scatters the gradients (libtpu fuses the latter as
     # an all-reduce and a slice, counted as the reduce-scatter it is): 3/4 of each sent at least.

@@ -60,6 +60,7 @@ from jaxaccel import flops as flops_lib
 from jaxaccel.compare import prices
 from jaxaccel.models import attention
 from jaxaccel.plan import collectives as collectives_lib
+from jaxaccel.plan import forecast as forecast_lib
 from jaxaccel.plan import topology
 from jaxaccel.train.run import Run, assemble, resolve
 
@@ -69,6 +70,15 @@ CAVEATS = ("estimates, not measurements: the roofline is a lower bound on step t
            "steps reach a fraction of peak); XLA's cost model does not cost Pallas kernels",
            "GPU targets compile without a device, so without autotuning: the HLO is close to, "
            "not identical to, a real GPU's")
+
+
+class StepRefused(ValueError):
+    """The step cannot be built at the configured shapes (tracing refused it: e.g. a dropout
+    mask larger than its counters); a smaller micro-batch may help. ``step``: train or eval."""
+
+    def __init__(self, message: str, step: str):
+        super().__init__(message)
+        self.step = step
 
 
 class DoesNotFit(RuntimeError):
@@ -237,6 +247,7 @@ def estimate_step(target, policy, attention_impl: str, flops: dict, cost: dict, 
               "interconnect": link_s or 0.0}
     bound = max(bounds, key=bounds.get)
     out = {"roofline_s": bounds[bound], "bound": bound, "bubble": bubble,
+           "compute_s": bounds["compute"],
            "interconnect_s": link_s,
            "interconnect": link, "peak": f"{peak_flops:.4g} FLOP/s ({which}), "
                                          f"{bandwidth:.3g} B/s HBM ({target.chip.source})"}
@@ -283,7 +294,10 @@ def make_plan(config_path: str | None, sets: list[str], topology_name: str, *,
 
     def compile_(step, jitted, *args):
         t0 = time.perf_counter()
-        lowered = jitted.lower(*args)
+        try:
+            lowered = jitted.lower(*args)
+        except ValueError as e:
+            raise StepRefused(str(e), step) from e
         try:
             try:
                 compiled = lowered.compile()
@@ -325,6 +339,11 @@ def make_plan(config_path: str | None, sets: list[str], topology_name: str, *,
         **stages.as_dict(), "permute_bytes": collectives_lib.by_kind(found)["collective-permute"]}
     estimate = estimate_step(target, run.resolved.policy, run.spec.attention_impl, flops, cost,
                              t.batch_size, seq, sent, 0.0 if stages is None else stages.bubble)
+    if estimate["step_s"] is not None:
+        estimate.update(forecast_lib.forecast(
+            estimate["compute_s"], estimate["roofline_s"],
+            (flops["analytic"] + flops["recompute"]) / target.chips, target.device_kind,
+            run.spec.family.name, run.resolved.policy.matmul_dtype))
     plan = Plan(target, cfg, dict(run.mesh.shape), t.batch_size, t.eval_batch_size, seq,
                 memory, eval_memory, capacity, capacity_source, compile_s, flops, estimate,
                 _cost_of(target, run, estimate),
@@ -354,16 +373,31 @@ def _cost_of(target, run: Run, estimate) -> dict | None:
         unit, steps = "run", r.total_steps
     else:
         return None
-    seconds = steps * estimate["step_s"]
-    out = {"unit": unit, "steps": steps, "seconds": seconds}
+    seconds = {"seconds": steps * estimate["step_s"]}
+    for key in ("forecast", "forecast_low", "forecast_high"):
+        if estimate.get(f"{key}_s") is not None:
+            seconds[f"{key}_seconds"] = steps * estimate[f"{key}_s"]
+    out = {"unit": unit, "steps": steps, **seconds}
     try:
         p = prices.lookup(target.device_kind, prices.PRICES)
     except KeyError:
         return {**out, "usd": None, "price": f"no price for {target.device_kind!r} in "
                                              "jaxaccel/compare/prices.py"}
-    return {**out, "usd": seconds / 3600 * p.usd_per_hour * target.chips,
-            "price": f"{p.device} ${p.usd_per_hour}/h per chip x {target.chips} "
-                     f"({p.source}, {p.date})"}
+    usd = {k.replace("seconds", "usd"): v / 3600 * p.usd_per_hour * target.chips
+           for k, v in seconds.items()}
+    return {**out, **usd, "price": f"{p.device} ${p.usd_per_hour}/h per chip x {target.chips} "
+                                   f"({p.source}, {p.date})"}
+
+
+def duration(seconds: float) -> str:
+    """``42.1 s``, ``12.5 min``, ``3.2 h``."""
+    if seconds < 120:
+        return f"{seconds:.3g} s"
+    return f"{seconds / 60:.3g} min" if seconds < 7200 else f"{seconds / 3600:.3g} h"
+
+
+def usd_text(usd: float) -> str:
+    return f"${usd:,.2f}" if usd >= 1 else f"${usd:.2g}"
 
 
 def _gb(x) -> str:
@@ -443,8 +477,16 @@ def report(plan: Plan) -> str:
     if e["step_s"] is None:
         lines.append(f"step time: no estimate ({e['source']})")
     else:
-        lines.append(f"step time ({e['source']}): {e['step_s'] * 1e3:.2f} ms; "
+        lines.append(f"step time ({e['source']}): {e['step_s'] * 1e3:.4g} ms; "
                      f"{e['tokens_per_s']:.4g} tokens/s (estimate)")
+        if e.get("forecast_s") is not None:
+            lines.append(f"  forecast {e['forecast_s'] * 1e3:.4g} ms (range "
+                         f"{e['forecast_low_s'] * 1e3:.4g}-{e['forecast_high_s'] * 1e3:.4g} ms),"
+                         f" {plan.batch * plan.seq / e['forecast_s']:.4g} tokens/s: "
+                         f"{e['forecast_source']}; calibrated on {', '.join(e['calibration'])} "
+                         "(jaxaccel/plan/calibration.json)")
+        else:
+            lines.append(f"  forecast: {e.get('forecast_source', 'none')}")
         lines.append(f"  roofline {e['roofline_s'] * 1e3:.2f} ms ({e['bound']}-bound at "
                      f"{e['peak']})")
         if e.get("bubble"):
@@ -466,12 +508,20 @@ def report(plan: Plan) -> str:
         usd = f"${c['usd']:.2f}" if c["usd"] is not None else "no price"
         lines.append(f"{c['unit']} (estimate): {c['steps']} steps x step time = "
                      f"{c['seconds']:.1f} s, {usd} ({c['price']})")
+        if "forecast_seconds" in c:
+            usd = "" if c["usd"] is None else (
+                f", {usd_text(c['forecast_usd'])} ({usd_text(c['forecast_low_usd'])}-"
+                f"{usd_text(c['forecast_high_usd'])})")
+            lines.append(f"  forecast: {duration(c['forecast_seconds'])} ("
+                         f"{duration(c['forecast_low_seconds'])}-"
+                         f"{duration(c['forecast_high_seconds'])}){usd}")
     elif e["step_s"] is not None:
         lines.append("epoch: no estimate (a corpus's steps per epoch are known once it is "
                      "packed; train.max_steps gives the run's)")
     if plan.notes:
         lines += ["", "notes: " + "; ".join(plan.notes) + "."]
-    lines += ["", "caveats: " + "; ".join(CAVEATS) + "."]
+    lines += ["", "caveats: " + "; ".join(CAVEATS) + (f"; {forecast_lib.CAVEAT}" if e.get(
+        "forecast_s") is not None else "") + "."]
     return "\n".join(lines)
 
 
@@ -480,10 +530,16 @@ def result(plan: Plan) -> dict:
     joins with measured ``train_step`` rows of the same model, sequence and batch; its time
     and cost are marked estimates (``time_source``)."""
     e, c, t = plan.estimate, plan.cost or {}, plan.target
+    forecast = e.get("forecast_s")
     row = {"name": f"plan.{plan.cfg.precision.policy}.{plan.cfg.train.optimizer}."
                    f"{plan.cfg.model.attention_impl}",
-           "batch": plan.batch, "time_s": e["step_s"], "time_source": e["source"],
-           "tokens_per_s": e.get("tokens_per_s"), "fits": plan.fits,
+           "batch": plan.batch, "time_s": forecast or e["step_s"],
+           "time_source": "estimate:forecast" if forecast else e["source"],
+           "tokens_per_s": plan.batch * plan.seq / forecast if forecast
+           else e.get("tokens_per_s"), "fits": plan.fits,
+           "bound_s": e["step_s"], "bound_source": e["source"],
+           "forecast_low_s": e.get("forecast_low_s"), "forecast_high_s": e.get("forecast_high_s"),
+           "forecast_method": e.get("forecast_source"), "calibration": e.get("calibration"),
            "memory_per_device": plan.memory, "eval_memory_per_device": plan.eval_memory,
            "device_memory": plan.capacity, "device_memory_source": plan.capacity_source,
            "collective_bytes_per_device": plan.collectives,
@@ -494,7 +550,8 @@ def result(plan: Plan) -> dict:
            "roofline_s": e.get("roofline_s"), "xla_cost_model_s": e.get("xla_cost_model_s"),
            "xla_optimal_seconds": e.get("xla_optimal_seconds"),
            "peak": e.get("peak"),
-           **{f"{c['unit']}_{k}": c[k] for k in ("steps", "seconds", "usd") if c},
+           **{f"{c['unit']}_{k}": c[k] for k in ("steps", "seconds", "usd", "forecast_seconds",
+                                                   "forecast_usd") if k in c},
            "price": c.get("price")}
     return {"bench": "plan", "device": t.device_kind, "backend": t.platform,
             "topology": t.name, "device_count": t.chips, "devices": len(t.devices),

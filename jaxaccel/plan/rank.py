@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from jaxaccel.plan import Plan
+from jaxaccel.plan import Plan, duration, usd_text
 
 
 @dataclasses.dataclass
@@ -22,12 +22,15 @@ class Entry:
     why: str = ""               # why it does not fit, or the error
 
     def seconds(self) -> float:
+        """The epoch's (or run's) time: forecast where the plan has one, else the bound."""
         c = self.plan.cost if self.plan else None
-        return c["seconds"] if c else math.inf
+        return c.get("forecast_seconds", c["seconds"]) if c else math.inf
 
     def usd(self) -> float:
         c = self.plan.cost if self.plan else None
-        return c["usd"] if c and c.get("usd") is not None else math.inf
+        if not c or c.get("usd") is None:
+            return math.inf
+        return c.get("forecast_usd", c["usd"])
 
     def step(self) -> tuple[float | None, float | None, float | None]:
         """(step, low, high) seconds: the forecast and its range, else the estimate alone."""
@@ -62,10 +65,10 @@ def table(entries: list[Entry]) -> str:
         tps = f"{p.batch * p.seq / step:.4g}" if p and step else "-"
         secs = e.seconds()
         usd = e.usd()
-        cost = "-" if usd == math.inf else f"${usd:,.2f}" + (" (cheapest)" if e.fits and
-                                                              usd == cheapest else "")
+        cost = "-" if usd == math.inf else usd_text(usd) + (" (cheapest)" if e.fits and
+                                                             usd == cheapest else "")
         source = p.estimate.get("forecast_source") or p.estimate.get("source", "") if p else ""
         out.append("| " + " | ".join([
             str(i) if e.fits else "-", e.topology, str(p.target.chips) if p else "-", fits, span,
-            tps, "-" if secs == math.inf else f"{secs / 3600:.3g} h", cost, source]) + " |")
+            tps, "-" if secs == math.inf else duration(secs), cost, source]) + " |")
     return "\n".join(out)

@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from typing import Callable
 
 from jaxaccel import sharding
-from jaxaccel.plan import DoesNotFit, Plan, load_config, make_plan, plannable, topology
+from jaxaccel.plan import (DoesNotFit, Plan, StepRefused, load_config, make_plan, plannable,
+                           topology)
 
 LIMIT = 12
 
@@ -47,9 +49,21 @@ class Candidate:
     def describe(self) -> str:
         return " ".join(f"--set {s}" for s in self.sets) or "the config as given"
 
+    def outcome(self) -> str:
+        if self.fits:
+            e = self.plan.estimate
+            if e.get("step_s") is None:
+                return "fits (no step-time estimate for this device)"
+            return f"fits, step {self.step_s * 1e3:.4g} ms ({e.get('forecast_source') or e['source']})"
+        if self.plan is None:           # refused before or by the compiler: its own words
+            return self.error if len(self.error) < 200 else self.error[:197] + "..."
+        return f"does not fit ({self.step} step)"
+
     @property
     def step_s(self) -> float:
-        s = self.plan.estimate.get("step_s") if self.plan else None
+        """The plan's step time: the forecast where it has one, else the bound."""
+        e = self.plan.estimate if self.plan else {}
+        s = e.get("forecast_s") or e.get("step_s")
         return math.inf if s is None else s
 
 
@@ -63,14 +77,7 @@ class Search:
     def summary(self) -> str:
         lines = [f"fit search on {self.target}: {len(self.tried)} configurations compiled"]
         for c in self.tried:
-            if c.fits and c.step_s == math.inf:
-                what = "fits (no step-time estimate for this device)"
-            elif c.fits:
-                what = f"fits, step {c.step_s * 1e3:.4g} ms ({c.plan.estimate['source']})"
-            else:
-                what = c.error.split(": ", 1)[0] if c.error.startswith("not a valid") else \
-                    f"does not fit ({c.step or 'train'} step)"
-            lines.append(f"  {c.describe()}: {what}")
+            lines.append(f"  {c.describe()}: {c.outcome()}")
         if self.best:
             lines.append(f"fastest that fits: {self.best.describe()} (by the plans' step "
                          "estimates; on a tie, the fewest micro-batches and changes)")
@@ -86,8 +93,8 @@ def why_none(s: Search) -> str:
     """What the search found when nothing fits: the smallest state it saw against the device."""
     seen = [c.plan for c in s.tried if c.plan is not None]
     if not seen:
-        return ("the compiler refused every candidate (its numbers are in the messages); a "
-                "target with more memory per chip or more chips")
+        return ("every candidate was refused (the reasons are above); a target with more "
+                "memory per chip or more chips, or other settings")
     least = min(seen, key=lambda p: p.memory["params"] + p.memory["opt_state"])
     state = least.memory["params"] + least.memory["opt_state"]
     return (f"the least parameter and optimizer state per device seen was {state / 1e9:.3g} GB "
@@ -123,12 +130,12 @@ def search(config_path: str | None, sets: list[str], topology_name: str, *,
                                device_memory=device_memory)
         except DoesNotFit as e:
             c.plan, c.error, c.step = e.plan, str(e), e.step
+        except StepRefused as e:                # a smaller micro-batch may build
+            c.error, c.step = f"cannot be built: {e}", e.step
         except ValueError as e:                 # a combination the run refuses
             c.error = f"not a valid run: {e}"
         tried.append(c)
-        progress(f"fit search [{len(tried)}/{limit}] {c.describe()}: "
-                 + ("fits" if c.fits else c.error.split(": ", 1)[0]
-                    if c.error.startswith("not a valid") else f"does not fit ({c.step} step)"))
+        progress(f"fit search [{len(tried)}/{limit}] {c.describe()}: {c.outcome()}")
         return c
 
     first = attempt({})
@@ -195,7 +202,7 @@ def _fewest_accum(attempt, base: dict, accums: list[int], t, rows: int,
                 return "fits"
             i = (lo + hi) // 2
         else:
-            i = _next_index(accums, lo, c.plan)
+            i = _next_index(accums, lo, c.plan, c.error)
             if i is None:
                 return "none"
 
@@ -205,16 +212,24 @@ def _state_exceeds(p: Plan) -> bool:
     return m["total"] - m["temp"] >= p.capacity
 
 
-def _next_index(accums: list[int], failed: int, p: Plan | None) -> int | None:
+REFUSED = re.compile(r"temporaries \(([\d.]+)G\) exceeds available HBM \(([\d.]+)G\)")
+
+
+def _next_index(accums: list[int], failed: int, p: Plan | None,
+                error: str = "") -> int | None:
     """The next accumulation to try after ``accums[failed]`` did not fit: the one its
-    temporaries, scaled with the micro-batch, predict fits (at least twice the micro-batches
-    where the compiler gave no numbers)."""
+    temporaries, scaled with the micro-batch, predict fits (from the plan's memory, or from
+    the TPU compiler's refusal, which gives the temporaries and the HBM; at least twice the
+    micro-batches where there are no numbers)."""
     if failed + 1 >= len(accums):
         return None
     want = 2.0 * accums[failed]
+    refused = REFUSED.search(error or "")
     if p is not None:
         m = p.memory
         room = p.capacity - (m["total"] - m["temp"])
         want = accums[failed] * m["temp"] / room
+    elif refused:                   # the state's share is unknown: a lower bound on the factor
+        want = max(want, accums[failed] * float(refused[1]) / float(refused[2]))
     return next((j for j in range(failed + 1, len(accums)) if accums[j] >= want),
                 len(accums) - 1)
