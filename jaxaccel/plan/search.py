@@ -5,8 +5,10 @@ MaxText's estimator searches the batch against rematerialisation by compiling; t
 around the config as given (every other setting kept, the optimizer batch never changed):
 
 - the mesh: the devices the batch axes span (``data`` x ``fsdp``, after ``tensor`` and
-  ``stage``) split between data parallelism and FSDP, the config's own split first;
-- remat: the config's, then on (its recomputed forward is in the plan's estimate);
+  ``stage``) split between data parallelism and FSDP: the config's own split, then
+  all-FSDP, then the splits between;
+- remat: the config's, then on where the mesh fits nothing without it (the recomputed
+  forward is in the plan's estimate, so remat never makes a step faster);
 - gradient accumulation: for each of those, the fewest micro-batches (``train.grad_accum``, a
   divisor of the batch that leaves each batch-axis device whole rows) that fits, found by
   bisection from the first compile's memory (temporaries scale with the micro-batch);
@@ -141,7 +143,9 @@ def search(config_path: str | None, sets: list[str], topology_name: str, *,
     first = attempt({})
     if first.fits:
         return Search(target.name, tried, first, None)
-    meshes = sorted(_divisors(rows), key=lambda f: (f != own_fsdp, f))
+    # The config's own split, then all-FSDP (the least state per device), then the splits
+    # between, most FSDP first.
+    meshes = sorted(_divisors(rows), key=lambda f: (f != own_fsdp, -f))
     remats = [cfg.model.remat] + ([] if cfg.model.remat else [True])
     stopped = None
     for fsdp in meshes:
@@ -155,8 +159,8 @@ def search(config_path: str | None, sets: list[str], topology_name: str, *,
             if outcome == "limit":
                 stopped = f"the limit of {limit} compiles (--fit N raises it)"
                 break
-            if outcome == "state":      # neither remat nor accumulation shrinks the state
-                break
+            if outcome in ("state", "fits"):   # remat shrinks no state; after a fit without
+                break                           # it, it only adds compute (a slower step)
         if stopped:
             break
     fitting = [c for c in tried if c.fits]
