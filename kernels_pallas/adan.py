@@ -72,9 +72,12 @@ class BlockSizes:
 
 # Per target: TPU blocks fill VMEM tiles (11 buffers x 512 x 128 x 4 B = 2.9 MB, double
 # buffered); GPU blocks keep each Triton program at 16 elements per thread and buffer (not yet
-# tuned on a GPU: the sweep flags of bench/optimizer.py are there for that).
+# tuned on a GPU: the sweep flags of bench/optimizer.py are there for that). The interpreter
+# (CPU) takes the largest block: each of its grid steps copies every whole buffer, so its time
+# grows with rows x grid steps (the tiny BERT's fused Adan step on 4 CPU devices: 0.74 s at 256
+# rows, 0.23 s at 1024; compile 5.4 s -> 3.3 s).
 BLOCK_SIZES = {"tpu": BlockSizes(512), "gpu": BlockSizes(16, num_warps=4, num_stages=1),
-               "interpret": BlockSizes(256)}
+               "interpret": BlockSizes(ROW_ALIGN)}
 
 
 def make_scalars(*, lr, b1, b2, b3, eps, weight_decay, count, clip):
