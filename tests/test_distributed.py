@@ -2,20 +2,23 @@
 together when one of them gets SIGTERM.
 
 The processes are CPU processes on every machine (``JAX_PLATFORMS=cpu`` in each subprocess, the
-one-process reference and the one-device eval included): the test is about the multi-process
-machinery (gloo collectives, per-process data, a checkpoint written by both), and all of its
-runs must share one platform for their losses to be compared."""
+one-process reference included; the one-device eval runs in the test's own process on a CPU
+device): the test is about the multi-process machinery (gloo collectives, per-process data, a
+checkpoint written by both), and all of its runs must share one platform for their losses to be
+compared."""
 import json
 import signal
 import socket
 import subprocess
 import time
 
+import jax
 import numpy as np
 import pytest
 
 from jaxaccel import cli
 from jaxaccel.distributed import initialize_from_env, multi_process_env
+from jaxaccel.train.inference import evaluate_run
 from jaxaccel.train.metrics import read_metrics
 from support import ADAN, CLI, TINY_CONFIG, cpu_env
 
@@ -121,10 +124,10 @@ def test_two_processes_stop_together_on_sigterm_to_one_and_resume_like_one_proce
                                [r["train/loss"] for r in rows["one"]], rtol=1e-5)
     final = [r["eval/accuracy"] for r in read_metrics(str(tmp_path / "one" / "tiny_synthetic"))
              if "eval/accuracy" in r][-1]
-    ev = subprocess.run([*CLI, "eval", "--checkpoint", str(two)], env=cpu_env(),
-                        capture_output=True, text=True, timeout=300)
-    assert ev.returncode == 0, ev.stderr[-2000:]
-    assert json.loads(ev.stdout)["accuracy"] == pytest.approx(final, abs=1e-6)
+    # In this process (no second start-up of jax, transformers and torch), on one CPU device.
+    with jax.default_device(jax.devices("cpu")[0]):
+        ev = evaluate_run(str(two), devices=jax.devices("cpu")[:1])
+    assert ev["accuracy"] == pytest.approx(final, abs=1e-6)
 
 
 def test_a_pipeline_whose_stages_are_two_processes_trains_like_one_process(tmp_path):
