@@ -94,7 +94,7 @@ def run_copy(trained, tmp_path):
     return dest
 
 
-def test_readers_open_read_only_while_a_trainer_saves(tmp_path):
+def test_readers_open_read_only_while_a_trainer_saves(tmp_path, capsys):
     """Item 1: eval beside a trainer saving every step (the readers' checkpoint managers
     cleaned the writer's unfinished save away and the trainer died)."""
     writer = start(*train_args(tmp_path, "train.checkpoint_every=1", "train.max_steps=32",
@@ -111,8 +111,9 @@ def test_readers_open_read_only_while_a_trainer_saves(tmp_path):
     # Deterministically: a reader leaves a writer's unfinished save (temporary folder) alone.
     pending = run_dir / "checkpoints" / "33.orbax-checkpoint-tmp-1234567"
     pending.mkdir()
-    proc = jaxaccel("eval", "--checkpoint", str(run_dir))
-    assert proc.returncode == 0, text(proc)
+    # jaxaccel eval in this process: no trainer runs now, so no second start-up is needed.
+    code = cli.main(["eval", "--checkpoint", str(run_dir)])
+    assert code == 0, capsys.readouterr()
     assert pending.is_dir(), "a reader deleted a writer's unfinished save"
 
 
