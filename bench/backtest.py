@@ -36,7 +36,9 @@ def table(rows: list[dict], summary: dict) -> str:
     out.append(f"median absolute error over {summary['forecast_points']} points: forecast "
                f"{summary['median_abs_forecast_error']:.1%}, roofline "
                f"{summary['median_abs_roofline_error']:.1%}; published step within the "
-               f"forecast's range: {summary['within_range']} of {summary['forecast_points']}")
+               f"forecast's range: {summary['within_range']} of {summary['forecast_points']}; "
+               f"forecast closer than the roofline: {summary['closer_than_roofline']} of "
+               f"{summary['forecast_points']}")
     return "\n".join(out)
 
 

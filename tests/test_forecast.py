@@ -57,6 +57,7 @@ def test_backtest_is_leave_one_out_and_beats_the_roofline(points):
     assert s["forecast_points"] == len(points)
     assert s["median_abs_forecast_error"] <= 0.25
     assert s["median_abs_forecast_error"] < s["median_abs_roofline_error"]
+    assert s["closer_than_roofline"] >= 0.75 * len(rows)
     # The roofline is a lower bound: every published step is slower.
     assert all(r["roofline_error"] < 0 for r in rows)
 

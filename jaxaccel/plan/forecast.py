@@ -211,4 +211,6 @@ def summary(rows: list[dict]) -> dict:
             "median_abs_forecast_error": statistics.median(
                 abs(r["forecast_error"]) for r in both),
             "within_range": sum(bool(r["within_range"]) for r in both),
+            "closer_than_roofline": sum(abs(r["forecast_error"]) < abs(r["roofline_error"])
+                                        for r in both),
             "devices": sorted({r["device"] for r in rows})}
