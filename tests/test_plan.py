@@ -11,7 +11,7 @@ import jax
 import pytest
 
 from jaxaccel import cli, plan
-from jaxaccel.plan import search, topology
+from jaxaccel.plan import topology
 from jaxaccel import compare as compare_lib
 from jaxaccel import devices as devices_lib
 from jaxaccel.precision import get_policy
@@ -221,30 +221,38 @@ def test_a_decoder_run_plans_for_tpu_and_gpu(name):
     assert row["run_steps"] == 2000 and "epoch_steps" not in row
 
 
-def test_fit_search_finds_the_fewest_micro_batches_that_fit(capsys):
+def test_fit_search_finds_the_fewest_micro_batches_that_fit(capsys, tmp_path):
     """A batch of 128 x 128 on 60 MB devices: the step as given needs 84 MB (60 of them
     temporaries), 2 micro-batches 68 MB, 4 fit; the search predicts the accumulation from the
     first compile's temporaries and keeps the optimizer batch (3 compiles allowed here)."""
     sets = ["train.batch_size=128", "data.synthetic_seq_len=128"]
     code, out, err = compile_cli(capsys, "--topology", "local", "--memory", "0.06",
-                                 "--fit", "3", *[a for s in sets for a in ("--set", s)])
+                                 "--fit", "3", "--out", str(tmp_path),
+                                 *[a for s in sets for a in ("--set", s)])
     assert code == 0, err
+    assert [line.split(": ", 1)[1] for line in err.splitlines()
+            if line.startswith("fit search [")] == [
+        "does not fit (train step)", "does not fit (train step)", "fits (no step-time "
+        "estimate for this device)"]
     assert "fit search [3/3] --set train.grad_accum=4: fits" in err
     assert "the fastest configuration that fits: --set train.grad_accum=4" in out
     assert "the limit of 3 compiles" in out and "global batch 128 x 128" in out
-    found = search.search(TINY_CONFIG, sets, "local", device_memory=0.06e9, limit=3)
-    assert [c.fits for c in found.tried] == [False, False, True]
-    best = found.best.plan
-    assert best.cfg.train.grad_accum == 4 and best.batch == 128
-    assert best.memory["total"] <= 0.06e9 < found.tried[1].plan.memory["total"]
+    (written,) = tmp_path.iterdir()             # the plan that fits, as a result file
+    with open(written) as f:
+        result = json.load(f)
+    row = result["rows"][0]
+    assert result["config"]["train"]["grad_accum"] == 4 and row["batch"] == 128
+    assert row["memory_per_device"]["total"] <= row["device_memory"] == 0.06e9
 
 
 def test_fit_search_says_why_nothing_fits(capsys):
-    """1 MB per device: not even FSDP over 8 devices with remat and accumulation fits."""
+    """1 MB per device: neither the config's data-parallel mesh nor all-FSDP fits even the
+    parameters and optimizer state (one compile each, then the limit of 2)."""
     code, out, err = compile_cli(capsys, "--topology", "local", "--memory", "0.001", "--fit",
-                                 "4")
+                                 "2")
     assert code == cli.EXIT_DOES_NOT_FIT
-    assert err.count("fit search [") == 4 and "nothing tried fits" in err
+    assert err.count("fit search [") == 2 and "nothing tried fits" in err
+    assert "--set mesh.data=1 --set mesh.fsdp=8: does not fit (train step)" in err
     assert "the least parameter and optimizer state per device seen was" in err
 
 
