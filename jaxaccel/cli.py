@@ -8,6 +8,7 @@
     jaxaccel bench train_step --small            # any suite's own flags follow its name
     jaxaccel compare bench/results/job-*.json [--prices FILE] [--weights balance] [--html]
     jaxaccel compile --config configs/bert_base_imdb.py --topology v5e-8 [--out bench/results]
+    jaxaccel compile --config configs/bert_base_imdb.py --topology v5e-8,v6e-8,h100:1x8 [--fit]
 
 predict prints one JSON object a line, in input order: {"index", "text", "label",
 "probability"} (probability null if not finite), or {"index", "error"} for an input that is not
@@ -18,7 +19,7 @@ else when a prompt cannot be generated from (too long for the model, ...).
 
 Exit statuses: 0 done; 2 a refused command, config or input (one ``error:`` line); 3 training
 stopped by a non-finite loss (the last good checkpoint kept); 4 ``compile``: a step does not fit
-in memory; 75 training stopped by SIGTERM or Ctrl-C after saving a checkpoint (the JSON's
+in memory (with several targets: none fits; with ``--fit``: nothing tried fits); 75 training stopped by SIGTERM or Ctrl-C after saving a checkpoint (the JSON's
 status "preempted"; the same command resumes); 130 a second Ctrl-C (stopped without saving).
 """
 from __future__ import annotations
