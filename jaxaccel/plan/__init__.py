@@ -341,7 +341,7 @@ def make_plan(config_path: str | None, sets: list[str], topology_name: str, *,
                              t.batch_size, seq, sent, 0.0 if stages is None else stages.bubble)
     if estimate["step_s"] is not None:
         estimate.update(forecast_lib.forecast(
-            estimate["compute_s"], estimate["roofline_s"],
+            estimate["compute_s"], estimate["step_s"],
             (flops["analytic"] + flops["recompute"]) / target.chips, target.device_kind,
             run.spec.family.name, run.resolved.policy.matmul_dtype))
     plan = Plan(target, cfg, dict(run.mesh.shape), t.batch_size, t.eval_batch_size, seq,
