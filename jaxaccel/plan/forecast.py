@@ -132,12 +132,15 @@ def _core(compute_s: float, floor_s: float, work: float, device: str, family: st
     effs = [p.efficiency for p in near]
     mid = statistics.median(effs)
     on = "this chip" if near[0].device == device else f"other {near[0].platform.upper()}s"
+    floored = "" if compute_s / mid >= floor_s else \
+        f"; the plan's estimate, {floor_s * 1e3:.4g} ms, is higher and is used"
     return {"forecast_s": max(compute_s / mid, floor_s),
             "forecast_low_s": max(compute_s / max(effs), floor_s),
             "forecast_high_s": max(compute_s / min(effs), floor_s),
             "forecast_efficiency": mid,
             "forecast_source": f"estimate:forecast (compute bound / {mid:.1%}, the median "
-                               f"efficiency of {len(near)} published run(s) on {on})",
+                               f"efficiency of {len(near)} published run(s) on {on}"
+                               f"{floored})",
             "calibration": [p.id for p in near]}
 
 
