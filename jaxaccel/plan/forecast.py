@@ -13,9 +13,10 @@ the same peak (``jaxaccel.devices``, the point's matmul dtype) gives its **effic
 per second per chip / peak. A plan's forecast is its compute bound divided by the efficiency
 of the ``NEAREST`` calibration points on the same chip (the whole platform where the chip has
 none), nearest meaning closest in FLOPs per chip per step (log scale), with a penalty for
-another model family or matmul dtype: the median gives the forecast, the lowest and highest
-give its range. No forecast goes below the plan's estimate (the roofline, or XLA's cost model
-where it is higher). Points are named in the plan.
+another model family or matmul dtype, and within a decade of the nearest: the median gives the
+forecast; their lowest and highest, widened to the backtest's 10th-90th percentile error
+(``band``), give its range. No forecast goes below the plan's estimate (the roofline, or XLA's
+cost model where it is higher). Points are named in the plan.
 
 What this leaves out, said in every plan: the efficiencies are those of large, tuned runs
 (MaxText, torchtitan); a small model, a short row, or a step bound by memory or collectives
