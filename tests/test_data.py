@@ -5,12 +5,15 @@ The first RT build needs PyPI (pip downloads the vaderSentiment sdist once per s
 
 import hashlib
 import importlib.util
+import subprocess
+import sys
 import tarfile
 
 import numpy as np
 import pytest
 import tensorflow_datasets as tfds
 
+from jaxaccel.data import pipeline
 from jaxaccel.data import (
     BatchIterator,
     Tokenized,
@@ -374,5 +377,30 @@ def test_a_tokenizer_class_this_transformers_lacks_is_read_from_tokenizer_json(m
         raise ValueError("Tokenizer class TokenizersBackend does not exist or is not currently "
                          "imported.")
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", refuse)
+    monkeypatch.setattr(pipeline, "_named_class", lambda path: None)   # a class it lacks
     got = load_tokenizer(MINILM)
     assert got("don't stop, ever")["input_ids"] == tokenizer("don't stop, ever")["input_ids"]
+
+
+def test_the_training_tokenizer_is_autotokenizers_class_without_importing_torch(tokenizer,
+                                                                                tmp_path):
+    """``load_tokenizer`` takes the class the folder names from transformers by name: the class
+    and ids ``AutoTokenizer`` gives. A fresh process that loads it and writes TensorBoard
+    scalars (what every ``jaxaccel train`` does first) has not imported torch: AutoTokenizer's
+    model-config imports and tensorboardX would, for over a second at every start."""
+    from transformers import AutoTokenizer
+    auto = AutoTokenizer.from_pretrained(MINILM, local_files_only=True)
+    assert type(tokenizer) is type(auto)
+    text = ["A gripping, beautifully shot film.", "word " * 300]
+    assert tokenizer(text, truncation=True, max_length=16)["input_ids"] == \
+        auto(text, truncation=True, max_length=16)["input_ids"]
+    code = ("import sys; from jaxaccel.data.pipeline import load_tokenizer; "
+            "from jaxaccel.train.metrics import MetricsWriter; "
+            f"t = load_tokenizer({MINILM!r}); w = MetricsWriter({str(tmp_path)!r}); "
+            "w.write(1, {'loss': 0.5}); w.close(); "
+            "print(type(t).__name__, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert out == [type(auto).__name__, "False"]
+    assert [f.name.startswith("events.out.tfevents") for f in (tmp_path / "tensorboard").iterdir()
+            ] == [True]

@@ -17,6 +17,7 @@ first row (real tokens, so no fully masked rows reach attention), keeping shapes
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import warnings
 from collections.abc import Iterator, Sequence
@@ -51,6 +52,27 @@ class Tokenized:
         return len(self.labels)
 
 
+def _named_class(path):
+    """The tokenizer class the folder's tokenizer_config.json names, taken from transformers by
+    name as ``AutoTokenizer`` resolves it (its fast class where there is one), without
+    ``AutoTokenizer``'s model-config imports, which load torch (a second or more at every
+    start); None where the folder names no class this transformers has."""
+    try:
+        with open(os.path.join(path, "tokenizer_config.json")) as f:
+            name = json.load(f).get("tokenizer_class")
+    except (OSError, ValueError):
+        return None
+    if not isinstance(name, str) or not name:
+        return None
+    import transformers
+    for candidate in (name if name.endswith("Fast") else f"{name}Fast", name):
+        try:
+            return getattr(transformers, candidate)
+        except (AttributeError, ImportError):
+            continue
+    return None
+
+
 def load_tokenizer(path: str | os.PathLike, *, light: bool = False):
     """A Hugging Face (fast) tokenizer from a local checkpoint folder, never the network.
 
@@ -74,7 +96,9 @@ def load_tokenizer(path: str | os.PathLike, *, light: bool = False):
     if light and has_json:
         Tokenizer = PreTrainedTokenizerFast
     else:
-        from transformers import AutoTokenizer as Tokenizer
+        Tokenizer = _named_class(path)
+        if Tokenizer is None:
+            from transformers import AutoTokenizer as Tokenizer
     try:
         return Tokenizer.from_pretrained(os.fspath(path), local_files_only=True)
     except (OSError, ValueError) as e:

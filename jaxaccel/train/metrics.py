@@ -3,9 +3,26 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 
 import jax
+
+
+def _summary_writer():
+    """tensorboardX's ``SummaryWriter``, imported without torch: tensorboardX imports torch
+    where it is installed only to accept torch tensors (over a second at every run's start,
+    with torch the size it is); the values written here are floats. Where torch or tensorboardX
+    is already imported, nothing changes."""
+    if "torch" in sys.modules or "tensorboardX" in sys.modules:
+        from tensorboardX import SummaryWriter
+        return SummaryWriter
+    sys.modules["torch"] = None         # `import torch` raises ImportError, which it catches
+    try:
+        from tensorboardX import SummaryWriter
+    finally:
+        del sys.modules["torch"]
+    return SummaryWriter
 
 
 class MetricsWriter:
@@ -18,8 +35,7 @@ class MetricsWriter:
         if self.enabled:
             os.makedirs(run_dir, exist_ok=True)
             if tensorboard:
-                from tensorboardX import SummaryWriter
-                self._tb = SummaryWriter(os.path.join(run_dir, "tensorboard"))
+                self._tb = _summary_writer()(os.path.join(run_dir, "tensorboard"))
 
     def write(self, step: int, metrics: dict, prefix: str = "") -> None:
         if not self.enabled:
