@@ -172,16 +172,6 @@ def test_mesh_larger_than_the_slice_says_so(capsys):
     assert code == cli.EXIT_ERROR and "has 8 devices but 4 are available" in err
 
 
-@pytest.mark.aot_compile
-@needs_cuda_plugin
-def test_gpu_plan_uses_the_preallocated_share_of_hbm():
-    p = plan.make_plan(TINY_CONFIG, [], "h100:1x1")
-    assert p.target.device_kind == "NVIDIA H100 80GB HBM3" and p.fits
-    assert p.capacity == pytest.approx(0.75 * 80e9) and "preallocation" in p.capacity_source
-    assert p.flops["xla_per_device"] is None        # the compile-only GPU client gives none
-    assert p.estimate["source"] == "estimate:roofline"
-
-
 @needs_libtpu
 @needs_cuda_plugin
 @pytest.mark.parametrize("name", ["v5e-8", "h100:1x8"])
@@ -275,6 +265,15 @@ def test_several_targets_are_planned_and_ranked_by_time_and_cost(capsys, tmp_pat
     assert rows[2].startswith("| - | v9:2x2 |") and "unknown topology" in rows[2]
     assert all("$" in r for r in rows[:2]) and "(cheapest)" in out
     assert "unknown topology 'v9:2x2'" in err
+    # The GPU plan: the budget is the share of HBM JAX preallocates, and the compile-only GPU
+    # client gives no cost analysis, so the bound is the roofline.
+    with open(tmp_path / "plan-tiny_synthetic-h100_1x1.json") as f:
+        gpu = json.load(f)
+    row = gpu["rows"][0]
+    assert gpu["device"] == "NVIDIA H100 80GB HBM3" and row["fits"]
+    assert row["device_memory"] == pytest.approx(0.75 * 80e9)
+    assert "preallocation" in row["device_memory_source"]
+    assert row["xla_flops_per_device"] is None and row["bound_source"] == "estimate:roofline"
     # compare reads the plan files (plans are estimates; ranked as one group of the same work)
     report = compare_lib.compare([str(p) for p in sorted(tmp_path.iterdir())],
                                  prices_file=None, weights=None)
