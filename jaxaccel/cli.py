@@ -19,8 +19,9 @@ else when a prompt cannot be generated from (too long for the model, ...).
 
 Exit statuses: 0 done; 2 a refused command, config or input (one ``error:`` line); 3 training
 stopped by a non-finite loss (the last good checkpoint kept); 4 ``compile``: a step does not fit
-in memory (with several targets: none fits; with ``--fit``: nothing tried fits); 75 training stopped by SIGTERM or Ctrl-C after saving a checkpoint (the JSON's
-status "preempted"; the same command resumes); 130 a second Ctrl-C (stopped without saving).
+in memory (with several targets: none fits; with ``--fit``: nothing tried fits); 75 training
+stopped by SIGTERM or Ctrl-C after saving a checkpoint (the JSON's status "preempted"; the same
+command resumes); 130 a second Ctrl-C (stopped without saving).
 """
 from __future__ import annotations
 

@@ -5,6 +5,8 @@ The first RT build needs PyPI (pip downloads the vaderSentiment sdist once per s
 
 import hashlib
 import importlib.util
+import json
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -13,7 +15,6 @@ import numpy as np
 import pytest
 import tensorflow_datasets as tfds
 
-from jaxaccel.data import pipeline
 from jaxaccel.data import (
     BatchIterator,
     Tokenized,
@@ -367,18 +368,25 @@ def test_validation_split_is_fixed_and_disjoint_from_training(monkeypatch):
 
 
 def test_a_tokenizer_class_this_transformers_lacks_is_read_from_tokenizer_json(monkeypatch,
-                                                                              tokenizer):
-    """A folder saved by transformers 5 names its class "TokenizersBackend", which transformers
-    4's AutoTokenizer refuses (bench/hf_llama.py runs the trainer under 4.57.6 on a BPE cached
-    under 5): the loader reads its tokenizer.json instead, the same ids."""
+                                                                              tokenizer,
+                                                                              tmp_path):
+    """A folder whose tokenizer_config.json names a class this transformers lacks (transformers
+    5 saves "TokenizersBackend", which 4's AutoTokenizer refuses; bench/hf_llama.py runs the
+    trainer under 4.57.6 on a BPE cached under 5): the loader reads its tokenizer.json instead,
+    the same ids."""
+    folder = tmp_path / "tokenizer"
+    shutil.copytree(MINILM, folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["tokenizer_class"] = "NoSuchTokenizerInThisTransformers"
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
     import transformers
 
-    def refuse(*args, **kwargs):
-        raise ValueError("Tokenizer class TokenizersBackend does not exist or is not currently "
-                         "imported.")
+    def refuse(*args, **kwargs):    # as transformers 4.x does (5.x reads it generically)
+        raise ValueError("Tokenizer class NoSuchTokenizerInThisTransformers does not exist or "
+                         "is not currently imported.")
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", refuse)
-    monkeypatch.setattr(pipeline, "_named_class", lambda path: None)   # a class it lacks
-    got = load_tokenizer(MINILM)
+    got = load_tokenizer(folder)
+    assert type(got) is transformers.PreTrainedTokenizerFast
     assert got("don't stop, ever")["input_ids"] == tokenizer("don't stop, ever")["input_ids"]
 
 

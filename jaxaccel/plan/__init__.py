@@ -28,15 +28,19 @@ TensorCore of a deviceless v4) it gives:
 - an estimated step time, tokens/s and cost per epoch (per run where the epoch's steps are
   unknown before the data is packed: a corpus). Each estimate names its source:
   ``roofline`` = the analytic FLOPs (with a remat run's recomputed forward) at the chip's
-  published peak for the policy's matmul dtype, the bytes XLA says the step moves at the HBM bandwidth, or the bytes its collectives
-  must send (``jaxaccel.plan.collectives``) at the chip's interconnect bandwidth (ICI, NVLink),
-  whichever is slowest (a lower bound: real steps reach a fraction of peak, see MFU in the
-  README, and overlap collectives with compute only in part); a pipeline's compute bound is
+  published peak for the policy's matmul dtype, the bytes XLA says the step moves at the HBM
+  bandwidth, or the bytes its collectives must send (``jaxaccel.plan.collectives``) at the
+  chip's interconnect bandwidth (ICI, NVLink), whichever is slowest (a lower bound: real
+  steps reach a fraction of peak, see MFU in the README, and overlap collectives with
+  compute only in part); a pipeline's compute bound is
   divided by ``1 - bubble``: every stage computes on each of the schedule's ``R*M+S-1``
   steps, ``S-1`` of which carry no micro-batch;
   ``xla-cost-model`` = XLA's own ``optimal_seconds`` where it gives one (TPU), which does not
   cost Pallas kernels (custom calls), so their analytic FLOPs at peak are added; used where it
-  is above the roofline (no estimate goes below a lower bound).
+  is above the roofline (no estimate goes below a lower bound);
+- beside that estimate, a forecast with a range (``jaxaccel.plan.forecast``: the compute bound
+  over the efficiency published runs reached on the chip), which the plan file's ``time_s``,
+  the costs' ``forecast_*`` and ``jaxaccel compile``'s ranking of several targets go by.
 
 Caveats, also in the report: GPU compiles run without a device, so without autotuning; the
 HLO is close to, not identical to, a real run's. Estimates are never measurements.
@@ -112,6 +116,12 @@ class Plan:
     sent: float = 0.0       # bytes a device sends at least per train step (collectives.py)
     notes: tuple = ()       # what the plan assumed that the run may not (said in the report)
     pipeline: dict | None = None  # Stages.as_dict() + "permute_bytes" (per device, per step)
+
+    @property
+    def time_s(self) -> float | None:
+        """The step time to go by: the forecast where the plan has one, else the estimate
+        (None where the device has no peak)."""
+        return self.estimate.get("forecast_s") or self.estimate["step_s"]
 
     @property
     def fits(self) -> bool | None:
@@ -247,7 +257,7 @@ def estimate_step(target, policy, attention_impl: str, flops: dict, cost: dict, 
               "interconnect": link_s or 0.0}
     bound = max(bounds, key=bounds.get)
     out = {"roofline_s": bounds[bound], "bound": bound, "bubble": bubble,
-           "compute_s": bounds["compute"],
+           "compute_s": bounds["compute"], "work_per_chip": work * per_chip,
            "interconnect_s": link_s,
            "interconnect": link, "peak": f"{peak_flops:.4g} FLOP/s ({which}), "
                                          f"{bandwidth:.3g} B/s HBM ({target.chip.source})"}
@@ -341,9 +351,8 @@ def make_plan(config_path: str | None, sets: list[str], topology_name: str, *,
                              t.batch_size, seq, sent, 0.0 if stages is None else stages.bubble)
     if estimate["step_s"] is not None:
         estimate.update(forecast_lib.forecast(
-            estimate["compute_s"], estimate["step_s"],
-            (flops["analytic"] + flops["recompute"]) / target.chips, target.device_kind,
-            run.spec.family.name, run.resolved.policy.matmul_dtype))
+            estimate["compute_s"], estimate["step_s"], estimate["work_per_chip"],
+            target.device_kind, run.spec.family.name, run.resolved.policy.matmul_dtype))
     plan = Plan(target, cfg, dict(run.mesh.shape), t.batch_size, t.eval_batch_size, seq,
                 memory, eval_memory, capacity, capacity_source, compile_s, flops, estimate,
                 _cost_of(target, run, estimate),
@@ -505,7 +514,7 @@ def report(plan: Plan) -> str:
                          f"{e['xla_optimal_seconds']})")
     c = plan.cost
     if c:
-        usd = f"${c['usd']:.2f}" if c["usd"] is not None else "no price"
+        usd = usd_text(c["usd"]) if c["usd"] is not None else "no price"
         lines.append(f"{c['unit']} (estimate): {c['steps']} steps x step time = "
                      f"{c['seconds']:.1f} s, {usd} ({c['price']})")
         if "forecast_seconds" in c:
@@ -533,10 +542,10 @@ def result(plan: Plan) -> dict:
     forecast = e.get("forecast_s")
     row = {"name": f"plan.{plan.cfg.precision.policy}.{plan.cfg.train.optimizer}."
                    f"{plan.cfg.model.attention_impl}",
-           "batch": plan.batch, "time_s": forecast or e["step_s"],
+           "batch": plan.batch, "time_s": plan.time_s,
            "time_source": "estimate:forecast" if forecast else e["source"],
-           "tokens_per_s": plan.batch * plan.seq / forecast if forecast
-           else e.get("tokens_per_s"), "fits": plan.fits,
+           "tokens_per_s": plan.batch * plan.seq / plan.time_s if plan.time_s else None,
+           "fits": plan.fits,
            "bound_s": e["step_s"], "bound_source": e["source"],
            "forecast_low_s": e.get("forecast_low_s"), "forecast_high_s": e.get("forecast_high_s"),
            "forecast_method": e.get("forecast_source"), "calibration": e.get("calibration"),

@@ -34,10 +34,10 @@ class Entry:
 
     def step(self) -> tuple[float | None, float | None, float | None]:
         """(step, low, high) seconds: the forecast and its range, else the estimate alone."""
-        e = self.plan.estimate if self.plan else {}
-        if e.get("forecast_s") is not None:
-            return e["forecast_s"], e["forecast_low_s"], e["forecast_high_s"]
-        return e.get("step_s"), None, None
+        if self.plan is None:
+            return None, None, None
+        e = self.plan.estimate
+        return self.plan.time_s, e.get("forecast_low_s"), e.get("forecast_high_s")
 
 
 def ordered(entries: list[Entry]) -> list[Entry]:

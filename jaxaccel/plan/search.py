@@ -54,18 +54,18 @@ class Candidate:
     def outcome(self) -> str:
         if self.fits:
             e = self.plan.estimate
-            if e.get("step_s") is None:
+            if self.plan.time_s is None:
                 return "fits (no step-time estimate for this device)"
-            return f"fits, step {self.step_s * 1e3:.4g} ms ({e.get('forecast_source') or e['source']})"
+            return (f"fits, step {self.step_s * 1e3:.4g} ms "
+                    f"({e.get('forecast_source') or e['source']})")
         if self.plan is None:           # refused before or by the compiler: its own words
             return self.error if len(self.error) < 200 else self.error[:197] + "..."
         return f"does not fit ({self.step} step)"
 
     @property
     def step_s(self) -> float:
-        """The plan's step time: the forecast where it has one, else the bound."""
-        e = self.plan.estimate if self.plan else {}
-        s = e.get("forecast_s") or e.get("step_s")
+        """The plan's step time (``Plan.time_s``), inf where there is none."""
+        s = self.plan.time_s if self.plan else None
         return math.inf if s is None else s
 
 
@@ -147,13 +147,19 @@ def search(config_path: str | None, sets: list[str], topology_name: str, *,
     # between, most FSDP first.
     meshes = sorted(_divisors(rows), key=lambda f: (f != own_fsdp, -f))
     remats = [cfg.model.remat] + ([] if cfg.model.remat else [True])
+    # Every split keeps data x fsdp = rows, so the same accumulations are valid on each.
+    accums = [a for a in _divisors(t.batch_size)
+              if a >= t.grad_accum and (t.batch_size // a) % rows == 0]
+    if not accums:
+        return Search(target.name, tried, None,
+                      f"no gradient accumulation of train.batch_size={t.batch_size} from "
+                      f"train.grad_accum={t.grad_accum} up leaves each of the {rows} batch-axis "
+                      "devices whole rows")
     stopped = None
     for fsdp in meshes:
         mesh = {} if fsdp == own_fsdp else {"mesh.data": rows // fsdp, "mesh.fsdp": fsdp}
         for remat in remats:
             base = {**mesh, **({"model.remat": "true"} if remat != cfg.model.remat else {})}
-            accums = [a for a in _divisors(t.batch_size)
-                      if a >= t.grad_accum and (t.batch_size // a) % rows == 0]
             outcome = _fewest_accum(attempt, base, accums, t, rows, first if not base else None,
                                     lambda: len(tried) >= limit)
             if outcome == "limit":
