@@ -68,6 +68,11 @@ class Point:
     def step_s(self) -> float:
         return self.tokens_per_step / self.tokens_per_s
 
+    @property
+    def roofline_s(self) -> float:
+        """The compute bound a plan of this step has: its work at the chip's peak."""
+        return self.work / devices_lib.peak_flops(self.device, self.dtype)[0]
+
 
 def shape_of(point: dict) -> flops_lib.Shape:
     """The published model's shape as ``jaxaccel.flops`` reads an architecture."""
@@ -174,8 +179,7 @@ def _loo(points: list[Point]) -> list[dict]:
     """Each point forecast from the others by the nearest points alone (no band)."""
     rows = []
     for p in points:
-        peak, _ = devices_lib.peak_flops(p.device, p.dtype)
-        roofline = p.work / peak
+        roofline = p.roofline_s
         f = _core(roofline, roofline, p.work, p.device, p.family, p.dtype, points, (p.id,))
         rows.append({"point": p, "roofline_s": roofline, **f,
                      "forecast_error": None if f["forecast_s"] is None
@@ -189,8 +193,7 @@ def backtest(points: list[Point] | None = None) -> list[dict]:
     points = load() if points is None else points
     rows = []
     for p in points:
-        peak, _ = devices_lib.peak_flops(p.device, p.dtype)
-        roofline = p.work / peak
+        roofline = p.roofline_s
         f = forecast(roofline, roofline, p.work, p.device, p.family, p.dtype, points, (p.id,))
         rows.append({
             "id": p.id, "device": p.device, "family": p.family, "dtype": p.dtype,
