@@ -15,8 +15,8 @@ from jaxaccel.train.checkpoint import Checkpointer, on_disk, restore_state
 from jaxaccel.train.metrics import read_metrics
 from kernels_pallas.adan import (LANES, ROW_ALIGN, BlockSizes, adan_apply, adan_update,
                                  apply_kernel)
-from support import (ADAN, CASES, TINY_CONFIG, Float64Adan, bert_tree, build, flat_args,
-                     grads_at, rel, run_cli, small_tree, train_steps)
+from support import (ADAN, CASES, DEVICES, TINY_CONFIG, Float64Adan, bert_tree, build,
+                     flat_args, grads_at, rel, run_cli, small_tree, train_steps)
 
 # ``build`` places every run on the module's 8 devices, the fake CPU ones on a one-GPU machine
 # (see conftest.on_eight_devices and eight_device_placement).
@@ -75,6 +75,29 @@ def test_groups_split_by_decay_and_dtype_and_views_round_trip():
         np.testing.assert_array_equal(a, b)
     with pytest.raises(ValueError, match="gradient buffers for 3 groups"):
         tx.apply(fp.buffers[:1], tx.init(fp), fp)
+
+
+def test_the_flat_gradient_norm_counts_a_replicated_leaf_once():
+    """On a (fsdp=4, tensor=2) mesh each device's buffer holds its shard of a split leaf and
+    a whole copy of a replicated one: the layout's norm of the flat gradient (the one the step
+    reports and clips by) is the tree's norm, with and without ZeRO-1."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jaxaccel.optim import global_norm
+    mesh = Mesh(np.array(DEVICES).reshape(4, 2), ("fsdp", "tensor"))
+    grads = {"split": jnp.arange(64.0).reshape(8, 8) / 7, "half": jnp.full((8, 4), 0.5),
+             "whole": jnp.arange(1.0, 13.0)}
+    specs = {"split": P("fsdp", "tensor"), "half": P("fsdp", None), "whole": P()}
+    shardings = {k: NamedSharding(mesh, v) for k, v in specs.items()}
+    grads = jax.device_put(grads, shardings)
+    for zero in ((), ("tensor",)):
+        tx = adan_onepass(1e-3, mask=decay_mask, impl="xla", shardings=shardings,
+                          zero_axes=zero)
+        fp = tx.flatten(grads)
+        layout = fp.layout
+        assert [layout.copies(i) for i in range(3)] == [2, 1, 8]   # half, split, whole
+        with jax.set_mesh(mesh):
+            got = jax.jit(layout.global_norm)(fp.buffers)
+        np.testing.assert_allclose(got, global_norm(grads), rtol=1e-6)
 
 
 def _apply_args(rows, dtype=jnp.float32):

@@ -75,7 +75,9 @@ class AdanState(FlatNode):
         return _per_leaf_state(self)
 
     def from_portable(self, saved: "AdanState") -> "AdanState":
-        return _flat_state(self.layout, saved)
+        inner = (flat.restore_leaves(self.layout, t) for t in (saved.m, saved.v, saved.n,
+                                                               saved.prev))
+        return _flat_state(self.layout, AdanState(saved.count, *inner))
 
     def portable_shardings(self, shardings: "AdanState") -> "AdanState":
         layout, mesh = self.layout, shardings.count.mesh
@@ -134,12 +136,12 @@ class _Rule:
         return flat.make_layout(leaves, treedef, self.decay_flags(params, treedef, len(leaves)),
                                 self.state_dtype, shardings, zero_axes)
 
-    def scalars(self, count, tensors):
+    def scalars(self, count, norm):
         """The kernel's scalar vectors for (no decay, decay), stacked, at step ``count + 1``;
-        ``tensors`` are the gradients (leaves or flat buffers) the clipping norm is over."""
+        ``norm()`` is the gradients' global norm, called only where the rule clips."""
         clip = jnp.float32(1.0)
         if not (isinstance(self.max_grad_norm, (int, float)) and self.max_grad_norm <= 0):
-            norm = global_norm(tensors)
+            norm = norm()
             clip = jnp.where(self.max_grad_norm > 0,
                              jnp.minimum(self.max_grad_norm / (norm + self.eps), 1.0), 1.0)
         lr = self.learning_rate(count) if callable(self.learning_rate) else self.learning_rate
@@ -193,7 +195,8 @@ def adan(learning_rate: float | Callable = 1e-3, b1: float = 0.98, b2: float = 0
         leaves, treedef = jax.tree_util.tree_flatten(updates)
         if not leaves:
             return updates, state.replace(count=state.count + 1)
-        scalars = rule.scalars(state.count, [x for x in leaves if is_float(x)])
+        scalars = rule.scalars(state.count,
+                               lambda: global_norm([x for x in leaves if is_float(x)]))
         p_leaves = treedef.flatten_up_to(params) if rule.needs_params else None
         if state.layout is None:
             decay = rule.decay_flags(params, treedef, len(leaves))
@@ -301,7 +304,7 @@ def adan_onepass(learning_rate: float | Callable = 1e-3, b1: float = 0.98, b2: f
             raise ValueError(f"adan_onepass: {len(grads)} gradient buffers for "
                              f"{len(layout.groups)} groups; pass the gradient w.r.t. "
                              "flat_params.buffers.")
-        scalars = rule.scalars(state.count, grads)
+        scalars = rule.scalars(state.count, lambda: layout.global_norm(grads))
 
         def local(scalars, g, p, m, v, n, prev):
             out = ([], [], [], [], [])

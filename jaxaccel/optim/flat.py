@@ -158,6 +158,30 @@ class Layout:
             return per_shard(fn, in_specs, out_specs, mesh=mesh)(*args)
         return call
 
+    def copies(self, i: int) -> int:
+        """How many devices of the shard axes hold the same copy of leaf ``i`` (1 for a leaf
+        split over all of them)."""
+        used = {a for e in self.specs[i] for a in entry_axes(e)}
+        return self._size(tuple(a for a in self.shard_axes if a not in used))
+
+    def global_norm(self, buffers) -> jax.Array:
+        """The float32 global norm of the parameter-shaped flat ``buffers`` (a gradient, placed
+        as ``param_spec``): ``optim.clip.global_norm`` of the tree they hold. Each device's
+        buffer holds its shard of every leaf, and a whole copy of a leaf replicated over some
+        shard axes (a bias FSDP keeps whole, a pipeline's embeddings on every stage), so the
+        devices' sums of squares are added up with each such copy weighted 1 / copies."""
+        def local(bufs):
+            total = jnp.float32(0.0)
+            for k, group in enumerate(self.groups):
+                g = bufs[k].astype(jnp.float32)
+                total += jnp.sum(jnp.square(g))
+                for i, leaf in unpack(g, group, self).items():
+                    if self.copies(i) > 1:
+                        total -= (1 - 1 / self.copies(i)) * jnp.sum(jnp.square(leaf))
+            return jax.lax.psum(total, self.shard_axes) if self.shard_axes else total
+        return jnp.sqrt(self.per_device(local, in_specs=(self.param_specs,),
+                                        out_specs=P())(tuple(buffers)))
+
     def leaf_specs(self, indices) -> dict:
         return {i: self.specs[i] for i in indices}
 
@@ -382,7 +406,7 @@ class FlatParams(FlatNode):
         return _view(self)
 
     def from_portable(self, saved):
-        return _flat_params(self.layout, saved)
+        return _flat_params(self.layout, restore_leaves(self.layout, saved))
 
     def portable_shardings(self, shardings):
         packed = set(self.layout.packed)
@@ -421,8 +445,9 @@ def is_flat(x) -> bool:
 
 def portable(tree):
     """``tree`` with every flat node in it in its per-parameter form (anything else as it is,
-    without a copy)."""
-    return jax.tree_util.tree_map(lambda x: x.portable() if is_flat(x) else x, tree,
+    without a copy). A node's form may hold flat nodes of another kind (flat buffers of a
+    pipeline's staged parameters): those are converted in turn."""
+    return jax.tree_util.tree_map(lambda x: portable(x.portable()) if is_flat(x) else x, tree,
                                   is_leaf=is_flat)
 
 
@@ -434,8 +459,18 @@ def restore(saved, like):
                                   like, saved, is_leaf=is_flat)
 
 
+def restore_leaves(layout: Layout, saved):
+    """``saved``, the portable form of a tree of ``layout``'s structure, in that structure:
+    the flat nodes its treedef holds (a pipeline's ``StagedParams``) restored in turn."""
+    return restore(saved, layout.treedef.unflatten([0] * len(layout.shapes)))
+
+
 def portable_shardings(like, shardings):
     """The shardings of ``portable(like)``, given ``like``'s own ``shardings``: the flat
     nodes' per-parameter forms sharded like the parameters, the rest as given."""
-    return jax.tree_util.tree_map(lambda t, s: t.portable_shardings(s) if is_flat(t) else s,
-                                  like, shardings, is_leaf=is_flat)
+    def one(node, given):
+        if not is_flat(node):
+            return given
+        inner = node.portable_shardings(given)
+        return portable_shardings(inner, inner)
+    return jax.tree_util.tree_map(one, like, shardings, is_leaf=is_flat)

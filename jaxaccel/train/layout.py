@@ -24,7 +24,7 @@ import jax
 import optax
 
 from jaxaccel import sharding as shd
-from jaxaccel.optim import decay_mask, make_optimizer, state_shardings
+from jaxaccel.optim import decay_mask, global_norm, make_optimizer, state_shardings
 from jaxaccel.optim.adan import adan_onepass
 from jaxaccel.train.state import TrainState
 from kernels_pallas.adan import IMPLS as ONEPASS_IMPLS
@@ -74,6 +74,11 @@ class Layout:
         """``view`` of ``params`` with its differentiated part replaced by ``x``."""
         return x
 
+    def grad_norm(self, grads, params):
+        """The global norm of ``grads`` (``differentiated(params)``-shaped): the one the
+        optimizer clips by and the step reports."""
+        return global_norm(grads)
+
     def apply(self, tx, grads, opt_state, params):
         """``(params, opt_state)`` after one update by ``grads`` (``differentiated``-shaped)."""
         updates, opt_state = tx.update(grads, opt_state, params)
@@ -104,6 +109,9 @@ class _Flat(Layout):
 
     def view_of(self, params, x):
         return dataclasses.replace(params, buffers=x).view()
+
+    def grad_norm(self, grads, params):
+        return params.layout.global_norm(grads)
 
     def apply(self, tx, grads, opt_state, params):
         return tx.apply(grads, opt_state, params)

@@ -27,7 +27,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxaccel.models.fp8 import summary as fp8_summary
-from jaxaccel.optim.clip import global_norm
 from jaxaccel.train.layout import Layout
 from jaxaccel.train.pipeline import StagedParams, forward_model
 from jaxaccel.train.state import TrainState
@@ -114,7 +113,7 @@ def make_train_step(graphdef, tx, layout: Layout, *, task: Task, fp8_group,
             loss_scale = state.loss_scale.update(finite)
             metrics.update(loss_scale=scale, skipped_steps=loss_scale.skipped,
                            consecutive_skips=loss_scale.consecutive)
-        grad_norm = global_norm(grads)    # the clipping's norm: XLA computes it once
+        grad_norm = layout.grad_norm(grads, state.params)  # the clipping's: XLA computes it once
         params, opt_state = layout.apply(tx, grads, state.opt_state, state.params)
         if state.loss_scale is not None:
             keep = lambda new, old: jax.tree_util.tree_map(
