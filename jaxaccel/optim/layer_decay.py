@@ -9,13 +9,16 @@ rate means for AdamW and Adan alike; clipping before the optimizer still sees th
 gradient.
 
 The depth of a parameter comes from its path: ``layers[i]`` in every model family, and the
-family's ``embeddings`` (``models.spec.Family``) for the collections below the first layer.
-The factors are Python floats fixed when the step is traced, so they cost one multiply per
-update element that XLA fuses into the optimizer's last pass.
+family's ``embeddings`` (``models.spec.Family``) for the collections below the first layer. A
+pipelined run's parameters hold the layers stacked [S, R, G, ...] by stage
+(``train.pipeline.StagedParams``): each stacked leaf is scaled by an [S, R, G] table of its
+layers' factors. The factors are constants fixed when the step is traced, so they cost one
+multiply per update element that XLA fuses into the optimizer's last pass.
 """
 from __future__ import annotations
 
 import jax
+import numpy as np
 import optax
 
 LAYERS = "layers"
@@ -31,7 +34,11 @@ def entry_name(entry):
 
 def depths(tree, embeddings: tuple[str, ...]):
     """``(depth tree, number of layers)``: 0 for the embeddings, ``i + 1`` for ``layers[i]``,
-    ``L + 1`` for the rest."""
+    ``L + 1`` for the rest; a pipeline's stacked layers (``staged_depths``) get arrays of
+    depths that broadcast against them."""
+    from jaxaccel.train.pipeline import StagedParams   # the pipeline builds on this package
+    if isinstance(tree, StagedParams):
+        return staged_depths(tree, embeddings)
     leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
     names = [[entry_name(e) for e in path] for path, _ in leaves]
     layer_ids = [n[1] for n in names if len(n) > 1 and n[0] == LAYERS]
@@ -45,6 +52,24 @@ def depths(tree, embeddings: tuple[str, ...]):
     return jax.tree_util.tree_unflatten(treedef, top), count
 
 
+def staged_depths(tree, embeddings: tuple[str, ...]):
+    """``depths`` of a pipeline's ``StagedParams``: its ``rest`` by name (the embeddings 0,
+    the rest ``L + 1``) and each stacked layer leaf an [S, R, G, 1, ...] array of ``l + 1`` for
+    the layer ``l`` each of its entries holds (``Stages.layer``)."""
+    st = tree.layout
+    number = np.array([[[st.layer(s, r, j) for j in range(st.group)]
+                        for r in range(st.repeats)] for s in range(st.stages)])
+
+    def of_layer(leaf):
+        return (number + 1).reshape(number.shape + (1,) * (np.ndim(leaf) - 3))
+
+    def of_rest(name, subtree):
+        depth = 0 if name in embeddings else st.layers + 1
+        return jax.tree_util.tree_map(lambda _: depth, subtree)
+    rest = {k: of_rest(k, v) for k, v in tree.rest.items()}
+    return (type(tree)(jax.tree_util.tree_map(of_layer, tree.layers), rest, st), st.layers)
+
+
 def scale_by_layer(decay: float, embeddings: tuple[str, ...]) -> optax.GradientTransformation:
     """Multiply each update by ``decay ** (L + 1 - depth)`` (``depths``); ``decay`` in (0, 1]."""
     if not 0.0 < decay <= 1.0:
@@ -53,9 +78,10 @@ def scale_by_layer(decay: float, embeddings: tuple[str, ...]) -> optax.GradientT
     def update(updates, state, params=None):
         del params
         depth, count = depths(updates, embeddings)
+
         def scale(u, d):
-            return u if d == count + 1 else u * jax.numpy.asarray(decay ** (count + 1 - d),
-                                                                   u.dtype)
+            factor = decay ** (count + 1 - np.asarray(d, np.float64))
+            return u if np.all(factor == 1) else u * jax.numpy.asarray(factor, u.dtype)
         return jax.tree_util.tree_map(scale, updates, depth), state
 
     return optax.GradientTransformation(optax.init_empty_state, update)

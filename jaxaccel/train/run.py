@@ -113,29 +113,26 @@ def resolve(cfg: Config, devices=None, *, training: bool = True,
                             training=training)
     shd.check_model_fits(spec.architecture, mesh)
     layout = layout_lib.choose(cfg.train) if training else layout_lib.PER_LEAF
-    stages = _stages(cfg, spec, policy, layout) if training else None
+    stages = _stages(cfg, spec, policy) if training else None
     per_epoch = splits.steps_per_epoch(cfg) if training else None
     return Resolved(cfg, mesh, policy, spec, TASKS[spec.task], layout, training, per_epoch,
                     _length(cfg.train, per_epoch), stages)
 
 
-def _stages(cfg: Config, spec: ModelSpec, policy: Policy, layout: Layout):
+def _stages(cfg: Config, spec: ModelSpec, policy: Policy):
     """The run's pipeline (``pipeline.of``), checked against what it does not run with yet
     and the batch sizes its micro-batches split."""
     stages = pipeline.of(cfg, spec.architecture.num_hidden_layers)
     if stages is None:
         return None
-    t, problems = cfg.train, []
-    if layout is not layout_lib.PER_LEAF:
-        problems.append("train.flat_params=false (the flat layout is not staged yet)")
-    if t.layer_decay != 1:
-        problems.append("train.layer_decay=1 (layer-wise decay reads per-layer paths)")
     if policy.fp8:
-        problems.append("a precision policy other than fp8 (its per-layer scaling state is not "
-                        "staged yet)")
-    if problems:
-        raise ValueError(f"a pipelined run (mesh.stage={stages.stages}) needs "
-                         + "; ".join(problems) + ". Set those, or mesh.stage=1.")
+        # fp8's delayed-scaling state comes back as the "gradient" of each use of a layer
+        # (models/fp8.py); a layer used by M micro-batches would need the largest of M amaxes,
+        # where differentiation adds them up.
+        raise ValueError(f"a pipelined run (mesh.stage={stages.stages}) needs a precision "
+                         "policy other than fp8 (its per-layer scaling state is not staged "
+                         "yet). Set precision.policy=bf16, or mesh.stage=1.")
+    t = cfg.train
     sizes = {"train.batch_size / train.grad_accum": t.batch_size // t.grad_accum,
              "train.eval_batch_size": t.eval_batch_size}
     for key, size in sizes.items():
