@@ -21,7 +21,8 @@ TensorCore of a deviceless v4) it gives:
 - the bytes the train step's collectives write per device, by kind, and the least they send;
 - for a pipelined run (``mesh.stage`` > 1, ``jaxaccel.train.pipeline``): the schedule (stages,
   repeats, micro-batches, layers per group), its bubble ``(S-1)/(R*M+S-1)`` and the
-  stage-to-stage collective permutes per device; every device holds one stage's layers, so
+  stage-to-stage collective permutes per device (and the padding layers where the stages do
+  not split the layers evenly); every device holds one stage's layers, so
   the memory per device is the memory per stage;
 - FLOPs per step: analytic (``jaxaccel.flops.train_flops``) and XLA's ``cost_analysis()`` (not
   given by the compile-only GPU client);
@@ -33,8 +34,8 @@ TensorCore of a deviceless v4) it gives:
   chip's interconnect bandwidth (ICI, NVLink), whichever is slowest (a lower bound: real
   steps reach a fraction of peak, see MFU in the README, and overlap collectives with
   compute only in part); a pipeline's compute bound is
-  divided by ``1 - bubble``: every stage computes on each of the schedule's ``R*M+S-1``
-  steps, ``S-1`` of which carry no micro-batch;
+  divided by ``1 - idle`` (``Stages.idle``): every stage computes on each of the schedule's
+  ``R*M+S-1`` steps, ``S-1`` of which carry no micro-batch, and padding layers compute too;
   ``xla-cost-model`` = XLA's own ``optimal_seconds`` where it gives one (TPU), which does not
   cost Pallas kernels (custom calls), so their analytic FLOPs at peak are added; used where it
   is above the roofline (no estimate goes below a lower bound);
@@ -237,11 +238,11 @@ def _interconnect_s(target, sent: float) -> tuple[float | None, str]:
 
 
 def estimate_step(target, policy, attention_impl: str, flops: dict, cost: dict, batch: int,
-                  seq: int, sent: float, bubble: float = 0.0) -> dict:
+                  seq: int, sent: float, idle: float = 0.0) -> dict:
     """Estimated step time of a step under ``policy`` (its matmul dtype's peak) with
-    ``attention_impl``: the roofline and, where XLA gives one, its cost model. ``bubble``: a
-    pipeline schedule's idle fraction, which the compute bound is divided by ``1 - bubble``
-    for."""
+    ``attention_impl``: the roofline and, where XLA gives one, its cost model. ``idle``: the
+    share of a pipeline schedule's layer computations that do no model work (its bubble and
+    padding layers, ``Stages.idle``), which the compute bound is divided by ``1 - idle`` for."""
     peak = devices_lib.peak_flops(target.device_kind, policy.matmul_dtype)
     if peak is None:
         return {"step_s": None, "source": f"none: no peak for {target.device_kind!r} in "
@@ -251,12 +252,12 @@ def estimate_step(target, policy, attention_impl: str, flops: dict, cost: dict, 
     bandwidth = target.chip.hbm_bandwidth
     link_s, link = _interconnect_s(target, sent)
     work = flops["analytic"] + flops.get("recompute", 0.0)
-    bounds = {"compute": work * per_chip / peak_flops / (1.0 - bubble),
+    bounds = {"compute": work * per_chip / peak_flops / (1.0 - idle),
               "memory": cost["bytes accessed"] * target.devices_per_chip / bandwidth
               if cost.get("bytes accessed", 0) > 0 else 0.0,
               "interconnect": link_s or 0.0}
     bound = max(bounds, key=bounds.get)
-    out = {"roofline_s": bounds[bound], "bound": bound, "bubble": bubble,
+    out = {"roofline_s": bounds[bound], "bound": bound, "idle": idle,
            "compute_s": bounds["compute"], "work_per_chip": work * per_chip,
            "interconnect_s": link_s,
            "interconnect": link, "peak": f"{peak_flops:.4g} FLOP/s ({which}), "
@@ -348,7 +349,7 @@ def make_plan(config_path: str | None, sets: list[str], topology_name: str, *,
     pipeline = None if stages is None else {
         **stages.as_dict(), "permute_bytes": collectives_lib.by_kind(found)["collective-permute"]}
     estimate = estimate_step(target, run.resolved.policy, run.spec.attention_impl, flops, cost,
-                             t.batch_size, seq, sent, 0.0 if stages is None else stages.bubble)
+                             t.batch_size, seq, sent, 0.0 if stages is None else stages.idle)
     if estimate["step_s"] is not None:
         estimate.update(forecast_lib.forecast(
             estimate["compute_s"], estimate["step_s"], estimate["work_per_chip"],
@@ -474,7 +475,9 @@ def report(plan: Plan) -> str:
         p = plan.pipeline
         lines += ["", f"pipeline: {p['stages']} stages x {p['repeats']} repeat(s) of "
                       f"{p['layers_per_group']} layer(s), {p['microbatches']} micro-batches; "
-                      f"bubble (S-1)/(R*M+S-1) = {p['bubble']:.1%}; stage-to-stage permutes "
+                      f"bubble (S-1)/(R*M+S-1) = {p['bubble']:.1%}"
+                      + (f"; {p['padding_layers']} padding layer(s) after the last"
+                         if p.get("padding_layers") else "") + "; stage-to-stage permutes "
                       f"{_gb(p['permute_bytes'])} per device per step (memory above is per "
                       "stage: a device holds one)"]
     lines += ["", f"compile time: train {plan.compile_s['train']:.1f} s, eval "
@@ -498,9 +501,9 @@ def report(plan: Plan) -> str:
             lines.append(f"  forecast: {e.get('forecast_source', 'none')}")
         lines.append(f"  roofline {e['roofline_s'] * 1e3:.2f} ms ({e['bound']}-bound at "
                      f"{e['peak']})")
-        if e.get("bubble"):
-            lines.append(f"  (the compute bound includes the pipeline's bubble: / (1 - "
-                         f"{e['bubble']:.3f}))")
+        if e.get("idle"):
+            lines.append(f"  (the compute bound includes the pipeline's idle share, bubble and "
+                         f"padding layers: / (1 - {e['idle']:.3f}))")
         if e["interconnect"]:
             link = "no estimate" if e["interconnect_s"] is None else \
                 f"{e['interconnect_s'] * 1e3:.2f} ms"

@@ -5,10 +5,13 @@ dimension with ``spmd_axis_name="stage"``, activations passed on by a shift alon
 XLA compiles to a collective permute).
 
 Placement (``Stages``): ``L`` layers, ``S`` stages, ``R`` repeats (``model.pipeline_repeats``),
-groups of ``G = L / (S R)`` consecutive layers; stage ``s`` holds groups ``r S + s`` for
+groups of ``G = ceil(L / (S R))`` consecutive layers; stage ``s`` holds groups ``r S + s`` for
 ``r < R``, i.e. layer ``l = (r S + s) G + j``. The parameters of the layers are stacked
 [S, R, G, ...] and split over ``stage`` on the first dimension (``StagedParams``); the rest of
-the model (embeddings, head) is placed as without a pipeline and runs on the whole batch.
+the model (embeddings, head) is placed as without a pipeline and runs on the whole batch. Where
+``S R`` does not divide ``L``, the last ``S R G - L`` places hold padding layers: zero
+parameters that pass their input through (their output is not selected), never checkpointed,
+whose gradient and update are zero; they cost a layer's compute each (``Stages.idle``).
 
 Schedule: the batch's hidden states are cut into ``M`` strided micro-batches (rows ``m, m + M,
 ...``, as gradient accumulation cuts them: every device's block of the batch holds rows of
@@ -56,8 +59,13 @@ class Stages:
 
     @property
     def group(self) -> int:
-        """Layers per group (G = L / (S R))."""
-        return self.layers // (self.stages * self.repeats)
+        """Layers per group (G = ceil(L / (S R)))."""
+        return -(-self.layers // (self.stages * self.repeats))
+
+    @property
+    def padding(self) -> int:
+        """Padding layers after the model's last (S R G - L; 0 where S R divides L)."""
+        return self.stages * self.repeats * self.group - self.layers
 
     @property
     def iterations(self) -> int:
@@ -69,18 +77,26 @@ class Stages:
         """The idle fraction of a stage's schedule steps: (S - 1) / (R M + S - 1)."""
         return (self.stages - 1) / self.iterations
 
+    @property
+    def idle(self) -> float:
+        """The share of the layer computations the schedule runs that do no model work: the
+        bubble's and the padding layers', 1 - L M / (S G (R M + S - 1)) (the bubble where
+        S R divides L)."""
+        return 1.0 - self.layers * self.microbatches / (
+            self.stages * self.group * self.iterations)
+
     def layer(self, stage: int, repeat: int, j: int) -> int:
         """The model layer at position ``j`` of stage ``stage``'s group of ``repeat``."""
         return (repeat * self.stages + stage) * self.group + j
 
     def check(self) -> None:
-        """``ValueError`` naming the numbers when the layers do not split or too few
-        micro-batches keep the stages fed."""
+        """``ValueError`` naming the numbers when some group would hold only padding or too
+        few micro-batches keep the stages fed."""
         s, r, m, n = self.stages, self.repeats, self.microbatches, self.layers
-        if n % (s * r):
-            raise ValueError(f"the model's {n} layers do not split into mesh.stage={s} stages x "
-                             f"model.pipeline_repeats={r} groups of equal size; use stage and "
-                             f"repeat counts whose product divides {n}.")
+        if self.padding >= self.group:
+            raise ValueError(f"the model's {n} layers do not fill mesh.stage={s} stages x "
+                             f"model.pipeline_repeats={r} groups of {self.group}: a group would "
+                             f"hold only padding layers; use fewer stages or repeats.")
         if m < s:
             raise ValueError(f"train.microbatches={m} is fewer than mesh.stage={s}: a stage "
                              f"would wait for its own output; use at least {s} micro-batches "
@@ -89,7 +105,7 @@ class Stages:
     def as_dict(self) -> dict:
         return {"stages": self.stages, "repeats": self.repeats,
                 "microbatches": self.microbatches, "layers_per_group": self.group,
-                "bubble": self.bubble}
+                "padding_layers": self.padding, "bubble": self.bubble, "idle": self.idle}
 
 
 def of(cfg, num_layers: int) -> Stages | None:
@@ -104,19 +120,26 @@ def of(cfg, num_layers: int) -> Stages | None:
     return stages
 
 
+def _places(stages: Stages):
+    """(stage, repeat, position) of every place of the [S, R, G] stack, in its order."""
+    return [(i, k, j) for i in range(stages.stages) for k in range(stages.repeats)
+            for j in range(stages.group)]
+
+
 def _stack(stages: Stages, layers: dict):
-    """Per-layer trees ``{l: tree}`` -> one tree of [S, R, G, ...] arrays."""
+    """Per-layer trees ``{l: tree}`` -> one tree of [S, R, G, ...] arrays (zeros where a place
+    holds a padding layer)."""
     s, r, g = stages.stages, stages.repeats, stages.group
-    order = [layers[stages.layer(i, k, j)] for i in range(s) for k in range(r) for j in range(g)]
+    pad = jax.tree_util.tree_map(jnp.zeros_like, layers[0])
+    order = [layers.get(stages.layer(*place), pad) for place in _places(stages)]
     return jax.tree_util.tree_map(
         lambda *xs: jnp.stack(xs).reshape(s, r, g, *xs[0].shape), *order)
 
 
 def _unstack(stages: Stages, stacked) -> dict:
-    """Inverse of ``_stack``."""
-    return {stages.layer(i, k, j): jax.tree_util.tree_map(lambda a: a[i, k, j], stacked)
-            for i in range(stages.stages) for k in range(stages.repeats)
-            for j in range(stages.group)}
+    """Inverse of ``_stack`` (the padding layers dropped)."""
+    return {stages.layer(*place): jax.tree_util.tree_map(lambda a: a[place], stacked)
+            for place in _places(stages) if stages.layer(*place) < stages.layers}
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -238,7 +261,10 @@ def stack(params: StagedParams, layer_graphdef, layer_call, *, remat: bool = Fal
 
             def body(h, pj):
                 p_j, j = pj
-                return layer_fn(p_j, h, a, rows, key, first + j, deterministic), None
+                out = layer_fn(p_j, h, a, rows, key, first + j, deterministic)
+                if st.padding:      # a padding layer passes its input through
+                    out = jnp.where(first + j < st.layers, out, h)
+                return out, None
             h, _ = jax.lax.scan(body, h, (p, jnp.arange(g_)), unroll=unroll)
             return h
 
