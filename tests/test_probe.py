@@ -576,8 +576,14 @@ import asyncio, errno, gc, logging, sys, threading
 import tensorstore as ts
 from jaxaccel.train import checkpoint
 logged = []
-logging.getLogger("asyncio").addHandler(logging.Handler())
-logging.getLogger("asyncio").handlers[-1].emit = logged.append
+
+
+class Kept(logging.Handler):
+    def emit(self, record):
+        logged.append(record)
+
+
+logging.getLogger("asyncio").addHandler(Kept())
 promise, in_flight = ts.Promise.new()
 
 async def failing():
