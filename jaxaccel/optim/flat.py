@@ -170,14 +170,17 @@ class Layout:
         buffer holds its shard of every leaf, and a whole copy of a leaf replicated over some
         shard axes (a bias FSDP keeps whole, a pipeline's embeddings on every stage), so the
         devices' sums of squares are added up with each such copy weighted 1 / copies."""
+        copies = {i: self.copies(i) for g in self.groups for i in g.leaves}
+
         def local(bufs):
             total = jnp.float32(0.0)
             for k, group in enumerate(self.groups):
                 g = bufs[k].astype(jnp.float32)
                 total += jnp.sum(jnp.square(g))
-                for i, leaf in unpack(g, group, self).items():
-                    if self.copies(i) > 1:
-                        total -= (1 - 1 / self.copies(i)) * jnp.sum(jnp.square(leaf))
+                if any(copies[i] > 1 for i in group.leaves):
+                    for i, leaf in unpack(g, group, self).items():
+                        if copies[i] > 1:
+                            total -= (1 - 1 / copies[i]) * jnp.sum(jnp.square(leaf))
             return jax.lax.psum(total, self.shard_axes) if self.shard_axes else total
         return jnp.sqrt(self.per_device(local, in_specs=(self.param_specs,),
                                         out_specs=P())(tuple(buffers)))

@@ -130,7 +130,7 @@ def _stack(stages: Stages, layers: dict):
     """Per-layer trees ``{l: tree}`` -> one tree of [S, R, G, ...] arrays (zeros where a place
     holds a padding layer)."""
     s, r, g = stages.stages, stages.repeats, stages.group
-    pad = jax.tree_util.tree_map(jnp.zeros_like, layers[0])
+    pad = jax.tree_util.tree_map(jnp.zeros_like, layers[0]) if stages.padding else None
     order = [layers.get(stages.layer(*place), pad) for place in _places(stages)]
     return jax.tree_util.tree_map(
         lambda *xs: jnp.stack(xs).reshape(s, r, g, *xs[0].shape), *order)
