@@ -1,7 +1,9 @@
 """Pipeline parallelism (``jaxaccel.train.pipeline``) on 8 fake CPU devices: a pipelined step is
 the plain step (loss and updated parameters, fp32, dropout on) for both families on the three
-meshes of issue 33 with M in {S, 2S, 4S} and R in {1, 2}; the layer placement and the bubble;
-the settings it refuses; checkpoints move between pipelined and plain runs both ways."""
+meshes of issue 33 with M in {S, 2S, 4S} and R in {1, 2}; with remat, accumulation, fp16, fp8,
+layer decay, the flat layout and padding layers; the layer placement and the bubble; the
+settings it refuses; checkpoints move between pipelined and plain runs both ways."""
+import collections
 import dataclasses
 import itertools
 import os
@@ -10,7 +12,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxaccel import config, plan
+from jaxaccel import config, plan, precision
 from jaxaccel.models import model_spec
 from jaxaccel.optim import flat
 from jaxaccel.train import inference, loop, pipeline
@@ -44,8 +46,12 @@ def _run(sets, tmp_path, mesh, layers, *extra):
     return run_lib.assemble(run_lib.resolve(cfg, DEVICES, spec=spec), data=not lm), lm
 
 
+Steps = collections.namedtuple("Steps", "losses params run fp8")
+
+
 def two_steps(sets, tmp_path, mesh, layers, *extra):
-    """Losses of two train steps and the parameters after them (the per-layer form)."""
+    """``Steps``: the losses of two train steps, the parameters after them (the per-layer
+    form), the run and the fp8 state after them (None without the fp8 policy)."""
     run, lm = _run(sets, tmp_path, mesh, layers, *extra)
     batches = LM_BATCHES if lm else itertools.islice(run.train_data.batches(0), 2)
     state, losses = run.state, []
@@ -53,7 +59,8 @@ def two_steps(sets, tmp_path, mesh, layers, *extra):
         for batch in batches:
             state, metrics = run.train_step(state, run.put_batch(batch))
             losses.append(float(metrics["loss"]))
-    return losses, jax.device_get(flat.portable(state.params)), run
+    return Steps(losses, jax.device_get(flat.portable(state.params)), run,
+                 jax.device_get(state.fp8))
 
 
 SETS = {"bert": BERT, "llama": LLAMA}
@@ -96,7 +103,7 @@ def test_pipelined_steps_equal_the_plain_steps(plain, tmp_path, family, mesh, pe
                                                repeats, layers):
     sizes = MESHES[mesh]
     m = per_stage * sizes["stage"]
-    losses, params, run = two_steps(SETS[family], tmp_path, sizes, layers,
+    losses, params, run, _ = two_steps(SETS[family], tmp_path, sizes, layers,
                                     f"train.microbatches={m}",
                                     f"model.pipeline_repeats={repeats}")
     stages = run.resolved.stages
@@ -122,6 +129,35 @@ def test_remat_gradient_accumulation_and_fp16_compose_with_the_pipeline(tmp_path
     np.testing.assert_allclose(pipe[0], ref[0], rtol=2e-3)
     for a, b in zip(jax.tree_util.tree_leaves(pipe[1]), jax.tree_util.tree_leaves(ref[1])):
         np.testing.assert_allclose(np.float32(a), np.float32(b), rtol=0, atol=2e-3)
+
+
+@pytest.mark.parametrize("family,layers", [("llama", 4), pytest.param("bert", 2,
+                                                                     marks=pytest.mark.slow)])
+def test_fp8_composes_with_the_pipeline(tmp_path, monkeypatch, family, layers):
+    """fp8 with delayed scaling, 2 stages x 4 micro-batches (x 2 repeats for the decoder):
+    each layer is used by 4 micro-batches (and idle in the bubble) and its scaling state comes
+    out as the plain step's, the newest amax the whole batch's (the largest of its
+    micro-batches', not their sum); the plain run's losses and parameters. The fp8 matmuls'
+    compute dtype is float32 here (bfloat16 in the policy): the micro-batches' bfloat16
+    rounding differs from the whole batch's by an ulp, which fp8 quantization turns into amax
+    differences of ~3% that would hide what is tested."""
+    monkeypatch.setitem(precision.POLICIES, "fp8", dataclasses.replace(
+        precision.POLICIES["fp8"], compute_dtype=np.float32))
+    extra = ("precision.policy=fp8",)
+    pipe = two_steps(SETS[family], tmp_path, MESHES["stage2_fsdp2_data2"], layers, *extra,
+                     "train.microbatches=4", f"model.pipeline_repeats={2 if layers > 2 else 1}")
+    ref = two_steps(SETS[family], tmp_path, {"data": 8}, layers, *extra)
+    assert pipe.run.resolved.policy.fp8
+    histories = [h for p, h in jax.tree_util.tree_flatten_with_path(ref.fp8)[0]
+                 if "amax_history" in jax.tree_util.keystr(p)]
+    # two steps: the newest amax at [0], the one before rolled to [-1]
+    assert len(histories) >= 7 * layers and all(h[0] > 0 and h[-1] > 0 for h in histories)
+    assert jax.tree_util.tree_structure(pipe.fp8) == jax.tree_util.tree_structure(ref.fp8)
+    for a, b in zip(jax.tree_util.tree_leaves(pipe.fp8), jax.tree_util.tree_leaves(ref.fp8)):
+        np.testing.assert_allclose(a, b, rtol=1e-5)
+    np.testing.assert_allclose(pipe.losses, ref.losses, rtol=1e-5)
+    for a, b in zip(jax.tree_util.tree_leaves(pipe.params), jax.tree_util.tree_leaves(ref.params)):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("mesh,extra", [
@@ -159,8 +195,8 @@ def test_layers_that_do_not_split_evenly_are_padded_at_the_end(plain, tmp_path):
     staged = pipeline.StagedParams.create(st, params)
     assert (staged.layers["w"][3, 0, 4:] == 0).all() and staged.layers["w"][3, 0, 3, 0] == 22
     assert sorted(staged.unstaged()["layers"]) == list(range(22))
-    losses, params, run = two_steps(LLAMA, tmp_path, MESHES["stage2_fsdp2_data2"], 3,
-                                    "train.microbatches=2")
+    losses, params, run, _ = two_steps(LLAMA, tmp_path, MESHES["stage2_fsdp2_data2"], 3,
+                                       "train.microbatches=2")
     assert run.resolved.stages.padding == 1
     ref_losses, ref_params = plain("llama", 3)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
@@ -187,7 +223,6 @@ def test_layers_are_placed_round_robin_by_repeat_and_the_bubble_follows():
     (["mesh.stage=4", "mesh.data=2", "model.pipeline_repeats=3"], "do not fill"),
     (["mesh.stage=2", "mesh.data=4", "train.microbatches=1"], "fewer than mesh.stage=2"),
     (["mesh.stage=2", "mesh.data=4", "train.microbatches=3"], "does not split into"),
-    (["mesh.stage=2", "mesh.data=4", "precision.policy=fp8"], "other than fp8"),
 ])
 def test_pipelines_it_cannot_run_are_refused_before_anything_is_built(tmp_path, extra, message):
     cfg = config.build(sets=TINY + [f"workdir={tmp_path}", *extra])

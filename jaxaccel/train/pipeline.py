@@ -26,6 +26,13 @@ Every micro-batch row draws its dropout masks by its number in the whole batch a
 its own stream (``models.stack``), so a pipelined step is the plain step, dropout included
 (tests: loss and gradients equal). Differentiating the scan gives the backward pipeline.
 
+fp8 (``models.fp8``): the layers' delayed-scaling state is staged like their parameters and
+each use of a layer reads its own copy, one per micro-batch (``_spread``); a use's "gradient"
+is the state's new value (its amax history rolled, this use's amax newest) and the copies'
+are combined by their maximum, not added: the amax of the whole batch, so the state comes out
+as the plain step's. A bubble's use (an idle stage's, on data no micro-batch needs) reads its
+copy without a gradient and leaves no trace.
+
 A checkpoint holds the per-layer form (``StagedParams.portable``): a pipelined run resumes
 unpipelined, on any stage count, and the reverse.
 """
@@ -205,6 +212,25 @@ def staged_shardings(stages: Stages, shardings: dict) -> StagedParams:
     return StagedParams(layers, {k: v for k, v in shardings.items() if k != LAYERS}, stages)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _spread(tree, m: int):
+    """``tree``'s [S, R, ...] leaves as [S, R, M, ...]: a copy per micro-batch, whose
+    cotangents the transpose combines by their maximum (fp8's new states: one use each)."""
+    return jax.tree_util.tree_map(
+        lambda a: jnp.broadcast_to(a[:, :, None], (*a.shape[:2], m, *a.shape[2:])), tree)
+
+
+def _spread_fwd(tree, m):
+    return _spread(tree, m), None
+
+
+def _spread_bwd(m, _, cotangents):
+    return (jax.tree_util.tree_map(lambda c: c.max(axis=2), cotangents),)
+
+
+_spread.defvjp(_spread_fwd, _spread_bwd)
+
+
 def _micro(a, m: int):
     """[B, ...] -> [M, B / M, ...], micro-batch ``i`` the rows i, i + M, ..."""
     return a.reshape(a.shape[0] // m, m, *a.shape[1:]).swapaxes(0, 1)
@@ -225,22 +251,24 @@ def _placed(x, lead):
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 
-def stack(params: StagedParams, layer_graphdef, layer_call, *, remat: bool = False):
+def stack(params: StagedParams, layer_graphdef, layer_call, *, remat: bool = False,
+          fp8: StagedParams | None = None):
     """The layers' ``stack(x, args, key, deterministic)`` (``models.stack``) of the staged
     ``params``: the schedule of this module's docstring. ``layer_graphdef`` is one layer's,
-    ``layer_call`` the family's; ``remat`` rematerialises each layer in the backward pass."""
+    ``layer_call`` the family's; ``remat`` rematerialises each layer in the backward pass;
+    ``fp8`` the layers' staged fp8 state (None without the fp8 policy)."""
     st = params.layout
     s_, m_, g_ = st.stages, st.microbatches, st.group
 
-    def one_layer(p, x, args, rows, key, index, deterministic):
-        layer = nnx.merge(layer_graphdef, p)
+    def one_layer(p, f, x, args, rows, key, index, deterministic):
+        layer = nnx.merge(layer_graphdef, p, *(() if f is None else (f,)))
         return layer_call(layer, x, args, deterministic, layer_rngs(key, index), rows)
 
     def run(x, args, key, deterministic):
         if x.shape[0] % m_:
             raise ValueError(f"a batch of {x.shape[0]} rows does not split into "
                              f"train.microbatches={m_} micro-batches.")
-        layer_fn = jax.checkpoint(one_layer, static_argnums=(6,)) if remat else one_layer
+        layer_fn = jax.checkpoint(one_layer, static_argnums=(7,)) if remat else one_layer
         # XLA:CPU's runtime can run a loop's collectives and independent ones outside it in
         # different orders on different devices (a rendezvous deadlock, seen with the stage
         # permute against the loss denominator's all-reduce): on the CPU the loops are
@@ -250,30 +278,35 @@ def stack(params: StagedParams, layer_graphdef, layer_call, *, remat: bool = Fal
         args_m = jax.tree_util.tree_map(lambda a: _micro(a, m_), args)
         rows_m = _micro(jnp.arange(x.shape[0], dtype=jnp.int32), m_)
         stage_ids = jnp.arange(s_)
+        fp8_m = None if fp8 is None else _spread(fp8.layers, m_)
 
-        def stage_fn(group_params, h, stage, t):
+        def stage_fn(group_params, group_fp8, h, stage, t):
             k = t - stage
             micro, repeat = k % m_, jnp.clip(k // m_, 0, st.repeats - 1)
             p = jax.tree_util.tree_map(lambda a: a[repeat], group_params)
+            busy = (k >= 0) & (k < st.repeats * m_)
+            f = jax.tree_util.tree_map(      # micro's copy; none of a bubble's state comes back
+                lambda a: jnp.where(busy, a[repeat, micro], jax.lax.stop_gradient(
+                    a[repeat, micro])), group_fp8)
             a = jax.tree_util.tree_map(lambda v: v[micro], args_m)
             rows = rows_m[micro]
             first = (repeat * s_ + stage) * g_
 
             def body(h, pj):
-                p_j, j = pj
-                out = layer_fn(p_j, h, a, rows, key, first + j, deterministic)
+                p_j, f_j, j = pj
+                out = layer_fn(p_j, f_j, h, a, rows, key, first + j, deterministic)
                 if st.padding:      # a padding layer passes its input through
                     out = jnp.where(first + j < st.layers, out, h)
                 return out, None
-            h, _ = jax.lax.scan(body, h, (p, jnp.arange(g_)), unroll=unroll)
+            h, _ = jax.lax.scan(body, h, (p, f, jnp.arange(g_)), unroll=unroll)
             return h
 
-        staged = jax.vmap(stage_fn, in_axes=(0, 0, 0, None), spmd_axis_name="stage")
+        staged = jax.vmap(stage_fn, in_axes=(0, 0, 0, 0, None), spmd_axis_name="stage")
 
         def tick(carry, t):
             state, buffer = carry
             state = state.at[0].set(buffer[t % m_])
-            out = staged(params.layers, state, stage_ids, t)
+            out = staged(params.layers, fp8_m, state, stage_ids, t)
             k = t - (s_ - 1)
             done = (k >= 0) & (k < st.repeats * m_)
             slot = k % m_
@@ -288,15 +321,21 @@ def stack(params: StagedParams, layer_graphdef, layer_call, *, remat: bool = Fal
     return run
 
 
-def forward_model(graphdef, params: StagedParams):
+def forward_model(graphdef, params: StagedParams, fp8: dict | None = None):
     """``(model, stack)``: the model of ``graphdef`` with ``params.rest`` (its layers hold
     placeholders the stack never reads) and the pipelined stack over ``params.layers`` to
-    call it with (``model(..., stack=stack)``)."""
-    first = jax.tree_util.tree_map(lambda a: a[0, 0, 0], params.layers)
-    model = nnx.merge(graphdef, {**params.rest,
-                                 LAYERS: {l: first for l in range(params.layout.layers)}})
+    call it with (``model(..., stack=stack)``); ``fp8`` the model's fp8 state (per layer, as
+    the train state holds it), staged here."""
+    stages = params.layout
+    fp8 = None if fp8 is None else StagedParams.create(stages, fp8)
+
+    def placeholders(staged):
+        first = jax.tree_util.tree_map(lambda a: a[0, 0, 0], staged.layers)
+        return {**staged.rest, LAYERS: {l: first for l in range(stages.layers)}}
+    model = nnx.merge(graphdef, *(placeholders(t) for t in (params, fp8) if t is not None))
     layer_graphdef = nnx.graphdef(model.layers[0])
-    return model, stack(params, layer_graphdef, type(model).layer_call, remat=model.spec.remat)
+    return model, stack(params, layer_graphdef, type(model).layer_call, remat=model.spec.remat,
+                        fp8=fp8)
 
 
 __all__ = ["StagedParams", "Stages", "forward_model", "of", "stack", "staged_shardings"]

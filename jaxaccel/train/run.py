@@ -113,25 +113,18 @@ def resolve(cfg: Config, devices=None, *, training: bool = True,
                             training=training)
     shd.check_model_fits(spec.architecture, mesh)
     layout = layout_lib.choose(cfg.train) if training else layout_lib.PER_LEAF
-    stages = _stages(cfg, spec, policy) if training else None
+    stages = _stages(cfg, spec) if training else None
     per_epoch = splits.steps_per_epoch(cfg) if training else None
     return Resolved(cfg, mesh, policy, spec, TASKS[spec.task], layout, training, per_epoch,
                     _length(cfg.train, per_epoch), stages)
 
 
-def _stages(cfg: Config, spec: ModelSpec, policy: Policy):
-    """The run's pipeline (``pipeline.of``), checked against what it does not run with yet
-    and the batch sizes its micro-batches split."""
+def _stages(cfg: Config, spec: ModelSpec):
+    """The run's pipeline (``pipeline.of``), checked against the batch sizes its micro-batches
+    split."""
     stages = pipeline.of(cfg, spec.architecture.num_hidden_layers)
     if stages is None:
         return None
-    if policy.fp8:
-        # fp8's delayed-scaling state comes back as the "gradient" of each use of a layer
-        # (models/fp8.py); a layer used by M micro-batches would need the largest of M amaxes,
-        # where differentiation adds them up.
-        raise ValueError(f"a pipelined run (mesh.stage={stages.stages}) needs a precision "
-                         "policy other than fp8 (its per-layer scaling state is not staged "
-                         "yet). Set precision.policy=bf16, or mesh.stage=1.")
     t = cfg.train
     sizes = {"train.batch_size / train.grad_accum": t.batch_size // t.grad_accum,
              "train.eval_batch_size": t.eval_batch_size}

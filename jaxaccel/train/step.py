@@ -49,7 +49,7 @@ def forward(graphdef, params, batch, *, task: Task, deterministic, rng=None, fp8
     its schedule. The one forward pass of training, evaluation and prediction."""
     kwargs = {} if unpad is None else {"unpad": unpad}
     if isinstance(params, StagedParams):
-        model, kwargs["stack"] = forward_model(graphdef, params)
+        model, kwargs["stack"] = forward_model(graphdef, params, fp8)
     else:
         model = nnx.merge(graphdef, params, *(() if fp8 is None else (fp8,)))
     rngs = None if deterministic else nnx.Rngs(dropout=rng)
