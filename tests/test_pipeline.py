@@ -120,11 +120,12 @@ def test_pipelined_steps_equal_the_plain_steps(plain, tmp_path, family, mesh, pe
 
 def test_remat_gradient_accumulation_and_fp16_compose_with_the_pipeline(tmp_path):
     """The decoder with per-layer remat, 2 accumulated micro-batches each cut into 2 pipeline
-    micro-batches, fp16 with loss scaling: the plain run's losses (fp16 rounding apart) and
-    the same loss scale."""
+    micro-batches, fp16 with loss scaling, the stages' FSDP weights gathered once per
+    accumulated micro-batch: the plain run's losses (fp16 rounding apart)."""
     extra = ("model.remat=true", "train.grad_accum=2", "precision.policy=fp16")
-    pipe = two_steps(LLAMA, tmp_path, {"stage": 2, "data": 4}, 2, *extra,
-                     "train.microbatches=2")
+    pipe = two_steps(LLAMA, tmp_path, MESHES["stage2_fsdp2_data2"], 2, *extra,
+                     "train.microbatches=2", "sharding.pipeline_gather_once=true")
+    assert pipe.run.resolved.stages.gather_once
     ref = two_steps(LLAMA, tmp_path, {"data": 8}, 2, *extra)
     np.testing.assert_allclose(pipe[0], ref[0], rtol=2e-3)
     for a, b in zip(jax.tree_util.tree_leaves(pipe[1]), jax.tree_util.tree_leaves(ref[1])):
@@ -291,3 +292,9 @@ def test_a_pipelined_decoder_plans_for_tpu_and_gpu(name):
         for key in ("params", "opt_state"):
             assert more.memory[key] == p.memory[key]
         assert more.memory["temp"] <= p.memory["temp"] * 1.05, (more.memory, p.memory)
+        # the stages' FSDP weights gathered once, not at each of the 9 schedule steps
+        once = plan.make_plan(config_path, PLANNED + ["train.microbatches=8",
+                                                      "sharding.pipeline_gather_once=true"], name)
+        assert once.pipeline["gather_once"] and not more.pipeline["gather_once"]
+        assert once.collectives["all-gather"] < more.collectives["all-gather"] / 3, (
+            once.collectives, more.collectives)

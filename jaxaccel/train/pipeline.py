@@ -33,6 +33,10 @@ are combined by their maximum, not added: the amax of the whole batch, so the st
 as the plain step's. A bubble's use (an idle stage's, on data no micro-batch needs) reads its
 copy without a gradient and leaves no trace.
 
+With FSDP the stacked layers are split over ``fsdp`` too, and XLA gathers a group's weights at
+each schedule step that uses them; ``sharding.pipeline_gather_once`` gathers them once before
+the schedule instead (``_gathered``), holding the stage's whole weights and gradients.
+
 A checkpoint holds the per-layer form (``StagedParams.portable``): a pipelined run resumes
 unpipelined, on any stage count, and the reverse.
 """
@@ -63,6 +67,7 @@ class Stages:
     repeats: int
     microbatches: int
     layers: int
+    gather_once: bool = False
 
     @property
     def group(self) -> int:
@@ -112,7 +117,8 @@ class Stages:
     def as_dict(self) -> dict:
         return {"stages": self.stages, "repeats": self.repeats,
                 "microbatches": self.microbatches, "layers_per_group": self.group,
-                "padding_layers": self.padding, "bubble": self.bubble, "idle": self.idle}
+                "padding_layers": self.padding, "bubble": self.bubble, "idle": self.idle,
+                "gather_once": self.gather_once}
 
 
 def of(cfg, num_layers: int) -> Stages | None:
@@ -122,7 +128,8 @@ def of(cfg, num_layers: int) -> Stages | None:
     if s <= 1:
         return None
     m = cfg.train.microbatches or s
-    stages = Stages(s, int(cfg.model.pipeline_repeats), int(m), int(num_layers))
+    stages = Stages(s, int(cfg.model.pipeline_repeats), int(m), int(num_layers),
+                    bool(cfg.sharding.get("pipeline_gather_once", False)))
     stages.check()
     return stages
 
@@ -251,12 +258,34 @@ def _placed(x, lead):
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 
+def _gathered(layers, specs):
+    """The stacked ``layers`` with their FSDP split undone: one all-gather over ``fsdp`` per
+    leaf (``specs``: one layer's mesh-axis specs), before the schedule, whose transpose
+    reduce-scatters the leaf's gradient once after it (``Stages.gather_once``). Without it XLA
+    gathers a group's weights at each schedule step that uses them, and again in the backward
+    pass."""
+    mesh = shd.current_mesh(layers)
+    if specs is None or mesh.shape.get("fsdp", 1) == 1:
+        return layers
+
+    def one(a, spec):
+        entries = ("stage", None, None, *spec)
+        if "fsdp" not in entries:
+            return a
+        dim = entries.index("fsdp")
+        whole = tuple(None if e == "fsdp" else e for e in entries)
+        return shd.per_shard(lambda w: jax.lax.all_gather(w, "fsdp", axis=dim, tiled=True),
+                             (P(*entries),), P(*whole), mesh=mesh)(a)
+    return jax.tree_util.tree_map(one, layers, specs)
+
+
 def stack(params: StagedParams, layer_graphdef, layer_call, *, remat: bool = False,
-          fp8: StagedParams | None = None):
+          fp8: StagedParams | None = None, specs=None):
     """The layers' ``stack(x, args, key, deterministic)`` (``models.stack``) of the staged
     ``params``: the schedule of this module's docstring. ``layer_graphdef`` is one layer's,
     ``layer_call`` the family's; ``remat`` rematerialises each layer in the backward pass;
-    ``fp8`` the layers' staged fp8 state (None without the fp8 policy)."""
+    ``fp8`` the layers' staged fp8 state (None without the fp8 policy); ``specs`` one layer's
+    mesh-axis specs (``Stages.gather_once``)."""
     st = params.layout
     s_, m_, g_ = st.stages, st.microbatches, st.group
 
@@ -278,6 +307,7 @@ def stack(params: StagedParams, layer_graphdef, layer_call, *, remat: bool = Fal
         args_m = jax.tree_util.tree_map(lambda a: _micro(a, m_), args)
         rows_m = _micro(jnp.arange(x.shape[0], dtype=jnp.int32), m_)
         stage_ids = jnp.arange(s_)
+        layers = _gathered(params.layers, specs) if st.gather_once else params.layers
         fp8_m = None if fp8 is None else _spread(fp8.layers, m_)
 
         def stage_fn(group_params, group_fp8, h, stage, t):
@@ -306,7 +336,7 @@ def stack(params: StagedParams, layer_graphdef, layer_call, *, remat: bool = Fal
         def tick(carry, t):
             state, buffer = carry
             state = state.at[0].set(buffer[t % m_])
-            out = staged(params.layers, fp8_m, state, stage_ids, t)
+            out = staged(layers, fp8_m, state, stage_ids, t)
             k = t - (s_ - 1)
             done = (k >= 0) & (k < st.repeats * m_)
             slot = k % m_
@@ -333,9 +363,15 @@ def forward_model(graphdef, params: StagedParams, fp8: dict | None = None):
         first = jax.tree_util.tree_map(lambda a: a[0, 0, 0], staged.layers)
         return {**staged.rest, LAYERS: {l: first for l in range(stages.layers)}}
     model = nnx.merge(graphdef, *(placeholders(t) for t in (params, fp8) if t is not None))
-    layer_graphdef = nnx.graphdef(model.layers[0])
-    return model, stack(params, layer_graphdef, type(model).layer_call, remat=model.spec.remat,
-                        fp8=fp8)
+    layer = model.layers[0]
+    specs, mesh = None, shd.current_mesh(params.layers)
+    if stages.gather_once and mesh is not None:
+        weights = nnx.state(layer, nnx.Param)
+        placed = shd.tree_shardings(mesh, nnx.to_pure_dict(nnx.get_partition_spec(weights)),
+                                    nnx.to_pure_dict(weights))
+        specs = jax.tree_util.tree_map(lambda s: s.spec, placed)
+    return model, stack(params, nnx.graphdef(layer), type(model).layer_call,
+                        remat=model.spec.remat, fp8=fp8, specs=specs)
 
 
 __all__ = ["StagedParams", "Stages", "forward_model", "of", "stack", "staged_shardings"]
