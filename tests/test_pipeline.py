@@ -272,7 +272,7 @@ PLANNED = ["model.name=llama-tiny", "model.tokenizer=unused", "data.max_len=64",
 @needs_libtpu
 @needs_cuda_plugin
 # The H100 plan (24 s) runs under -m slow: suite time.
-@pytest.mark.parametrize("name", ["v5e-8", pytest.param("h100:1x8", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("name", ["v5e-8", "h100:1x8"])
 def test_a_pipelined_decoder_plans_for_tpu_and_gpu(name):
     """The TPU and GPU compilers take the pipelined step (its loops scanned there, not
     unrolled): the stage-to-stage collective permutes are in the compiled program, the plan
