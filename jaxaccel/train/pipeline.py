@@ -140,11 +140,12 @@ def _places(stages: Stages):
             for j in range(stages.group)]
 
 
-def _stack(stages: Stages, layers: dict):
-    """Per-layer trees ``{l: tree}`` -> one tree of [S, R, G, ...] arrays (zeros where a place
-    holds a padding layer)."""
+def _stack(stages: Stages, layers: dict, pad=None):
+    """Per-layer trees ``{l: tree}`` -> one tree of [S, R, G, ...] arrays, ``pad`` (default
+    zeros) where a place holds a padding layer."""
     s, r, g = stages.stages, stages.repeats, stages.group
-    pad = jax.tree_util.tree_map(jnp.zeros_like, layers[0]) if stages.padding else None
+    if stages.padding and pad is None:
+        pad = jax.tree_util.tree_map(jnp.zeros_like, layers[0])
     order = [layers.get(stages.layer(*place), pad) for place in _places(stages)]
     return jax.tree_util.tree_map(
         lambda *xs: jnp.stack(xs).reshape(s, r, g, *xs[0].shape), *order)
@@ -169,9 +170,11 @@ class StagedParams(FlatNode):
     layout: Stages | None = None
 
     @classmethod
-    def create(cls, stages: Stages, params: dict) -> "StagedParams":
+    def create(cls, stages: Stages, params: dict, pad=None) -> "StagedParams":
+        """``params`` (the model's tree) staged; ``pad`` one layer's tree for the padding
+        layers' places (default zeros)."""
         rest = {k: v for k, v in params.items() if k != LAYERS}
-        return cls(_stack(stages, params[LAYERS]), rest, stages)
+        return cls(_stack(stages, params[LAYERS], pad), rest, stages)
 
     def unstaged(self) -> dict:
         """The model's parameter tree (``layers[l]`` per layer)."""
@@ -357,7 +360,10 @@ def forward_model(graphdef, params: StagedParams, fp8: dict | None = None):
     call it with (``model(..., stack=stack)``); ``fp8`` the model's fp8 state (per layer, as
     the train state holds it), staged here."""
     stages = params.layout
-    fp8 = None if fp8 is None else StagedParams.create(stages, fp8)
+    if fp8 is not None:
+        # A padding layer's scales are a real layer's (zero scales would quantize to NaN,
+        # which its zero cotangent does not cancel), and give that layer no gradient.
+        fp8 = StagedParams.create(stages, fp8, jax.lax.stop_gradient(fp8[LAYERS][0]))
 
     def placeholders(staged):
         first = jax.tree_util.tree_map(lambda a: a[0, 0, 0], staged.layers)
