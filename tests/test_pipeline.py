@@ -8,6 +8,7 @@ import dataclasses
 import itertools
 import os
 
+import compile_only
 import jax
 import numpy as np
 import pytest
@@ -273,7 +274,6 @@ PLANNED = ["model.name=llama-tiny", "model.tokenizer=unused", "data.max_len=64",
 @pytest.mark.aot_compile
 @needs_libtpu
 @needs_cuda_plugin
-# The H100 plan (24 s) runs under -m slow: suite time.
 @pytest.mark.parametrize("name", ["v5e-8", "h100:1x8"])
 def test_a_pipelined_decoder_plans_for_tpu_and_gpu(name):
     """The TPU and GPU compilers take the pipelined step (its loops scanned there, not
@@ -300,3 +300,15 @@ def test_a_pipelined_decoder_plans_for_tpu_and_gpu(name):
         assert once.pipeline["gather_once"] and not more.pipeline["gather_once"]
         assert once.collectives["all-gather"] < more.collectives["all-gather"] / 3, (
             once.collectives, more.collectives)
+
+
+@pytest.mark.aot_compile
+def test_fp8_gemms_stay_fp8_in_the_pipelined_step_for_h100(tmp_path, compile_target):
+    """The pipelined fp8 step compiled for 8 x H100 (no GPU used): the vmap over stages and
+    the scanned schedule leave the block GEMMs of the stage's layer on fp8 operands, E4M3 x
+    E4M3 forward and with E5M2 gradients backward."""
+    target = compile_target("h100:1x8")
+    run, _ = _run(BERT, tmp_path, MESHES["stage2_fsdp2_data2"], 2, "precision.policy=fp8",
+                  "train.microbatches=2")
+    m = compile_only.mesh(target, run.mesh.devices.shape, run.mesh.axis_names)
+    compile_only.assert_gemm_dtypes(compile_only.compile_step(run, m)[0].as_text(), "fp8", 1)
