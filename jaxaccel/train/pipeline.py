@@ -262,24 +262,40 @@ def _placed(x, lead):
 
 
 def _gathered(layers, specs):
-    """The stacked ``layers`` with their FSDP split undone: one all-gather over ``fsdp`` per
-    leaf (``specs``: one layer's mesh-axis specs), before the schedule, whose transpose
-    reduce-scatters the leaf's gradient once after it (``Stages.gather_once``). Without it XLA
-    gathers a group's weights at each schedule step that uses them, and again in the backward
-    pass."""
+    """``(layers, split)`` for ``Stages.gather_once``: the stacked ``layers`` placed whole over
+    ``fsdp`` (one all-gather per leaf before the schedule; ``specs`` one layer's mesh-axis
+    specs), and the placement of one use's [G, ...] slice split over ``fsdp`` again, which
+    ``_split_cotangent`` gives each use's weight gradient: reduce-scattered where it arises and
+    summed split, so the gather's transpose moves nothing. Without it XLA gathers a group's
+    weights at each schedule step that uses them, forward and backward; with the gather alone
+    it all-reduces each use's gradient. ``(layers, None)`` without an ``fsdp`` axis."""
     mesh = shd.current_mesh(layers)
-    if specs is None or mesh.shape.get("fsdp", 1) == 1:
-        return layers
+    if specs is None or mesh is None or mesh.shape.get("fsdp", 1) == 1:
+        return layers, None
 
-    def one(a, spec):
-        entries = ("stage", None, None, *spec)
-        if "fsdp" not in entries:
-            return a
-        dim = entries.index("fsdp")
-        whole = tuple(None if e == "fsdp" else e for e in entries)
-        return shd.per_shard(lambda w: jax.lax.all_gather(w, "fsdp", axis=dim, tiled=True),
-                             (P(*entries),), P(*whole), mesh=mesh)(a)
-    return jax.tree_util.tree_map(one, layers, specs)
+    def whole(e):
+        if isinstance(e, tuple):
+            return tuple(a for a in e if a != "fsdp") or None
+        return None if e == "fsdp" else e
+    gathered = jax.tree_util.tree_map(
+        lambda a, spec: jax.lax.with_sharding_constraint(
+            a, NamedSharding(mesh, P("stage", None, None, *map(whole, spec)))),
+        layers, specs)
+    split = jax.tree_util.tree_map(lambda spec: NamedSharding(mesh, P(None, *spec)), specs,
+                                   is_leaf=lambda x: isinstance(x, P))
+    return gathered, split
+
+
+def _split_cotangent(tree, shardings):
+    """``tree`` itself, whose cotangent is placed as ``shardings`` say."""
+    @jax.custom_vjp
+    def place(t):
+        return t
+
+    def bwd(_, cotangent):
+        return (jax.tree_util.tree_map(jax.lax.with_sharding_constraint, cotangent, shardings),)
+    place.defvjp(lambda t: (t, None), bwd)
+    return place(tree)
 
 
 def stack(params: StagedParams, layer_graphdef, layer_call, *, remat: bool = False,
@@ -310,13 +326,16 @@ def stack(params: StagedParams, layer_graphdef, layer_call, *, remat: bool = Fal
         args_m = jax.tree_util.tree_map(lambda a: _micro(a, m_), args)
         rows_m = _micro(jnp.arange(x.shape[0], dtype=jnp.int32), m_)
         stage_ids = jnp.arange(s_)
-        layers = _gathered(params.layers, specs) if st.gather_once else params.layers
+        layers, split = (_gathered(params.layers, specs) if st.gather_once
+                         else (params.layers, None))
         fp8_m = None if fp8 is None else _spread(fp8.layers, m_)
 
         def stage_fn(group_params, group_fp8, h, stage, t):
             k = t - stage
             micro, repeat = k % m_, jnp.clip(k // m_, 0, st.repeats - 1)
             p = jax.tree_util.tree_map(lambda a: a[repeat], group_params)
+            if split is not None:
+                p = _split_cotangent(p, split)
             busy = (k >= 0) & (k < st.repeats * m_)
             f = jax.tree_util.tree_map(      # micro's copy; none of a bubble's state comes back
                 lambda a: jnp.where(busy, a[repeat, micro], jax.lax.stop_gradient(
@@ -336,20 +355,27 @@ def stack(params: StagedParams, layer_graphdef, layer_call, *, remat: bool = Fal
 
         staged = jax.vmap(stage_fn, in_axes=(0, 0, 0, 0, None), spmd_axis_name="stage")
 
+        # The buffer turns one micro-batch per step (queue[i] is micro-batch (t + i) % M at
+        # step t): stage 0 reads place 0 and the last stage's output of micro-batch
+        # t - (S - 1) goes to place (1 - S) % M, fixed places, so the loop slices the buffer
+        # statically (a slice at t % M made XLA gather the whole buffer over the batch axes
+        # at every step).
+        write = (1 - s_) % m_
+
         def tick(carry, t):
-            state, buffer = carry
-            state = state.at[0].set(buffer[t % m_])
+            state, queue = carry
+            state = state.at[0].set(queue[0])
             out = staged(layers, fp8_m, state, stage_ids, t)
             k = t - (s_ - 1)
             done = (k >= 0) & (k < st.repeats * m_)
-            slot = k % m_
-            buffer = buffer.at[slot].set(jnp.where(done, out[s_ - 1], buffer[slot]))
-            return (_placed(jnp.roll(out, 1, axis=0), "stage"), _placed(buffer, None)), None
+            queue = queue.at[write].set(jnp.where(done, out[s_ - 1], queue[write]))
+            return (_placed(jnp.roll(out, 1, axis=0), "stage"),
+                    _placed(jnp.roll(queue, -1, axis=0), None)), None
 
         state = _placed(jnp.zeros((s_, *xs.shape[1:]), xs.dtype), "stage")
-        (_, buffer), _ = jax.lax.scan(tick, (state, xs), jnp.arange(st.iterations),
-                                      unroll=unroll)
-        return _unmicro(buffer)
+        (_, queue), _ = jax.lax.scan(tick, (state, xs), jnp.arange(st.iterations),
+                                     unroll=unroll)
+        return _unmicro(jnp.roll(queue, st.iterations % m_, axis=0))
 
     return run
 
