@@ -37,6 +37,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from kernels_pallas import registry
+
 
 @dataclasses.dataclass(frozen=True)
 class Task:
@@ -95,19 +97,21 @@ ARGMAX_BLOCK = 128
 
 
 def argmax(x, has_nan=None):
-    """``jnp.argmax(x, -1)``, the same indices, in two cheap passes where the last axis is a
-    multiple of ``ARGMAX_BLOCK`` longer than one block (a vocabulary): the maximum of each
-    block of 128 entries, the first block holding the row's maximum (so the first maximum
-    of the row lies in it), then ``jnp.argmax`` within that block. XLA:CPU computed the
-    one-pass (value, index) reduction over [8, 128, 8192] logits ~7x slower than a max
-    (bench/README.md, "The decoder step against the stock Hugging Face loops").
+    """``jnp.argmax(x, -1)``, the same indices; on the CPU in two cheap passes where the last
+    axis is a multiple of ``ARGMAX_BLOCK`` longer than one block (a vocabulary): the maximum
+    of each block of 128 entries, the first block holding the row's maximum (so the first
+    maximum of the row lies in it), then ``jnp.argmax`` within that block. XLA:CPU computed
+    the one-pass (value, index) reduction over [8, 128, 8192] logits ~7x slower than a max
+    (bench/README.md, "The decoder step against the stock Hugging Face loops"). Elsewhere
+    ``jnp.argmax`` itself: the two passes' ``cond`` keeps the whole logits as its operand,
+    which took a pipelined llama-350m step on v5e-8 from 6.2 to 9.5 GB of temporaries.
 
     NaN: ``jnp.argmax`` takes a row's first NaN, while XLA:CPU's blockwise max may drop
     NaNs; ``has_nan`` (a boolean scalar, true if any NaN may be in ``x``: the cross entropy's
     rows are NaN exactly where theirs are) then selects ``jnp.argmax`` itself; None checks
     ``x``."""
     v = x.shape[-1]
-    if v % ARGMAX_BLOCK or v == ARGMAX_BLOCK:
+    if v % ARGMAX_BLOCK or v == ARGMAX_BLOCK or registry.platform(x) != "cpu":
         return jnp.argmax(x, -1)
 
     def blockwise(x):
