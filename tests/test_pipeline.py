@@ -308,6 +308,7 @@ def test_a_pipelined_decoder_plans_for_tpu_and_gpu(name):
 
 
 @pytest.mark.aot_compile
+@pytest.mark.slow                   # 29 s of the suite; the plain step's fp8 GEMMs: test_precision
 def test_fp8_gemms_stay_fp8_in_the_pipelined_step_for_h100(tmp_path, compile_target):
     """The pipelined fp8 step compiled for 8 x H100 (no GPU used): the vmap over stages and
     the scanned schedule leave the block GEMMs of the stage's layer on fp8 operands, E4M3 x
