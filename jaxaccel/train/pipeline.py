@@ -35,7 +35,8 @@ copy without a gradient and leaves no trace.
 
 With FSDP the stacked layers are split over ``fsdp`` too, and XLA gathers a group's weights at
 each schedule step that uses them; ``sharding.pipeline_gather_once`` gathers them once before
-the schedule instead (``_gathered``), holding the stage's whole weights and gradients.
+the schedule instead (``_gathered``), holding the stage's weights whole, and reduce-scatters
+each use's weight gradient where it arises (``_split_cotangent``).
 
 A checkpoint holds the per-layer form (``StagedParams.portable``): a pipelined run resumes
 unpipelined, on any stage count, and the reverse.
