@@ -138,9 +138,9 @@ BASE: dict[str, Any] = {
         "zero1": False,             # ZeRO-1: also split the optimizer state over the batch
                                     # axes (data x fsdp) while params stay as the rules say
         "pipeline_gather_once": False,  # mesh.stage > 1 with mesh.fsdp > 1: gather each stage's
-                                    # layers over fsdp once per step (and reduce-scatter their
-                                    # gradients once) instead of at every schedule step; costs
-                                    # the stage's whole weights and gradients in memory
+                                    # layers over fsdp once per step instead of at every
+                                    # schedule step (each use's gradient reduce-scattered);
+                                    # costs the stage's whole weights in memory
     },
 }
 

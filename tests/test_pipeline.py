@@ -37,23 +37,28 @@ MESHES = {"stage2_fsdp2_data2": {"stage": 2, "fsdp": 2, "data": 2},
           "stage8": {"stage": 8, "data": 1}}
 
 
-def _run(sets, tmp_path, mesh, layers, *extra):
+def _run(sets, tmp_path, mesh, layers, *extra, policy=None):
+    """The run of ``sets`` on ``mesh`` with ``layers`` layers; ``policy`` replaces the
+    config's resolved precision policy (given to ``assemble`` in the ``Resolved``)."""
     cfg = config.build(sets=[*sets, f"workdir={tmp_path}",
                              *(f"mesh.{k}={v}" for k, v in mesh.items()), *extra])
     spec = model_spec(cfg.model)
     spec = dataclasses.replace(spec, architecture=dataclasses.replace(
         spec.architecture, num_hidden_layers=layers))
     lm = spec.task == "causal_lm"
-    return run_lib.assemble(run_lib.resolve(cfg, DEVICES, spec=spec), data=not lm), lm
+    resolved = run_lib.resolve(cfg, DEVICES, spec=spec)
+    if policy is not None:
+        resolved = dataclasses.replace(resolved, policy=policy)
+    return run_lib.assemble(resolved, data=not lm), lm
 
 
 Steps = collections.namedtuple("Steps", "losses params run fp8")
 
 
-def two_steps(sets, tmp_path, mesh, layers, *extra):
+def two_steps(sets, tmp_path, mesh, layers, *extra, policy=None):
     """``Steps``: the losses of two train steps, the parameters after them (the per-layer
     form), the run and the fp8 state after them (None without the fp8 policy)."""
-    run, lm = _run(sets, tmp_path, mesh, layers, *extra)
+    run, lm = _run(sets, tmp_path, mesh, layers, *extra, policy=policy)
     batches = LM_BATCHES if lm else itertools.islice(run.train_data.batches(0), 2)
     state, losses = run.state, []
     with jax.set_mesh(run.mesh):
@@ -135,7 +140,7 @@ def test_remat_gradient_accumulation_and_fp16_compose_with_the_pipeline(tmp_path
 
 @pytest.mark.parametrize("family,layers,micro,repeats", [
     ("llama", 7, 2, 2), pytest.param("bert", 2, 4, 1, marks=pytest.mark.slow)])
-def test_fp8_composes_with_the_pipeline(tmp_path, monkeypatch, family, layers, micro, repeats):
+def test_fp8_composes_with_the_pipeline(tmp_path, family, layers, micro, repeats):
     """fp8 with delayed scaling on 2 stages: each layer is used by every micro-batch (and
     idle in the bubble) and its scaling state comes out as the plain step's, the newest amax
     the whole batch's (the largest of its micro-batches', not their sum); the plain run's
@@ -144,13 +149,13 @@ def test_fp8_composes_with_the_pipeline(tmp_path, monkeypatch, family, layers, m
     compute dtype is float32 here (bfloat16 in the policy): the micro-batches' bfloat16
     rounding differs from the whole batch's by an ulp, which fp8 quantization turns into amax
     differences of ~3% that would hide what is tested."""
-    monkeypatch.setitem(precision.POLICIES, "fp8", dataclasses.replace(
-        precision.POLICIES["fp8"], compute_dtype=np.float32))
+    fp8 = dataclasses.replace(precision.POLICIES["fp8"], compute_dtype=np.float32)
     extra = ("precision.policy=fp8",)
     pipe = two_steps(SETS[family], tmp_path, MESHES["stage2_fsdp2_data2"], layers, *extra,
-                     f"train.microbatches={micro}", f"model.pipeline_repeats={repeats}")
+                     f"train.microbatches={micro}", f"model.pipeline_repeats={repeats}",
+                     policy=fp8)
     assert pipe.run.resolved.stages.padding == (1 if family == "llama" else 0)
-    ref = two_steps(SETS[family], tmp_path, {"data": 8}, layers, *extra)
+    ref = two_steps(SETS[family], tmp_path, {"data": 8}, layers, *extra, policy=fp8)
     assert pipe.run.resolved.policy.fp8
     histories = [h for p, h in jax.tree_util.tree_flatten_with_path(ref.fp8)[0]
                  if "amax_history" in jax.tree_util.keystr(p)]
