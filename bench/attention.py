@@ -55,18 +55,13 @@ def implementations(platform):
     return {name: functools.partial(attention, impl=name) for name in names}
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--small", action="store_true", help="small shapes for a CPU run")
-    ap.add_argument("-n", type=int, default=20, help="timed repetitions")
-    add_out_argument(ap)
-    args = ap.parse_args(argv)
-
+def measure(shapes: dict, n: int = 20, warmup: int = 3) -> list[dict]:
+    """One row per shape, implementation and mode (fwd, fwd+bwd) of ``shapes`` (name ->
+    ``(B, S, H, D, causal, padded)``), bf16 inputs, every implementation this platform times."""
     platform = registry.platform()
     peak = peak_flops(device_kind(), "bf16")
     rows = []
-    for shape_name, (b, s, h, d, causal, padded) in (SMALL_SHAPES if args.small
-                                                       else SHAPES).items():
+    for shape_name, (b, s, h, d, causal, padded) in shapes.items():
         q, k, v, do, lengths = make_inputs(b, s, h, d, padded, jnp.bfloat16)
         ref = attention_reference(*(x.astype(jnp.float32) for x in (q, k, v)),
                                   key_lengths=lengths, causal=causal)
@@ -83,7 +78,7 @@ def main(argv=None):
             rel_err = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
             for mode, fn, fn_args, flops in (("fwd", fwd, (q, k, v), flops_fwd),
                                              ("fwd+bwd", fwd_bwd, (q, k, v, do), 3.5 * flops_fwd)):
-                t = time_fn(fn, *fn_args, n=args.n)
+                t = time_fn(fn, *fn_args, n=n, warmup=warmup)
                 tflops = flops / t["median_s"] / 1e12
                 rows.append({"name": f"{shape_name}/{impl_name}/{mode}", "shape": shape_name,
                              "impl": impl_name, "mode": mode, **t, "tflops": tflops,
@@ -92,6 +87,18 @@ def main(argv=None):
                              "dtype": "bfloat16"})
                 print(rows[-1]["name"], f"{t['median_s'] * 1e3:.3f} ms", f"{tflops:.2f} TFLOP/s",
                       flush=True)
+    return rows
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--small", action="store_true", help="small shapes for a CPU run")
+    ap.add_argument("-n", type=int, default=20, help="timed repetitions")
+    add_out_argument(ap)
+    args = ap.parse_args(argv)
+
+    platform = registry.platform()
+    rows = measure(SMALL_SHAPES if args.small else SHAPES, args.n)
     note = ("CPU run: only the XLA reference is timed (Pallas interpret mode is not a speed); "
             "absolute CPU times are not results." if platform == "cpu" else None)
     extra = {"small": args.small, "note": note}

@@ -127,10 +127,11 @@ def energy_devices() -> int:
 
 
 def fill_energy(rows: list[dict], kind: str, devices: int) -> None:
-    """Give every row without a measured energy the labelled TDP estimate (never a zero)."""
+    """Give every row without a measured energy the labelled TDP estimate (never a zero); a
+    row without a time (a plan on a device without a peak) gets none."""
     for r in rows:
-        if "energy_source" not in r:
-            seconds = r.get("time_s", r.get("median_s"))
+        seconds = r.get("time_s", r.get("median_s"))
+        if "energy_source" not in r and seconds is not None:
             r.update(energy.estimate(kind, devices, seconds, r.get("mfu")))
 
 
@@ -178,7 +179,7 @@ def write_results(bench: str, rows: list[dict], extra: dict | None = None,
     ``nvml``, ``estimate:tdp`` or ``mixed``."""
     kind = device_kind()
     fill_energy(rows, kind, energy_devices())
-    sources = sorted({r["energy_source"] for r in rows})
+    sources = sorted({r["energy_source"] for r in rows if "energy_source" in r})
     result = {"bench": bench, "device": kind, "backend": jax.default_backend(),
               "jax": jax.__version__, "jaxaccel": git_sha(),
               "date": datetime.date.today().isoformat(), **environment(),

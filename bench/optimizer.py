@@ -101,20 +101,10 @@ def kernel_sweep(args) -> list:
             for w in warps or [4] for s in stages or [1]]
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--small", action="store_true", help="hidden 256, 4 layers")
-    ap.add_argument("--interpret", action="store_true", help="run pallas interpreted on CPU")
-    ap.add_argument("-n", type=int, default=20, help="timed repetitions")
-    ap.add_argument("--block-rows", help="one-pass kernel sweep: rows per block, e.g. 16,64")
-    ap.add_argument("--num-warps", help="one-pass kernel sweep (GPU): e.g. 4,8")
-    ap.add_argument("--num-stages", help="one-pass kernel sweep (GPU): e.g. 1,2")
-    add_out_argument(ap)
-    args = ap.parse_args(argv)
-    sweep = kernel_sweep(args)
-
-    config = PRESETS["bert-base"] if not args.small else BertConfig(
-        hidden_size=256, num_hidden_layers=4, num_attention_heads=4, intermediate_size=1024)
+def measure(config: BertConfig, n: int = 20, interpret: bool = False, sweep=(None,),
+            warmup: int = 3) -> tuple[list[dict], dict]:
+    """``(rows, about)``: one row per optimizer implementation updating the tree of
+    ``config`` (``about``: parameters, leaves)."""
     params = bert_params(config)
     leaves = jax.tree_util.tree_leaves(params)
     num = sum(x.size for x in leaves)
@@ -124,7 +114,7 @@ def main(argv=None):
           f"{len(leaves)} leaves", flush=True)
 
     def record(name, fn, compiled, *fn_args):
-        timing = time_fn(fn, *fn_args, n=args.n)
+        timing = time_fn(fn, *fn_args, n=n, warmup=warmup)
         moved = WORDS[name.split("[")[0]] * 4 * num
         gbps = moved / timing["median_s"]
         rows.append({"name": name, **timing, **count_kernels(compiled),
@@ -133,7 +123,7 @@ def main(argv=None):
         print(f"  {name}: {timing['median_s'] * 1e3:.2f} ms", flush=True)
 
     rows = []
-    for name, tx in optimizers(args.interpret).items():
+    for name, tx in optimizers(interpret).items():
         def train_update(g, state, p, tx=tx):
             u, state = tx.update(g, state, p)
             return optax.apply_updates(p, u), state
@@ -146,8 +136,8 @@ def main(argv=None):
             return box[1]
         record(name, step, compiled, grads)
 
-    pallas = jax.default_backend() in ("gpu", "tpu") or args.interpret
-    for name, tx in onepass_rows(pallas, sweep).items():
+    pallas = jax.default_backend() in ("gpu", "tpu") or interpret
+    for name, tx in onepass_rows(pallas, list(sweep)).items():
         apply = jax.jit(tx.apply, donate_argnums=(1, 2))
         flat_params = tx.flatten(params)
         flat_grads = tx.flatten(grads).buffers     # in a training step the gradient is flat
@@ -161,9 +151,24 @@ def main(argv=None):
     base = next(r["median_s"] for r in rows if r["name"] == "adan.per_leaf")
     for r in rows:
         r["speedup_vs_per_leaf"] = base / r["median_s"]
-    path = write_results("optimizer", rows, {"parameters": num, "leaves": len(leaves),
-                                              "model": "bert-base" if not args.small else
-                                              "bert-small(256x4)"}, out=args.out)
+    return rows, {"parameters": num, "leaves": len(leaves)}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--small", action="store_true", help="hidden 256, 4 layers")
+    ap.add_argument("--interpret", action="store_true", help="run pallas interpreted on CPU")
+    ap.add_argument("-n", type=int, default=20, help="timed repetitions")
+    ap.add_argument("--block-rows", help="one-pass kernel sweep: rows per block, e.g. 16,64")
+    ap.add_argument("--num-warps", help="one-pass kernel sweep (GPU): e.g. 4,8")
+    ap.add_argument("--num-stages", help="one-pass kernel sweep (GPU): e.g. 1,2")
+    add_out_argument(ap)
+    args = ap.parse_args(argv)
+    config = PRESETS["bert-base"] if not args.small else BertConfig(
+        hidden_size=256, num_hidden_layers=4, num_attention_heads=4, intermediate_size=1024)
+    rows, about = measure(config, args.n, args.interpret, kernel_sweep(args))
+    path = write_results("optimizer", rows, {**about, "model": "bert-base" if not args.small
+                                              else "bert-small(256x4)"}, out=args.out)
     print(markdown(rows, ["name", "median_s", "min_s", "max_s", "fusions_and_custom_calls",
                           "entry_ops", "achieved_GBps", "roofline_fraction",
                           "speedup_vs_per_leaf"]))

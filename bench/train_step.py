@@ -55,6 +55,7 @@ from jaxaccel.models import (LLAMA_PRESETS, PRESETS, BertConfig, BertModel,  # n
 from jaxaccel import config as config_lib  # noqa: E402
 from jaxaccel.precision import get_policy  # noqa: E402
 from jaxaccel.train.run import assemble, resolve  # noqa: E402
+from jaxaccel.train.tasks import TASKS  # noqa: E402
 
 
 def model_flops(config: BertConfig, batch: int, seq: int, num_labels: int = 2) -> float:
@@ -92,23 +93,40 @@ def jax_step(config, policy, optimizer, attention, batch, seq):
     return _step(model, policy, optimizer, batch_of(config, batch, seq))
 
 
-def lm_step(config, policy, optimizer, attention, batch, seq):
-    """``jax_step``'s for a decoder (remat on) and its causal-LM task."""
-    model = build_model(ModelSpec(config, attention_impl=attention, remat=True), policy)
+def mae_batch_of(spec, batch):
+    """An MAE batch (``tasks.TASKS["mae"]``): pixels ~ N(0, 1) (a normalised spectrogram's
+    scale), every row weighted."""
+    rng = np.random.default_rng(0)
+    shapes = TASKS["mae"].batch_shapes(spec, batch, 0)
+    return {"pixels": rng.normal(size=shapes["pixels"][0]).astype(np.float32),
+            "weights": np.ones(batch, np.float32)}
+
+
+def lm_step(config, policy, optimizer, attention, batch, seq, remat=True):
+    """``jax_step``'s for a decoder and its causal-LM task."""
+    model = build_model(ModelSpec(config, attention_impl=attention, remat=remat), policy)
     return _step(model, policy, optimizer, lm_batch_of(config, batch, seq))
+
+
+def mae_step(config, policy, attention, batch):
+    """``jax_step``'s for a ViT masked autoencoder (``task="mae"``), AdamW."""
+    model = build_model(ModelSpec(config, attention_impl=attention, task="mae"), policy)
+    return _step(model, policy, "adamw", mae_batch_of(model.spec, batch))
 
 
 def _step(model, policy, optimizer, batch):
     """The trainer's run of ``model`` on one device (``train.run``: resolved and assembled as
     ``jaxaccel train`` does it, without data), AdamW/Adan at a constant lr 1e-4, weight decay
     0.01, clipping at 1, stepped on ``batch``."""
-    rows = batch["input_ids"].shape[0]
-    data = "canterbury" if model.spec.task == "causal_lm" else "synthetic"
+    rows = next(iter(batch.values())).shape[0]
+    data = {"causal_lm": "canterbury", "mae": "bfsong"}.get(model.spec.task, "synthetic")
+    bpe = ([f"data.tokenizer_vocab={min(8192, model.spec.architecture.vocab_size)}"]
+           if data == "canterbury" else [])
     cfg = config_lib.build(sets=[
         f"precision.policy={policy}", f"train.optimizer={optimizer}", "train.schedule=constant",
         "train.learning_rate=1e-4", "train.weight_decay=0.01", "train.max_grad_norm=1.0",
         "train.max_steps=1", f"train.batch_size={rows}", "train.unpad=false", "mesh.data=1",
-        f"data.name={data}"])
+        f"data.name={data}", *bpe])
     r = resolve(cfg, jax.devices()[:1], spec=model.spec)
     trainer = assemble(r, model=model, data=False)
     data = trainer.put_batch(batch)
@@ -153,18 +171,7 @@ def torch_rows(config, batch, seq, n, modes, attention_dropouts):
                     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=cuda)
                     opt.step()
                     opt.zero_grad(set_to_none=True)
-                    if cuda:
-                        torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                step()
-                first = time.perf_counter() - t0
-                for _ in range(3):
-                    step()
-                times = []
-                for _ in range(n):
-                    t0 = time.perf_counter()
-                    step()
-                    times.append(time.perf_counter() - t0)
+                first, times = _torch_time(step, n, cuda)
                 name = f"torch.{mode}.{'bf16' if amp else 'fp32'}.adamw.sdpa"
                 name += "" if attn_drop == config.attention_probs_dropout_prob else \
                     f".attn_drop{attn_drop:g}"
@@ -176,6 +183,65 @@ def torch_rows(config, batch, seq, n, modes, attention_dropouts):
                 del model, opt, fwd
                 if cuda:
                     torch.cuda.empty_cache()
+    return rows
+
+
+def _torch_time(step, n, cuda):
+    """``(first_call_s, [step seconds])``: ``step`` once (compilation), 3 warm-up calls, ``n``
+    timed ones."""
+    import torch
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    t0 = time.perf_counter()
+    step()
+    sync()
+    first = time.perf_counter() - t0
+    for _ in range(3):
+        step()
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        step()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return first, times
+
+
+def torch_lm_rows(config, batch, seq, n, modes=("compile",)):
+    """transformers' PyTorch ``LlamaForCausalLM`` at the shape of ``config`` (a
+    ``LlamaConfig``), the strongest setup a PyTorch user has: SDPA (causal), bf16 autocast
+    (CUDA; fp32 on a CPU), fused AdamW at lr 1e-4 and weight decay 0.01, foreach clipping at 1,
+    ``torch.compile`` of the model; no activation checkpointing (what is fastest where it
+    fits). The same rows as ``lm_batch_of`` (``labels = input_ids``: transformers shifts)."""
+    import torch
+    import transformers
+    cuda = torch.cuda.is_available()
+    dev = "cuda" if cuda else "cpu"
+    ids = torch.as_tensor(lm_batch_of(config, batch, seq)["input_ids"]).long().to(dev)
+    rows = []
+    for mode in modes:
+        torch.manual_seed(0)
+        hf = {k: v for k, v in config.to_hf().items() if k != "architectures"}
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            **hf, attn_implementation="sdpa")).to(dev).train()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=cuda)
+        fwd = torch.compile(model) if mode == "compile" else model
+
+        def step():
+            with torch.autocast(dev, dtype=torch.bfloat16, enabled=cuda):
+                loss = fwd(input_ids=ids, labels=ids).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=cuda)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        first, times = _torch_time(step, n, cuda)
+        name = f"torch.{mode}.{'bf16' if cuda else 'fp32'}.adamw.sdpa"
+        rows.append({"name": name, "batch": batch, "seq": seq, "median_s": float(np.median(times)),
+                     "min_s": float(np.min(times)), "max_s": float(np.max(times)), "n": n,
+                     "first_step_s": first, "torch": torch.__version__})
+        print(f"  {name} b{batch}x{seq}: {rows[-1]['median_s'] * 1e3:.1f} ms", flush=True)
+        del model, opt, fwd
+        if cuda:
+            torch.cuda.empty_cache()
     return rows
 
 
