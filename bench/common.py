@@ -43,10 +43,15 @@ def time_fn(fn, *args, warmup: int = 3, n: int = 20) -> dict:
             times.append(time.perf_counter() - t0)
     out = {"median_s": float(np.median(times)), "min_s": float(np.min(times)),
            "max_s": float(np.max(times)), "n": n}
-    if "energy_j" in meter.result:
-        out.update({k: v for k, v in meter.result.items() if k != "seconds"},
-                   energy_j=meter.result["energy_j"] / n)
-    return out
+    return {**out, **per_call(meter, n)}
+
+
+def per_call(meter: energy.Meter, n: int) -> dict:
+    """What ``meter`` read over ``n`` calls, its energy per call."""
+    got = {k: v for k, v in meter.result.items() if k != "seconds"}
+    if "energy_j" in got:
+        got["energy_j"] /= n
+    return got
 
 
 def timed(step):

@@ -46,8 +46,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import (add_out_argument, device_kind, markdown, time_fn,  # noqa: E402
-                          write_results)
+from bench.common import (add_out_argument, device_kind, markdown, per_call,  # noqa: E402
+                          time_fn, write_results)
+from jaxaccel.compare import energy  # noqa: E402
 from bench.hlo_profile import profile_ops  # noqa: E402
 from jaxaccel.flops import model_shape, peak_flops, train_flops  # noqa: E402
 from jaxaccel.models import (LLAMA_PRESETS, PRESETS, BertConfig, BertModel,  # noqa: E402
@@ -83,14 +84,60 @@ def lm_batch_of(config, batch, seq):
             "target_weights": weights}
 
 
-def jax_step(config, policy, optimizer, attention, batch, seq):
-    """``(run, data, hlo_text)``: one donated BERT classification train step on a fixed batch,
-    as the trainer jits it. Fused attention implementations have no attention dropout, so
-    their model drops it."""
+class Step:
+    """The trainer's train step lowered for one fixed batch, holding its state: ``compile()``
+    (may run in a thread: XLA compiles without the GIL), then ``run(data)`` steps the state with
+    the compiled executable (donated, as the trainer does)."""
+
+    def __init__(self, trainer, data, lowered):
+        self.state, self.data, self.lowered = trainer.state, data, lowered
+        self.compiled = self.hlo = None
+
+    def compile(self) -> "Step":
+        self.compiled = self.lowered.compile()
+        self.hlo = self.compiled.as_text()
+        return self
+
+    def run(self, d):
+        self.state, metrics = self.compiled(self.state, d)
+        return metrics
+
+
+def bert_lowered(config, policy, optimizer, attention, batch, seq) -> Step:
+    """One donated BERT classification train step on a fixed batch, as the trainer jits it,
+    lowered. Fused attention implementations have no attention dropout, so their model drops
+    it."""
     cfg = config if attention == "xla" else dataclasses.replace(
         config, attention_probs_dropout_prob=0.0)
     model = BertModel(ModelSpec(cfg, num_labels=2, attention_impl=attention), policy)
     return _step(model, policy, optimizer, batch_of(config, batch, seq))
+
+
+def lm_lowered(config, policy, optimizer, attention, batch, seq, remat=True) -> Step:
+    """``bert_lowered``'s for a decoder and its causal-LM task."""
+    model = build_model(ModelSpec(config, attention_impl=attention, remat=remat), policy)
+    return _step(model, policy, optimizer, lm_batch_of(config, batch, seq))
+
+
+def mae_lowered(config, policy, attention, batch) -> Step:
+    """``bert_lowered``'s for a ViT masked autoencoder (``task="mae"``), AdamW."""
+    model = build_model(ModelSpec(config, attention_impl=attention, task="mae"), policy)
+    return _step(model, policy, "adamw", mae_batch_of(model.spec, batch))
+
+
+def _compiled(step: Step):
+    step.compile()
+    return step.run, step.data, step.hlo
+
+
+def jax_step(config, policy, optimizer, attention, batch, seq):
+    """``(run, data, hlo_text)`` of ``bert_lowered``'s step, compiled."""
+    return _compiled(bert_lowered(config, policy, optimizer, attention, batch, seq))
+
+
+def lm_step(config, policy, optimizer, attention, batch, seq, remat=True):
+    """``(run, data, hlo_text)`` of ``lm_lowered``'s step, compiled."""
+    return _compiled(lm_lowered(config, policy, optimizer, attention, batch, seq, remat))
 
 
 def mae_batch_of(spec, batch):
@@ -102,22 +149,10 @@ def mae_batch_of(spec, batch):
             "weights": np.ones(batch, np.float32)}
 
 
-def lm_step(config, policy, optimizer, attention, batch, seq, remat=True):
-    """``jax_step``'s for a decoder and its causal-LM task."""
-    model = build_model(ModelSpec(config, attention_impl=attention, remat=remat), policy)
-    return _step(model, policy, optimizer, lm_batch_of(config, batch, seq))
-
-
-def mae_step(config, policy, attention, batch):
-    """``jax_step``'s for a ViT masked autoencoder (``task="mae"``), AdamW."""
-    model = build_model(ModelSpec(config, attention_impl=attention, task="mae"), policy)
-    return _step(model, policy, "adamw", mae_batch_of(model.spec, batch))
-
-
-def _step(model, policy, optimizer, batch):
+def _step(model, policy, optimizer, batch) -> Step:
     """The trainer's run of ``model`` on one device (``train.run``: resolved and assembled as
     ``jaxaccel train`` does it, without data), AdamW/Adan at a constant lr 1e-4, weight decay
-    0.01, clipping at 1, stepped on ``batch``."""
+    0.01, clipping at 1, lowered for ``batch``."""
     rows = next(iter(batch.values())).shape[0]
     data = {"causal_lm": "canterbury", "mae": "bfsong"}.get(model.spec.task, "synthetic")
     bpe = ([f"data.tokenizer_vocab={min(8192, model.spec.architecture.vocab_size)}"]
@@ -130,118 +165,127 @@ def _step(model, policy, optimizer, batch):
     r = resolve(cfg, jax.devices()[:1], spec=model.spec)
     trainer = assemble(r, model=model, data=False)
     data = trainer.put_batch(batch)
-    hlo = trainer.train_step.lower(trainer.state, data).compile().as_text()
-    box = [trainer.state]
-
-    def run(d):
-        box[0], metrics = trainer.train_step(box[0], d)
-        return metrics
-    return run, data, hlo
+    return Step(trainer, data, trainer.train_step.lower(trainer.state, data))
 
 
-def torch_rows(config, batch, seq, n, modes, attention_dropouts):
-    """Hugging Face PyTorch BertForSequenceClassification, the strongest setup a PyTorch user
-    has: SDPA attention, bf16 autocast (CUDA; fp32 on a CPU), fused AdamW, foreach clipping,
-    and ``torch.compile`` (default mode) for the model. One row per mode (eager, compile) and
-    attention dropout."""
+def torch_bert_step(config, batch, seq, mode, attention_dropout):
+    """``(step, name)``: one optimizer step of transformers' PyTorch
+    BertForSequenceClassification on a fixed batch, the strongest setup a PyTorch user has:
+    SDPA attention, bf16 autocast (CUDA; fp32 on a CPU), fused AdamW, foreach clipping, and
+    ``torch.compile`` (default mode) for the model when ``mode`` is "compile"."""
     import torch
     import transformers
     cuda = torch.cuda.is_available()
     dev = "cuda" if cuda else "cpu"
     d = {k: torch.as_tensor(v).to(dev) for k, v in batch_of(config, batch, seq).items()}
     d["labels"] = d["labels"].long()
-    rows = []
-    for attn_drop in attention_dropouts:
-        for mode in modes:
-            for amp in ([True] if cuda else [False]):
-                torch.manual_seed(0)
-                hf_cfg = transformers.BertConfig(
-                    **{**config.__dict__, "attention_probs_dropout_prob": attn_drop},
-                    num_labels=2, attn_implementation="sdpa")
-                model = transformers.BertForSequenceClassification(hf_cfg).to(dev).train()
-                opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01,
-                                        fused=cuda)
-                fwd = torch.compile(model) if mode == "compile" else model
+    torch.manual_seed(0)
+    hf_cfg = transformers.BertConfig(
+        **{**config.__dict__, "attention_probs_dropout_prob": attention_dropout},
+        num_labels=2, attn_implementation="sdpa")
+    model = transformers.BertForSequenceClassification(hf_cfg).to(dev).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=cuda)
+    fwd = torch.compile(model) if mode == "compile" else model
 
-                def step():
-                    with torch.autocast(dev, dtype=torch.bfloat16, enabled=amp):
-                        loss = fwd(input_ids=d["input_ids"], attention_mask=d["attention_mask"],
-                                   token_type_ids=d["token_type_ids"], labels=d["labels"]).loss
-                    loss.backward()
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=cuda)
-                    opt.step()
-                    opt.zero_grad(set_to_none=True)
-                first, times = _torch_time(step, n, cuda)
-                name = f"torch.{mode}.{'bf16' if amp else 'fp32'}.adamw.sdpa"
-                name += "" if attn_drop == config.attention_probs_dropout_prob else \
-                    f".attn_drop{attn_drop:g}"
-                rows.append({"name": name, "batch": batch, "median_s": float(np.median(times)),
-                             "min_s": float(np.min(times)), "max_s": float(np.max(times)),
-                             "n": n, "first_step_s": first, "attention_dropout": attn_drop,
-                             "torch": torch.__version__})
-                print(f"  {name} b{batch}: {rows[-1]['median_s'] * 1e3:.1f} ms", flush=True)
-                del model, opt, fwd
-                if cuda:
-                    torch.cuda.empty_cache()
-    return rows
+    def step():
+        with torch.autocast(dev, dtype=torch.bfloat16, enabled=cuda):
+            loss = fwd(input_ids=d["input_ids"], attention_mask=d["attention_mask"],
+                       token_type_ids=d["token_type_ids"], labels=d["labels"]).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=cuda)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    name = f"torch.{mode}.{'bf16' if cuda else 'fp32'}.adamw.sdpa"
+    name += "" if attention_dropout == config.attention_probs_dropout_prob else \
+        f".attn_drop{attention_dropout:g}"
+    return step, name
 
 
-def _torch_time(step, n, cuda):
-    """``(first_call_s, [step seconds])``: ``step`` once (compilation), 3 warm-up calls, ``n``
-    timed ones."""
-    import torch
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-    t0 = time.perf_counter()
-    step()
-    sync()
-    first = time.perf_counter() - t0
-    for _ in range(3):
-        step()
-    times = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        step()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return first, times
-
-
-def torch_lm_rows(config, batch, seq, n, modes=("compile",)):
-    """transformers' PyTorch ``LlamaForCausalLM`` at the shape of ``config`` (a
-    ``LlamaConfig``), the strongest setup a PyTorch user has: SDPA (causal), bf16 autocast
-    (CUDA; fp32 on a CPU), fused AdamW at lr 1e-4 and weight decay 0.01, foreach clipping at 1,
-    ``torch.compile`` of the model; no activation checkpointing (what is fastest where it
-    fits). The same rows as ``lm_batch_of`` (``labels = input_ids``: transformers shifts)."""
+def torch_llama_step(config, batch, seq, mode):
+    """``(step, name)``: one optimizer step of transformers' PyTorch ``LlamaForCausalLM`` at the
+    shape of ``config`` (a ``LlamaConfig``): SDPA (causal), bf16 autocast (CUDA; fp32 on a CPU),
+    fused AdamW at lr 1e-4 and weight decay 0.01, foreach clipping at 1, ``torch.compile`` of
+    the model when ``mode`` is "compile"; no activation checkpointing (fastest where it fits).
+    The rows of ``lm_batch_of`` (``labels = input_ids``: transformers shifts them)."""
     import torch
     import transformers
     cuda = torch.cuda.is_available()
     dev = "cuda" if cuda else "cpu"
     ids = torch.as_tensor(lm_batch_of(config, batch, seq)["input_ids"]).long().to(dev)
+    torch.manual_seed(0)
+    hf = {k: v for k, v in config.to_hf().items() if k != "architectures"}
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        **hf, attn_implementation="sdpa")).to(dev).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=cuda)
+    fwd = torch.compile(model) if mode == "compile" else model
+
+    def step():
+        with torch.autocast(dev, dtype=torch.bfloat16, enabled=cuda):
+            loss = fwd(input_ids=ids, labels=ids).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=cuda)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return step, f"torch.{mode}.{'bf16' if cuda else 'fp32'}.adamw.sdpa"
+
+
+def torch_time(step, n, warmup: int = 3, first: bool = True) -> dict:
+    """A row's timing of a PyTorch ``step``: ``first_step_s`` (compilation; when ``first``),
+    ``warmup`` untimed steps, then median/min/max of ``n`` and energy per step over them
+    (``bench.common.time_fn``'s fields, NVML where there is a GPU)."""
+    import torch
+    cuda = torch.cuda.is_available()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    out = {}
+    if first:
+        t0 = time.perf_counter()
+        step()
+        sync()
+        out["first_step_s"] = time.perf_counter() - t0
+    for _ in range(warmup):
+        step()
+    sync()
+    times = []
+    with energy.Meter("gpu" if cuda else "cpu") as meter:
+        for _ in range(n):
+            t0 = time.perf_counter()
+            step()
+            sync()
+            times.append(time.perf_counter() - t0)
+    return {"median_s": float(np.median(times)), "min_s": float(np.min(times)),
+            "max_s": float(np.max(times)), "n": n, **out, "torch": torch.__version__,
+            **per_call(meter, n)}
+
+
+def _release_torch():
+    import torch
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def torch_rows(config, batch, seq, n, modes, attention_dropouts):
+    """``torch_bert_step``'s rows: one per mode (eager, compile) and attention dropout."""
+    rows = []
+    for attn_drop in attention_dropouts:
+        for mode in modes:
+            step, name = torch_bert_step(config, batch, seq, mode, attn_drop)
+            rows.append({"name": name, "batch": batch, "attention_dropout": attn_drop,
+                         **torch_time(step, n)})
+            print(f"  {name} b{batch}: {rows[-1]['median_s'] * 1e3:.1f} ms", flush=True)
+            del step
+            _release_torch()
+    return rows
+
+
+def torch_lm_rows(config, batch, seq, n, modes=("compile",)):
+    """``torch_llama_step``'s rows, one per mode."""
     rows = []
     for mode in modes:
-        torch.manual_seed(0)
-        hf = {k: v for k, v in config.to_hf().items() if k != "architectures"}
-        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-            **hf, attn_implementation="sdpa")).to(dev).train()
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=cuda)
-        fwd = torch.compile(model) if mode == "compile" else model
-
-        def step():
-            with torch.autocast(dev, dtype=torch.bfloat16, enabled=cuda):
-                loss = fwd(input_ids=ids, labels=ids).loss
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=cuda)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        first, times = _torch_time(step, n, cuda)
-        name = f"torch.{mode}.{'bf16' if cuda else 'fp32'}.adamw.sdpa"
-        rows.append({"name": name, "batch": batch, "seq": seq, "median_s": float(np.median(times)),
-                     "min_s": float(np.min(times)), "max_s": float(np.max(times)), "n": n,
-                     "first_step_s": first, "torch": torch.__version__})
+        step, name = torch_llama_step(config, batch, seq, mode)
+        rows.append({"name": name, "batch": batch, "seq": seq, **torch_time(step, n)})
         print(f"  {name} b{batch}x{seq}: {rows[-1]['median_s'] * 1e3:.1f} ms", flush=True)
-        del model, opt, fwd
-        if cuda:
-            torch.cuda.empty_cache()
+        del step
+        _release_torch()
     return rows
 
 

@@ -38,7 +38,7 @@ EXIT_ERROR, EXIT_NONFINITE, EXIT_DOES_NOT_FIT, EXIT_INTERRUPTED = 2, 3, 4, 130
 # `jaxaccel train ... && jaxaccel eval ...` and job schedulers do not go on as if it had finished.
 EXIT_PREEMPTED = 75
 BENCH_SUITES = ("train_step", "attention", "optimizer", "job", "scaling", "hf_flax", "hf_llama",
-                "pipeline", "backtest")
+                "pipeline", "backtest", "gpu_evidence")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -288,8 +288,8 @@ def cmd_bench(args) -> int:
                                 "scripts of a source checkout; install with `pip install -e .` "
                                 "from a clone of the repository.")
     sys.path.insert(0, root)
-    importlib.import_module(f"bench.{args.suite}").main(args.args)
-    return 0
+    status = importlib.import_module(f"bench.{args.suite}").main(args.args)
+    return status if isinstance(status, int) else 0
 
 
 def cmd_compare(args) -> int:

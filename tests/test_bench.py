@@ -61,7 +61,7 @@ ENTRY %main (a: f32[8]) -> f32[8] {
 
 
 SUITES = ("train_step", "attention", "optimizer", "job", "scaling", "checkpoint_save", "hf_flax",
-          "hf_llama", "pipeline")
+          "hf_llama", "pipeline", "gpu_evidence")
 
 
 def test_results_go_where_the_user_says_never_to_committed_results(tmp_path, monkeypatch,
@@ -86,3 +86,33 @@ def test_results_go_where_the_user_says_never_to_committed_results(tmp_path, mon
     assert os.path.dirname(mine) == str(tmp_path / "mine")
     after = {f: os.path.getmtime(os.path.join(committed, f)) for f in os.listdir(committed)}
     assert after == before
+
+
+def test_gpu_evidence_dry_run_runs_every_part_and_writes_its_rows(tmp_path):
+    """Issue 50: `bench/gpu_evidence.py --cpu-dry-run` (what keeps the GPU command alive between
+    GPU loans) runs every part's code on tiny shapes: the smoke tests collected in a child
+    process, the PyTorch worker, the prepared JAX steps and plans, the benches; every part is
+    done and has its rows, in the JSON and the Markdown page."""
+    import json
+
+    from bench import gpu_evidence
+    assert gpu_evidence.main(["--cpu-dry-run", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "evidence-cpu.json").read_text())
+    assert result["cpu_dry_run"] and "no time here is a result" in result["note"]
+    assert {p: r["status"] for p, r in result["parts"].items()} == dict.fromkeys(
+        gpu_evidence.PARTS, "done")
+    assert result["smoke"]["exit_status"] == 0 and "-m gpu_smoke" in result["smoke"]["command"]
+    names = {(r["part"], r["name"]) for r in result["rows"]}
+    for part, name in [("bert", "jax.bf16.adamw.xla"), ("bert", "jax.fp8.adamw.xla"),
+                       ("bert", "torch.eager.fp32.adamw.sdpa.attn_drop0"),
+                       ("decoder", "jax.fp8.adamw.xla"), ("decoder", "torch.eager.fp32.adamw.sdpa"),
+                       ("mae", "jax.fp8.adamw.xla"), ("planner", "plan.bert"),
+                       ("planner", "plan.decoder"), ("attention", "tiny_causal/xla/fwd+bwd"),
+                       ("adan", "onepass.xla")]:
+        assert (part, name) in names, (part, name)
+    bert = [r for r in result["rows"] if r["part"] == "bert"]
+    assert all(r["median_s"] > 0 and r["work"]["model"] == "bert-dry" for r in bert)
+    assert [r.get("fp8") for r in bert if "fp8" in r["name"]] == ["emulated"]
+    assert all("speedup_vs_torch" in r for r in bert if r["name"].startswith("jax."))
+    page = (tmp_path / "evidence-cpu.md").read_text()
+    assert all(f"## {part}" in page for part in gpu_evidence.PARTS)

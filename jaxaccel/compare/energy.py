@@ -24,6 +24,9 @@ import time
 
 NVML = "nvml"
 ESTIMATE = "estimate:tdp"
+# The counter advances in steps (seen on an H200: regions of a few milliseconds read 0 mJ), so a
+# short region can read no energy at all; it then gets the estimate, never a measured zero.
+NO_READING = "no reading: the region was shorter than the energy counter's update interval"
 
 # Board power / TDP per device (W), keyed by a substring of jax's device_kind (first match wins),
 # with the source of each figure.
@@ -94,8 +97,9 @@ class Meter:
     """Context manager around a measured region; ``result`` holds its energy and utilisation.
 
     ``result`` after exit: ``seconds``, and with NVML ``energy_j``, ``avg_power_w``,
-    ``energy_source="nvml"``, ``gpu_util_pct`` (mean of the samples); without NVML only
-    ``seconds`` (call ``estimate`` once the row's utilisation is known).
+    ``energy_source="nvml"``, ``gpu_util_pct`` (mean of the samples); without NVML, or where
+    the counter did not advance over the region (``nvml`` says so), no energy (call
+    ``estimate`` once the row's utilisation is known).
     """
 
     def __init__(self, backend: str, devices: int = 1, interval: float = 0.05):
@@ -133,7 +137,10 @@ class Meter:
             joules = (self._energy_mj() - self._e0) / 1e3
             self._stop.set()
             self._thread.join()
-            self.result.update(energy_j=joules, avg_power_w=joules / seconds,
-                               energy_source=NVML)
+            if joules > 0:
+                self.result.update(energy_j=joules, avg_power_w=joules / seconds,
+                                   energy_source=NVML)
+            else:
+                self.result["nvml"] = NO_READING
             if self._samples:
                 self.result["gpu_util_pct"] = sum(self._samples) / len(self._samples)
