@@ -21,6 +21,7 @@ import os
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SIZES = {"<1B": 0, "1-10B": 1, "10-100B": 2, ">=100B": 3}
 GROUPS = (("platform", "platform"), ("chip", "chip_family"), ("model size", "size_class"),
           ("source", "source_group"), ("task", "task"), ("precision", "precision"),
           ("own runs of the chip and precision at that width", "calibrated"))
@@ -34,7 +35,8 @@ def grouped(rows: list[dict], key: str) -> list[dict]:
     """One summary per value of ``key``: leave-one-source-out, leave-one-out, roofline."""
     from jaxaccel.plan import forecast
     out = []
-    for value in sorted({r[key] for r in rows}, key=str):
+    values = sorted({r[key] for r in rows}, key=lambda v: (SIZES.get(v, len(SIZES)), str(v)))
+    for value in values:
         part = [r for r in rows if r[key] == value]
         out.append({key: value, **forecast.summary(part),
                     "loo_median_abs_error": forecast.summary(part, "loo_error")[
