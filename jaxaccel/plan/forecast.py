@@ -64,8 +64,8 @@ WIDTH_SPAN = 2.0                    # "calibrated": the chip's runs reach within
 QUANTILES = (0.1, 0.9)
 MIN_BAND_POINTS = 8
 CAVEAT = ("the forecast is the compute bound over the efficiency published runs reached on the "
-          "chip plus fitted elementwise, per-layer and per-step costs (calibration.json); its "
-          "range is the spread of its errors on published runs of sources it had not seen")
+          "chip plus fitted elementwise and per-layer costs (calibration.json); its range is "
+          "the spread of its errors on published runs of sources it had not seen")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -258,8 +258,8 @@ class Model:
         then at bf16. Anything but the first is "borrowed"."""
         if self.coef.get(step.key):
             runs = self.runs[step.key]
-            return 1 / self.coef[step.key], f"{len(runs)} run(s) from " \
-                                            f"{len({p.source_group for p in runs})} source(s)", runs
+            sources = len({p.source_group for p in runs})
+            return 1 / self.coef[step.key], f"{len(runs)} run(s) from {sources} source(s)", runs
         chips = {}
         for key, c in self.coef.items():
             if key.startswith("efficiency:") and c > 0:
