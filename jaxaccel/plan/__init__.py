@@ -40,8 +40,11 @@ TensorCore of a deviceless v4) it gives:
   cost Pallas kernels (custom calls), so their analytic FLOPs at peak are added; used where it
   is above the roofline (no estimate goes below a lower bound);
 - beside that estimate, a forecast with a range (``jaxaccel.plan.forecast``: the compute bound
-  over the efficiency published runs reached on the chip), which the plan file's ``time_s``,
-  the costs' ``forecast_*`` and ``jaxaccel compile``'s ranking of several targets go by.
+  over the efficiency published runs reached on the chip, plus fitted elementwise and
+  per-layer costs; the range is the spread of its errors on published runs of sources it had
+  not seen), which the plan file's ``time_s``, the costs' ``forecast_*`` and ``jaxaccel
+  compile``'s ranking of several targets go by; the report says which factors it used and how
+  sure it is.
 
 Caveats, also in the report: GPU compiles run without a device, so without autotuning; the
 HLO is close to, not identical to, a real run's. Estimates are never measurements.
@@ -351,9 +354,7 @@ def make_plan(config_path: str | None, sets: list[str], topology_name: str, *,
     estimate = estimate_step(target, run.resolved.policy, run.spec.attention_impl, flops, cost,
                              t.batch_size, seq, sent, 0.0 if stages is None else stages.idle)
     if estimate["step_s"] is not None:
-        estimate.update(forecast_lib.forecast(
-            estimate["compute_s"], estimate["step_s"], estimate["work_per_chip"],
-            target.device_kind, run.spec.family.name, run.resolved.policy.matmul_dtype))
+        estimate.update(_forecast(target, run, shape, seq, flops, memory, estimate))
     plan = Plan(target, cfg, dict(run.mesh.shape), t.batch_size, t.eval_batch_size, seq,
                 memory, eval_memory, capacity, capacity_source, compile_s, flops, estimate,
                 _cost_of(target, run, estimate),
@@ -368,6 +369,21 @@ def make_plan(config_path: str | None, sets: list[str], topology_name: str, *,
             f"{_gb(m['temp'])}; eval step {_gb(e['total'])}) but a device has "
             f"{_gb(capacity)} ({capacity_source})"), plan, step)
     return plan
+
+
+def _forecast(target, run: Run, shape, seq: int, flops: dict, memory: dict,
+              estimate: dict) -> dict:
+    """The forecast of the train step (``jaxaccel.plan.forecast``): its FLOPs split as the
+    estimate's, its tokens, passes and layers per chip, and the bytes its update moves."""
+    t, stages = run.cfg.train, run.resolved.stages
+    step = forecast_lib.step_of(
+        shape, target.device_kind, run.resolved.policy.matmul_dtype,
+        t.batch_size * seq / target.chips, seq, flops["recompute"] / (t.batch_size * seq),
+        idle=estimate["idle"], stages=stages.stages if stages else 1,
+        passes=t.grad_accum * (stages.microbatches if stages else 1),
+        optimizer_bytes=(3 * memory["params"] + 2 * memory["opt_state"])
+        * target.devices_per_chip)
+    return forecast_lib.forecast(step, estimate["step_s"], estimate["interconnect_s"] or 0.0)
 
 
 def _cost_of(target, run: Run, estimate) -> dict | None:
@@ -495,8 +511,9 @@ def report(plan: Plan) -> str:
             lines.append(f"  forecast {e['forecast_s'] * 1e3:.4g} ms (range "
                          f"{e['forecast_low_s'] * 1e3:.4g}-{e['forecast_high_s'] * 1e3:.4g} ms),"
                          f" {plan.batch * plan.seq / e['forecast_s']:.4g} tokens/s: "
-                         f"{e['forecast_source']}; calibrated on {', '.join(e['calibration'])} "
-                         "(jaxaccel/plan/calibration.json)")
+                         f"{e['forecast_source']}")
+            lines.append(f"    how sure: {e['forecast_confidence']} (jaxaccel/plan/"
+                         "calibration.json, docs/calibration.md)")
         else:
             lines.append(f"  forecast: {e.get('forecast_source', 'none')}")
         lines.append(f"  roofline {e['roofline_s'] * 1e3:.2f} ms ({e['bound']}-bound at "
@@ -551,7 +568,9 @@ def result(plan: Plan) -> dict:
            "fits": plan.fits,
            "bound_s": e["step_s"], "bound_source": e["source"],
            "forecast_low_s": e.get("forecast_low_s"), "forecast_high_s": e.get("forecast_high_s"),
-           "forecast_method": e.get("forecast_source"), "calibration": e.get("calibration"),
+           "forecast_method": e.get("forecast_source"),
+           "forecast_confidence": e.get("forecast_confidence"),
+           "forecast_terms_s": e.get("forecast_terms"), "calibration": e.get("calibration"),
            "memory_per_device": plan.memory, "eval_memory_per_device": plan.eval_memory,
            "device_memory": plan.capacity, "device_memory_source": plan.capacity_source,
            "collective_bytes_per_device": plan.collectives,
