@@ -1,4 +1,4 @@
-"""BERT model: HF parity, checkpoint layouts, bad checkpoints, precision policies.
+"""BERT model: HF parity, checkpoint layouts, bad checkpoints, the writer, precision policies.
 
 Every float32 computation compared with a reference runs at ``precision="highest"`` (a GPU's
 default float32 matmul is TF32, 10-bit mantissa), and so does the reference; ``TOL`` holds the
@@ -17,7 +17,7 @@ from safetensors.numpy import load_file, save_file
 
 from jaxaccel import config
 from jaxaccel.models import (PRESETS, ModelSpec, architecture_of, bert, create_model,
-                             from_pretrained, load_checkpoint, spec)
+                             from_pretrained, hf, load_checkpoint, save_checkpoint, spec)
 from kernels_pallas import registry
 
 PLATFORM = registry.platform()
@@ -153,6 +153,72 @@ def test_config_spec_loads_the_checkpoint_and_its_architecture_is_checked(minilm
         arch, layer_norm_eps=1e-5))
     with pytest.raises(ValueError, match=r"layer_norm_eps=1e-12 \(spec: 1e-05\).*architecture_of"):
         load_checkpoint(minilm_dir, other)
+
+
+def _random_tiny(seed=0, **options):
+    """The tiny preset with every parameter ~ N(0, 0.2) (biases and norms included), so that
+    a tensor written or read in the wrong place shows in the outputs."""
+    model = _tiny(**options)
+    flat = hf.flat_params(model)
+    rng = np.random.default_rng(seed)
+    hf.assign(model, {k: rng.normal(0, 0.2, v.shape).astype(np.float32)
+                      for k, v in flat.items()}, {k: (k, False) for k in flat})
+    return model
+
+
+# (ModelSpec options, transformers class, its output compared)
+HEADS = {"classifier": ({"num_labels": 3}, "BertForSequenceClassification", "logits"),
+         "mlm": ({"mlm_head": True}, "BertForMaskedLM", "logits"),
+         "none": ({}, "BertModel", "pooler_output")}
+
+
+@pytest.mark.parametrize("head", HEADS)
+def test_writer_round_trips_and_transformers_reads_it(tmp_path, head):
+    """A random tiny BERT of each head written by ``save_checkpoint`` (sharded once) reads back
+    bit-exactly (the MLM model's unused pooler aside), and transformers' class of that head loads every tensor (none missing,
+    unexpected or of another shape) and computes our outputs within 1e-4."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    options, cls, output = HEADS[head]
+    ours = _random_tiny(**options)
+    save_checkpoint(ours, tmp_path, max_shard_size=4_000_000 if head == "mlm" else None)
+    written = json.load(open(tmp_path / "config.json"))
+    assert written["architectures"] == [cls] and written["model_type"] == "bert"
+    back = load_checkpoint(tmp_path, ours.spec)
+    mine = {k: np.asarray(v) for k, v in hf.flat_params(back).items()}
+    for k, v in hf.flat_params(ours).items():     # BertForMaskedLM has no pooler
+        if not (head == "mlm" and k.startswith("pooler/")):
+            np.testing.assert_array_equal(mine[k], np.asarray(v), err_msg=k)
+    ref, info = getattr(transformers, cls).from_pretrained(tmp_path, output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    ids, mask = _inputs()
+    types = np.repeat(np.arange(2, dtype=np.int32), 6)[None].repeat(2, axis=0)
+    with jax.default_matmul_precision("highest"):
+        got = np.asarray(getattr(ours(ids, mask, types), output))
+    with torch.no_grad():
+        want = getattr(ref.eval()(input_ids=torch.tensor(ids).long(),
+                                  attention_mask=torch.tensor(mask).long(),
+                                  token_type_ids=torch.tensor(types).long()), output).numpy()
+    real = mask.astype(bool) if got.ndim == 3 else slice(None)
+    np.testing.assert_allclose(got[real], want[real], atol=F32["torch"], rtol=F32["torch"])
+
+
+def test_a_mean_pooling_classifier_is_written_with_a_warning_or_refused(tmp_path, caplog):
+    """transformers' BertForSequenceClassification classifies the pooler output: a classifier
+    of mean pooling is written for jaxaccel (read back with pooling="mean") with a warning,
+    and refused with exact=True before anything is written."""
+    model = _random_tiny(num_labels=2, pooling="mean")
+    with pytest.raises(ValueError, match="pooling='mean': transformers' "
+                                         "BertForSequenceClassification classifies BERT's "
+                                         "pooler output"):
+        save_checkpoint(model, tmp_path / "exact", exact=True)
+    assert not (tmp_path / "exact").exists()
+    save_checkpoint(model, tmp_path / "loose")
+    assert "transformers' outputs differ from this model's" in caplog.text
+    back = load_checkpoint(tmp_path / "loose", model.spec)
+    ids, mask = _inputs()
+    np.testing.assert_array_equal(np.asarray(back(ids, mask).logits),
+                                  np.asarray(model(ids, mask).logits))
 
 
 def test_every_hidden_act_has_an_implementation():

@@ -45,9 +45,11 @@ def load_checkpoint(path, spec: ModelSpec, policy=None, seed: int = 0):
     return family_of(spec).resolve("reader")(path, spec, policy, seed)
 
 
-def save_checkpoint(model, path, max_shard_size: int | None = None) -> None:
-    """Write ``model`` as a Hugging Face checkpoint directory (its family's writer)."""
-    family_of(model.spec).resolve("writer")(model, path, max_shard_size)
+def save_checkpoint(model, path, max_shard_size: int | None = None, *,
+                    exact: bool = False) -> None:
+    """Write ``model`` as a Hugging Face checkpoint directory (its family's writer); ``exact``:
+    refuse a model that transformers would run with other outputs (else a warning)."""
+    family_of(model.spec).resolve("writer")(model, path, max_shard_size, exact=exact)
 
 
 def check_vocab(tokenizer_size: int, architecture, tokenizer_source) -> None:

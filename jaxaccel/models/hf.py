@@ -1,4 +1,4 @@
-"""Import Hugging Face BERT-family checkpoints (config.json + safetensors) into the NNX model.
+"""Hugging Face BERT-family checkpoints (config.json + safetensors) to and from the NNX model.
 
 No torch needed. Reads ``model.safetensors`` or a sharded ``model.safetensors.index.json``,
 accepts the ``bert.``-prefixed layout (``BertFor*`` checkpoints) and the un-prefixed one
@@ -8,6 +8,15 @@ know, and missing encoder tensors, are errors that name them; heads absent from 
 
     model = from_pretrained("path/to/hf_checkpoint", num_labels=2, pooling="mean")
     model = load_checkpoint(path, spec, policy, seed)     # the spec built elsewhere (from config)
+    save_checkpoint(model, "out_dir")            # transformers loads out_dir
+
+``save_checkpoint`` writes what transformers' ``save_pretrained`` writes for the model's head:
+a classifier as ``BertForSequenceClassification`` (``bert.``-prefixed encoder and pooler,
+``classifier``), the MLM head as ``BertForMaskedLM`` (no pooler; the decoder is tied to the
+word embeddings and its bias to ``cls.predictions.bias``, so neither is stored), no head as
+``BertModel`` (un-prefixed). transformers' classifier reads the pooler output (the CLS token):
+a classifier of mean pooling is written with a warning that transformers' outputs differ
+(``differences``), or refused with ``exact=True``.
 """
 from __future__ import annotations
 
@@ -242,6 +251,68 @@ def write_checkpoint(path, config_json: dict, tensors: dict[str, np.ndarray],
     total = sum(t.nbytes for t in tensors.values())
     with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+
+
+def differences(spec: ModelSpec) -> list[str]:
+    """How transformers' class for ``spec``'s model (``save_checkpoint``) computes other outputs
+    than this model: empty when it computes the same."""
+    if spec.num_labels is not None and spec.pooling != "cls":
+        return [f"pooling={spec.pooling!r}: transformers' BertForSequenceClassification "
+                "classifies BERT's pooler output (the CLS token), not the mean of the hidden "
+                "states, and no transformers BERT class pools by the mean"]
+    return []
+
+
+def save_checkpoint(model: BertModel, path, max_shard_size: int | None = None, *,
+                    exact: bool = False) -> None:
+    """Write ``model`` as a Hugging Face checkpoint directory (config.json + safetensors in the
+    parameters' dtype; module doc), sharded above ``max_shard_size`` bytes. What transformers
+    would compute differently (``differences``) is a warning, or with ``exact`` a
+    ``ValueError``."""
+    spec = model.spec
+    check_differences(differences(spec), exact)
+    mapping = key_map(spec.architecture, spec.num_labels, spec.mlm_head)
+    prefix = "bert." if spec.num_labels is not None or spec.mlm_head else ""
+    flat = flat_params(model)
+    tensors = {}
+    for name, (ours, transpose) in mapping.items():
+        if spec.mlm_head and name.startswith("pooler."):
+            continue                    # BertForMaskedLM has no pooler
+        value = np.asarray(jax.device_get(flat[ours]))
+        head = name.startswith(("classifier.", "cls."))
+        tensors[name if head else prefix + name] = value.T if transpose else value
+    write_checkpoint(path, config_json(spec), tensors, max_shard_size)
+
+
+def config_json(spec: ModelSpec) -> dict:
+    """The config.json of ``spec``'s model for transformers (module doc)."""
+    fields = dataclasses.asdict(spec.architecture)
+    if spec.mlm_head:
+        return {"architectures": ["BertForMaskedLM"], "model_type": "bert", **fields,
+                "tie_word_embeddings": True}
+    if spec.num_labels is None:
+        return {"architectures": ["BertModel"], "model_type": "bert", **fields}
+    return {"architectures": ["BertForSequenceClassification"], "model_type": "bert", **fields,
+            **labels_json(spec.num_labels)}
+
+
+def labels_json(num_labels: int, names=()) -> dict:
+    """transformers' ``id2label`` / ``label2id`` of ``num_labels`` classes, named ``names`` (a
+    run's label names) where given, ``LABEL_i`` otherwise."""
+    names = [str(n) for n in names][:num_labels]
+    names += [f"LABEL_{i}" for i in range(len(names), num_labels)]
+    return {"id2label": {str(i): n for i, n in enumerate(names)},
+            "label2id": {n: i for i, n in enumerate(names)}}
+
+
+def check_differences(found: list[str], exact: bool) -> None:
+    """Warn of each way transformers computes other outputs (``differences``), or, with
+    ``exact``, refuse them in one ``ValueError``."""
+    if found and exact:
+        raise ValueError("transformers would compute other outputs than this model: "
+                         + "; ".join(found) + ".")
+    for line in found:
+        log.warning("%s: transformers' outputs differ from this model's.", line)
 
 
 def _check_architecture(spec: BertConfig, checkpoint: BertConfig, source: str) -> None:

@@ -100,9 +100,12 @@ def load_checkpoint(path, spec: ModelSpec, policy: str | Policy | None = None,
     return model
 
 
-def save_checkpoint(model: LlamaForCausalLM, path, max_shard_size: int | None = None) -> None:
+def save_checkpoint(model: LlamaForCausalLM, path, max_shard_size: int | None = None, *,
+                    exact: bool = False) -> None:
     """Write ``model`` as a Hugging Face checkpoint directory (config.json + safetensors,
-    float32 or the parameters' dtype), sharded above ``max_shard_size`` bytes."""
+    float32 or the parameters' dtype), sharded above ``max_shard_size`` bytes. transformers'
+    ``LlamaForCausalLM`` computes this model's outputs, so ``exact`` (refuse what it would
+    compute differently, as the other families' writers take) has nothing to refuse."""
     flat = hf.flat_params(model)
     tensors = {name: np.asarray(jax.device_get(flat[ours])).T if transpose
                else np.asarray(jax.device_get(flat[ours]))

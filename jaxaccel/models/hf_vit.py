@@ -328,13 +328,16 @@ def _check_positions(name: str, table: np.ndarray, expected: np.ndarray, path: s
                      f"model would not compute.{learned}")
 
 
-def save_checkpoint(model: ViTModel, path, max_shard_size: int | None = None) -> None:
+def save_checkpoint(model: ViTModel, path, max_shard_size: int | None = None, *,
+                    exact: bool = False) -> None:
     """Write ``model`` as a Hugging Face checkpoint directory (config.json + safetensors in
     the parameters' dtype, the hub's tensor names, the sin-cos tables stored), sharded above
     ``max_shard_size`` bytes: a "mae" model as ``ViTMAEForPreTraining``, a "classification"
     one as ``ViTForImageClassification``. ``decoder_window`` and ``position_embedding_type``
-    go into config.json (transformers keeps but ignores them)."""
+    go into config.json (transformers keeps but ignores them). What transformers would compute
+    differently (``differences``) is a warning, or with ``exact`` a ``ValueError``."""
     spec, cfg = model.spec, model.config
+    hf.check_differences(differences(spec), exact)
     flat = hf.flat_params(model)
     dtype = np.asarray(jax.device_get(flat["embeddings/cls_token"])).dtype
     tensors = {}
@@ -346,6 +349,22 @@ def save_checkpoint(model: ViTModel, path, max_shard_size: int | None = None) ->
     hf.write_checkpoint(path, config_json(spec), tensors, max_shard_size)
 
 
+def differences(spec: ModelSpec) -> list[str]:
+    """How transformers' class for ``spec``'s model (``save_checkpoint``) computes other outputs
+    than this model, or cannot run it (module doc): empty when it computes the same."""
+    cfg, found = spec.architecture, []
+    if spec.task == "mae" and cfg.grid[0] != cfg.grid[1]:
+        found.append(f"a ViT-MAE of a {cfg.grid[0]} x {cfg.grid[1]} patch grid: transformers' "
+                     "ViTMAEForPreTraining runs square grids only (jaxaccel reads it back)")
+    if spec.task == "mae" and cfg.decoder_window is not None:
+        found.append(f"decoder_window={cfg.decoder_window}: transformers' ViTMAE decoder "
+                     "attends globally and ignores it")
+    if spec.task == "classification" and spec.pooling != "cls":
+        found.append(f"pooling={spec.pooling!r}: transformers' ViTForImageClassification "
+                     "classifies the CLS token")
+    return found
+
+
 def config_json(spec: ModelSpec) -> dict:
     """The config.json of ``spec``'s model for transformers (module doc)."""
     cfg = spec.architecture
@@ -354,24 +373,11 @@ def config_json(spec: ModelSpec) -> dict:
     fields["image_size"] = height if height == width else [height, width]
     fields["decoder_window"] = None if cfg.decoder_window is None else list(cfg.decoder_window)
     if spec.task == "mae":
-        if cfg.grid[0] != cfg.grid[1]:
-            log.warning("a ViT-MAE of a %d x %d patch grid: transformers' ViTMAEForPreTraining "
-                        "runs square grids only (module doc); jaxaccel reads it back.",
-                        *cfg.grid)
-        if cfg.decoder_window is not None:
-            log.warning("decoder_window=%s: transformers' ViTMAE decoder attends globally and "
-                        "ignores it, so its outputs differ from this model's.",
-                        cfg.decoder_window)
         return {"architectures": ["ViTMAEForPreTraining"], "model_type": "vit_mae", **fields}
-    if spec.pooling != "cls":
-        log.warning("pooling=%r: transformers' ViTForImageClassification classifies the CLS "
-                    "token, so its outputs differ from this model's.", spec.pooling)
     fields = {k: v for k, v in fields.items() if k not in MAE_ONLY}
-    labels = spec.num_labels or 0
     return {"architectures": ["ViTForImageClassification"], "model_type": "vit", **fields,
-            "id2label": {str(i): f"LABEL_{i}" for i in range(labels)},
-            "label2id": {f"LABEL_{i}": i for i in range(labels)}}
+            **hf.labels_json(spec.num_labels or 0)}
 
 
-__all__ = ["architecture_of", "config_json", "from_pretrained", "key_map", "load_checkpoint",
-           "save_checkpoint"]
+__all__ = ["architecture_of", "config_json", "differences", "from_pretrained", "key_map",
+           "load_checkpoint", "save_checkpoint"]

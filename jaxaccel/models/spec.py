@@ -392,8 +392,9 @@ class Family:
       hf_model_types: the config.json ``model_type`` values it reads.
       model, reader, writer: ``"module:name"`` of the model class (``Model(spec, policy,
         rngs)``), the checkpoint reader (``load(path, spec, policy, seed) -> model``) and
-        writer (``save(model, path, max_shard_size=None)``; None: none yet); ``resolve``
-        imports them.
+        writer (``save(model, path, max_shard_size=None, *, exact=False)``: ``exact`` refuses
+        a model that transformers' class would run with other outputs, e.g. a head it does
+        not have; None: none yet); ``resolve`` imports them.
       flops: ``"module:name"`` of ``shape(spec) -> jaxaccel.flops.Shape``, what the model
         FLOPs formula (tokens/s, TFLOP/s and MFU of every run) reads from a spec.
       embeddings: the top-level parameter collections below the first layer (the layers are
@@ -433,7 +434,7 @@ FAMILIES = {
                    dropouts=DROPOUTS, hf_model_types=BERT_MODEL_TYPES,
                    model="jaxaccel.models.bert:BertModel",
                    reader="jaxaccel.models.hf:load_checkpoint",
-                   writer=None, flops="jaxaccel.flops:bert_shape",
+                   writer="jaxaccel.models.hf:save_checkpoint", flops="jaxaccel.flops:bert_shape",
                    embeddings=("embeddings",)),
     "llama": Family("llama", LlamaConfig, LLAMA_PRESETS,
                     options={"causal_lm": ("attention_impl", "remat")},
