@@ -5,6 +5,7 @@
     jaxaccel predict --checkpoint runs/minilm_rt "a gripping, beautifully shot film"
     jaxaccel predict --checkpoint runs/minilm_rt --input texts.txt   # one text a line; - = stdin
     jaxaccel generate --checkpoint runs/llama_cpu "Once upon a time" "The river" [--greedy]
+    jaxaccel export --checkpoint runs/minilm_rt --out hf/minilm_rt   # transformers loads it
     jaxaccel bench train_step --small            # any suite's own flags follow its name
     jaxaccel compare bench/results/job-*.json [--prices FILE] [--weights balance] [--html]
     jaxaccel compile --config configs/bert_base_imdb.py --topology v5e-8 [--out bench/results]
@@ -71,6 +72,12 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--greedy", action="store_true", help="temperature 0 (argmax)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("prompts", nargs="+", help="texts to continue")
+    x = sub.add_parser("export", help="write a run's latest checkpoint, with its tokenizer, as "
+                       "a Hugging Face checkpoint that transformers' from_pretrained loads")
+    x.add_argument("--checkpoint", required=True, help="run folder (or its checkpoints folder)")
+    x.add_argument("--out", required=True, metavar="DIR",
+                   help="folder to write (made if missing; must be empty unless --overwrite)")
+    x.add_argument("--overwrite", action="store_true", help="replace a non-empty DIR")
     b = sub.add_parser("bench", help="measure this machine's devices: one result file per suite",
                        description="Runs bench/<suite>.py (a source checkout) with the flags "
                        "that follow; `jaxaccel bench SUITE --help` lists them. The result goes "
@@ -279,6 +286,15 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    from jaxaccel.train import rundir
+    from jaxaccel.train.export import export_run
+    run_dir = _run_dir(args.checkpoint)
+    with rundir.library_log(run_dir):
+        print(json.dumps(export_run(run_dir, args.out, overwrite=args.overwrite), indent=2))
+    return 0
+
+
 def cmd_bench(args) -> int:
     import importlib
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -410,7 +426,7 @@ def main(argv=None) -> int:
         distributed.start()
         return {"train": cmd_train, "eval": cmd_eval, "predict": cmd_predict,
                 "generate": cmd_generate, "bench": cmd_bench, "compare": cmd_compare,
-                "compile": cmd_compile}[args.command](args)
+                "compile": cmd_compile, "export": cmd_export}[args.command](args)
     except (ValueError, KeyError, OSError) as e:
         print(f"error: {error_message(e)}", file=sys.stderr)
         return EXIT_ERROR

@@ -1,0 +1,101 @@
+"""A run folder as a Hugging Face checkpoint (``jaxaccel export``), which transformers'
+``from_pretrained`` loads: the model of the run's newest readable checkpoint written by its
+family's writer (``models.save_checkpoint``: BERT as ``BertForSequenceClassification``, Llama
+as ``LlamaForCausalLM``, ViT as ``ViTForImageClassification`` or ``ViTMAEForPreTraining``),
+the run's label names as config.json's ``id2label`` / ``label2id``, and the files of its
+``tokenizer/`` folder beside them (``AutoTokenizer`` loads them; a ViT run has none).
+
+Only what transformers computes as the run does is written: a model its class would run with
+other outputs (a classifier of mean pooling, a ViT-MAE decoder's local windows or non-square
+grid: the writers' ``differences``) is refused with the reason, never exported. The checkpoint
+holds the per-parameter form whatever layout or pipeline trained it (``optim.flat.portable``),
+so every run exports. Parameters are float32 under every policy and are written so; an fp8
+run's scaling state (amax histories) is no part of a transformers checkpoint, which runs the
+weights unquantized (the outputs of the run's model under the fp32 policy).
+
+The export is written into a temporary folder beside ``out`` and renamed into place once
+complete, so an interrupted or refused export leaves nothing. ``out`` must be missing or empty
+unless ``overwrite`` (which replaces it), and may not be, or hold, the run folder.
+
+    summary = export_run("runs/minilm_rt", "hf/minilm_rt")
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+
+from jaxaccel.models import hf, save_checkpoint
+from jaxaccel.train.inference import tokenizer_dir
+from jaxaccel.train.saved import load_run
+
+log = logging.getLogger("jaxaccel")
+
+
+def export_run(run_dir: str, out: str, *, overwrite: bool = False) -> dict:
+    """Write the run folder's newest checkpoint to ``out`` (module doc); returns what was
+    written: the folder, the transformers class, the step, the label names, the tokenizer's
+    files."""
+    out = os.path.abspath(out)
+    _check_out(os.path.abspath(run_dir), out, overwrite)
+    parent = os.path.dirname(out)
+    os.makedirs(parent, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.export-", dir=parent)
+    try:
+        model, cfg, meta = load_run(run_dir)
+        save_checkpoint(model, staging, exact=True)
+        config = _label_names(staging, model.spec, meta.get("label_names") or ())
+        reads_tokens = "input_ids" in type(model).input_keys
+        copied = _copy_files(tokenizer_dir(run_dir), staging) if reads_tokens else []
+        if os.path.isdir(out) and os.listdir(out):
+            shutil.rmtree(out)                   # asked for: _check_out refused it otherwise
+        os.replace(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    if cfg.precision.policy == "fp8":
+        log.info("fp8 run: exported its float32 parameters; the fp8 scaling state is no part "
+                 "of a transformers checkpoint, which runs the weights unquantized.")
+    return {"out": out, "architectures": config["architectures"],
+            "step": meta.get("step"), "run_dir": os.path.abspath(run_dir),
+            "labels": list(config["id2label"].values()) if "id2label" in config else None,
+            "tokenizer_files": copied}
+
+
+def _check_out(run_dir: str, out: str, overwrite: bool) -> None:
+    """Refuse an ``out`` that is a file, the run folder or a folder holding it, or a non-empty
+    folder without ``overwrite``, before anything is read."""
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ValueError(f"--out {out!r} is a file; name a folder to write the checkpoint into.")
+    if run_dir == out or run_dir.startswith(out.rstrip(os.sep) + os.sep):
+        raise ValueError(f"--out {out!r} is or holds the run folder {run_dir!r}; name another "
+                         "folder (e.g. hf/NAME).")
+    if os.path.isdir(out) and os.listdir(out) and not overwrite:
+        raise ValueError(f"--out {out!r} is not empty; name a new or empty folder, or pass "
+                         "--overwrite to replace it.")
+
+
+def _label_names(path: str, spec, names) -> dict:
+    """config.json of the checkpoint at ``path``, a classifier's class names set to the run's
+    ``names`` (transformers' ``LABEL_i`` where the run has none); returns it."""
+    file = os.path.join(path, "config.json")
+    with open(file) as f:
+        config = json.load(f)
+    if spec.num_labels is not None:
+        config.update(hf.labels_json(spec.num_labels, names))
+        with open(file, "w") as f:
+            json.dump(config, f, indent=2)
+    return config
+
+
+def _copy_files(source: str, dest: str) -> list[str]:
+    """Copy the files of the folder ``source`` into ``dest``; their names, sorted."""
+    names = sorted(n for n in os.listdir(source) if os.path.isfile(os.path.join(source, n)))
+    for name in names:
+        shutil.copy2(os.path.join(source, name), os.path.join(dest, name))
+    return names
+
+
+__all__ = ["export_run"]
