@@ -368,6 +368,28 @@ def test_mae_checkpoint_into_classification(tmp_path):
                                np.asarray(_run(clf, x).last_hidden_state), atol=1e-5)
 
 
+@pytest.mark.parametrize("spec,message", [
+    (ModelSpec(ViTConfig(image_size=(16, 8), num_channels=1, **MAE_KW), task="mae"),
+     "a ViT-MAE of a 4 x 2 patch grid: transformers' ViTMAEForPreTraining runs square grids"),
+    (ModelSpec(ViTConfig(image_size=16, num_channels=1, decoder_window=(2, 2), **MAE_KW),
+               task="mae"), r"decoder_window=\(2, 2\): transformers' ViTMAE decoder attends "
+                            "globally"),
+    (ModelSpec(ViTConfig(image_size=16, num_channels=1, **MAE_KW), task="classification",
+               num_labels=2, pooling="mean"),
+     "pooling='mean': transformers' ViTForImageClassification classifies the CLS token")])
+def test_what_transformers_computes_otherwise_is_refused_when_exact(tmp_path, caplog, spec,
+                                                                    message):
+    """A model transformers' class would run with other outputs, or not at all, is written
+    with a warning (jaxaccel reads it back) and refused with exact=True, writing nothing."""
+    model = vit.ViTModel(spec)
+    with pytest.raises(ValueError, match=message):
+        hf_vit.save_checkpoint(model, tmp_path / "exact", exact=True)
+    assert not (tmp_path / "exact").exists()
+    hf_vit.save_checkpoint(model, tmp_path / "loose")
+    assert "transformers' outputs differ from this model's" in caplog.text
+    _assert_same_params(model, hf_vit.load_checkpoint(tmp_path / "loose", spec))
+
+
 # ---- refusals ----
 
 @pytest.fixture(scope="module")
