@@ -258,8 +258,9 @@ def differences(spec: ModelSpec) -> list[str]:
     than this model: empty when it computes the same."""
     if spec.num_labels is not None and spec.pooling != "cls":
         return [f"pooling={spec.pooling!r}: transformers' BertForSequenceClassification "
-                "classifies BERT's pooler output (the CLS token), not the mean of the hidden "
-                "states, and no transformers BERT class pools by the mean"]
+                "classifies BERT's pooler output (the CLS token), and no transformers BERT "
+                "class pools by the mean (a classifier trained with model.pooling=cls is "
+                "written as it is)"]
     return []
 
 
@@ -309,8 +310,8 @@ def check_differences(found: list[str], exact: bool) -> None:
     """Warn of each way transformers computes other outputs (``differences``), or, with
     ``exact``, refuse them in one ``ValueError``."""
     if found and exact:
-        raise ValueError("transformers would compute other outputs than this model: "
-                         + "; ".join(found) + ".")
+        raise ValueError("transformers would compute other outputs than this model, so it "
+                         "is not written: " + "; ".join(found) + ".")
     for line in found:
         log.warning("%s: transformers' outputs differ from this model's.", line)
 

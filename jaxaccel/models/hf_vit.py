@@ -361,7 +361,8 @@ def differences(spec: ModelSpec) -> list[str]:
                      "attends globally and ignores it")
     if spec.task == "classification" and spec.pooling != "cls":
         found.append(f"pooling={spec.pooling!r}: transformers' ViTForImageClassification "
-                     "classifies the CLS token")
+                     "classifies the CLS token (a classifier trained with model.pooling=cls "
+                     "is written as it is)")
     return found
 
 
