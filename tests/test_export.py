@@ -141,6 +141,10 @@ def test_a_bert_classifier_run_exports_with_its_tokenizer_and_labels(bert_run, t
     assert summary["architectures"] == ["BertForSequenceClassification"]
     assert summary["step"] == 2 and summary["labels"] == ["0", "1", "2"]
     assert "tokenizer.json" in summary["tokenizer_files"]
+    umask = os.umask(0)
+    os.umask(umask)
+    assert {os.stat(os.path.join(out, n)).st_mode & 0o777 for n in os.listdir(out)} == \
+        {0o666 & ~umask} and os.stat(out).st_mode & 0o777 == 0o777 & ~umask
     config_json = json.load(open(os.path.join(out, "config.json")))
     assert config_json["id2label"] == {"0": "0", "1": "1", "2": "2"}
     assert config_json["label2id"] == {"0": 0, "1": 1, "2": 2}

@@ -49,6 +49,7 @@ def export_run(run_dir: str, out: str, *, overwrite: bool = False) -> dict:
         config = _label_names(staging, model.spec, meta.get("label_names") or ())
         reads_tokens = "input_ids" in type(model).input_keys
         copied = _copy_files(tokenizer_dir(run_dir), staging) if reads_tokens else []
+        _usual_permissions(staging)
         if os.path.isdir(out) and os.listdir(out):
             shutil.rmtree(out)                   # asked for: _check_out refused it otherwise
         os.replace(staging, out)
@@ -88,6 +89,16 @@ def _label_names(path: str, spec, names) -> dict:
         with open(file, "w") as f:
             json.dump(config, f, indent=2)
     return config
+
+
+def _usual_permissions(folder: str) -> None:
+    """Give ``folder`` and its files the permissions the umask gives a new folder and file:
+    ``mkdtemp`` makes the folder private (0700), safetensors its files (0600)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(folder, 0o777 & ~umask)
+    for name in os.listdir(folder):
+        os.chmod(os.path.join(folder, name), 0o666 & ~umask)
 
 
 def _copy_files(source: str, dest: str) -> list[str]:
