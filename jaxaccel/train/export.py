@@ -39,12 +39,12 @@ def export_run(run_dir: str, out: str, *, overwrite: bool = False) -> dict:
     written: the folder, the transformers class, the step, the label names, the tokenizer's
     files."""
     out = os.path.abspath(out)
-    _check_out(os.path.abspath(run_dir), out, overwrite)
+    _check_out(os.path.realpath(run_dir), os.path.realpath(out), overwrite)
     parent = os.path.dirname(out)
     os.makedirs(parent, exist_ok=True)
     staging = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.export-", dir=parent)
     try:
-        model, cfg, meta = load_run(run_dir)
+        model, _, meta = load_run(run_dir)
         save_checkpoint(model, staging, exact=True)
         config = _label_names(staging, model.spec, meta.get("label_names") or ())
         reads_tokens = "input_ids" in type(model).input_keys
@@ -56,7 +56,7 @@ def export_run(run_dir: str, out: str, *, overwrite: bool = False) -> dict:
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    if cfg.precision.policy == "fp8":
+    if model.policy.fp8:
         log.info("fp8 run: exported its float32 parameters; the fp8 scaling state is no part "
                  "of a transformers checkpoint, which runs the weights unquantized.")
     return {"out": out, "architectures": config["architectures"],
