@@ -376,7 +376,8 @@ def test_mae_checkpoint_into_classification(tmp_path):
                             "globally"),
     (ModelSpec(ViTConfig(image_size=16, num_channels=1, **MAE_KW), task="classification",
                num_labels=2, pooling="mean"),
-     "pooling='mean': transformers' ViTForImageClassification classifies the CLS token")])
+     "pooling='mean': transformers' ViTForImageClassification classifies the CLS token")],
+    ids=["non_square_mae", "windowed_mae", "mean_pooling"])
 def test_what_transformers_computes_otherwise_is_refused_when_exact(tmp_path, caplog, spec,
                                                                     message):
     """A model transformers' class would run with other outputs, or not at all, is written
