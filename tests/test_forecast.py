@@ -153,6 +153,19 @@ def test_a100_without_points_borrows_and_widens_the_range(raw, tmp_path):
     assert forecast.forecast(llama_step(H100), 0.0, path=str(tpu_only))["forecast_s"] is None
 
 
+def test_a_power_limit_keys_its_own_efficiency_only_below_the_chips_tdp(points):
+    """A source that states its card's power limit records it; only a limit below the chip's
+    TDP (torchtitan's H100s at 500 W) makes an efficiency of its own: an H200 at its 700 W
+    is the full-power chip."""
+    lowered, full = (llama_step("NVIDIA H200", power_limit_w=w) for w in (500, 700))
+    assert lowered.chip == "H100/H200 SXM at 500 W" and lowered.power_limited
+    assert full.chip == llama_step("NVIDIA H200").chip == "H100/H200 SXM"
+    assert not full.power_limited
+    model = forecast.fit(points)
+    assert model.efficiency(full) == model.efficiency(llama_step(H100))
+    assert "at full power" not in model.efficiency(full)[1]
+
+
 def test_a_forecast_names_its_factors_and_never_goes_below_the_estimate():
     step = llama_step("TPU v5 lite")
     f = forecast.forecast(step, 0.0)

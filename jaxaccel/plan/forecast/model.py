@@ -44,7 +44,7 @@ class Model:
         def runs(*pairs):
             return [p for chip, cls in pairs for p in self.runs[f"efficiency:{chip}/{cls}"]]
 
-        if step.power_limit_w and step.precision in chips.get(step.generation, {}):
+        if step.power_limited and step.precision in chips.get(step.generation, {}):
             return chips[step.generation][step.precision], \
                 f"borrowed: {step.generation} at full power", \
                 runs((step.generation, step.precision))

@@ -10,6 +10,7 @@ import os
 
 from jaxaccel import devices as devices_lib
 from jaxaccel import flops as flops_lib
+from jaxaccel.compare import energy
 
 CALIBRATION_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                 "calibration.json")
@@ -61,10 +62,16 @@ class Step:
         return GENERATIONS.get(self.device, self.device)
 
     @property
+    def power_limited(self) -> bool:
+        """Whether the card ran below its chip's TDP (``jaxaccel.compare.energy``)."""
+        return self.power_limit_w is not None and \
+            self.power_limit_w < energy.tdp(self.device)[0]
+
+    @property
     def chip(self) -> str:
         """The efficiency's key: the chip's generation (``GENERATIONS``), and its power limit
-        where a source lowered it."""
-        return self.generation + (f" at {self.power_limit_w:g} W" if self.power_limit_w else "")
+        where a source lowered it below the TDP."""
+        return self.generation + (f" at {self.power_limit_w:g} W" if self.power_limited else "")
 
     @property
     def key(self) -> str:
