@@ -9,7 +9,7 @@ planner's own FLOP formula and peaks (``jaxaccel.plan.forecast``); these 0.1B-1T
 1-1024 chips are not compiled here, so only their compute bound is the plan's. The range of a
 held-out source's runs comes from the errors on the other sources alone, so its coverage is
 measured on sources the range had not seen. Prints Markdown tables (by chip, by model size, by
-source, every run) and writes ``DIR/backtest-calibration.json`` (its own folder: it is no
+source, this project's own measured steps held out and as a plan forecasts them now, every run) and writes ``DIR/backtest-calibration.json`` (its own folder: it is no
 device's result, which ``jaxaccel compare bench/results/*.json`` reads).
 """
 from __future__ import annotations
@@ -21,6 +21,7 @@ import os
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OWN = "jaxaccel (this repository)"     # the source groups of this project's own measurements
 SIZES = {"<1B": 0, "1-10B": 1, "10-100B": 2, ">=100B": 3}
 GROUPS = (("platform", "platform"), ("chip", "chip_family"), ("model size", "size_class"),
           ("source", "source_group"), ("task", "task"), ("precision", "precision"),
@@ -71,6 +72,38 @@ def point_table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def own_runs(rows: list[dict]) -> list[dict]:
+    """This project's measured steps: the forecast with their source held out (the fit on the
+    other sources, which is what a plan printed before they were added) and the forecast a plan
+    prints now (the fit on every run, these included), each with its range, beside the step."""
+    from jaxaccel.plan import forecast
+    points = {p.id: p for p in forecast.load()}
+    out = []
+    for r in (r for r in rows if r["source_group"].startswith(OWN)):
+        step = points[r["id"]].step
+        now = forecast.forecast(step, step.compute_s)
+        out.append({"id": r["id"], "published_step_s": r["published_step_s"],
+                    **{f"held_out_{k}": r[k] for k in ("forecast_s", "forecast_low_s",
+                                                       "forecast_high_s", "error")},
+                    **{f"now_{k}": now[k] for k in ("forecast_s", "forecast_low_s",
+                                                    "forecast_high_s")},
+                    "now_error": now["forecast_s"] / r["published_step_s"] - 1})
+    return out
+
+
+def own_table(runs: list[dict]) -> str:
+    head = ["run", "measured ms", "held out: forecast ms (80% range)", "error",
+            "fit on every run: forecast ms (80% range)", "error"]
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in runs:
+        cells = [f"`{r['id']}`", f"{r['published_step_s'] * 1e3:.3g}"]
+        for k in ("held_out", "now"):
+            cells += [f"{r[f'{k}_forecast_s'] * 1e3:.3g} ({r[f'{k}_forecast_low_s'] * 1e3:.3g}-"
+                      f"{r[f'{k}_forecast_high_s'] * 1e3:.3g})", f"{r[f'{k}_error']:+.0%}"]
+        out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
 def result() -> dict:
     from jaxaccel.plan import forecast
     rows = forecast.backtest()
@@ -84,6 +117,7 @@ def result() -> dict:
                         "leave_one_out": forecast.summary(rows, "loo_error"),
                         "roofline": forecast.summary(rows, "roofline_error")},
             "by": {key: grouped(rows, key) for _, key in GROUPS},
+            "own_runs": own_runs(rows),
             "rows": rows}
 
 
@@ -98,6 +132,7 @@ def report(res: dict) -> str:
              f"({loso['coverage']:.0%})."]
     for title, key in GROUPS:
         parts.append(group_table(title, res["by"][key], key))
+    parts.append(own_table(res["own_runs"]))
     parts.append(point_table(res["rows"]))
     return "\n\n".join(parts)
 
