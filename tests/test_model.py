@@ -221,6 +221,48 @@ def test_a_mean_pooling_classifier_is_written_with_a_warning_or_refused(tmp_path
                                   np.asarray(model(ids, mask).logits))
 
 
+def test_writer_custom_code_writes_a_mean_pooling_classifier_transformers_runs(tmp_path):
+    """With custom_code=True a classifier of mean pooling is written with its own class
+    (modeling_bert_mean_pooling.py, auto_map): AutoModelForSequenceClassification with
+    trust_remote_code=True loads every tensor and computes our logits within 1e-4 (padding
+    included); jaxaccel reads it back bit-exactly, as a mean-pooling model. Without
+    trust_remote_code the folder is refused, and transformers' own class built from it directly
+    reports the head missing and unexpected instead of loading a CLS-pooling model silently."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    ours = _random_tiny(num_labels=3, pooling="mean")
+    save_checkpoint(ours, tmp_path, exact=True, custom_code=True)
+    written = json.load(open(tmp_path / "config.json"))
+    assert written["model_type"] == "bert_mean_pooling"
+    assert written["auto_map"]["AutoModelForSequenceClassification"] == \
+        "modeling_bert_mean_pooling.BertMeanPoolingForSequenceClassification"
+    assert (tmp_path / "modeling_bert_mean_pooling.py").is_file()
+    back = from_pretrained(tmp_path, num_labels=3)
+    assert back.spec.pooling == "mean"
+    for k, v in hf.flat_params(ours).items():
+        np.testing.assert_array_equal(np.asarray(hf.flat_params(back)[k]), np.asarray(v), k)
+
+    auto = transformers.AutoModelForSequenceClassification
+    ref, info = auto.from_pretrained(tmp_path, trust_remote_code=True, output_loading_info=True)
+    assert type(ref).__name__ == "BertMeanPoolingForSequenceClassification"
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    ids, mask = _inputs()
+    with jax.default_matmul_precision("highest"):
+        got = np.asarray(ours(ids, mask).logits)
+    with torch.no_grad():
+        want = ref.eval()(input_ids=torch.tensor(ids).long(),
+                          attention_mask=torch.tensor(mask).long()).logits.numpy()
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+
+    with pytest.raises(ValueError, match="contains custom code"):
+        auto.from_pretrained(tmp_path, trust_remote_code=False)
+    _, info = transformers.BertForSequenceClassification.from_pretrained(
+        tmp_path, output_loading_info=True)
+    assert info["missing_keys"] == {"classifier.weight", "classifier.bias"}
+    assert info["unexpected_keys"] == {"mean_pooling_classifier.weight",
+                                       "mean_pooling_classifier.bias"}
+
+
 def test_every_hidden_act_has_an_implementation():
     assert set(bert._ACTIVATIONS) == set(spec.HIDDEN_ACTS)
 

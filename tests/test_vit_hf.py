@@ -391,6 +391,82 @@ def test_what_transformers_computes_otherwise_is_refused_when_exact(tmp_path, ca
     _assert_same_params(model, hf_vit.load_checkpoint(tmp_path / "loose", spec))
 
 
+def test_custom_code_writes_a_mean_pooling_classifier_transformers_runs(tmp_path):
+    """bfsong_finetune's kind of classifier (mean pooling, sin-cos positions, one channel; a
+    non-square 4 x 2 grid here) written with custom_code=True: AutoModelForImageClassification
+    with trust_remote_code=True loads every tensor of it and computes our logits; jaxaccel reads
+    it back bit-exactly, as a mean-pooling model. Without trust_remote_code the folder is
+    refused, and ViTForImageClassification built from it directly reports the head missing and
+    unexpected rather than loading a CLS-pooling model silently."""
+    import torch
+    import transformers
+    spec = ModelSpec(ViTConfig(image_size=(16, 8), num_channels=1, **MAE_KW),
+                     task="classification", num_labels=3, pooling="mean")
+    ours = _random_ours(spec, seed=2)
+    hf_vit.save_checkpoint(ours, tmp_path, exact=True, custom_code=True)
+    config = json.load(open(os.path.join(tmp_path, "config.json")))
+    assert config["model_type"] == "vit_mean_pooling"
+    assert config["architectures"] == ["ViTMeanPoolingForImageClassification"]
+    back = hf_vit.from_pretrained(tmp_path)
+    assert (back.spec.task, back.spec.num_labels, back.spec.pooling) == \
+        ("classification", 3, "mean")
+    _assert_same_params(ours, back)
+
+    auto = transformers.AutoModelForImageClassification
+    ref, info = auto.from_pretrained(tmp_path, trust_remote_code=True, output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    x = _pixels((2, 16, 8))
+    with torch.no_grad():
+        err = np.abs(np.asarray(_run(ours, x).logits) - ref.eval()(_torch(x)).logits.numpy())
+    print(f"mean-pooling classifier ours -> transformers (custom code): logits {err.max()}")
+    assert err.max() < TOL, err.max()
+
+    with pytest.raises(ValueError, match="contains custom code"):
+        auto.from_pretrained(tmp_path, trust_remote_code=False)
+    _, info = transformers.ViTForImageClassification.from_pretrained(
+        tmp_path, output_loading_info=True)
+    assert info["missing_keys"] == {"classifier.weight", "classifier.bias"}
+    assert info["unexpected_keys"] == {"mean_pooling_classifier.weight",
+                                       "mean_pooling_classifier.bias"}
+
+
+def test_the_encoder_of_a_windowed_non_square_mae_is_transformers_vit_model(tmp_path):
+    """save_encoder writes the encoder of an MAE transformers cannot run whole (a 4 x 2 grid,
+    a windowed decoder) as ViTModel: with add_pooling_layer=False every tensor loads, and its
+    last_hidden_state is our encoder's on all the patches (our MAE forward with nothing
+    masked, in order); AutoModel's ViTModel adds a pooler, the only tensors missing. jaxaccel
+    reads the encoder back into a classifier (fine-tuning from it)."""
+    import torch
+    import transformers
+    arch = ViTConfig(image_size=(16, 8), num_channels=1, mask_ratio=0.75, decoder_window=(2, 2),
+                     **MAE_KW)
+    ours = _random_ours(ModelSpec(arch, task="mae"), seed=4)
+    hf_vit.save_encoder(ours, tmp_path)
+    config = json.load(open(os.path.join(tmp_path, "config.json")))
+    assert config["architectures"] == ["ViTModel"] and config["image_size"] == [16, 8]
+    assert "decoder_window" not in config and "id2label" not in config
+    ref, info = transformers.ViTModel.from_pretrained(tmp_path, add_pooling_layer=False,
+                                                      output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    _, info = transformers.AutoModel.from_pretrained(tmp_path, output_loading_info=True)
+    assert info["missing_keys"] == {"pooler.dense.weight", "pooler.dense.bias"}
+    assert not info["unexpected_keys"]
+
+    unmasked = vit.ViTModel(ModelSpec(dataclasses.replace(arch, mask_ratio=0.0), task="mae"))
+    nnx.update(unmasked, nnx.state(ours, nnx.Param))
+    x, in_order = _pixels((2, 16, 8)), jnp.tile(jnp.arange(8.0), (2, 1))
+    got = np.asarray(_run(unmasked, x, noise=in_order).last_hidden_state)
+    with torch.no_grad():
+        err = np.abs(got - ref.eval()(_torch(x)).last_hidden_state.numpy()).max()
+    print(f"windowed non-square MAE's encoder ours -> ViTModel: last_hidden_state {err}")
+    assert err < TOL, err
+
+    clf = hf_vit.load_checkpoint(tmp_path, ModelSpec(hf_vit.architecture_of(tmp_path),
+                                                     task="classification", num_labels=2))
+    for prefix in ("embeddings/", "layers/", "layernorm/"):
+        _assert_same_params(ours, clf, prefix)
+
+
 # ---- refusals ----
 
 @pytest.fixture(scope="module")

@@ -46,10 +46,13 @@ def load_checkpoint(path, spec: ModelSpec, policy=None, seed: int = 0):
 
 
 def save_checkpoint(model, path, max_shard_size: int | None = None, *,
-                    exact: bool = False) -> None:
+                    exact: bool = False, custom_code: bool = False) -> None:
     """Write ``model`` as a Hugging Face checkpoint directory (its family's writer); ``exact``:
-    refuse a model that transformers would run with other outputs (else a warning)."""
-    family_of(model.spec).resolve("writer")(model, path, max_shard_size, exact=exact)
+    refuse a model that transformers would run with other outputs (else a warning);
+    ``custom_code``: write a model transformers has no class of (a classifier of mean pooling)
+    with a class of its own, which transformers loads with ``trust_remote_code=True``."""
+    family_of(model.spec).resolve("writer")(model, path, max_shard_size, exact=exact,
+                                            custom_code=custom_code)
 
 
 def check_vocab(tokenizer_size: int, architecture, tokenizer_source) -> None:

@@ -16,7 +16,12 @@ a classifier as ``BertForSequenceClassification`` (``bert.``-prefixed encoder an
 word embeddings and its bias to ``cls.predictions.bias``, so neither is stored), no head as
 ``BertModel`` (un-prefixed). transformers' classifier reads the pooler output (the CLS token):
 a classifier of mean pooling is written with a warning that transformers' outputs differ
-(``differences``), or refused with ``exact=True``.
+(``differences``), or refused with ``exact=True``; with ``custom_code=True`` it is written
+with a class of its own for transformers (``remote_code.BERT_MEAN_POOLING``: its
+``modeling_*.py`` in the folder, config.json's ``model_type`` "bert_mean_pooling" and
+``auto_map``, the head ``mean_pooling_classifier``), which
+``AutoModelForSequenceClassification.from_pretrained(path, trust_remote_code=True)`` loads
+and this module reads back (pooling "mean" by default).
 """
 from __future__ import annotations
 
@@ -30,6 +35,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from jaxaccel.models import remote_code
 from jaxaccel.models.bert import BertModel
 from jaxaccel.models.spec import DROPOUTS, BertConfig, ModelSpec
 from jaxaccel.precision import Policy
@@ -75,7 +81,7 @@ def key_map(config: BertConfig, num_labels: int | None, mlm_head: bool):
 
 
 def _normalise(name: str) -> str:
-    name = name.removeprefix("bert.")
+    name = remote_code.standard_name(name.removeprefix("bert."))
     name = re.sub(r"LayerNorm\.gamma$", "LayerNorm.weight", name)
     return re.sub(r"LayerNorm\.beta$", "LayerNorm.bias", name)
 
@@ -160,8 +166,12 @@ def from_pretrained(path, num_labels: int | None = None, policy: str | Policy | 
     ``attention_impl``, ``remat``, ``mlm_head``).
 
     Heads missing from the checkpoint (e.g. a new classifier) are freshly initialised from
-    ``seed``; tensors the model does not know are an error that names them.
+    ``seed``; tensors the model does not know are an error that names them. A checkpoint of
+    jaxaccel's mean-pooling class (module doc) is read with ``pooling="mean"`` unless
+    ``options`` say otherwise.
     """
+    if read_config(os.fspath(path)).get("model_type") == remote_code.BERT_MEAN_POOLING.model_type:
+        options.setdefault("pooling", "mean")
     return load_checkpoint(path, ModelSpec(architecture_of(path), num_labels=num_labels,
                                            **options), policy, seed)
 
@@ -253,25 +263,36 @@ def write_checkpoint(path, config_json: dict, tensors: dict[str, np.ndarray],
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
 
 
-def differences(spec: ModelSpec) -> list[str]:
-    """How transformers' class for ``spec``'s model (``save_checkpoint``) computes other outputs
-    than this model: empty when it computes the same."""
-    if spec.num_labels is not None and spec.pooling != "cls":
+def _custom_class(spec: ModelSpec) -> remote_code.CustomClass | None:
+    """The class written for ``spec``'s model with ``custom_code``: a classifier of mean
+    pooling has one (transformers has none), every other model transformers' own (None)."""
+    pools_by_mean = spec.num_labels is not None and spec.pooling == "mean"
+    return remote_code.BERT_MEAN_POOLING if pools_by_mean else None
+
+
+def differences(spec: ModelSpec, custom_code: bool = False) -> list[str]:
+    """How transformers' class for ``spec``'s model (``save_checkpoint``, with or without
+    ``custom_code``) computes other outputs than this model: empty when it computes the same."""
+    if _custom_class(spec) is not None and not custom_code:
         return [f"pooling={spec.pooling!r}: transformers' BertForSequenceClassification "
                 "classifies BERT's pooler output (the CLS token), and no transformers BERT "
-                "class pools by the mean (a classifier trained with model.pooling=cls is "
+                "class pools by the mean; custom_code=True (jaxaccel export --custom-code) "
+                "writes a class of its own that transformers loads with "
+                "trust_remote_code=True (a classifier trained with model.pooling=cls is "
                 "written as it is)"]
     return []
 
 
 def save_checkpoint(model: BertModel, path, max_shard_size: int | None = None, *,
-                    exact: bool = False) -> None:
+                    exact: bool = False, custom_code: bool = False) -> None:
     """Write ``model`` as a Hugging Face checkpoint directory (config.json + safetensors in the
-    parameters' dtype; module doc), sharded above ``max_shard_size`` bytes. What transformers
-    would compute differently (``differences``) is a warning, or with ``exact`` a
-    ``ValueError``."""
+    parameters' dtype; module doc), sharded above ``max_shard_size`` bytes; ``custom_code``:
+    a model transformers has no class of (a classifier of mean pooling) with a class of its
+    own (module doc), every other with transformers' as without it. What transformers would
+    compute differently (``differences``) is a warning, or with ``exact`` a ``ValueError``."""
     spec = model.spec
-    check_differences(differences(spec), exact)
+    check_differences(differences(spec, custom_code), exact)
+    custom = _custom_class(spec) if custom_code else None
     mapping = key_map(spec.architecture, spec.num_labels, spec.mlm_head)
     prefix = "bert." if spec.num_labels is not None or spec.mlm_head else ""
     flat = flat_params(model)
@@ -281,8 +302,15 @@ def save_checkpoint(model: BertModel, path, max_shard_size: int | None = None, *
             continue                    # BertForMaskedLM has no pooler
         value = np.asarray(jax.device_get(flat[ours]))
         head = name.startswith(("classifier.", "cls."))
-        tensors[name if head else prefix + name] = value.T if transpose else value
-    write_checkpoint(path, config_json(spec), tensors, max_shard_size)
+        name = name if head else prefix + name
+        tensors[remote_code.custom_name(name) if custom else name] = \
+            value.T if transpose else value
+    config = config_json(spec)
+    if custom:
+        config.update(custom.config_json())
+    write_checkpoint(path, config, tensors, max_shard_size)
+    if custom:
+        custom.copy_to(path)
 
 
 def config_json(spec: ModelSpec) -> dict:

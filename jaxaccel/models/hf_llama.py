@@ -101,11 +101,13 @@ def load_checkpoint(path, spec: ModelSpec, policy: str | Policy | None = None,
 
 
 def save_checkpoint(model: LlamaForCausalLM, path, max_shard_size: int | None = None, *,
-                    exact: bool = False) -> None:
+                    exact: bool = False, custom_code: bool = False) -> None:
     """Write ``model`` as a Hugging Face checkpoint directory (config.json + safetensors,
     float32 or the parameters' dtype), sharded above ``max_shard_size`` bytes. transformers'
     ``LlamaForCausalLM`` computes this model's outputs, so ``exact`` (refuse what it would
-    compute differently, as the other families' writers take) has nothing to refuse."""
+    compute differently) has nothing to refuse and ``custom_code`` (write a class of the
+    model's own where transformers has none) nothing to write: the other families' writers
+    take both."""
     flat = hf.flat_params(model)
     tensors = {name: np.asarray(jax.device_get(flat[ours])).T if transpose
                else np.asarray(jax.device_get(flat[ours]))

@@ -50,12 +50,23 @@ checkpoint of another architecture is refused by its ``model_type`` and its conf
 transformers' ViT-MAE runs square grids only: a ``ViTMAEForPreTraining`` of a non-square
 ``image_size`` whose patch count is not a square (a 4 x 2 grid) fails to build (its sin-cos
 init makes a sqrt(N) x sqrt(N) table), and one whose count is (8 x 2) builds but its forward
-refuses the input (``patchify`` wants square pixel values). Such checkpoints are written
-(with a warning) and read back here; transformers cannot run them.
+refuses the input (``patchify`` wants square pixel values); its decoder attends globally, so a
+windowed decoder (``decoder_window``) computes other outputs there. Such checkpoints are
+written (with a warning) and read back here; transformers cannot run them. Their encoder is
+transformers' ``ViTModel`` exactly, whatever the grid (``image_size`` [height, width], the
+sin-cos table stored as its ``position_embeddings``): ``save_encoder`` writes any ViT's
+encoder alone so (what fine-tuning elsewhere starts from).
+
+A classifier of mean pooling (``pooling="mean"``; transformers' classifies the CLS token) is
+written with a class of its own with ``custom_code=True``: ``remote_code.VIT_MEAN_POOLING``
+(its ``modeling_*.py`` in the folder, model_type "vit_mean_pooling", ``auto_map``, the head
+``mean_pooling_classifier``), which ``AutoModelForImageClassification.from_pretrained(path,
+trust_remote_code=True)`` loads and this module reads back (pooling "mean" by default).
 
     model = from_pretrained("path/to/vit_mae_checkpoint")                      # task "mae"
     model = from_pretrained("path/to/vit_mae_checkpoint", task="classification", num_labels=10)
     save_checkpoint(model, "out_dir")            # transformers loads out_dir
+    save_encoder(model, "encoder_dir")           # transformers' ViTModel loads encoder_dir
 """
 from __future__ import annotations
 
@@ -69,7 +80,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxaccel.models import hf
+from jaxaccel.models import hf, remote_code
 from jaxaccel.models.spec import DROPOUTS, ModelSpec, ViTConfig
 from jaxaccel.models.vit import ViTModel, sincos_positions
 from jaxaccel.precision import Policy
@@ -164,6 +175,7 @@ def key_map(config: ViTConfig, task: str, num_labels: int | None = None
 
 def _normalise(name: str) -> str:
     """The hub's spelling of a checkpoint tensor name (module doc)."""
+    name = remote_code.standard_name(name)
     for pattern, new in _RENAMES + _BLOCK_RENAMES:
         name = pattern.sub(new, name)
     return name
@@ -212,12 +224,15 @@ def from_pretrained(path, policy: str | Policy | None = None, *, seed: int = 0,
     ``options`` are ``ModelSpec``'s (``task``, ``num_labels``, ``pooling``,
     ``attention_impl``, ``remat``). The task defaults to the checkpoint's ("mae" for
     model_type "vit_mae", "classification" for "vit"), a classifier's ``num_labels`` to the
-    checkpoint's (its ``id2label``) when it has one."""
+    checkpoint's (its ``id2label``) when it has one; a checkpoint of jaxaccel's mean-pooling
+    class (module doc) is read with ``pooling="mean"`` unless ``options`` say otherwise."""
     path = os.fspath(path)
     config_json = hf.read_config(path)
     architecture = ViTConfig.from_dict(config_json, source=os.path.join(path, "config.json"))
-    options.setdefault("task", "mae" if config_json.get("model_type") == "vit_mae"
-                       else "classification")
+    model_type = config_json.get("model_type")
+    options.setdefault("task", "mae" if model_type == "vit_mae" else "classification")
+    if model_type == remote_code.VIT_MEAN_POOLING.model_type:
+        options.setdefault("pooling", "mean")
     if options["task"] == "classification" and options.get("num_labels") is None:
         options["num_labels"] = _num_labels(config_json)
     return load_checkpoint(path, ModelSpec(architecture, **options), policy, seed,
@@ -328,51 +343,81 @@ def _check_positions(name: str, table: np.ndarray, expected: np.ndarray, path: s
                      f"model would not compute.{learned}")
 
 
+def _hf_tensors(model: ViTModel, mapping) -> dict[str, np.ndarray]:
+    """The model's tensors of ``mapping`` (``key_map``) in transformers' layout, the sin-cos
+    tables computed, in the parameters' dtype."""
+    cfg, flat = model.config, hf.flat_params(model)
+    dtype = np.asarray(jax.device_get(flat["embeddings/cls_token"])).dtype
+    return {name: _sincos_table(name, cfg).astype(dtype) if transform == SINCOS
+            else _to_hf(np.asarray(jax.device_get(flat[ours])), transform, cfg)
+            for name, (ours, transform) in mapping.items()}
+
+
 def save_checkpoint(model: ViTModel, path, max_shard_size: int | None = None, *,
-                    exact: bool = False) -> None:
+                    exact: bool = False, custom_code: bool = False) -> None:
     """Write ``model`` as a Hugging Face checkpoint directory (config.json + safetensors in
     the parameters' dtype, the hub's tensor names, the sin-cos tables stored), sharded above
     ``max_shard_size`` bytes: a "mae" model as ``ViTMAEForPreTraining``, a "classification"
-    one as ``ViTForImageClassification``. ``decoder_window`` and ``position_embedding_type``
-    go into config.json (transformers keeps but ignores them). What transformers would compute
+    one as ``ViTForImageClassification``, or, with ``custom_code``, one of mean pooling with a
+    class of its own (module doc). ``decoder_window`` and ``position_embedding_type`` go into
+    config.json (transformers keeps but ignores them). What transformers would compute
     differently (``differences``) is a warning, or with ``exact`` a ``ValueError``."""
-    spec, cfg = model.spec, model.config
-    hf.check_differences(differences(spec), exact)
-    flat = hf.flat_params(model)
-    dtype = np.asarray(jax.device_get(flat["embeddings/cls_token"])).dtype
-    tensors = {}
-    for name, (ours, transform) in key_map(cfg, spec.task, spec.num_labels).items():
-        if transform == SINCOS:
-            tensors[name] = _sincos_table(name, cfg).astype(dtype)
-        else:
-            tensors[name] = _to_hf(np.asarray(jax.device_get(flat[ours])), transform, cfg)
-    hf.write_checkpoint(path, config_json(spec), tensors, max_shard_size)
+    spec = model.spec
+    hf.check_differences(differences(spec, custom_code), exact)
+    custom = _custom_class(spec) if custom_code else None
+    tensors = _hf_tensors(model, key_map(model.config, spec.task, spec.num_labels))
+    config = config_json(spec)
+    if custom:
+        tensors = {remote_code.custom_name(k): v for k, v in tensors.items()}
+        config.update(custom.config_json())
+    hf.write_checkpoint(path, config, tensors, max_shard_size)
+    if custom:
+        custom.copy_to(path)
 
 
-def differences(spec: ModelSpec) -> list[str]:
-    """How transformers' class for ``spec``'s model (``save_checkpoint``) computes other outputs
-    than this model, or cannot run it (module doc): empty when it computes the same."""
+def save_encoder(model: ViTModel, path, max_shard_size: int | None = None) -> None:
+    """Write the encoder of ``model`` (of either task; its head left out) as transformers'
+    ``ViTModel`` checkpoint (un-prefixed tensor names, as its ``save_pretrained`` writes; no
+    pooler, which this model has not): its ``last_hidden_state`` is this model's encoder
+    output on all the patches, unmasked, for any grid (module doc)."""
+    tensors = _hf_tensors(model, key_map(model.config, "classification"))
+    hf.write_checkpoint(path, encoder_config_json(model.config),
+                        {k.removeprefix("vit."): v for k, v in tensors.items()}, max_shard_size)
+
+
+def _custom_class(spec: ModelSpec) -> remote_code.CustomClass | None:
+    """The class written for ``spec``'s model with ``custom_code``: a classifier of mean
+    pooling has one (transformers has none), every other model transformers' own (None)."""
+    pools_by_mean = spec.task == "classification" and spec.pooling == "mean"
+    return remote_code.VIT_MEAN_POOLING if pools_by_mean else None
+
+
+def differences(spec: ModelSpec, custom_code: bool = False) -> list[str]:
+    """How transformers' class for ``spec``'s model (``save_checkpoint``, with or without
+    ``custom_code``) computes other outputs than this model, or cannot run it (module doc):
+    empty when it computes the same."""
     cfg, found = spec.architecture, []
+    encoder = ("; save_encoder (jaxaccel export --encoder) writes its encoder alone as "
+               "transformers' ViTModel")
     if spec.task == "mae" and cfg.grid[0] != cfg.grid[1]:
         found.append(f"a ViT-MAE of a {cfg.grid[0]} x {cfg.grid[1]} patch grid: transformers' "
-                     "ViTMAEForPreTraining runs square grids only (jaxaccel reads it back)")
+                     "ViTMAEForPreTraining runs square grids only (jaxaccel reads it back)"
+                     + encoder)
     if spec.task == "mae" and cfg.decoder_window is not None:
         found.append(f"decoder_window={cfg.decoder_window}: transformers' ViTMAE decoder "
-                     "attends globally and ignores it")
-    if spec.task == "classification" and spec.pooling != "cls":
+                     "attends globally and ignores it" + encoder)
+    if _custom_class(spec) is not None and not custom_code:
         found.append(f"pooling={spec.pooling!r}: transformers' ViTForImageClassification "
-                     "classifies the CLS token (a classifier trained with model.pooling=cls "
+                     "classifies the CLS token; custom_code=True (jaxaccel export "
+                     "--custom-code) writes a class of its own that transformers loads with "
+                     "trust_remote_code=True (a classifier trained with model.pooling=cls "
                      "is written as it is)")
     return found
 
 
 def config_json(spec: ModelSpec) -> dict:
     """The config.json of ``spec``'s model for transformers (module doc)."""
-    cfg = spec.architecture
-    fields = dataclasses.asdict(cfg)
-    height, width = cfg.image_size
-    fields["image_size"] = height if height == width else [height, width]
-    fields["decoder_window"] = None if cfg.decoder_window is None else list(cfg.decoder_window)
+    fields = _config_fields(spec.architecture)
     if spec.task == "mae":
         return {"architectures": ["ViTMAEForPreTraining"], "model_type": "vit_mae", **fields}
     fields = {k: v for k, v in fields.items() if k not in MAE_ONLY}
@@ -380,5 +425,20 @@ def config_json(spec: ModelSpec) -> dict:
             **hf.labels_json(spec.num_labels or 0)}
 
 
-__all__ = ["architecture_of", "config_json", "differences", "from_pretrained", "key_map",
-           "load_checkpoint", "save_checkpoint"]
+def encoder_config_json(cfg: ViTConfig) -> dict:
+    """The config.json of ``save_encoder``'s ``ViTModel`` of the architecture ``cfg``."""
+    return {"architectures": ["ViTModel"], "model_type": "vit",
+            **{k: v for k, v in _config_fields(cfg).items() if k not in MAE_ONLY}}
+
+
+def _config_fields(cfg: ViTConfig) -> dict:
+    """``cfg``'s fields as config.json holds them (a square ``image_size`` as one int)."""
+    fields = dataclasses.asdict(cfg)
+    height, width = cfg.image_size
+    fields["image_size"] = height if height == width else [height, width]
+    fields["decoder_window"] = None if cfg.decoder_window is None else list(cfg.decoder_window)
+    return fields
+
+
+__all__ = ["architecture_of", "config_json", "differences", "encoder_config_json",
+           "from_pretrained", "key_map", "load_checkpoint", "save_checkpoint", "save_encoder"]

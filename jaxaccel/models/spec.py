@@ -26,7 +26,7 @@ import difflib
 import importlib
 from typing import Any, Mapping
 
-BERT_MODEL_TYPES = ("bert",)
+BERT_MODEL_TYPES = ("bert", "bert_mean_pooling")   # the latter: jaxaccel's export (remote_code)
 POOLINGS = ("cls", "mean")
 HIDDEN_ACTS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu")
 # BERT's dropouts: config key (None = keep the checkpoint's or preset's value) -> field
@@ -241,7 +241,7 @@ LLAMA_PRESETS = {
 }
 
 
-VIT_MODEL_TYPES = ("vit_mae", "vit")
+VIT_MODEL_TYPES = ("vit_mae", "vit", "vit_mean_pooling")   # the last: jaxaccel's export
 POSITION_EMBEDDINGS = ("sincos", "learned")
 
 
@@ -340,7 +340,8 @@ class ViTConfig:
     @classmethod
     def from_dict(cls, d: dict[str, Any], source: str = "config") -> "ViTConfig":
         """Build from a transformers ``ViTMAEConfig`` or ``ViTConfig`` config.json dict (other
-        keys ignored): a ViT's positions are learned, a ViT-MAE's sin-cos."""
+        keys ignored): a ViT's positions are learned, a ViT-MAE's sin-cos, unless it names
+        ``position_embedding_type`` (jaxaccel's writers do)."""
         model_type = d.get("model_type")
         if model_type not in VIT_MODEL_TYPES:
             raise ValueError(f"{source}: model_type={model_type!r} is not a ViT-family model; "
@@ -348,7 +349,7 @@ class ViTConfig:
         names = {f.name for f in dataclasses.fields(cls)}
         values = {k: v for k, v in d.items() if k in names}
         values.setdefault("position_embedding_type",
-                          "learned" if model_type == "vit" else "sincos")
+                          "sincos" if model_type == "vit_mae" else "learned")
         return cls(**values)
 
 
