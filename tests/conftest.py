@@ -43,6 +43,13 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _SESSION_CACHE
 else:
     _SESSION_CACHE = None
+# transformers copies the model code of a folder loaded with trust_remote_code (the exports of
+# mean-pooling classifiers) into HF_MODULES_CACHE: a session folder, not the user's ~/.cache.
+if "HF_MODULES_CACHE" not in os.environ:
+    _MODULES_CACHE = tempfile.mkdtemp(prefix="jaxaccel-tests-hf-modules-")
+    os.environ["HF_MODULES_CACHE"] = _MODULES_CACHE
+else:
+    _MODULES_CACHE = None
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -85,8 +92,9 @@ def pytest_configure(config):
 
 
 def pytest_sessionfinish(session, exitstatus):
-    if _SESSION_CACHE is not None:
-        shutil.rmtree(_SESSION_CACHE, ignore_errors=True)
+    for folder in (_SESSION_CACHE, _MODULES_CACHE):
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):
