@@ -5,7 +5,7 @@
     jaxaccel predict --checkpoint runs/minilm_rt "a gripping, beautifully shot film"
     jaxaccel predict --checkpoint runs/minilm_rt --input texts.txt   # one text a line; - = stdin
     jaxaccel generate --checkpoint runs/llama_cpu "Once upon a time" "The river" [--greedy]
-    jaxaccel export --checkpoint runs/minilm_rt --out hf/minilm_rt   # transformers loads it
+    jaxaccel export --checkpoint runs/minilm_rt --out hf/minilm_rt --custom-code   # mean pooling
     jaxaccel bench train_step --small            # any suite's own flags follow its name
     jaxaccel compare bench/results/job-*.json [--prices FILE] [--weights balance] [--html]
     jaxaccel compile --config configs/bert_base_imdb.py --topology v5e-8 [--out bench/results]
@@ -78,6 +78,13 @@ def _parser() -> argparse.ArgumentParser:
     x.add_argument("--out", required=True, metavar="DIR",
                    help="folder to write (made if missing; must be empty unless --overwrite)")
     x.add_argument("--overwrite", action="store_true", help="replace a non-empty DIR")
+    x.add_argument("--custom-code", action="store_true",
+                   help="write a classifier of mean pooling, of which transformers has no "
+                   "class, with a class of its own (a modeling_*.py in DIR) that transformers "
+                   "loads with trust_remote_code=True; without it such a run is refused")
+    x.add_argument("--encoder", action="store_true",
+                   help="write a ViT run's encoder alone as transformers' ViTModel (an MAE "
+                   "pretraining run's, to fine-tune elsewhere)")
     b = sub.add_parser("bench", help="measure this machine's devices: one result file per suite",
                        description="Runs bench/<suite>.py (a source checkout) with the flags "
                        "that follow; `jaxaccel bench SUITE --help` lists them. The result goes "
@@ -291,7 +298,9 @@ def cmd_export(args) -> int:
     from jaxaccel.train.export import export_run
     run_dir = _run_dir(args.checkpoint)
     with rundir.library_log(run_dir):
-        print(json.dumps(export_run(run_dir, args.out, overwrite=args.overwrite), indent=2))
+        print(json.dumps(export_run(run_dir, args.out, overwrite=args.overwrite,
+                                    custom_code=args.custom_code, encoder=args.encoder),
+                         indent=2))
     return 0
 
 

@@ -4,16 +4,21 @@ unexpected) with its tokenizer and label names, and whose PyTorch model computes
 outputs within 1e-4 (float32, CPU, as the readers' parity tests):
 
 * BERT: the trainer's run folder of a classifier trained two steps, exported by the command;
+  and the main job's kind (mean pooling) with ``--custom-code``, loaded by
+  ``AutoModelForSequenceClassification`` with ``trust_remote_code=True``;
 * Llama: a decoder with untied embeddings on 2 pipeline stages in Adan's flat layout, and one
   with tied embeddings;
 * ViT: a classifier under the fp8 policy (its scaling state is no part of the export, whose
-  outputs are the fp32 model's), and (-m slow) a square MAE with its decoder (given masking
-  noise);
+  outputs are the fp32 model's), a mean-pooling classifier with custom code, the encoder of an
+  MAE with a windowed decoder on a non-square grid (``--encoder``, as ``ViTModel``), and
+  (-m slow) a square MAE with its decoder (given masking noise);
 
 each trained two steps; and what it refuses: a model transformers would run with other outputs
-(a mean-pooling classifier), a text run without its tokenizer, a non-empty ``--out`` unless
+(a mean-pooling classifier without ``--custom-code``, a windowed MAE without ``--encoder``),
+``--encoder`` of a text model, a text run without its tokenizer, a non-empty ``--out`` unless
 ``--overwrite``, an ``--out`` holding the run. The writers' own tests (every head, random
-weights) are in test_model.py, test_llama.py and test_vit_hf.py."""
+weights; what transformers does with a custom-code folder without ``trust_remote_code``) are in
+test_model.py, test_llama.py and test_vit_hf.py."""
 import dataclasses
 import itertools
 import json
@@ -29,7 +34,7 @@ from flax import nnx
 from jaxaccel import config
 from jaxaccel.data import load_tokenizer
 from jaxaccel.models import ModelSpec, build_model, hf, load_checkpoint, model_spec
-from jaxaccel.models.spec import ViTConfig
+from jaxaccel.models.spec import VIT_PRESETS, ViTConfig
 from jaxaccel.train import loop, rundir
 from jaxaccel.train import run as run_lib
 from jaxaccel.train.checkpoint import Checkpointer, on_disk
@@ -51,12 +56,14 @@ TEXTS = ["a gripping, beautifully shot film", "dull", "the plot is thin but the 
 
 # ---- helpers ----
 
-def _transformers_model(out):
-    """transformers' class named by the export's config.json, loaded from it; every tensor
-    read (none missing, unexpected or of another shape)."""
+def _transformers_model(out, auto=None, **options):
+    """transformers' class named by the export's config.json (or the Auto class ``auto`` with
+    ``options``, e.g. trust_remote_code), loaded from it; every tensor read (none missing,
+    unexpected or of another shape)."""
     architecture = json.load(open(os.path.join(out, "config.json")))["architectures"][0]
-    model, info = getattr(transformers, architecture).from_pretrained(
-        out, output_loading_info=True)
+    model, info = getattr(transformers, auto or architecture).from_pretrained(
+        out, output_loading_info=True, **options)
+    assert type(model).__name__ == architecture
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
     return model.eval()
 
@@ -188,15 +195,55 @@ def test_an_existing_folder_is_replaced_only_when_asked(bert_run, tmp_path, caps
 
 
 def test_a_mean_pooling_classifier_is_refused_and_nothing_is_written(tmp_path, capsys):
-    """transformers has no BERT class that pools by the mean: the export says so and leaves
-    no folder."""
+    """transformers has no BERT class that pools by the mean: without --custom-code the export
+    says so, names the flag and leaves no folder; --encoder is a ViT run's."""
     run_dir = _untrained_run(tmp_path, "mean", "model.pooling=mean")
     out = tmp_path / "hf"
     code, stdout, stderr = run_cli(capsys, "export", "--checkpoint", run_dir, "--out", str(out))
     assert code == 2 and stdout == ""
     assert "pooling='mean': transformers' BertForSequenceClassification classifies BERT's " \
-        "pooler output" in stderr
+        "pooler output" in stderr and "jaxaccel export --custom-code" in stderr
+    with pytest.raises(ValueError, match="--encoder writes a ViT run's encoder alone"):
+        export_run(run_dir, str(out), encoder=True)
     assert os.listdir(tmp_path) == ["mean"]
+
+
+@pytest.fixture(scope="module")
+def mean_run(tmp_path_factory):
+    """The trainer's run folder of two steps of the tiny BERT classifying the mean of its last
+    hidden states (the main job's model.pooling=mean; 3 classes, the MiniLM tokenizer)."""
+    tmp = tmp_path_factory.mktemp("mean")
+    return loop.train(tiny_cfg(tmp, "name=mean", "model.num_labels=3", "model.pooling=mean",
+                               "train.max_steps=2"))["run_dir"]
+
+
+def test_the_main_jobs_mean_pooling_classifier_exports_with_custom_code(mean_run, tmp_path,
+                                                                        capsys):
+    """--custom-code: the folder ships modeling_bert_mean_pooling.py; AutoTokenizer gives the
+    run's ids and AutoModelForSequenceClassification (trust_remote_code=True) the run's
+    logits, padding included; jaxaccel reads every parameter back."""
+    out = str(tmp_path / "hf")
+    code, stdout, _ = run_cli(capsys, "export", "--checkpoint", mean_run, "--out", out,
+                              "--custom-code")
+    assert code == 0
+    summary = json.loads(stdout)
+    assert summary["architectures"] == ["BertMeanPoolingForSequenceClassification"]
+    assert summary["model_code"] == ["modeling_bert_mean_pooling.py"]
+    assert summary["labels"] == ["0", "1", "2"] and "tokenizer.json" in summary["tokenizer_files"]
+
+    ours, _, _ = load_run(mean_run)
+    assert ours.spec.pooling == "mean"
+    _same_params(ours, _fp32_export(out, ours.spec))
+    batch = transformers.AutoTokenizer.from_pretrained(out)(TEXTS, padding=True,
+                                                            return_tensors="np")
+    assert not batch["attention_mask"].all()          # rows of other lengths: padding pooled out
+    got = _highest(lambda: ours(jnp.asarray(batch["input_ids"]),
+                                jnp.asarray(batch["attention_mask"])).logits)
+    model = _transformers_model(out, "AutoModelForSequenceClassification",
+                                trust_remote_code=True)
+    with torch.no_grad():
+        want = model(**{k: torch.from_numpy(v).long() for k, v in batch.items()}).logits.numpy()
+    _close(got, want)
 
 
 def test_the_runs_label_names_become_id2label(tmp_path, minilm_dir):
@@ -293,6 +340,62 @@ def test_an_fp8_vit_classifier_run_exports_its_float32_weights(tmp_path):
     got = _highest(lambda: fp32(jnp.asarray(x)).logits)
     with torch.no_grad():
         want = _transformers_model(out)(_torch_pixels(x)).logits.numpy()
+    _close(got, want)
+
+
+def test_a_mean_pooling_vit_classifier_run_exports_with_custom_code(tmp_path):
+    """bfsong_finetune's kind: the vit-tiny classifier (5 x 3 grid) on the mean of its patch
+    tokens, trained two steps; refused without custom_code, and with it
+    AutoModelForImageClassification (trust_remote_code=True) computes the run's logits."""
+    run_dir = _stepped_run(config.build(sets=VIT + [
+        f"workdir={tmp_path}", "name=vit", "model.task=classification", "model.num_labels=3",
+        "model.pooling=mean"]))
+    out = str(tmp_path / "hf")
+    with pytest.raises(ValueError, match="ViTForImageClassification classifies the CLS token; "
+                                         r"custom_code=True \(jaxaccel export --custom-code\)"):
+        export_run(run_dir, out)
+    summary = export_run(run_dir, out, custom_code=True)
+    assert summary["architectures"] == ["ViTMeanPoolingForImageClassification"]
+    assert summary["model_code"] == ["modeling_vit_mean_pooling.py"]
+    assert summary["labels"] == ["0", "1", "2"]
+    ours, _, _ = load_run(run_dir)
+    _same_params(ours, _fp32_export(out, ours.spec))
+    x = _pixels((3, 40, 24))
+    got = _highest(lambda: ours(jnp.asarray(x)).logits)
+    model = _transformers_model(out, "AutoModelForImageClassification", trust_remote_code=True)
+    with torch.no_grad():
+        want = model(_torch_pixels(x)).logits.numpy()
+    _close(got, want)
+
+
+def test_a_windowed_mae_run_on_a_non_square_grid_exports_its_encoder(tmp_path):
+    """vit-tiny's MAE (5 x 3 grid) with a windowed decoder, trained two steps: transformers'
+    ViT-MAE cannot run it, so it is refused whole, naming --encoder; --encoder writes its
+    encoder as ViTModel, whose last_hidden_state is the run's encoder output on all the
+    patches (the run's MAE forward with nothing masked, in order)."""
+    arch = dataclasses.replace(VIT_PRESETS["vit-tiny"], decoder_window=(2, 2))
+    run_dir = _stepped_run(config.build(sets=VIT + [f"workdir={tmp_path}", "name=mae",
+                                                    "model.task=mae"]),
+                           ModelSpec(arch, task="mae"))
+    out = str(tmp_path / "hf")
+    with pytest.raises(ValueError, match=r"decoder_window=\(2, 2\).*jaxaccel export --encoder"):
+        export_run(run_dir, out)
+    assert os.listdir(tmp_path) == ["mae"]
+    summary = export_run(run_dir, out, encoder=True)
+    assert summary["architectures"] == ["ViTModel"] and summary["labels"] is None
+    assert summary["model_code"] == []
+
+    ours, _, _ = load_run(run_dir)
+    unmasked = build_model(ModelSpec(dataclasses.replace(arch, mask_ratio=0.0), task="mae"))
+    nnx.update(unmasked, nnx.state(ours, nnx.Param))
+    x = _pixels((2, 40, 24))
+    in_order = jnp.tile(jnp.arange(arch.num_patches, dtype=jnp.float32), (2, 1))
+    got = _highest(lambda: unmasked(jnp.asarray(x), noise=in_order).last_hidden_state)
+    model, info = transformers.ViTModel.from_pretrained(out, add_pooling_layer=False,
+                                                        output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    with torch.no_grad():
+        want = model.eval()(_torch_pixels(x)).last_hidden_state.numpy()
     _close(got, want)
 
 

@@ -6,18 +6,30 @@ the run's label names as config.json's ``id2label`` / ``label2id``, and the file
 ``tokenizer/`` folder beside them (``AutoTokenizer`` loads them; a ViT run has none).
 
 Only what transformers computes as the run does is written: a model its class would run with
-other outputs (a classifier of mean pooling, a ViT-MAE decoder's local windows or non-square
-grid: the writers' ``differences``) is refused with the reason, never exported. The checkpoint
-holds the per-parameter form whatever layout or pipeline trained it (``optim.flat.portable``),
-so every run exports. Parameters are float32 under every policy and are written so; an fp8
-run's scaling state (amax histories) is no part of a transformers checkpoint, which runs the
-weights unquantized (the outputs of the run's model under the fp32 policy).
+other outputs (the writers' ``differences``) is refused with the reason, never exported, unless
+asked for in one of two explicit ways:
+
+* ``custom_code``: a classifier of mean pooling (the README's main job, bfsong_finetune), of
+  which transformers has no class, is written with a class of its own
+  (``models.remote_code``: a ``modeling_*.py`` in the folder, named by config.json's
+  ``auto_map``), which ``AutoModelFor...from_pretrained(out, trust_remote_code=True)`` loads;
+  without ``trust_remote_code`` transformers refuses the folder.
+* ``encoder``: a ViT run's encoder alone as transformers' ``ViTModel``
+  (``hf_vit.save_encoder``), exact for any grid: what an MAE pretraining run is exported for
+  (its windowed or non-square decoder, which transformers' ViT-MAE cannot run, left out).
+
+The checkpoint holds the per-parameter form whatever layout or pipeline trained it
+(``optim.flat.portable``), so every run exports. Parameters are float32 under every policy and
+are written so; an fp8 run's scaling state (amax histories) is no part of a transformers
+checkpoint, which runs the weights unquantized (the outputs of the run's model under the fp32
+policy).
 
 The export is written into a temporary folder beside ``out`` and renamed into place once
 complete, so an interrupted or refused export leaves nothing. ``out`` must be missing or empty
 unless ``overwrite`` (which replaces it), and may not be, or hold, the run folder.
 
-    summary = export_run("runs/minilm_rt", "hf/minilm_rt")
+    summary = export_run("runs/minilm_rt", "hf/minilm_rt", custom_code=True)
+    summary = export_run("runs/bfsong_mae", "hf/bfsong_mae_encoder", encoder=True)
 """
 from __future__ import annotations
 
@@ -27,17 +39,19 @@ import os
 import shutil
 import tempfile
 
-from jaxaccel.models import hf, save_checkpoint
+from jaxaccel.models import hf, hf_vit, save_checkpoint
+from jaxaccel.models.spec import ViTConfig
 from jaxaccel.train.inference import tokenizer_dir
 from jaxaccel.train.saved import load_run
 
 log = logging.getLogger("jaxaccel")
 
 
-def export_run(run_dir: str, out: str, *, overwrite: bool = False) -> dict:
+def export_run(run_dir: str, out: str, *, overwrite: bool = False, custom_code: bool = False,
+               encoder: bool = False) -> dict:
     """Write the run folder's newest checkpoint to ``out`` (module doc); returns what was
     written: the folder, the transformers class, the step, the label names, the tokenizer's
-    files."""
+    files and the model code shipped (``custom_code``'s ``modeling_*.py``, else none)."""
     out = os.path.abspath(out)
     _check_out(os.path.realpath(run_dir), os.path.realpath(out), overwrite)
     parent = os.path.dirname(out)
@@ -45,8 +59,8 @@ def export_run(run_dir: str, out: str, *, overwrite: bool = False) -> dict:
     staging = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.export-", dir=parent)
     try:
         model, _, meta = load_run(run_dir)
-        save_checkpoint(model, staging, exact=True)
-        config = _label_names(staging, model.spec, meta.get("label_names") or ())
+        _write_model(model, staging, custom_code, encoder)
+        config = _set_label_names(staging, run_label_names(meta))
         reads_tokens = "input_ids" in type(model).input_keys
         copied = _copy_files(tokenizer_dir(run_dir), staging) if reads_tokens else []
         _usual_permissions(staging)
@@ -59,10 +73,34 @@ def export_run(run_dir: str, out: str, *, overwrite: bool = False) -> dict:
     if model.policy.fp8:
         log.info("fp8 run: exported its float32 parameters; the fp8 scaling state is no part "
                  "of a transformers checkpoint, which runs the weights unquantized.")
+    code = _model_code(config)
+    if code:
+        log.info("%s ships its own model class (%s): transformers loads it with %s."
+                 "from_pretrained(%r, trust_remote_code=True).", out, ", ".join(code),
+                 _auto_class(config), out)
     return {"out": out, "architectures": config["architectures"],
             "step": meta.get("step"), "run_dir": os.path.abspath(run_dir),
             "labels": list(config["id2label"].values()) if "id2label" in config else None,
-            "tokenizer_files": copied}
+            "tokenizer_files": copied, "model_code": code}
+
+
+def run_label_names(meta: dict) -> tuple[str, ...]:
+    """The run's class names as its checkpoint record ``meta`` keeps them; () where it has
+    none (a language model, or a run saved before they were kept)."""
+    return tuple(meta.get("label_names") or ())
+
+
+def _write_model(model, path: str, custom_code: bool, encoder: bool) -> None:
+    """The run's model as a transformers checkpoint at ``path``: whole, exactly (a model of
+    mean pooling with its own class under ``custom_code``), or its ViT encoder alone."""
+    if not encoder:
+        save_checkpoint(model, path, exact=True, custom_code=custom_code)
+        return
+    if not isinstance(model.spec.architecture, ViTConfig):
+        raise ValueError(f"--encoder writes a ViT run's encoder alone (as transformers' "
+                         f"ViTModel); this run is a {model.spec.family.name} model: export it "
+                         "whole (without --encoder).")
+    hf_vit.save_encoder(model, path)
 
 
 def _check_out(run_dir: str, out: str, overwrite: bool) -> None:
@@ -78,17 +116,27 @@ def _check_out(run_dir: str, out: str, overwrite: bool) -> None:
                          "--overwrite to replace it.")
 
 
-def _label_names(path: str, spec, names) -> dict:
-    """config.json of the checkpoint at ``path``, a classifier's class names set to the run's
-    ``names`` (transformers' ``LABEL_i`` where the run has none); returns it."""
+def _set_label_names(path: str, names) -> dict:
+    """config.json of the checkpoint at ``path``, a classifier's class names (its ``id2label``:
+    the writer's ``LABEL_i``) set to the run's ``names`` where it has them; returns it."""
     file = os.path.join(path, "config.json")
     with open(file) as f:
         config = json.load(f)
-    if spec.num_labels is not None:
-        config.update(hf.labels_json(spec.num_labels, names))
+    if "id2label" in config:
+        config.update(hf.labels_json(len(config["id2label"]), names))
         with open(file, "w") as f:
             json.dump(config, f, indent=2)
     return config
+
+
+def _model_code(config: dict) -> list[str]:
+    """The model code files config.json's ``auto_map`` names (``custom_code``), sorted."""
+    return sorted({ref.split(".")[0] + ".py" for ref in config.get("auto_map", {}).values()})
+
+
+def _auto_class(config: dict) -> str:
+    """The transformers Auto class of the model ``auto_map`` names (not its config's)."""
+    return next(k for k in config["auto_map"] if k != "AutoConfig")
 
 
 def _usual_permissions(folder: str) -> None:
