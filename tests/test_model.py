@@ -254,7 +254,7 @@ def test_writer_custom_code_writes_a_mean_pooling_classifier_transformers_runs(t
                           attention_mask=torch.tensor(mask).long()).logits.numpy()
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
 
-    with pytest.raises(ValueError, match="contains custom code"):
+    with pytest.raises(ValueError, match="trust_remote_code=True"):
         auto.from_pretrained(tmp_path, trust_remote_code=False)
     _, info = transformers.BertForSequenceClassification.from_pretrained(
         tmp_path, output_loading_info=True)

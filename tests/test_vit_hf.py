@@ -421,7 +421,7 @@ def test_custom_code_writes_a_mean_pooling_classifier_transformers_runs(tmp_path
     print(f"mean-pooling classifier ours -> transformers (custom code): logits {err.max()}")
     assert err.max() < TOL, err.max()
 
-    with pytest.raises(ValueError, match="contains custom code"):
+    with pytest.raises(ValueError, match="trust_remote_code=True"):
         auto.from_pretrained(tmp_path, trust_remote_code=False)
     _, info = transformers.ViTForImageClassification.from_pretrained(
         tmp_path, output_loading_info=True)
