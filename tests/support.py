@@ -2,7 +2,8 @@
 ``jaxaccel`` command, the tiny in-process run (its ``--set`` strings, its config, its logged
 losses, a SIGTERM at its n-th train batch), the environment of a CPU-only subprocess, the tiny
 run built on a module's 8 devices, the float64 Adan rule and its inputs, packed causal-LM
-batches, and the skip marks of the compile-only TPU / GPU targets.
+batches, what transformers does with a custom-code folder it is not trusted to run, and the
+skip marks of the compile-only TPU / GPU targets.
 
 Test modules import it as ``support`` (``from support import ...``), as they import
 ``compile_only``: pytest puts this folder on ``sys.path`` (rootdir-relative "prepend" import
@@ -271,6 +272,23 @@ def lm_loss(model, batch) -> float:
     picked = np.take_along_axis(logp, batch["targets"][..., None], -1)[..., 0]
     w = batch["target_weights"]
     return float(-(picked * w).sum() / w.sum())
+
+
+# ---- Hugging Face exports ----
+
+def assert_custom_code_not_loaded_silently(folder, auto_class: str, plain_class: str):
+    """A folder written with ``custom_code=True`` (``models.remote_code``) is refused by
+    transformers' ``auto_class`` without ``trust_remote_code``, and transformers' own
+    ``plain_class`` built from it directly reports its head missing and the folder's
+    ``mean_pooling_classifier`` unexpected, rather than loading a CLS-pooling model silently."""
+    import transformers
+    with pytest.raises(ValueError, match="trust_remote_code=True"):
+        getattr(transformers, auto_class).from_pretrained(folder, trust_remote_code=False)
+    _, info = getattr(transformers, plain_class).from_pretrained(folder,
+                                                                 output_loading_info=True)
+    assert info["missing_keys"] == {"classifier.weight", "classifier.bias"}
+    assert info["unexpected_keys"] == {"mean_pooling_classifier.weight",
+                                       "mean_pooling_classifier.bias"}
 
 
 # ---- compile-only targets ----

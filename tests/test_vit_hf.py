@@ -22,6 +22,7 @@ from flax import nnx
 
 from jaxaccel.models import hf, hf_vit, vit
 from jaxaccel.models.spec import ModelSpec, ViTConfig
+from support import assert_custom_code_not_loaded_silently
 
 TOL = 1e-4
 MAE_KW = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
@@ -412,8 +413,8 @@ def test_custom_code_writes_a_mean_pooling_classifier_transformers_runs(tmp_path
         ("classification", 3, "mean")
     _assert_same_params(ours, back)
 
-    auto = transformers.AutoModelForImageClassification
-    ref, info = auto.from_pretrained(tmp_path, trust_remote_code=True, output_loading_info=True)
+    ref, info = transformers.AutoModelForImageClassification.from_pretrained(
+        tmp_path, trust_remote_code=True, output_loading_info=True)
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
     x = _pixels((2, 16, 8))
     with torch.no_grad():
@@ -421,13 +422,8 @@ def test_custom_code_writes_a_mean_pooling_classifier_transformers_runs(tmp_path
     print(f"mean-pooling classifier ours -> transformers (custom code): logits {err.max()}")
     assert err.max() < TOL, err.max()
 
-    with pytest.raises(ValueError, match="trust_remote_code=True"):
-        auto.from_pretrained(tmp_path, trust_remote_code=False)
-    _, info = transformers.ViTForImageClassification.from_pretrained(
-        tmp_path, output_loading_info=True)
-    assert info["missing_keys"] == {"classifier.weight", "classifier.bias"}
-    assert info["unexpected_keys"] == {"mean_pooling_classifier.weight",
-                                       "mean_pooling_classifier.bias"}
+    assert_custom_code_not_loaded_silently(tmp_path, "AutoModelForImageClassification",
+                                           "ViTForImageClassification")
 
 
 def test_the_encoder_of_a_windowed_non_square_mae_is_transformers_vit_model(tmp_path):
