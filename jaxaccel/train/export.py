@@ -97,7 +97,7 @@ def _write_model(model, path: str, custom_code: bool, encoder: bool) -> None:
         save_checkpoint(model, path, exact=True, custom_code=custom_code)
         return
     if not isinstance(model.spec.architecture, ViTConfig):
-        raise ValueError(f"--encoder writes a ViT run's encoder alone (as transformers' "
+        raise ValueError("--encoder writes a ViT run's encoder alone (as transformers' "
                          f"ViTModel); this run is a {model.spec.family.name} model: export it "
                          "whole (without --encoder).")
     hf_vit.save_encoder(model, path)
