@@ -48,7 +48,8 @@ BASE: dict[str, Any] = {
                                     # (Llama), mae (ViT: masked-autoencoder pretraining; or
                                     # classification)
         "num_labels": 2,            # classification models only
-        "attention_impl": "xla",    # auto | xla | pallas | cudnn (kernels_pallas/attention.py)
+        "attention_impl": "xla",    # auto | xla | pallas | cudnn | mosaic_gpu
+                                    # (kernels_pallas/attention.py)
         "pooling": "cls",           # what the classifier reads: cls (BERT pooler) | mean
                                     # (masked mean of the last hidden states)
         "hidden_dropout": None,     # None = the checkpoint's value
@@ -96,11 +97,12 @@ BASE: dict[str, Any] = {
         "b2": None,                 # adamw 0.999, adan 0.92
         "b3": None,                 # adan only: 0.99
         "eps": None,                # adamw 1e-8, adan 1e-8
-        "optimizer_impl": "auto",   # adan only: auto | xla | pallas | per_leaf (optim/adan.py)
+        "optimizer_impl": "auto",   # adan only: auto | xla | pallas | mosaic_gpu | per_leaf
+                                    # (optim/adan.py)
         "flat_params": False,       # adan only: parameters and state live in flat buffers,
                                     # one fused pass per step (the flat layout,
                                     # jaxaccel/train/layout.py); optimizer_impl then picks the
-                                    # kernel: auto|xla|pallas
+                                    # kernel: auto|xla|pallas|mosaic_gpu
         "grad_accum": 1,            # micro-batches per optimizer step
         "microbatches": 0,          # pipeline (mesh.stage > 1): micro-batches per pass through
                                     # the stages, >= mesh.stage; 0 = mesh.stage. The bubble

@@ -20,9 +20,11 @@ caller donates them).
 
 Implementations (``UPDATE`` and ``APPLY``, registries as in ``kernels_pallas.registry``):
 ``"xla"``, the reference (``adan_reference`` / ``adan_apply_reference``: the math below as
-plain XLA, the base the kernel is tested against) and ``"pallas"``, the kernel (Mosaic on TPU,
-Triton on GPU, the interpreter on CPU); ``"auto"`` is the kernel on GPU/TPU and the reference
-on CPU (``DEFAULT_ORDER``).
+plain XLA, the base the kernels are tested against); ``"pallas"``, the kernel (Mosaic on TPU,
+Triton on GPU, the interpreter on CPU); ``"mosaic_gpu"``, the kernel on Mosaic GPU for Hopper
+(TMA streams, in-place state; jax's Mosaic GPU interpreter on CPU). ``"auto"``
+(``DEFAULT_ORDER``): the Pallas kernel on TPU; XLA's multi-tensor path on GPU (measured faster
+than the Triton kernel) and on CPU.
 
 Two entry points share the math:
 
@@ -348,13 +350,14 @@ def _reference_ignoring_blocks(reference):
 # On GPUs XLA's own fusion of the update is faster than the Triton kernel (H200, jax 0.11.2,
 # BERT-base tree: multi-tensor 4.47 vs 4.98 ms, one pass 2.40 vs 3.75 ms;
 # bench/results/evidence-nvidia_h200.json), so "auto" takes it there; impl="pallas" still runs
-# the kernel.
+# the kernel, impl="mosaic_gpu" the Mosaic GPU one (not measured on a GPU yet).
 DEFAULT_ORDER = {"cpu": ("xla",), "gpu": ("xla",), "tpu": ("pallas", "xla")}
 UPDATE = registry.Registry("adan_update", {
-    "xla": _reference_ignoring_blocks(adan_reference), "pallas": update_kernel}, DEFAULT_ORDER)
+    "xla": _reference_ignoring_blocks(adan_reference), "pallas": update_kernel,
+    "mosaic_gpu": mgpu_update_kernel}, DEFAULT_ORDER)
 APPLY = registry.Registry("adan_apply", {
-    "xla": _reference_ignoring_blocks(adan_apply_reference), "pallas": apply_kernel},
-    DEFAULT_ORDER)
+    "xla": _reference_ignoring_blocks(adan_apply_reference), "pallas": apply_kernel,
+    "mosaic_gpu": mgpu_apply_kernel}, DEFAULT_ORDER)
 IMPLS = UPDATE.names
 
 

@@ -39,12 +39,17 @@ Implementations (``REGISTRY``, see ``kernels_pallas.registry``), all with the se
   only one with attention dropout (``dropout_rate``, ``dropout_rng``: inverted dropout on P);
 * ``"pallas"``: ``flash_attention``, the kernels here (Mosaic on TPU, Triton on GPU, the
   interpreter on CPU);
+* ``"mosaic_gpu"``: ``attention_mgpu.mgpu_flash_attention``, the same kernels written for Hopper
+  GPUs on Mosaic GPU (bf16/fp16; jax's Mosaic GPU interpreter on CPU);
 * ``"cudnn"``: ``jax.nn.dot_product_attention(implementation="cudnn")`` (NVIDIA GPUs,
   fp16/bf16, no segment ids).
 
-``"auto"`` tries, per platform, ``DEFAULT_ORDER``: on GPU the Pallas kernel first (faster than
-cuDNN on BERT-base shapes on an H100, ``bench/results/attention-nvidia_h100_80gb_hbm3.json``),
-on TPU the Pallas kernel, on CPU the reference.
+``"auto"`` tries, per platform, ``DEFAULT_ORDER``: on GPU, best first as measured on an H100
+(``bench/results/attention-nvidia_h100_80gb_hbm3.json``, jax 0.11.2: the Triton kernel faster
+than cuDNN on BERT-base shapes), the Triton kernel where this jax does not deprecate it
+(``registry.gpu_order``: jax 0.10), then cuDNN, then XLA; on TPU the Pallas kernel; on CPU the
+reference. The Mosaic GPU kernel is not in the GPU order until it is measured on a GPU
+(``bench/attention.py``); ``model.attention_impl=mosaic_gpu`` runs it.
 """
 from __future__ import annotations
 
@@ -59,6 +64,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from kernels_pallas import registry
+from kernels_pallas.attention_mgpu import mgpu_flash_attention
 from kernels_pallas.dropout import keep_mask
 
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)   # finite: exp2(MASK - MASK) is not NaN
@@ -689,12 +695,22 @@ def _cudnn(q, k, v, *, dropout_rate=0.0, dropout_rng=None, dropout_rows=None, **
     return cudnn_attention(q, k, v, **mask)
 
 
-DEFAULT_ORDER = {"cpu": ("xla",), "gpu": ("pallas", "cudnn", "xla"), "tpu": ("pallas", "xla")}
-REGISTRY = registry.Registry("attention", {"xla": _xla, "pallas": _pallas, "cudnn": _cudnn},
-                             DEFAULT_ORDER)
+def _mosaic_gpu(q, k, v, *, dropout_rate=0.0, dropout_rng=None, dropout_rows=None, **mask):
+    _no_dropout("mosaic_gpu", dropout_rate)
+    return mgpu_flash_attention(q, k, v, **mask)
+
+
+# GPU: best first as measured on an H100 (module docstring); registry.gpu_order drops the Triton
+# kernel where jax deprecates it.
+MEASURED_GPU_ORDER = ("pallas", "cudnn", "xla")
+DEFAULT_ORDER = {"cpu": ("xla",), "gpu": registry.gpu_order(MEASURED_GPU_ORDER),
+                 "tpu": ("pallas", "xla")}
+REGISTRY = registry.Registry("attention", {"xla": _xla, "pallas": _pallas, "cudnn": _cudnn,
+                                           "mosaic_gpu": _mosaic_gpu}, DEFAULT_ORDER)
 IMPLS = REGISTRY.names
 WITH_DROPOUT = ("xla",)
-ONLY_ON = {"cudnn": ("gpu",)}        # platforms an implementation runs on (default: all)
+# Platforms an implementation runs on (default: all); Mosaic GPU's CPU is its interpreter.
+ONLY_ON = {"cudnn": ("gpu",), "mosaic_gpu": ("gpu", "cpu")}
 
 
 def check_impl(impl, dropout_rate: float = 0.0) -> None:

@@ -141,7 +141,9 @@ def _slot(i, stages):
 def produce(copies, ready, free, lb, ub, stages):
     """The memory warpgroup: blocks ``lb .. ub-1`` of every operand into slot ``i % stages``
     (``copies``: ``(block index -> GMEM ref, SMEM slots)`` per operand; ``ready``: their
-    barriers), each slot refilled once every compute warpgroup has freed it."""
+    barriers), each slot refilled once every compute warpgroup has freed it. It then waits for
+    the last blocks to be freed too, so that it sees every phase of the free barriers (jax
+    0.10's interpreter requires it)."""
     def issue(i):
         slot = _slot(i, stages)
         for (src, dst), bar in zip(copies, ready):
@@ -155,6 +157,10 @@ def produce(copies, ready, free, lb, ub, stages):
     def _(i):
         plgpu.barrier_wait(free.at[_slot(i, stages)])
         issue(i + stages)
+
+    @pl.loop(jnp.maximum(lb, ub - stages), ub)
+    def _(i):
+        plgpu.barrier_wait(free.at[_slot(i, stages)])
 
 
 def consume(step, carry, ready, free, lb, ub, stages):

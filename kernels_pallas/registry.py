@@ -13,7 +13,14 @@ tested against), and a default order per platform. A kernel's public function ta
 
 "xla" means the kernel's reference everywhere; "pallas" means the Pallas kernel on the
 platform it runs on (``pallas_target``): Mosaic on TPU, Triton on GPU, the Pallas interpreter
-on CPU.
+on CPU; "mosaic_gpu" the kernel written for Hopper GPUs on Mosaic GPU (jax's Mosaic GPU
+interpreter on CPU).
+
+Which GPU backends a default may use depends on the installed jax (``gpu_order``): jax 0.11
+and later deprecate Pallas Triton (lowering a Triton kernel warns that the backend will be
+removed), and there "auto" leaves the Triton kernels out; naming them still runs them. The
+first time "auto" picks an implementation for a kernel and platform it is logged
+(``logging``, logger "kernels_pallas", INFO), with the order it came from.
 
 The platform is where the operands live (``platform``), not where this process's default
 backend is: a step jitted over a mesh of TPU topology devices or compile-only CUDA devices
@@ -23,13 +30,18 @@ backend is: a step jitted over a mesh of TPU topology devices or compile-only CU
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import itertools
+import logging
 from typing import Callable, Mapping, Sequence
 
 import jax
 
 PALLAS_TARGETS = ("interpret", "tpu", "gpu")
 REFERENCE = "xla"
+TRITON = "pallas"                          # the name of the Triton kernels on a GPU
+TRITON_DEPRECATION = "jax-pallas-triton"   # jax's id of the Pallas Triton deprecation
+log = logging.getLogger("kernels_pallas")
 
 
 _PLATFORMS = {"cpu": "cpu", "tpu": "tpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu"}
@@ -97,6 +109,21 @@ def interpret(target: str) -> bool:
     return target == "interpret"
 
 
+def triton_default() -> bool:
+    """Whether a default may use Pallas Triton: this jax ships it and does not deprecate it
+    (jax 0.10 does; jax >= 0.11 registers the deprecation ``TRITON_DEPRECATION``)."""
+    if importlib.util.find_spec("jax._src.pallas.triton") is None:
+        return False
+    from jax._src import deprecations
+    return TRITON_DEPRECATION not in getattr(deprecations, "_registered_deprecations", {})
+
+
+def gpu_order(measured: Sequence[str]) -> tuple[str, ...]:
+    """A GPU order, ``measured`` best first on a GPU, without the Triton kernels (``TRITON``)
+    where a default may not use them (``triton_default``)."""
+    return tuple(n for n in measured if n != TRITON or triton_default())
+
+
 @dataclasses.dataclass(frozen=True)
 class Registry:
     """One kernel's implementations: ``impls`` (name -> function, all with one signature),
@@ -105,6 +132,7 @@ class Registry:
     kernel: str
     impls: Mapping[str, Callable]
     order: Mapping[str, tuple[str, ...]]
+    _logged: set = dataclasses.field(default_factory=set, compare=False, repr=False)
 
     def __post_init__(self):
         if REFERENCE not in self.impls:
@@ -131,16 +159,28 @@ class Registry:
                              f"{self.names} (or a tuple of names, tried in order).")
         return names
 
+    def _log_choice(self, impl, names, name, reasons):
+        """Log what "auto" picked, once per platform and pick."""
+        if impl != "auto" or (names, name) in self._logged:
+            return
+        self._logged.add((names, name))
+        declined = "".join(f"; {r}" for r in reasons)
+        log.info("%s: impl='auto' runs %r (order %s for jax %s%s)", self.kernel, name,
+                 ", ".join(names), jax.__version__, declined)
+
     def __call__(self, *args, impl: str | Sequence[str] = "auto", **kwargs):
         """The first candidate of ``impl`` that accepts the inputs, applied to them."""
         names = self.candidates(impl, *args)
         reasons = []
         for name in names:
             try:
-                return self.impls[name](*args, **kwargs)
+                out = self.impls[name](*args, **kwargs)
             except NotImplementedError as e:
                 if len(names) == 1:
                     raise
                 reasons.append(f"{name}: {e}")
+                continue
+            self._log_choice(impl, names, name, reasons)
+            return out
         raise NotImplementedError(f"{self.kernel}: no implementation of {names} accepts these "
                                   "inputs; " + "; ".join(reasons))

@@ -22,8 +22,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxaccel.train.checkpoint import abstract_like
 
-# The custom call each platform's Pallas kernels compile to.
-KERNEL_CALL = {"tpu": "tpu_custom_call", "gpu": "__gpu$xla.gpu.triton"}
+# The custom call each platform's Pallas kernels compile to ("gpu": Triton), and the Mosaic GPU
+# kernels' ("mosaic_gpu").
+KERNEL_CALL = {"tpu": "tpu_custom_call", "gpu": "__gpu$xla.gpu.triton",
+               "mosaic_gpu": "mosaic_gpu_v2"}
 
 
 def kernel_calls(hlo: str, platform: str) -> list[str]:

@@ -17,11 +17,16 @@ from jaxaccel.optim import decay_mask
 from jaxaccel.optim import flat
 from jaxaccel.optim.adan import AdanState, adan, restart
 from kernels_pallas import registry
+from kernels_pallas import mgpu
 from kernels_pallas.adan import (DEFAULT_ORDER, LANES, ROW_ALIGN, UPDATE, BlockSizes,
-                                 adan_update, update_kernel)
+                                 adan_update, mgpu_apply_kernel, mgpu_update_kernel,
+                                 update_kernel)
 from support import CASES, Float64Adan, bert_tree, flat_args, grads_at, rel, small_tree
 
 IMPLS = ("per_leaf", "xla", "pallas")
+# The Mosaic GPU kernel's interpreter runs a few steps in the time the Pallas interpreter runs
+# the 30 above: it joins the tests of a few steps.
+WITH_MGPU = IMPLS + ("mosaic_gpu",) if mgpu.available() else IMPLS
 
 
 def run(tx, params, steps, after=None):
@@ -77,12 +82,12 @@ def test_restart_matches_official_restart_opt(impl):
 def test_impls_agree_on_a_bert_tree(no_prox, clip):
     params = bert_tree()
     results = {}
-    for impl in IMPLS:
+    for impl in WITH_MGPU:
         tx = adan(1e-3, weight_decay=0.01, no_prox=no_prox, max_grad_norm=clip,
                   mask=decay_mask, impl=impl)
         results[impl], _, _ = run(tx, params, 4)
-    assert rel(results["xla"], results["per_leaf"]) < 1e-5
-    assert rel(results["pallas"], results["per_leaf"]) < 1e-5
+    for impl in WITH_MGPU[1:]:
+        assert rel(results[impl], results["per_leaf"]) < 1e-5, impl
 
 
 def test_mask_keeps_biases_and_layer_norms_undecayed():
@@ -149,7 +154,7 @@ def test_state_structure_is_fixed_under_scan():
     assert isinstance(state, AdanState) and int(state.count) == 3
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", WITH_MGPU)
 def test_low_precision_params_state_and_odd_leaves(impl):
     params = {"w": jnp.asarray(small_tree()["w"], jnp.bfloat16), "steps": jnp.arange(3),
               "empty": jnp.zeros((0, 4), jnp.float32)}
@@ -258,22 +263,38 @@ KERNEL_TOL = {
     ("gpu", jnp.float32): (1e-6, 2e-6),
     ("gpu", jnp.bfloat16): (2.0 ** -7, 2e-6),
 }
+# The Mosaic GPU kernel: its interpreter as the Pallas one; compiled, its square root is
+# x rsqrt(x) (jax 0.10's Mosaic GPU lowers no sqrt: a few ulp, as Triton's division).
+KERNEL_TOL.update({(f"mosaic_{t}", d): KERNEL_TOL[t, d] for t in ("interpret", "gpu")
+                   for d in (jnp.float32, jnp.bfloat16)})
+GPU = [pytest.mark.gpu, pytest.mark.gpu_smoke]
+MGPU = [pytest.mark.skipif(not mgpu.available(), reason="this jax has no Mosaic GPU")]
+# Interpreted: 4 blocks of the buffers' 1024 rows for the Pallas kernel (its interpreter's
+# default block is all of them) and, for the Mosaic GPU kernel, 2 programs of 4 blocks of 128
+# rows, 2 in flight: the grid's indexing and the stream's refills are checked on CPU too.
+KERNELS = {
+    "interpret": lambda *a, **kw: update_kernel(*a, **kw, target="interpret",
+                                                block_sizes=BlockSizes(ROW_ALIGN // 4)),
+    "gpu": lambda *a, **kw: update_kernel(*a, **kw, target="gpu"),
+    "mosaic_interpret": lambda *a, **kw: mgpu_update_kernel(
+        *a, **kw, block_sizes=BlockSizes(128, num_stages=2, steps=4)),
+    "mosaic_gpu": mgpu_update_kernel,
+}
 
 
-@pytest.mark.parametrize("target", ["interpret", pytest.param(
-    "gpu", marks=[pytest.mark.gpu, pytest.mark.gpu_smoke])])
+@pytest.mark.parametrize("target", ["interpret", pytest.param("gpu", marks=GPU),
+                                    pytest.param("mosaic_interpret", marks=MGPU),
+                                    pytest.param("mosaic_gpu", marks=GPU + MGPU)])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("no_prox", [False, True])
 def test_kernel_matches_reference(no_prox, dtype, target):
-    """The kernel (interpreted, or the real Triton kernel on a GPU) against the XLA path on
-    flat buffers of ``dtype`` (the second moment n stays float32), weight decay and clipping on."""
+    """The kernel (interpreted, or the real Triton / Mosaic GPU kernel on a GPU) against the
+    XLA path on flat buffers of ``dtype`` (the second moment n stays float32), weight decay and
+    clipping on."""
     s, g, m, v, n, prev, p = flat_args(ROW_ALIGN, dtype)
     assert float(jnp.abs(p).max()) < 8
     a = adan_update(s, g, m, v, n, prev, p, no_prox=no_prox, impl="xla")
-    # Interpreted: 4 blocks of the buffers' 1024 rows (the interpreter's default block is all
-    # of them), so the grid's block indexing is checked on CPU too.
-    blocks = BlockSizes(ROW_ALIGN // 4) if target == "interpret" else None
-    b = update_kernel(s, g, m, v, n, prev, p, no_prox=no_prox, target=target, block_sizes=blocks)
+    b = KERNELS[target](s, g, m, v, n, prev, p, no_prox=no_prox)
     for name, x, y in zip(("update", "m", "v", "n", "prev"), a, b):
         assert x.dtype == y.dtype, name
         rtol, atol = KERNEL_TOL[target, jnp.dtype(x.dtype).type]
@@ -286,9 +307,10 @@ def test_kernel_matches_reference(no_prox, dtype, target):
 
 
 def test_registry_auto_order_and_names():
-    """"auto" is the kernel on TPU and XLA's fusion on GPU (measured faster there) and CPU; the
-    optimizer's impls are the kernel's names plus the per-leaf layout; unknown names fail before
-    anything is built."""
+    """"auto" is the kernel on TPU and XLA's fusion on GPU (measured faster there than the
+    Triton kernel; the Mosaic GPU kernel is named, not a default, until it is measured) and
+    CPU; the optimizer's impls are the kernel's names plus the per-leaf layout; unknown names
+    fail before anything is built."""
     assert UPDATE.candidates("auto") == DEFAULT_ORDER[registry.platform()]
     assert DEFAULT_ORDER == {"cpu": ("xla",), "gpu": ("xla",), "tpu": ("pallas", "xla")}
     from jaxaccel.optim.adan import IMPLS as OPTIMIZER_IMPLS
@@ -317,3 +339,25 @@ def test_kernel_compiles_in_place_for_tpu_and_gpu(compile_target, name):
     text = compiled.as_text()
     assert compile_only.KERNEL_CALL[target.platform] in text
     assert compiled.memory_analysis().alias_size_in_bytes == 4 * rows * LANES * 4
+
+
+@pytest.mark.skipif(not mgpu.available(), reason="this jax has no Mosaic GPU")
+def test_mosaic_gpu_kernels_compile_in_place_for_h100(compile_target):
+    """The Mosaic GPU update and one-pass apply on the group above, compiled for a
+    compile-only H100 (ptxas for sm_90a): one Mosaic GPU kernel each; the state (and, one
+    pass, the parameters) aliased in place; the one pass, donated in its output order, with no
+    copy of any buffer around the kernel (11 words per element: nothing else moves)."""
+    target = compile_target("h100:1x1")
+    rows = -(-1_000_003 // (ROW_ALIGN * LANES)) * ROW_ALIGN
+    m = compile_only.mesh(target)
+    s, g, mm, v, n, prev, p = compile_only.replicated(m, *jax.eval_shape(lambda: flat_args(rows)))
+    update, _ = compile_only.compile_timed(mgpu_update_kernel, s, g, mm, v, n, prev, p, mesh=m,
+                                           donate_argnums=(2, 3, 4, 5))
+    apply, _ = compile_only.compile_timed(mgpu_apply_kernel, s, g, p, mm, v, n, prev, mesh=m,
+                                          donate_argnums=(2, 3, 4, 5, 6))
+    buffer = rows * LANES * 4
+    for compiled, aliased in ((update, 4), (apply, 5)):
+        text = compiled.as_text()
+        assert text.count(compile_only.KERNEL_CALL["mosaic_gpu"]) == 1
+        assert compiled.memory_analysis().alias_size_in_bytes == aliased * buffer
+    assert " copy(" not in apply.as_text()

@@ -213,7 +213,7 @@ def test_registry_falls_back_in_order_and_names_the_reason():
         kernel.attention(q, k, v, dropout_rate=0.3, dropout_rng=rng, impl="pallas")
     with on_platform("gpu"):
         gpu_order = REGISTRY.candidates("auto")
-    assert gpu_order == ("pallas", "cudnn", "xla")
+    assert gpu_order == registry.gpu_order(("pallas", "cudnn", "xla"))
     np.testing.assert_array_equal(kernel.attention(
         q, k, v, key_lengths=lengths, dropout_rate=0.3, dropout_rng=rng, impl=gpu_order),
         dropped)
@@ -221,8 +221,33 @@ def test_registry_falls_back_in_order_and_names_the_reason():
         kernel.attention(q, k, v, impl="flash")
 
 
+def test_gpu_order_has_triton_only_where_jax_does_not_deprecate_it(monkeypatch, caplog):
+    """jax 0.10 ships Pallas Triton; jax >= 0.11 deprecates it (lowering warns it will be
+    removed): "auto" then leaves the Triton kernel out of the GPU order, measured best first
+    (Triton, cuDNN, XLA on an H100). The pick of "auto" is logged once."""
+    import logging
+
+    from jax._src import deprecations
+    assert registry.triton_default() == (jax.__version_info__ < (0, 11))
+    assert DEFAULT_ORDER["gpu"] == (("pallas",) if registry.triton_default() else ()) + (
+        "cudnn", "xla")
+    monkeypatch.setitem(deprecations._registered_deprecations, registry.TRITON_DEPRECATION,
+                        deprecations.DeprecationState())
+    assert registry.gpu_order(("pallas", "cudnn", "xla")) == ("cudnn", "xla")
+    monkeypatch.delitem(deprecations._registered_deprecations, registry.TRITON_DEPRECATION)
+    assert registry.gpu_order(("pallas", "cudnn", "xla")) == ("pallas", "cudnn", "xla")
+    q, k, v, _ = inputs(1, 8, 8, 1, 1, 16, jnp.float32)
+    logs = registry.Registry("logged", {"xla": lambda q, k, v: q},
+                             {p: ("xla",) for p in ("cpu", "gpu", "tpu")})
+    with caplog.at_level(logging.INFO, logger="kernels_pallas"):
+        for _ in range(2):
+            logs(q, k, v)
+    picks = [r.getMessage() for r in caplog.records if r.name == "kernels_pallas"]
+    assert picks == [f"logged: impl='auto' runs 'xla' (order xla for jax {jax.__version__})"]
+
+
 @pytest.mark.parametrize("name,order", [("v5e:2x2", ("pallas", "xla")),
-                                        ("h100:1x1", ("pallas", "cudnn", "xla"))])
+                                        ("h100:1x1", DEFAULT_ORDER["gpu"])])
 def test_auto_follows_where_the_operands_live(compile_target, name, order):
     """"auto" reads the platform from the operands (inside jit: the mesh in their types), then
     the ambient mesh, then the default device: a trace for a TPU slice or an H100 on this CPU
@@ -378,9 +403,9 @@ COMPILES = [("v5e:2x2", "bert_base", BF16), ("v5e:2x2", "gqa_causal_segments_odd
 GPU_FP32_VS_BF16_COMPILE = 4.0
 
 
-def compile_attention(target, case, dtype):
-    """``(compiled, seconds)``: forward + backward of ``COMPILE_CASES[case]`` in ``dtype`` on
-    one of ``target``'s compile-only devices."""
+def compile_attention(target, case, dtype, impl):
+    """``(compiled, seconds)``: forward + backward of ``COMPILE_CASES[case]`` by ``impl`` in
+    ``dtype`` on one of ``target``'s compile-only devices."""
     c = COMPILE_CASES[case]
     b, s, hq, hkv, d = c["shape"]
     m = compile_only.mesh(target)
@@ -391,7 +416,7 @@ def compile_attention(target, case, dtype):
     def fwd_bwd(q, k, v, do, lengths, seg):
         out, vjp = jax.vjp(lambda q, k, v: kernel.attention(
             q, k, v, key_lengths=lengths if c["lengths"] else None,
-            segment_ids=seg if c["segments"] else None, causal=c["causal"]), q, k, v)
+            segment_ids=seg if c["segments"] else None, causal=c["causal"], impl=impl), q, k, v)
         return out, vjp(do)
 
     return compile_only.compile_timed(fwd_bwd, q, kv, kv, q, lengths, seg, mesh=m)
@@ -399,16 +424,19 @@ def compile_attention(target, case, dtype):
 
 @pytest.mark.parametrize("name,case,dtype", COMPILES)
 def test_compiles_for_tpu_and_gpu(compile_target, name, case, dtype):
-    """Forward and backward compiled by the target's compiler on compile-only devices:
-    impl="auto" picks the Pallas kernels from the operands' mesh (Mosaic on TPU, Triton on
-    GPU), with nothing patched."""
+    """Forward and backward compiled by the target's compiler on compile-only devices: on a
+    TPU impl="auto" picks the Pallas kernels from the operands' mesh (Mosaic), with nothing
+    patched; on a GPU the Triton kernels are named ("pallas": jax >= 0.11 deprecates Pallas
+    Triton and "auto" leaves them out there; the Mosaic GPU kernels' compiles are in
+    test_attention_mgpu.py)."""
     target = compile_target(name)
-    compiled, seconds = compile_attention(target, case, dtype)
+    impl = "pallas" if target.platform == "gpu" else "auto"
+    compiled, seconds = compile_attention(target, case, dtype, impl)
     calls = compiled.as_text().count(compile_only.KERNEL_CALL[target.platform])
     assert calls == 3, (name, case, calls)                         # fwd, dq, dk/dv
     print(f"{name} {case} {jnp.dtype(dtype).name}: compiled in {seconds:.1f} s")
     if target.platform == "gpu" and dtype == FP32:
-        bf16 = compile_attention(target, case, BF16)[1]
+        bf16 = compile_attention(target, case, BF16, impl)[1]
         print(f"{name} {case} bfloat16: compiled in {bf16:.1f} s")
         assert seconds < GPU_FP32_VS_BF16_COMPILE * bf16, (seconds, bf16)
 

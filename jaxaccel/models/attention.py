@@ -6,8 +6,8 @@ kv_heads < heads is grouped-query attention), a [batch, kv_seq] 0/1 padding mask
 decoders ``segment_ids`` (packed documents: [batch, seq], or a (q, kv) pair when the query is
 a suffix of the keys, as in cached decoding) and ``causal``. It calls
 ``kernels_pallas.attention.attention`` with ``impl`` one of ``ATTENTION_IMPLS`` (that
-kernel's registry: ``"auto"``, ``"xla"`` (the reference), ``"pallas"``, ``"cudnn"``) or a
-tuple of them. One function, one semantics: switching implementations changes rounding only.
+kernel's registry: ``"auto"``, ``"xla"`` (the reference), ``"pallas"``, ``"cudnn"``,
+``"mosaic_gpu"``) or a tuple of them. One function, one semantics: switching implementations changes rounding only.
 
 * The mask is read as key lengths (``attention_mask.sum(-1)``) by every implementation: exact
   for right-padded batches, which is what the BERT tokenizers produce. A row without any key
@@ -36,11 +36,13 @@ def check_config(impl: str, policy) -> None:
     (a ``precision.Policy``)."""
     if impl not in ATTENTION_IMPLS:
         raise ValueError(f"model.attention_impl={impl!r} is not one of {ATTENTION_IMPLS}.")
-    if impl == "cudnn" and policy.name == "fp32":
-        raise ValueError("model.attention_impl='cudnn' with precision.policy='fp32': cuDNN "
-                         "flash attention takes fp16/bf16 inputs only. Use precision.policy="
+    half_only = {"cudnn": "cuDNN flash attention", "mosaic_gpu": "the Mosaic GPU flash "
+                 "attention (Hopper warpgroup MMAs)"}
+    if impl in half_only and policy.name == "fp32":
+        raise ValueError(f"model.attention_impl={impl!r} with precision.policy='fp32': "
+                         f"{half_only[impl]} takes fp16/bf16 inputs only. Use precision.policy="
                          "bf16, fp16 or fp8 (attention runs in bf16 under fp8), or "
-                         "model.attention_impl='xla'.")
+                         "model.attention_impl='xla' or 'pallas'.")
 
 
 def check_target(impl: str, platform: str, target: str) -> None:

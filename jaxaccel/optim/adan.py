@@ -23,8 +23,10 @@ Implementations (``impl``, ``IMPLS``), all computing the same numbers. The kerne
   XLA.
 * ``"pallas"``: the same flat buffers through the fused kernel in ``kernels_pallas/adan.py``
   (interpret mode on CPU).
+* ``"mosaic_gpu"``: the same through its Mosaic GPU kernel (Hopper GPUs; jax's Mosaic GPU
+  interpreter on CPU).
 * ``"auto"``: the flat layout and the kernel registry's default order for the platform
-  (the kernel on GPU/TPU, the reference on CPU).
+  (``kernels_pallas.adan.DEFAULT_ORDER``: the kernel on TPU, the reference on GPU and CPU).
 
 ``adan`` is a plain optax ``GradientTransformation``. ``adan_onepass`` is the trainer's faster
 path outside optax's contract: the parameters live in the flat layout too (``FlatParams``), the
@@ -166,8 +168,8 @@ def adan(learning_rate: float | Callable = 1e-3, b1: float = 0.98, b2: float = 0
       no_prox: the official ``no_prox`` switch (multiplicative decay instead of proximal).
       max_grad_norm: global-norm clipping inside the optimizer, as the official code; 0 = off.
       state_dtype: dtype of m, v, n, prev (default float32); math is float32 regardless.
-      impl: one of ``IMPLS``: auto | xla | pallas (flat layout, the kernel registry's
-        implementation) or per_leaf.
+      impl: one of ``IMPLS``: auto | xla | pallas | mosaic_gpu (flat layout, the kernel
+        registry's implementation) or per_leaf.
       shardings: the parameters' ``NamedSharding``s (a tree like the parameters). The
         multi-tensor impls then update each device's own shards (see ``optim.flat``); the
         "per_leaf" impl needs nothing (XLA partitions it like the parameters).

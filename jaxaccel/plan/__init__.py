@@ -268,7 +268,7 @@ def estimate_step(target, policy, attention_impl: str, flops: dict, cost: dict, 
     # XLA's cost model: absent on the compile-only GPU client, negative when it cannot cost
     # the program (seen for whole BERT steps on TPU); kept in the plan either way.
     xla_s = out["xla_optimal_seconds"] = cost.get("optimal_seconds")
-    pallas_flops = flops["attention"] if attention_impl == "pallas" else 0.0
+    pallas_flops = flops["attention"] if attention_impl in ("pallas", "mosaic_gpu") else 0.0
     if xla_s is not None and xla_s > 0:
         out["xla_cost_model_s"] = xla_s + pallas_flops * per_chip / peak_flops
     # No estimate below the roofline, a lower bound (XLA's model may leave collectives out).
