@@ -247,7 +247,7 @@ def _rsqrt_sqrt(x):
     return jnp.where(x > 0, x * lax.rsqrt(x), 0.0)
 
 
-def _mgpu_stream(scalars, fixed, shared, writes, math, bs, interpret):
+def _mgpu_stream(name, scalars, fixed, shared, writes, math, bs, interpret):
     """One pass of ``writes = math(s, *fixed, *shared)`` over [rows, 128] buffers by Mosaic
     GPU: ``fixed`` arrays only read, ``shared`` GMEM refs read and (in ``writes``) written in
     place, block i stored after it is read. Each program (one warpgroup) streams ``bs.steps``
@@ -297,7 +297,7 @@ def _mgpu_stream(scalars, fixed, shared, writes, math, bs, interpret):
                [plgpu.Barrier(num_barriers=stages) for _ in reads])
     mesh = plgpu.Mesh(grid=(rows // (r * steps),), grid_names=("blocks",))
     pl.kernel(lambda *ins: pl.run_scoped(functools.partial(body, *ins), *scratch), out_type=(),
-              mesh=mesh, interpret=mgpu.interpret_params() if interpret else False)(
+              mesh=mesh, name=name, interpret=mgpu.interpret_params() if interpret else False)(
                   scalars, *fixed)
 
 
@@ -327,7 +327,8 @@ def mgpu_update_kernel(scalars, g, m, v, n, prev, p=None, *, no_prox: bool = Fal
         return adan_math(s, *x[-5:], pv, no_prox=no_prox, sqrt=_rsqrt_sqrt)
 
     fixed = ([] if p is None else [p]) + [g]
-    _mgpu_stream(scalars, fixed, state, [u_ref] + state, math, bs, interpret)
+    _mgpu_stream("adan_update_mgpu", scalars, fixed, state, [u_ref] + state, math, bs,
+                 interpret)
     return tuple(x[...] for x in [u_ref] + state)
 
 
@@ -337,7 +338,7 @@ def mgpu_apply_kernel(scalars, g, p, m, v, n, prev, *, no_prox: bool = False,
     interpret, bs = _mgpu_setup((g, p, m, v, n, prev), block_sizes)
     state = _refs(p, m, v, n, prev)
     math = lambda s, *x: adan_apply_math(s, *x, no_prox=no_prox, sqrt=_rsqrt_sqrt)
-    _mgpu_stream(scalars, [g], state, state, math, bs, interpret)
+    _mgpu_stream("adan_apply_mgpu", scalars, [g], state, state, math, bs, interpret)
     return tuple(x[...] for x in state)
 
 

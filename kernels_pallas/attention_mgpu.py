@@ -9,8 +9,8 @@ that compute them, written for H100/H200 (sm_90a) after jax's FlashAttention-3 p
   output, and one memory warpgroup that streams the other operand's blocks into shared memory
   by TMA (``mgpu.produce`` / ``mgpu.consume``: ``stages`` slots);
 * every matmul is a warpgroup MMA with bf16/fp16 operands and float32 accumulation: from
-  swizzled shared memory (Q K^T, dO V^T, K Q^T, V dO^T) and from registers (P V, dS K, P^T dO,
-  dS^T Q);
+  swizzled shared memory (Q K^T, dO V^T, K Q^T, V dO^T) and from registers into the running
+  accumulators (P V, dS K, P^T dO, dS^T Q);
 * loops visit only the blocks a program needs: key blocks below the key length (and, causal,
   up to the diagonal); for dK/dV, query blocks from the diagonal on. Tiles are masked only
   where they cross the key length or the diagonal (every tile with segment ids).
@@ -42,9 +42,10 @@ WGS = mgpu.COMPUTE_WGS
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-    """Rows per compute warpgroup (multiples of 64, one warpgroup MMA's M) of each kernel's own
-    rows (``block_q``, ``block_q_dq``, ``block_kv_dkv``) and of the streamed operand's blocks,
-    and ``stages``: the shared-memory slots the memory warpgroup fills ahead."""
+    """Rows per compute warpgroup (multiples of 64: one warpgroup MMA's M, and its K where the
+    block is the contracted dimension) of each kernel's own tile (``block_q``, ``block_q_dq``,
+    ``block_kv_dkv``) and of the streamed operand's blocks, and ``stages``: the shared-memory
+    slots the memory warpgroup fills ahead."""
 
     block_q: int = 64
     block_kv: int = 128
@@ -64,9 +65,10 @@ class BlockSizes:
 
 
 def default_block_sizes(head_dim: int) -> BlockSizes:
-    """128-key forward blocks up to D=64, 64 above: the forward's scores, accumulator and P V
-    then fit a compute warpgroup's 232 registers per thread (ptxas: no spills at D=64 and 128,
-    tests/test_attention.py). Not tuned on a GPU."""
+    """128-key forward blocks up to D=64, 64 above: the scores, the running accumulators and
+    the masks then fit a compute warpgroup's 232 registers per thread (ptxas reports no spills
+    at D=64 and 128, with and without segment ids: tests/test_attention_mgpu.py). Not tuned
+    on a GPU."""
     return BlockSizes() if head_dim <= 64 else BlockSizes(block_kv=64)
 
 
@@ -80,30 +82,34 @@ class _Plan:
     interpret: bool
 
 
-def _mask(s, q0, k0, kv_len, seg, plan, transposed):
-    """Masked base-2 logits of a tile whose first query / key are ``q0`` / ``k0`` (keys along
-    the rows when ``transposed``); ``seg``: (query, key) segment-id vectors, or None."""
+def _bcast(x, shape, dim):
+    return lax.broadcast_in_dim(x, shape, [dim])
+
+
+def _mask(s, q0, k0, kv_len, plan, transposed):
+    """Base-2 logits of a tile whose first query / key are ``q0`` / ``k0`` (keys along the rows
+    when ``transposed``), masked past the key length and (causal) above the diagonal."""
     qd, kd = (1, 0) if transposed else (0, 1)
     key = mgpu.iota(s.shape, kd, plan.interpret) + k0
     valid = key < kv_len
     if plan.causal:
         valid &= key <= mgpu.iota(s.shape, qd, plan.interpret) + q0
-    if seg is not None:
-        valid &= (lax.broadcast_in_dim(seg[0], s.shape, [qd])
-                  == lax.broadcast_in_dim(seg[1], s.shape, [kd]))
     return jnp.where(valid, s, MASK_VALUE)
 
 
 def _masked(s, q0, k0, n_k, kv_len, seg, plan, transposed=False):
-    """``_mask`` where the tile needs it: always with segment ids, else only a tile of ``n_k``
-    keys that crosses the key length or (causal) reaches above the diagonal."""
-    mask = functools.partial(_mask, q0=q0, k0=k0, kv_len=kv_len, seg=seg, plan=plan,
-                             transposed=transposed)
+    """``s`` masked: by segment ids (``seg``: (query, key) vectors, or None) everywhere, by
+    ``_mask`` only where a tile of ``n_k`` keys crosses the key length or (causal) reaches
+    above the diagonal."""
     if seg is not None:
-        return mask(s)
+        qd, kd = (1, 0) if transposed else (0, 1)
+        same = _bcast(seg[0], s.shape, qd) == _bcast(seg[1], s.shape, kd)
+        s = jnp.where(same, s, MASK_VALUE)
     needed = k0 + n_k > kv_len
     if plan.causal:
         needed |= k0 + n_k > q0 + 1
+    mask = functools.partial(_mask, q0=q0, k0=k0, kv_len=kv_len, plan=plan,
+                             transposed=transposed)
     return lax.cond(needed, mask, lambda s: s, s)
 
 
@@ -117,10 +123,6 @@ def _key_blocks(plan, kv_len, tile, rows, block):
 
 def _stats(ref, interpret):
     return mgpu.load(ref, mgpu.ROW, interpret)
-
-
-def _bcast(x, shape, dim):
-    return lax.broadcast_in_dim(x, shape, [dim])
 
 
 def _launch(plan, body, out, scratch, tiles, name, *args):
@@ -175,8 +177,9 @@ def _forward(plan, q, k, v, kv_len, q_seg, kv_seg):
                 m_new = jnp.maximum(m, s.max(axis=1))
                 alpha = jnp.exp2(m - m_new)
                 p = jnp.exp2(s - _bcast(m_new, s.shape, 0))
-                pv = mgpu.mma_regs(p.astype(dt), v_smem.at[slot], it, stage)
-                return acc * _bcast(alpha, acc.shape, 0) + pv, m_new, l * alpha + p.sum(axis=1)
+                acc = mgpu.mma_into(acc * _bcast(alpha, acc.shape, 0), p.astype(dt),
+                                    v_smem.at[slot], it, stage)
+                return acc, m_new, l * alpha + p.sum(axis=1)
 
             init = (mgpu.cast(jnp.zeros((bq, d), jnp.float32), mgpu.WGMMA, it),
                     mgpu.cast(jnp.full((bq,), MASK_VALUE, jnp.float32), mgpu.ROW, it),
@@ -243,7 +246,7 @@ def _dq(plan, q, k, v, do, lse, delta, kv_len, q_seg, kv_seg):
                 p = jnp.exp2(s - _bcast(lse, s.shape, 0))
                 dp = mgpu.scores(my_do, v_smem.at[slot], it)
                 ds = p * (dp - _bcast(delta, s.shape, 0))
-                return dq + mgpu.mma_regs(ds.astype(dt), k_smem.at[slot], it, stage)
+                return mgpu.mma_into(dq, ds.astype(dt), k_smem.at[slot], it, stage)
 
             dq = mgpu.consume(step, mgpu.cast(jnp.zeros((bq, d), jnp.float32), mgpu.WGMMA, it),
                               (k_bar, v_bar), free, lb, ub, stages)
@@ -309,11 +312,11 @@ def _dkv(plan, q, k, v, do, lse, delta, kv_len, q_seg, kv_seg):
                 st = _masked(st, i * bq, k0, bk, kv_len, seg, plan, transposed=True)
                 pt = jnp.exp2(st - _bcast(mgpu.load(lse_smem.at[slot], mgpu.COL, it),
                                           st.shape, 1))
-                dv = dv + mgpu.mma_regs(pt.astype(dt), do_s, it, stage)
+                dv = mgpu.mma_into(dv, pt.astype(dt), do_s, it, stage)
                 dpt = mgpu.scores(my_v, do_s, it)
                 dst = pt * (dpt - _bcast(mgpu.load(delta_smem.at[slot], mgpu.COL, it),
                                          st.shape, 1))
-                return dk + mgpu.mma_regs(dst.astype(dt), q_s, it, stage), dv
+                return mgpu.mma_into(dk, dst.astype(dt), q_s, it, stage), dv
 
             zeros = mgpu.cast(jnp.zeros((bk, d), jnp.float32), mgpu.WGMMA, it)
             dk, dv = mgpu.consume(step, (zeros, zeros), ready, free, lb, ub, stages)

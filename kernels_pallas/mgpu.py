@@ -7,17 +7,18 @@
   simulated on the CPU);
 * the memory warpgroup's stream of blocks into shared-memory slots (``produce``) and the
   compute warpgroups' loop over them (``consume``);
-* warpgroup MMAs into fresh float32 accumulators (``scores``: a @ b^T from shared memory;
-  ``mma_regs``: registers @ shared memory).
+* warpgroup MMAs with float32 accumulators (``scores``: a @ b^T from shared memory;
+  ``mma_regs``: registers @ shared memory; ``mma_into``: the same added to a running
+  accumulator).
 
 What the interpreters lack, and what is done instead (nothing else differs from the compiled
 kernels; ``interpret`` in each helper):
 
 * jax >= 0.11.2 (``plgpu.InterpretGPUParams`` public) runs warpgroup MMAs from shared memory
   only: a register operand is staged through a shared-memory buffer first (``mma_regs``).
-  Neither it nor jax 0.10's runs ``pl.run_state`` or stores into an accumulator, so every MMA
-  here accumulates into a fresh accumulator that the kernel adds in registers (compiled too:
-  one add per accumulator element and block, FlashAttention-3 instead accumulates in place).
+  Neither it nor jax 0.10's runs ``pl.run_state`` or stores into an accumulator: where the
+  compiled kernels accumulate into a running accumulator (``mma_into``), the interpreted ones
+  accumulate into a fresh one and add it (the same sums).
 * jax 0.10's interpreter (private, ``jax._src``) also runs no layout hints (``layout_cast``,
   ``plgpu.load`` with a layout, a laid-out ``broadcasted_iota``) and no transposed MMA
   operand: there the hints are dropped (``load``, ``cast``, ``iota``) and the MMAs run as
@@ -132,6 +133,16 @@ def mma_regs(a, b, interpret, staging):
         return _dot(a, b[...], ((1,), (0,)))
     staging[...] = a
     return _acc(staging, b, (a.shape[0], b.shape[1]))
+
+
+def mma_into(acc, a, b, interpret, staging):
+    """``acc + a @ b`` (``mma_regs``' operands). Compiled, the MMA accumulates into ``acc``
+    itself (``pl.run_state`` on an initialised accumulator, FlashAttention-3's form: no second
+    accumulator's registers); interpreted, into a fresh one then added (the interpreters run
+    no ``run_state``)."""
+    if interpret:
+        return acc + mma_regs(a, b, interpret, staging)
+    return pl.run_state(lambda ref: plgpu.wgmma(ref, a, b))(plgpu.ACC.init(acc))
 
 
 def _slot(i, stages):
