@@ -314,6 +314,8 @@ def _refs(*xs):
     return [jax.new_ref(x, memory_space=mgpu.plgpu.GMEM) for x in xs]
 
 
+# jitted: the GMEM refs that alias the state exist only inside jit.
+@functools.partial(jax.jit, static_argnames=("no_prox", "block_sizes"))
 def mgpu_update_kernel(scalars, g, m, v, n, prev, p=None, *, no_prox: bool = False,
                        block_sizes: BlockSizes | None = None):
     """``adan_update`` by the Mosaic GPU kernel (Hopper; jax's Mosaic GPU interpreter where
@@ -332,6 +334,7 @@ def mgpu_update_kernel(scalars, g, m, v, n, prev, p=None, *, no_prox: bool = Fal
     return tuple(x[...] for x in [u_ref] + state)
 
 
+@functools.partial(jax.jit, static_argnames=("no_prox", "block_sizes"))
 def mgpu_apply_kernel(scalars, g, p, m, v, n, prev, *, no_prox: bool = False,
                       block_sizes: BlockSizes | None = None):
     """``adan_apply`` by the Mosaic GPU kernel: p, m, v, n, prev updated in place."""
