@@ -3,9 +3,11 @@
     python bench/attention.py            # BERT-base (B=32, S=512, H=12, D=64, padded keys)
                                          # and long causal (B=2, S=4096, H=16, D=128), bf16
     python bench/attention.py --small    # small shapes: a one-minute CPU run (XLA rows only)
+    python bench/attention.py --only pallas,mosaic_gpu,cudnn   # some implementations only
 
 Rows per shape and implementation (``kernels_pallas.attention.REGISTRY``: the XLA reference, our
-Pallas flash attention, cuDNN; one that declines the inputs on this device is skipped): forward,
+Pallas flash attention (Triton on GPU), its Mosaic GPU version for Hopper (``mosaic_gpu``),
+cuDNN; one that declines the inputs on this device is skipped): forward,
 and forward + backward (one jitted vjp, the forward inside the timed region). FLOPs are the
 dense count: 4 B H Sq Sk D forward, 2.5x that for the backward, halved when causal; padded keys
 count (the kernels skip them, XLA does not). ``rel_err`` is ||out - ref|| / ||ref|| of the
@@ -48,16 +50,18 @@ def make_inputs(b, s, h, d, padded, dtype, seed=0):
     return q, k, v, do, lengths
 
 
-def implementations(platform):
-    """The registry's implementations to time: all on GPU/TPU, the reference alone on CPU
-    (Pallas there is the interpreter)."""
+def implementations(platform, only=None):
+    """The registry's implementations to time (those in ``only`` if given): all on GPU/TPU,
+    the reference alone on CPU (Pallas there is the interpreter)."""
     names = tuple(REGISTRY.impls) if platform in ("gpu", "tpu") else ("xla",)
-    return {name: functools.partial(attention, impl=name) for name in names}
+    return {name: functools.partial(attention, impl=name) for name in names
+            if only is None or name in only}
 
 
-def measure(shapes: dict, n: int = 20, warmup: int = 3) -> list[dict]:
+def measure(shapes: dict, n: int = 20, warmup: int = 3, only=None) -> list[dict]:
     """One row per shape, implementation and mode (fwd, fwd+bwd) of ``shapes`` (name ->
-    ``(B, S, H, D, causal, padded)``), bf16 inputs, every implementation this platform times."""
+    ``(B, S, H, D, causal, padded)``), bf16 inputs, every implementation this platform times
+    (or those in ``only``)."""
     platform = registry.platform()
     peak = peak_flops(device_kind(), "bf16")
     rows = []
@@ -66,7 +70,7 @@ def measure(shapes: dict, n: int = 20, warmup: int = 3) -> list[dict]:
         ref = attention_reference(*(x.astype(jnp.float32) for x in (q, k, v)),
                                   key_lengths=lengths, causal=causal)
         flops_fwd = 4 * b * h * s * s * d / (2 if causal else 1)
-        for impl_name, impl in implementations(platform).items():
+        for impl_name, impl in implementations(platform, only).items():
             attn = functools.partial(impl, key_lengths=lengths, causal=causal)
             fwd = jax.jit(attn)
             fwd_bwd = jax.jit(lambda q, k, v, do: jax.vjp(attn, q, k, v)[1](do))
@@ -94,11 +98,13 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--small", action="store_true", help="small shapes for a CPU run")
     ap.add_argument("-n", type=int, default=20, help="timed repetitions")
+    ap.add_argument("--only", help="comma-separated implementation names to time")
     add_out_argument(ap)
     args = ap.parse_args(argv)
 
     platform = registry.platform()
-    rows = measure(SMALL_SHAPES if args.small else SHAPES, args.n)
+    rows = measure(SMALL_SHAPES if args.small else SHAPES, args.n,
+                   only=args.only.split(",") if args.only else None)
     note = ("CPU run: only the XLA reference is timed (Pallas interpret mode is not a speed); "
             "absolute CPU times are not results." if platform == "cpu" else None)
     extra = {"small": args.small, "note": note}

@@ -199,6 +199,7 @@ def _pallas_call(kernel, name, scalars, tensors, outs, aliases, *, target, block
         scalar_spec = pl.BlockSpec((len(SCALARS),), lambda i: (0,))
         params = None
         if target == "gpu":
+            registry.check_triton()
             from jax.experimental.pallas import triton as pltr
             params = pltr.CompilerParams(num_warps=block_sizes.num_warps,
                                          num_stages=block_sizes.num_stages)
@@ -306,6 +307,8 @@ def _mgpu_setup(operands, block_sizes):
         raise NotImplementedError(f"jax {jax.__version__} has no Mosaic GPU Pallas backend; "
                                   "use optimizer impl 'pallas' or 'xla'.")
     interpret = registry.platform(*operands) != "gpu"
+    if not interpret:
+        mgpu.check_device()
     return interpret, block_sizes or BLOCK_SIZES[
         "mosaic_gpu_interpret" if interpret else "mosaic_gpu"]
 

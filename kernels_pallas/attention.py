@@ -617,6 +617,8 @@ def flash_attention(q, k, v, *, key_lengths=None, segment_ids=None, causal: bool
     """
     segs = _check(q, k, v, key_lengths, segment_ids, scale)
     target = registry.pallas_target(target, q, k, v)
+    if target == "gpu":
+        registry.check_triton()
     b, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)

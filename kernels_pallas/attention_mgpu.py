@@ -395,6 +395,8 @@ def mgpu_flash_attention(q, k, v, *, key_lengths=None, segment_ids=None, causal:
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     if interpret is None:
         interpret = registry.platform(q, k, v) != "gpu"
+    if not interpret:
+        mgpu.check_device()
     d_pad = _round_up(d, 64)
     bs = block_sizes or default_block_sizes(d_pad)
     sq_pad = _round_up(sq, math.lcm(WGS * bs.block_q, WGS * bs.block_q_dq, bs.block_q_dkv))

@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 import inspect
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -55,6 +56,20 @@ if available():
     _LOAD_INDEXED = "idx" in inspect.signature(plgpu.load).parameters
     # The interpreter made public in jax 0.11.2 runs warpgroup MMAs (see the docstring).
     INTERPRETER_MMA = hasattr(plgpu, "InterpretGPUParams")
+
+
+def check_device():
+    """NotImplementedError where the default backend is a GPU that is not a Hopper (sm_90): the
+    kernels are written for its warpgroup MMAs and TMA. (Compile-only targets are not checked:
+    the compile itself says so.)"""
+    if jax.default_backend() != "gpu":
+        return
+    device = jax.devices()[0]
+    capability = getattr(device, "compute_capability", None)
+    if capability is not None and not str(capability).startswith("9"):
+        raise NotImplementedError(f"the Mosaic GPU kernels are written for Hopper GPUs (sm_90: "
+                                  f"H100/H200); this is {device.device_kind} (compute "
+                                  f"capability {capability}).")
 
 
 def interpret_params():

@@ -109,10 +109,22 @@ def interpret(target: str) -> bool:
     return target == "interpret"
 
 
+def triton_shipped() -> bool:
+    """Whether this jax has the Pallas Triton backend at all."""
+    return importlib.util.find_spec("jax._src.pallas.triton") is not None
+
+
+def check_triton() -> None:
+    """NotImplementedError, saying what to use instead, where this jax has no Pallas Triton."""
+    if not triton_shipped():
+        raise NotImplementedError(f"jax {jax.__version__} has no Pallas Triton backend; use "
+                                  "impl 'mosaic_gpu' (Hopper GPUs) or 'xla'.")
+
+
 def triton_default() -> bool:
     """Whether a default may use Pallas Triton: this jax ships it and does not deprecate it
     (jax 0.10 does; jax >= 0.11 registers the deprecation ``TRITON_DEPRECATION``)."""
-    if importlib.util.find_spec("jax._src.pallas.triton") is None:
+    if not triton_shipped():
         return False
     from jax._src import deprecations
     return TRITON_DEPRECATION not in getattr(deprecations, "_registered_deprecations", {})

@@ -215,6 +215,7 @@ def test_unknown_policy_names_the_four():
 
 @pytest.mark.parametrize("sets,message", [
     (["model.attention_impl=cudnn"], "cuDNN flash attention takes fp16/bf16"),
+    (["model.attention_impl=mosaic_gpu"], "Mosaic GPU flash attention .* takes fp16/bf16"),
     (["precision.policy=fp16", "precision.loss_scale_init=0.0"], "must be > 0"),
     (["precision.policy=fp8", "precision.fp8_amax_history=0"], "fp8_amax_history=0"),
 ])
