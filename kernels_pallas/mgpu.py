@@ -52,8 +52,10 @@ if available():
     WGMMA = plgpu.Layout.WGMMA
     ROW = plgpu.Layout.WGMMA.reduce(1)        # one value per row of a [rows, cols] WGMMA tile
     COL = plgpu.Layout.WGMMA.reduce(0)        # one value per column
-    # jax 0.10's plgpu.load takes an index; later ones read the ref as given.
-    _LOAD_INDEXED = "idx" in inspect.signature(plgpu.load).parameters
+    # jax 0.10's plgpu.load needs an index (0.11 deprecates it, 0.12 takes none): the ref is
+    # indexed before, and the index passed empty where it is required.
+    _idx = inspect.signature(plgpu.load).parameters.get("idx")
+    _LOAD_INDEXED = _idx is not None and _idx.default is inspect.Parameter.empty
     # The interpreter made public in jax 0.11.2 runs warpgroup MMAs (see the docstring).
     INTERPRETER_MMA = hasattr(plgpu, "InterpretGPUParams")
 
