@@ -67,8 +67,8 @@ class BlockSizes:
 def default_block_sizes(head_dim: int) -> BlockSizes:
     """128-key forward blocks up to D=64, 64 above: the scores, the running accumulators and
     the masks then fit a compute warpgroup's 232 registers per thread (ptxas reports no spills
-    at D=64 and 128, with and without segment ids: tests/test_attention_mgpu.py). Not tuned
-    on a GPU."""
+    at D=64 and 128, but 44 bytes in dK/dV at D=128 with segment ids:
+    tests/test_attention_mgpu.py). Not tuned on a GPU."""
     return BlockSizes() if head_dim <= 64 else BlockSizes(block_kv=64)
 
 

@@ -56,8 +56,8 @@ if available():
     # indexed before, and the index passed empty where it is required.
     _idx = inspect.signature(plgpu.load).parameters.get("idx")
     _LOAD_INDEXED = _idx is not None and _idx.default is inspect.Parameter.empty
-    # The interpreter made public in jax 0.11.2 runs warpgroup MMAs (see the docstring).
-    INTERPRETER_MMA = hasattr(plgpu, "InterpretGPUParams")
+# The interpreter made public in jax 0.11.2 runs warpgroup MMAs (see the docstring).
+INTERPRETER_MMA = available() and hasattr(plgpu, "InterpretGPUParams")
 
 
 def check_device():
@@ -82,11 +82,12 @@ def interpret_params():
     return params()
 
 
-def kernel(body, out_type, scratch, grid, grid_names, name, interpret, threads=COMPUTE_WGS + 1):
-    """``body`` as a Mosaic GPU kernel of ``threads`` warpgroups (axis "wg") per program."""
+def kernel(body, out_type, scratch, grid, grid_names, name, interpret):
+    """``body`` as a Mosaic GPU kernel: ``COMPUTE_WGS`` + 1 warpgroups (axis "wg") per
+    program."""
     return plgpu.kernel(
         body, out_type=out_type, scratch_types=scratch, grid=grid, grid_names=grid_names,
-        num_threads=threads, thread_name="wg", kernel_name=name,
+        num_threads=COMPUTE_WGS + 1, thread_name="wg", kernel_name=name,
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=interpret_params() if interpret else None)
 
