@@ -22,7 +22,10 @@ kernels; ``interpret`` in each helper):
 * jax 0.10's interpreter (private, ``jax._src``) also runs no layout hints (``layout_cast``,
   ``plgpu.load`` with a layout, a laid-out ``broadcasted_iota``) and no transposed MMA
   operand: there the hints are dropped (``load``, ``cast``, ``iota``) and the MMAs run as
-  plain dots of the same shared-memory tiles.
+  plain dots of the same shared-memory tiles. Its callbacks also dispatch jax computations
+  (``jnp.array``), which deadlock against a computation the caller dispatched meanwhile on
+  the same CPU device (seen: optax.apply_updates after an interpreted update): block on an
+  interpreted kernel's results before dispatching anything else.
 """
 from __future__ import annotations
 

@@ -34,7 +34,9 @@ def run(tx, params, steps, after=None):
     update = jax.jit(tx.update)
     history = []
     for t in range(steps):
-        updates, state = update(grads_at(t, params), state, params)
+        # Blocked on before anything else is dispatched: jax 0.10's Mosaic GPU interpreter
+        # dispatches computations from its callbacks (kernels_pallas/mgpu.py).
+        updates, state = jax.block_until_ready(update(grads_at(t, params), state, params))
         params = optax.apply_updates(params, updates)
         history.append(params)
         if after is not None:

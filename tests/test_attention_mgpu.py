@@ -67,9 +67,11 @@ def check(b=1, sq=77, sk=None, hq=1, hkv=None, d=64, dtype=jnp.bfloat16, causal=
     lengths = None if key_lengths is None else jnp.asarray(key_lengths, jnp.int32)
     kw = dict(key_lengths=lengths, causal=causal, scale=scale)
     segs = _segments(segment_ids, sq, sk)
-    got = out_and_grads(lambda q, k, v: mgpu_flash_attention(
+    # Blocked on before the reference is dispatched: jax 0.10's interpreter dispatches
+    # computations from its callbacks (kernels_pallas/mgpu.py).
+    got = jax.block_until_ready(out_and_grads(lambda q, k, v: mgpu_flash_attention(
         q, k, v, segment_ids=segs, block_sizes=block_sizes, interpret=not on_gpu, **kw),
-        q, k, v, do)
+        q, k, v, do))
     want = reference_out_and_grads(q, k, v, do, segment_ids=segment_ids, **kw)
     for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
         assert g.dtype == dtype and g.shape == w.shape, name
