@@ -343,28 +343,26 @@ def test_batch_lengths_are_the_lengths_of_those_steps():
     assert len(it.batch_lengths(0, 3 * per)) > 1
 
 
-def test_validation_split_is_fixed_and_disjoint_from_training(monkeypatch):
+def test_validation_split_is_fixed_and_disjoint_from_training():
     """data.validation_size holds the same rows out whatever the seed; train + validation
     partition the original training split; eval_split=validation without it is refused."""
     from jaxaccel import config
-    from jaxaccel.data import TextDataset, splits
-    texts = [f"text {i}" for i in range(50)]
-    fake = TextDataset("rt_snippets", {"train": (texts, np.arange(50, dtype=np.int32) % 2)},
-                       ("neg", "pos"))
-    monkeypatch.setattr(splits, "load_text_dataset", lambda *a, **k: fake)
-    monkeypatch.setattr(splits, "tokenize", lambda tok, texts, labels, **k: (texts, labels))
+    from jaxaccel.data import splits
+    from jaxaccel.data.spec import held_rows
+    from jaxaccel.train.run import resolve
 
     def rows(split, *sets):
-        cfg = config.build(sets=["data.validation_size=10", *sets])
-        return splits.split_examples(cfg, None, 512, split)[0]
-    (val, val_labels), (train, _) = rows("validation"), rows("train")
-    assert len(val) == 10 and len(train) == 40 and sorted(val + train) == sorted(texts)
-    assert rows("validation", "seed=7")[0] == val                   # not the run's seed
-    assert val_labels.tolist() == [int(t.split()[1]) % 2 for t in val]
-    assert (splits.validation_rows(50, 10) == splits.validation_rows(50, 10)).all()
+        data = resolve(config.build(sets=["data.validation_size=10", *sets])).data
+        return splits.split_rows(data, split, 50)
+    val, train = rows("validation"), rows("train")
+    assert len(val) == 10 and len(train) == 40
+    assert sorted(np.concatenate([val, train]).tolist()) == list(range(50))
+    assert (rows("validation", "seed=7") == val).all()                 # not the run's seed
+    assert (held_rows(50, 10) == val).all()
+    assert rows("test") is None                                         # the source's own
     with pytest.raises(ValueError, match="validation_size > 0"):
-        splits.split_examples(config.build(sets=["data.eval_split=validation"]), None, 512,
-                         "validation")
+        splits.source_split(resolve(config.build(sets=["data.eval_split=validation"])).data,
+                            "validation")
 
 
 def test_a_tokenizer_class_this_transformers_lacks_is_read_from_tokenizer_json(monkeypatch,
