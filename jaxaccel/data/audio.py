@@ -25,7 +25,7 @@ import numpy as np
 
 from jaxaccel.data.bfsong import log_mel
 from jaxaccel.data.files import expand
-from jaxaccel.data.spec import DataError, DataSpec
+from jaxaccel.data.spec import DataError, DataMissing, DataSpec
 
 WINDOW_S, HOP_S = 0.025, 0.010
 
@@ -110,7 +110,7 @@ def _clips(globs: str, key: str) -> tuple[str, ...]:
 def describe(settings, model, batching) -> DataSpec:
     """``data.name=audio`` (module doc): the clips are found and their classes named here."""
     if not settings.train_files:
-        raise DataError("data.name=audio needs data.train_files: a folder (or glob) of WAV "
+        raise DataMissing("data.name=audio needs data.train_files: a folder (or glob) of WAV "
                         "files, in one sub-folder a class for a classifier.")
     files = {"train": _clips(settings.train_files, "data.train_files")}
     if settings.eval_files:

@@ -33,7 +33,7 @@ import json
 import os
 import re
 
-from jaxaccel.data.spec import DataError, DataSpec, Records
+from jaxaccel.data.spec import DataError, DataMissing, DataSpec, Records
 
 FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl", ".csv": "csv",
            ".tsv": "tsv", ".parquet": "parquet", ".arrow": "arrow", ".txt": "text",
@@ -58,7 +58,7 @@ def expand(globs: str, key: str) -> tuple[str, ...]:
             pattern = os.path.join(pattern, "**", "*")
         found = sorted(p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p))
         if not found:
-            raise DataError(f"{key}={pattern!r} matches no file (from {os.getcwd()}); give a "
+            raise DataMissing(f"{key}={pattern!r} matches no file (from {os.getcwd()}); give a "
                             "glob of your files, e.g. data/train-*.jsonl.")
         out += found
     return tuple(dict.fromkeys(os.path.abspath(p) for p in out))
@@ -146,7 +146,7 @@ def _decoded(data: bytes, path: str, line: int) -> str:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
         at = line + data.count(b"\n", 0, e.start)
-        column = e.start - (data.rfind(b"\n", 0, e.start) + 1)
+        column = e.start - data.rfind(b"\n", 0, e.start)       # 1-based
         raise DataError(f"{path}:{at}: not valid UTF-8 ({e.reason} at byte {column} of the "
                         "line); save the file as UTF-8.") from None
 
@@ -399,7 +399,7 @@ def describe(settings, model, batching) -> DataSpec:
     records are read when the cache is built)."""
     kind = "corpus" if model.task == "causal_lm" else "text"
     if not settings.train_files:
-        raise DataError("data.name=files needs data.train_files: a glob of your training "
+        raise DataMissing("data.name=files needs data.train_files: a glob of your training "
                         "files (e.g. data/train-*.jsonl).")
     files = {"train": expand(settings.train_files, "data.train_files")}
     if settings.eval_files:

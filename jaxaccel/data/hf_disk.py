@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from jaxaccel.data.spec import DataError, DataSpec, Records
+from jaxaccel.data.spec import DataError, DataMissing, DataSpec, Records
 
 CHUNK_RECORDS = 20_000
 
@@ -28,7 +28,7 @@ def _load(path: str):
                         "not installed: pip install 'jaxaccel[hf]' (or pip install datasets)."
                         ) from None
     if not os.path.isdir(path):
-        raise DataError(f"data.dataset={path!r} is not a folder; give the folder a dataset "
+        raise DataMissing(f"data.dataset={path!r} is not a folder; give the folder a dataset "
                         "was saved to (Dataset.save_to_disk).")
     try:
         loaded = datasets.load_from_disk(path)
@@ -89,7 +89,7 @@ class HfRecords:
 def describe(settings, model, batching) -> DataSpec:
     """``data.name=hf``: the saved dataset ``data.dataset`` (module doc)."""
     if not settings.dataset:
-        raise DataError("data.name=hf needs data.dataset: the folder a Hugging Face dataset was "
+        raise DataMissing("data.name=hf needs data.dataset: the folder a Hugging Face dataset was "
                         "saved to (save_to_disk).")
     path = os.path.abspath(os.path.expanduser(settings.dataset))
     splits = _load(path)

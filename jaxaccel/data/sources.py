@@ -14,7 +14,8 @@ import difflib
 import importlib
 from collections.abc import Mapping
 
-from jaxaccel.data.spec import Batching, DataSpec, ModelInput, Settings, holdout_size
+from jaxaccel.data.spec import (Batching, DataMissing, DataSpec, ModelInput, Settings,
+                                holdout_size)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,12 +74,30 @@ def serving(task: str) -> tuple[str, ...]:
     return tuple(n for n, s in SOURCES.items() if task in s.tasks)
 
 
-def describe(section: Mapping, batching: Batching, model: ModelInput) -> DataSpec:
+def describe(section: Mapping, batching: Batching, model: ModelInput, *,
+             absent_ok: bool = False) -> DataSpec:
     """The ``DataSpec`` of the config's ``data`` section for a model that reads ``model``,
-    from its source's row; nothing is read but metadata (a dataset's sizes, file stats)."""
+    from its source's row; nothing is read but metadata (a dataset's sizes, file stats).
+    ``absent_ok`` (a plan): data that is not on this machine is described from the config
+    alone (``unread``) instead of refused."""
     settings = Settings(section)
     row = source(settings.name)
-    return counted(importlib.import_module(row.module).describe(settings, model, batching))
+    try:
+        spec = importlib.import_module(row.module).describe(settings, model, batching)
+    except DataMissing as e:
+        if not absent_ok:
+            raise
+        spec = unread(settings, model, batching, str(e))
+    return counted(spec)
+
+
+def unread(settings: Settings, model: ModelInput, batching: Batching, why: str) -> DataSpec:
+    """The data as the config alone says it is (no reader): the kind the model's task takes
+    of the row's, and the counts the config gives (``counted``)."""
+    kind = "arrays" if model.reads == "pixels" else \
+        "corpus" if model.task == "causal_lm" else "text"
+    return DataSpec(settings.name, kind, None, settings, batching, model, ("train",),
+                    absent=why)
 
 
 def counted(spec: DataSpec) -> DataSpec:

@@ -56,6 +56,11 @@ class DataError(ValueError):
     """Bad input data: the message names the file (and line) and what to fix."""
 
 
+class DataMissing(DataError):
+    """The data is not on this machine (a glob matching nothing, a dataset folder missing): a
+    plan made elsewhere can go on without it (``sources.describe(..., absent_ok=True)``)."""
+
+
 class Settings(Mapping):
     """The config's ``data`` section, frozen: ``settings.max_len``, ``settings["name"]``."""
 
@@ -190,6 +195,8 @@ class DataSpec:
       Hugging Face ``ClassLabel``); otherwise labels are values, named by their text.
     row_length: the longest row, where the source knows it (ready token ids); else rows are
       up to ``max_len`` tokens.
+    absent: why the data could not be described from its source (not on this machine: a
+      plan goes on without it; ``reader`` is then None); "" where it was.
     """
 
     name: str
@@ -205,6 +212,7 @@ class DataSpec:
     labels_are_ids: bool = False
     row_length: int | None = None
     rows: int | None = None
+    absent: str = ""
 
     @property
     def tasks(self) -> tuple[str, ...]:
@@ -256,5 +264,6 @@ class DataSpec:
         return min(-(-self.row_length // m) * m, self.max_len)
 
 
-__all__ = ["held_rows", "holdout_size", "ArrayReader", "Batching", "DataError", "DataSpec", "KINDS", "ModelInput",
+__all__ = ["held_rows", "holdout_size", "ArrayReader", "Batching", "DataError", "DataMissing",
+           "DataSpec", "KINDS", "ModelInput",
            "RecordReader", "Records", "Settings"]

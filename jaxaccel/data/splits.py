@@ -384,6 +384,10 @@ def tokenizer_dir(data: DataSpec, model_tokenizer_dir: str | None) -> str | None
         return None
     if not trains_bpe(data):
         return data.model.tokenizer or model_tokenizer_dir
+    folder = bpe_folder(data)
+    if not os.path.isfile(os.path.join(folder, "tokenizer.json")):
+        tokencache.require_writable(tokencache.cache_root(data.settings),
+                                    f"the BPE of data.name={data.name!r} (data.tokenizer_vocab)")
     return bpe.cached(_bpe_home(data), data.settings.tokenizer_vocab,
                       lambda: _texts(data, "train"))
 
@@ -392,7 +396,7 @@ def prepared(data: DataSpec, load_tokenizer) -> DataSpec:
     """``data`` with the training rows read from its prepared token cache's index (``jaxaccel
     data prepare``, or an earlier run) where the count was unknown; nothing is tokenized or
     built (``load_tokenizer(folder)`` only loads the tokenizer)."""
-    if data.rows is not None or not data.tokenized:
+    if data.rows is not None or not data.tokenized or data.reader is None:
         return data
     folder = data.model.tokenizer if not trains_bpe(data) else bpe_folder(data)
     if not folder or not os.path.isdir(folder):

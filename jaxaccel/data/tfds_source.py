@@ -18,7 +18,7 @@ import functools
 import os
 from collections.abc import Callable
 
-from jaxaccel.data.spec import DataError, DataSpec, Records
+from jaxaccel.data.spec import DataError, DataMissing, DataSpec, Records
 
 CHUNK_RECORDS = 20_000
 
@@ -142,12 +142,12 @@ def open_prepared(dataset: str, data_dir: str):
     try:
         builder = tfds.builder(dataset, data_dir=data_dir or None)
     except Exception as e:      # noqa: BLE001 (TFDS raises its own error classes)
-        raise DataError(f"data.dataset={dataset!r}: no TFDS dataset of that name in data_dir "
+        raise DataMissing(f"data.dataset={dataset!r}: no TFDS dataset of that name in data_dir "
                         f"{data_dir or '(the TFDS default)'} ({type(e).__name__}: {e}). "
                         "Prepare it there first (tfds build ... --file_format=array_record), "
                         "or set data.data_dir to where it was prepared.") from None
     if not builder.is_prepared():
-        raise DataError(f"data.dataset={dataset!r} is not prepared in {builder.data_dir}; "
+        raise DataMissing(f"data.dataset={dataset!r} is not prepared in {builder.data_dir}; "
                         f"prepare it first: tfds build {dataset} --data_dir "
                         f"{data_dir or '~/tensorflow_datasets'} --file_format=array_record")
     return builder
@@ -156,7 +156,7 @@ def open_prepared(dataset: str, data_dir: str):
 def describe(settings, model, batching) -> DataSpec:
     """``data.name=tfds``: ``data.dataset`` from ``data.data_dir`` (module doc)."""
     if not settings.dataset:
-        raise DataError("data.name=tfds needs data.dataset: the dataset's TFDS name (e.g. "
+        raise DataMissing("data.name=tfds needs data.dataset: the dataset's TFDS name (e.g. "
                         "imdb_reviews), prepared in data.data_dir.")
     builder = open_prepared(settings.dataset, settings.data_dir)
     kind = "corpus" if model.task == "causal_lm" else "text"

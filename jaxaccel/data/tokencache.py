@@ -222,10 +222,30 @@ def _source_changes(old: dict, new: dict) -> str:
 
 
 def writable(root: str) -> bool:
+    """Whether ``root`` (or the nearest folder above it that exists) takes a new file: tried,
+    since permission bits do not say so for every user (root) or file system (read-only
+    mounts, /proc)."""
     here = root
     while not os.path.exists(here):
         here = os.path.dirname(here)
-    return os.path.isdir(here) and os.access(here, os.W_OK | os.X_OK)
+    try:
+        fd, path = tempfile.mkstemp(prefix=".jaxaccel-probe-", dir=here)
+    except OSError:
+        return False
+    os.close(fd)
+    os.remove(path)
+    return True
+
+
+def require_writable(root: str, what: str, why: str = "") -> None:
+    """``DataError`` naming ``data.cache_dir`` where ``what`` must be written to ``root`` but
+    cannot be."""
+    if not writable(root):
+        raise DataError(
+            f"data.cache_dir {root!r} is not writable, and {what} has no cache there"
+            f"{' that fits: the one there ' + why.replace('it ', '', 1) if why else ''}. Set "
+            "data.cache_dir to a writable folder, or build the cache where it can be written "
+            "(jaxaccel data prepare --set data.cache_dir=...) and copy it.")
 
 
 def lookup(plan_: Plan) -> TokenCache | None:
@@ -260,13 +280,7 @@ def tokens(spec: DataSpec, split: str, tokenizer, *, workers: int | None = None,
     if found is not None:
         return found
     why = _changes(plan_)
-    if not writable(plan_.root):
-        raise DataError(
-            f"data.cache_dir {plan_.root!r} is not writable, and split {split!r} of "
-            f"data.name={spec.name!r} has no token cache there"
-            f"{' that fits: the one there ' + why.replace('it ', '', 1) if why else ''}. Set "
-            "data.cache_dir to a writable folder, or build the cache where it can be written "
-            "(jaxaccel data prepare --set data.cache_dir=...) and copy it.")
+    require_writable(plan_.root, f"split {split!r} of data.name={spec.name!r}", why)
     if why:
         log.info("rebuilding the token cache of %s split %r: %s", spec.name, split, why)
     return _build(spec, split, enc, plan_, workers, progress)
@@ -502,4 +516,4 @@ def _alive(pid: int) -> bool:
     return True
 
 
-__all__ = ["FORMAT", "Plan", "digest", "TokenCache", "cache_root", "lookup", "plan", "tokens"]
+__all__ = ["FORMAT", "Plan", "digest", "require_writable", "writable", "TokenCache", "cache_root", "lookup", "plan", "tokens"]

@@ -178,7 +178,7 @@ def plannable(cfg) -> tuple:
 def abstract_run(cfg, target: topology.Target) -> Run:
     """The trainer's ``Run`` of ``cfg`` on the target's devices, its state ShapeDtypeStructs
     with the trainer's shardings, and no data: what the jitted steps need to be compiled."""
-    return assemble(resolve(cfg, target.devices), abstract=True)
+    return assemble(resolve(cfg, target.devices, absent_ok=True), abstract=True)
 
 
 def shard_bytes(tree) -> int:
@@ -301,6 +301,9 @@ def make_plan(config_path: str | None, sets: list[str], topology_name: str, *,
     state = run.state
     known = {"params": shard_bytes(state.params), "opt_state": shard_bytes(state.opt_state)}
     compile_s, notes = {}, list(notes)
+    if run.resolved.data.absent:
+        notes.append(f"the data is not on this machine ({run.resolved.data.absent.rstrip('.')})"
+                     ": planned from the config alone")
 
     def compile_(step, jitted, *args):
         t0 = time.perf_counter()

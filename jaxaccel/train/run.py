@@ -104,20 +104,22 @@ def _length(t, steps_per_epoch: int | None) -> int | None:
 
 def resolve(cfg: Config, devices=None, *, training: bool = True,
             spec: ModelSpec | None = None, data: bool = True, tokenizer: str | None = None,
-            label_names: tuple[str, ...] | None = None) -> Resolved:
+            label_names: tuple[str, ...] | None = None, absent_ok: bool = False) -> Resolved:
     """The run ``cfg`` describes on ``devices`` (default all; a planned target's compile-only
     devices for ``jaxaccel compile``), checked and derived once. ``training=False``: a run that
     only evaluates (no optimizer, only the eval batch must fit the mesh). ``spec``: the model's
     spec where it is known already (a checkpoint's), else read from the config. ``data=False``:
     no data is described (a benchmark feeds its own batches); ``tokenizer`` and
-    ``label_names``: a trained run's, for evaluating it. The config's choices are checked by
+    ``label_names``: a trained run's, for evaluating it; ``absent_ok``: data not on this
+    machine is described from the config alone (a plan). The config's choices are checked by
     their owners first (precision policy, optimizer, attention kernel)."""
     policy = policy_of(cfg.precision)
     optim.check_config(cfg.train)
     attention.check_config(cfg.model.attention_impl, policy)
     spec = model_spec(cfg.model) if spec is None else spec
     mesh = shd.make_mesh(dict(cfg.mesh), devices)
-    described = describe_data(cfg, spec, mesh.size, tokenizer, label_names) if data else None
+    described = describe_data(cfg, spec, mesh.size, tokenizer, label_names,
+                              absent_ok) if data else None
     if training and described is not None:
         data_sources.check_task(described)
         splits.check_tokenizer_vocab(described, spec.architecture.vocab_size)
@@ -149,13 +151,14 @@ def model_input(cfg: Config, spec: ModelSpec, tokenizer: str | None = None) -> M
 
 
 def describe_data(cfg: Config, spec: ModelSpec, devices: int, tokenizer: str | None = None,
-                  label_names: tuple[str, ...] | None = None) -> DataSpec:
+                  label_names: tuple[str, ...] | None = None,
+                  absent_ok: bool = False) -> DataSpec:
     """The run's data (``data.sources.describe``): the config's ``data`` section for the model
     of ``spec``, batched as the ``train`` section says over ``devices`` devices."""
     t = cfg.train
-    described = data_sources.describe(cfg.data, Batching(t.batch_size, t.eval_batch_size, cfg.seed,
-                                                    devices),
-                                 model_input(cfg, spec, tokenizer))
+    batching = Batching(t.batch_size, t.eval_batch_size, cfg.seed, devices)
+    described = data_sources.describe(cfg.data, batching, model_input(cfg, spec, tokenizer),
+                                      absent_ok=absent_ok)
     if label_names:
         described = dataclasses.replace(described, label_names=tuple(label_names))
     return described
