@@ -65,9 +65,9 @@ def _corpus(folder, n=120, seed=0):
 
 def lm_sets(tmp_path, *extra):
     return [f"workdir={tmp_path}", f"data.cache_dir={tmp_path / 'cache'}",
-            "model.name=llama-cpu", "data.name=files", f"data.tokenizer_vocab=300",
+            "model.name=llama-cpu", "data.name=files", "data.tokenizer_vocab=300",
             f"data.train_files={tmp_path / 'corpus' / 'docs.jsonl'}", "data.holdout=0.1",
-            "data.max_len=16", "train.batch_size=4", "train.eval_batch_size=8",
+            "data.max_len=16", "train.batch_size=8", "train.eval_batch_size=8",
             "train.progress=false", "train.log_every=1", "train.warmup_ratio=0.0",
             "model.hidden_dropout=0.0", "model.attention_dropout=0.0", *extra]
 
@@ -221,7 +221,7 @@ def test_streamed_packed_rows_equal_in_memory_rows_at_any_step_and_share(tmp_pat
 
 
 def test_resume_mid_epoch_from_the_cache_matches_an_uninterrupted_run(tmp_path):
-    _corpus(tmp_path / "corpus", n=30)
+    _corpus(tmp_path / "corpus", n=40)
     sets = lm_sets(tmp_path, "train.epochs=2", "data.max_len=32")
     full = loop.train(config.build(sets=sets + ["name=full"]))
     per = resolve(config.build(sets=sets)).steps_per_epoch

@@ -31,7 +31,8 @@ def reviews_jsonl(path, rows=REVIEWS, text="text", label="label"):
 
 
 def files_sets(tmp_path, *extra):
-    """A tiny BERT classifier on data.name=files, the cache in ``tmp_path``."""
+    """A tiny BERT classifier on data.name=files, the cache in ``tmp_path`` (batches of 8 rows:
+    one a test device)."""
     return [f"workdir={tmp_path}", f"data.cache_dir={tmp_path / 'cache'}", "model.name=tiny",
             "data.name=files", "train.batch_size=8", "train.eval_batch_size=8",
             "train.max_steps=2", "train.progress=false", "train.learning_rate=1e-3", *extra]
@@ -98,7 +99,8 @@ def test_large_files_are_read_in_chunks_cut_at_record_boundaries(tmp_path, monke
     whole = {fmt: records(files_sets(tmp_path, *formats[fmt])) for fmt in ("jsonl", "csv")}
     (tmp_path / "book.txt").write_text("One para\ngoes on.\n\n\nTwo.\n \nThree\n\n" * 20)
     book = files_sets(tmp_path, f"data.train_files={tmp_path / 'book.txt'}",
-                      "data.documents=paragraph", "model.name=llama-cpu")
+                      "data.documents=paragraph", "model.name=llama-cpu",
+                      "data.tokenizer_vocab=300")
     whole["text"] = records(book)
     monkeypatch.setattr(files, "CHUNK_BYTES", 40)
     for fmt in ("jsonl", "csv"):
@@ -124,29 +126,37 @@ def _bad(tmp_path, name: str, content: bytes):
     return path
 
 
-@pytest.mark.parametrize("name,content,extra,message", [
-    ("a.jsonl", b'{"text": "fine", "label": "pos"}\n{"body": "x", "label": "neg"}\n', [],
+@pytest.mark.parametrize("name,content,message", [
+    ("a.jsonl", b'{"text": "fine", "label": "pos"}\n{"body": "x", "label": "neg"}\n',
      "a.jsonl:2: no field 'text' \\(fields: body, label\\); set data.text_field"),
-    ("a.csv", b"review,label\nfine,pos\n", [],
+    ("a.csv", b"review,label\nfine,pos\n",
      "a.csv: no field 'text' \\(fields: review, label\\)"),
-    ("a.jsonl", b'{"text": "fine", "label": "pos"}\n{"text": "caf\xe9", "label": "neg"}\n', [],
+    ("a.jsonl", b'{"text": "fine", "label": "pos"}\n{"text": "caf\xe9", "label": "neg"}\n',
      "a.jsonl:2: not valid UTF-8 \\(invalid continuation byte at byte 14 of the line\\)"),
-    ("a.jsonl", b'{"text": "fine", "label": "pos"}\n{"text": "  ", "label": "neg"}\n', [],
+    ("a.jsonl", b'{"text": "fine", "label": "pos"}\n{"text": "  ", "label": "neg"}\n',
      "a.jsonl:2: empty text; remove the record"),
-    ("a.jsonl", b'{"text": "fine", "label": "pos"}\n{"text": "also", "label": "pos"}\n', [],
-     "every training example has the label 'pos' \\(the first at .*a.jsonl:1\\): a "
-     "classifier needs two classes"),
-    ("a.jsonl", b'{"text": "fine", "label": "pos"}\nnot json\n', [],
+    ("a.jsonl", b'{"text": "fine", "label": "pos"}\nnot json\n',
      "a.jsonl:2: not a JSON object"),
 ])
 def test_bad_records_are_named_by_file_and_line_and_nothing_is_kept(tmp_path, name, content,
-                                                                  extra, message):
+                                                                  message):
     path = _bad(tmp_path, name, content)
-    cfg = config.build(sets=files_sets(tmp_path, f"data.train_files={path}", "data.holdout=0.5",
-                                       "train.batch_size=1", "train.eval_batch_size=1", *extra))
+    cfg = config.build(sets=files_sets(tmp_path, f"data.train_files={path}", "data.holdout=0.5"))
     with pytest.raises(DataError, match=message):
         datacmd.prepare(cfg)
     assert cache_folders(tmp_path) == []
+
+
+def test_a_single_class_label_column_is_refused(tmp_path):
+    """The records are sound (their cache is whole and kept), their labels are not."""
+    path = _bad(tmp_path, "a.jsonl", b'{"text": "fine", "label": "pos"}\n'
+                                     b'{"text": "also", "label": "pos"}\n')
+    cfg = config.build(sets=files_sets(tmp_path, f"data.train_files={path}", "data.holdout=0.5"))
+    with pytest.raises(DataError, match="every training example has the label 'pos' \\(the "
+                                        "first at .*a.jsonl:1\\): a classifier needs two "
+                                        "classes"):
+        datacmd.prepare(cfg)
+    assert not [n for n in cache_folders(tmp_path) if ".partial" in n]
 
 
 def test_a_label_eval_never_saw_in_train_is_named(tmp_path):
@@ -241,9 +251,10 @@ def tfds_dir(tmp_path):
                 "stars": tfds.features.ClassLabel(names=["bad", "good"])}))
 
         def _split_generators(self, dl_manager):
-            return {"train": self._generate(REVIEWS), "test": self._generate(REVIEWS[:8])}
+            return {"train": self._generate_examples(REVIEWS),
+                    "test": self._generate_examples(REVIEWS[:8])}
 
-        def _generate(self, rows):
+        def _generate_examples(self, rows):
             for i, (text, label) in enumerate(rows):
                 yield i, {"review": text, "stars": int(label == "pos")}
 
@@ -287,23 +298,21 @@ def _wav(path, freq: float, seconds=0.3, rate=8000):
 def test_audio_folders_train_a_vit_classifier_and_mae(tmp_path):
     """Clips in a sub-folder a class train the ViT classifier (resampled to data.sample_rate,
     log-mel of the model's input shape); one folder of unlabelled clips pretrains MAE."""
-    for i in range(8):
+    for i in range(12):
         _wav(tmp_path / "birds" / "low" / f"{i}.wav", 300 + 10 * i)
         _wav(tmp_path / "birds" / "high" / f"{i}.wav", 2000 + 10 * i)
     sets = files_sets(tmp_path, "data.name=audio", f"data.train_files={tmp_path / 'birds'}",
-                      "data.holdout=0.25", "model.name=vit-tiny", "model.task=classification",
-                      "train.batch_size=4", "train.eval_batch_size=4")
+                      "data.holdout=0.25", "model.name=vit-tiny", "model.task=classification")
     r = resolve(config.build(sets=sets))
-    assert r.data.label_names == ("high", "low") and r.data.rows == 12
+    assert r.data.label_names == ("high", "low") and r.data.rows == 18
     result = loop.train(config.build(sets=sets))
-    assert result["status"] == "completed" and result["eval_examples"] == 4
+    assert result["status"] == "completed" and result["eval_examples"] == 6
     labels = [label for label, _ in Predictor(result["run_dir"])(
         [str(tmp_path / "birds" / "low" / "0.wav")])]
     assert labels[0] in ("high", "low")
     mae = files_sets(tmp_path, "data.name=audio",
                      f"data.train_files={tmp_path / 'birds' / 'low'}/*.wav", "data.holdout=0.25",
-                     "model.name=vit-tiny", "model.task=mae", "train.batch_size=2",
-                     "train.eval_batch_size=2", "name=mae")
+                     "model.name=vit-tiny", "model.task=mae", "name=mae")
     assert loop.train(config.build(sets=mae))["status"] == "completed"
     with pytest.raises(DataError, match="every clip is in the folder 'low', one class"):
         resolve(config.build(sets=mae + ["model.task=classification"]))

@@ -338,13 +338,13 @@ def trains_bpe(data: DataSpec) -> bool:
     return data.kind == "corpus" and data.model.tokenizer is None
 
 
-def check_tokenizer_vocab(data: DataSpec, vocab_size: int) -> None:
+def check_tokenizer_vocab(data: DataSpec) -> None:
     """A run that trains the corpus's BPE: ``data.tokenizer_vocab`` must be a size a byte-level
-    BPE can have and that the model's embedding table (``vocab_size``) can index, checked
-    before the BPE is trained and cached."""
+    BPE can have and that the model's embedding table (``ModelInput.vocab_size``) can index,
+    checked before the BPE is trained and cached."""
     if not trains_bpe(data):
         return
-    n = data.settings.tokenizer_vocab
+    n, vocab_size = data.settings.tokenizer_vocab, data.model.vocab_size
     if n < bpe.MIN_VOCAB:
         raise ValueError(f"data.tokenizer_vocab={n} is too small: a byte-level BPE needs its "
                          f"{bpe.MIN_VOCAB - 1} byte symbols and the end-of-text token; use at "

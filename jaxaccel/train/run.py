@@ -122,7 +122,7 @@ def resolve(cfg: Config, devices=None, *, training: bool = True,
                               absent_ok) if data else None
     if training and described is not None:
         data_sources.check_task(described)
-        splits.check_tokenizer_vocab(described, spec.architecture.vocab_size)
+        splits.check_tokenizer_vocab(described)
         described = splits.prepared(described, load_tokenizer)
     splits.check_batch_fits(cfg.train, {a: mesh.shape[a] for a in shd.BATCH_AXES},
                             training=training)
