@@ -69,7 +69,7 @@ def lm_sets(tmp_path, *extra):
             f"data.train_files={tmp_path / 'corpus' / 'docs.jsonl'}", "data.holdout=0.1",
             "data.max_len=16", "train.batch_size=8", "train.eval_batch_size=8",
             "train.progress=false", "train.log_every=1", "train.warmup_ratio=0.0",
-            "model.hidden_dropout=0.0", "model.attention_dropout=0.0", *extra]
+            "model.attention_dropout=0.0", *extra]
 
 
 def lm_data(tmp_path, *extra):
