@@ -29,7 +29,6 @@ if importlib.util.find_spec("importlib_resources") is None:
 
 from jaxaccel.data.pipeline import BatchIterator, Tokenized, load_tokenizer, tokenize  # noqa: E402
 from jaxaccel.data.sources import SOURCES, source  # noqa: E402
-from jaxaccel.data.synthetic import synthetic  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,6 +117,5 @@ __all__ = [
     "load_corpus",
     "load_text_dataset",
     "load_tokenizer",
-    "synthetic",
     "tokenize",
 ]

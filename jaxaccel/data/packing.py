@@ -26,7 +26,10 @@ process count):
 permutation drawn from (seed, epoch) (``shuffle``), the rows are packed from that order,
 global batch ``i`` is rows [i*B, (i+1)*B), process p of P keeps rows [p*B/P, (p+1)*B/P) of
 it, and ``batches(epoch, start_step)`` resumes mid-epoch with the same batches. The number of
-rows depends only on the total number of tokens, so every epoch has the same steps.
+rows depends only on the total number of tokens, so every epoch has the same steps. Rows are
+made as they are asked for (``_window``: where each document of the epoch's order ends in the
+stream says which pieces a row holds), from documents in memory or in a token cache
+(``splits.CachedDocs``): an epoch costs 12 bytes a document, not its tokens.
 """
 from __future__ import annotations
 

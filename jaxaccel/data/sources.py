@@ -30,26 +30,27 @@ class Source:
     yours: bool = False
 
 
-SOURCES: dict[str, Source] = {
-    "rt_snippets": Source("jaxaccel.data.rt_snippets", "Rotten Tomatoes snippets (shipped): "
-                          "labelled texts", ("classification",)),
-    "imdb_reviews": Source("jaxaccel.data.imdb", "IMDb reviews (your archive): labelled texts",
-                           ("classification",)),
-    "canterbury": Source("jaxaccel.data.canterbury", "Canterbury corpus (shipped): documents",
-                         ("causal_lm",)),
-    "bfsong": Source("jaxaccel.data.bfsong", "birdsong syllables (shipped): log-mel arrays",
-                     ("mae", "classification")),
-    "synthetic": Source("jaxaccel.data.synthetic", "random token ids, or arrays for a ViT",
-                        ("classification", "mae")),
-    "files": Source("jaxaccel.data.files", "your files by glob: JSONL, CSV/TSV, Parquet, Arrow, "
-                    "plain text", ("classification", "causal_lm"), yours=True),
-    "tfds": Source("jaxaccel.data.tfds_source", "a TFDS dataset prepared in data.data_dir",
-                   ("classification", "causal_lm"), yours=True),
-    "hf": Source("jaxaccel.data.hf_disk", "a Hugging Face dataset saved with save_to_disk",
-                 ("classification", "causal_lm"), yours=True),
-    "audio": Source("jaxaccel.data.audio", "a folder of audio files (labels: sub-folder names)",
-                    ("mae", "classification"), yours=True),
-}
+SOURCES: dict[str, Source] = dict(
+    rt_snippets=Source("jaxaccel.data.rt_snippets", "Rotten Tomatoes snippets (shipped): "
+                       "labelled texts", ("classification",)),
+    imdb_reviews=Source("jaxaccel.data.imdb", "IMDb reviews (your archive): labelled texts",
+                        ("classification",)),
+    canterbury=Source("jaxaccel.data.canterbury", "Canterbury corpus (shipped): documents",
+                      ("causal_lm",)),
+    bfsong=Source("jaxaccel.data.bfsong", "birdsong syllables (shipped): log-mel arrays",
+                  ("mae", "classification")),
+    synthetic=Source("jaxaccel.data.synthetic", "random token ids, or arrays for a ViT",
+                     ("classification", "mae")),
+    files=Source("jaxaccel.data.files", "your files by glob: JSONL, CSV/TSV, Parquet, Arrow, "
+                 "plain text", ("classification", "causal_lm"), yours=True),
+    tfds=Source("jaxaccel.data.tfds_source", "a TFDS dataset prepared in data.data_dir",
+                ("classification", "causal_lm"), yours=True),
+    hf=Source("jaxaccel.data.hf_disk", "a Hugging Face dataset saved with save_to_disk",
+              ("classification", "causal_lm"), yours=True),
+    audio=Source("jaxaccel.data.audio", "a folder of audio files (labels: sub-folder names)",
+                 ("mae", "classification"), yours=True),
+)
+"""Data sources by name (``data.name``): the module that describes each (``describe``)."""
 
 MODEL_FOR = {"causal_lm": "a decoder (e.g. model.name=llama-cpu)",
              "classification": "a classifier (e.g. model.name=minilm-l6)",

@@ -300,10 +300,11 @@ class _Encoded:
 
 def _encode(reader, enc: encode.Encoder, chunk) -> _Encoded:
     records: Records = reader.read(chunk)
+    what = "document" if enc.kind == "corpus" else "text"
     for i, text in enumerate(records.texts):
         if not text.strip():
-            raise DataError(f"{records.place(i)}: empty {'document' if enc.kind == 'corpus' else 'text'}"
-                            "; remove the record or give it text.")
+            raise DataError(f"{records.place(i)}: empty {what}; remove the record or give it "
+                            "text.")
     ids, lengths = enc(records.texts)
     labels, firsts = None, {}
     if enc.kind == "text":
@@ -516,4 +517,5 @@ def _alive(pid: int) -> bool:
     return True
 
 
-__all__ = ["FORMAT", "Plan", "digest", "require_writable", "writable", "TokenCache", "cache_root", "lookup", "plan", "tokens"]
+__all__ = ["FORMAT", "Plan", "TokenCache", "cache_root", "digest", "lookup", "plan",
+           "require_writable", "tokens", "writable"]
