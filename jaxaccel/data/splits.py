@@ -421,6 +421,10 @@ def input_features(data: DataSpec, paths: list[str]) -> np.ndarray:
         raise ValueError(f"data.name={data.name!r} makes no inputs from files; predict takes "
                          "files for array data that reads them (e.g. bfsong, audio: WAV "
                          "recordings).")
+    if data.reader is None:
+        raise DataError(f"predict makes its inputs as the run's training data made its examples "
+                        f"(their normalisation), and that data is not here ({data.absent}); "
+                        "predict where it is.")
     return data.reader.features(paths)
 
 

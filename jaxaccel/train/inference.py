@@ -67,8 +67,9 @@ def check_eval_task(run_dir: str, sets: list[str]) -> None:
 
 
 def evaluate_run(run_dir: str, sets: list[str] | None = None, devices=None) -> dict:
-    """The task's report (classification: accuracy and loss; causal LM: loss and perplexity,
-    ``tasks.TASKS``) of the run's latest checkpoint on its eval split, data parallel over
+    """The task's report (classification: accuracy and loss, and the class names the run
+    learnt or was given; causal LM: loss and perplexity, ``tasks.TASKS``) of the run's latest
+    checkpoint on its eval split, data parallel over
     ``devices`` (default all at hand, not the training mesh, which may need more) unless
     ``sets`` say (only ``EVAL_SETTABLE`` keys). Builds only the evaluation side
     (``checkpoint_run``): the model from the run folder, the eval split; no optimizer state,
@@ -83,6 +84,8 @@ def evaluate_run(run_dir: str, sets: list[str] | None = None, devices=None) -> d
     step = meta["step"] if "step" in meta else \
         meta["epoch"] * run.resolved.data.steps_per_epoch + meta["step_in_epoch"]
     result.update(step=step, run_dir=run_dir)
+    if run.label_names:
+        result["label_names"] = list(run.label_names)    # the classes, as the run named them
     return result
 
 
@@ -90,15 +93,15 @@ def checkpoint_run(run_dir: str, sets=(), devices=None, *, data: bool = True):
     """``(run, meta)``: the eval-only ``Run`` of the run folder's newest readable checkpoint
     (``train.run.resolve`` and ``assemble``, as every command builds its run), data parallel
     over ``devices`` (default all) whatever mesh trained it, with ``sets`` applied; its eval
-    split batched unless ``data`` is False (predict brings its own texts). The checkpoint holds
-    the per-parameter form whatever the trainer's layout or pipeline was."""
+    split batched unless ``data`` is False (predict brings its own inputs: the data is then
+    described, from the config alone where it is not on this machine, and not read). The
+    checkpoint holds the per-parameter form whatever the trainer's layout or pipeline was."""
     model, cfg, meta = load_run(run_dir)
     cfg = config_lib.build(cfg.to_dict(), ["mesh.data=-1", "mesh.fsdp=1", "mesh.tensor=1",
                                            "mesh.stage=1", *sets])
-    arrays = reads_arrays(model.spec)
-    folder = tokenizer_dir(run_dir) if data and not arrays else None
-    resolved = resolve(cfg, devices, training=False, spec=model.spec, data=data or arrays,
-                       tokenizer=folder, label_names=meta.get("label_names") or None)
+    folder = None if reads_arrays(model.spec) else tokenizer_dir(run_dir)
+    resolved = resolve(cfg, devices, training=False, spec=model.spec, tokenizer=folder,
+                       label_names=meta.get("label_names") or None, absent_ok=not data)
     return assemble(resolved, model=model, tokenizer_dir=folder, data=data), meta
 
 
@@ -136,13 +139,14 @@ class Predictor:
                 "`jaxaccel generate` (or `jaxaccel eval`)"
             raise ValueError(f"run {run_dir!r} trained a {task.name} model; predict "
                              f"classifies {'files' if self.arrays else 'texts'}. Use {use}.")
-        self.batch_size, self.pad_multiple = batch_size, cfg.data.pad_multiple
+        data = run.resolved.data
+        self.batch_size, self.pad_multiple = batch_size, data.settings.pad_multiple
         self.label_names = meta.get("label_names") or [str(i) for i in
                                                       range(cfg.model.num_labels)]
-        self._features = lambda paths: splits.input_features(run.resolved.data, paths)
+        self._features = lambda paths: splits.input_features(data, paths)
         if not self.arrays:
             self.tokenizer = load_tokenizer(tokenizer_dir(run_dir), light=True)
-            self.max_len = min(cfg.data.max_len, run.spec.architecture.max_position_embeddings)
+            self.max_len = data.max_len
         self._state = run.state
 
         @jax.jit
