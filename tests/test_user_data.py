@@ -3,6 +3,7 @@
 jaxaccel.train.datacmd). The token cache itself: test_token_cache.py."""
 import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -157,6 +158,20 @@ def test_a_single_class_label_column_is_refused(tmp_path):
                                         "classes"):
         datacmd.prepare(cfg)
     assert not [n for n in cache_folders(tmp_path) if ".partial" in n]
+
+
+def test_integer_labels_are_named_by_their_values(tmp_path):
+    """Stars 1-3 as JSON integers, or as CSV text: the same classes, named "1", "2", "3"."""
+    rows = [{"text": f"review {i}", "stars": 1 + i % 3} for i in range(24)]
+    write_jsonl(tmp_path / "stars.jsonl", rows)
+    (tmp_path / "stars.csv").write_text("text,stars\n" + "".join(
+        f"{r['text']},{r['stars']}\n" for r in rows))
+    for name in ("stars.jsonl", "stars.csv"):
+        lines = datacmd.prepare(config.build(sets=files_sets(
+            tmp_path, f"data.train_files={tmp_path / name}", "data.holdout=0.25",
+            "data.label_field=stars", "model.num_labels=3")))
+        assert re.search(r"train: 18 examples, [0-9]+ tokens; labels: 1 \d+, 2 \d+, 3 \d+",
+                         lines[1]), lines
 
 
 def test_a_label_eval_never_saw_in_train_is_named(tmp_path):
