@@ -26,6 +26,7 @@ import argparse
 import itertools
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -42,7 +43,11 @@ BLOCK = 128
 
 
 def make_corpus(path: str, megabytes: float, seed: int = 0) -> dict:
-    """Write ``megabytes`` of JSONL documents made of Canterbury paragraphs (module doc)."""
+    """Write ``megabytes`` of JSONL documents made of Canterbury paragraphs (module doc), or
+    count those of the file written so before."""
+    if os.path.exists(path):
+        with open(path, "rb") as f:
+            return {"documents": sum(1 for _ in f), "bytes": os.path.getsize(path)}
     from jaxaccel.data import load_corpus
     paragraphs = load_corpus("canterbury", splits=("train",))["train"]
     rng, target, docs, size = np.random.default_rng(seed), megabytes * 1e6, 0, 0
@@ -184,44 +189,60 @@ def main(argv=None) -> None:
         return
     work = args.work or tempfile.mkdtemp(prefix="jaxaccel-data-bench-")
     os.makedirs(work, exist_ok=True)
+    for stale in ("cache", "hf_cache", "runs"):          # every side starts cold
+        shutil.rmtree(os.path.join(work, stale), ignore_errors=True)
     tokenizer = _tokenizer()
     make_corpus(os.path.join(work, "eval.jsonl"), 0.2, seed=1)
     corpus = os.path.join(work, f"corpus-{args.corpus_mb:g}mb.jsonl")
     made = make_corpus(corpus, args.corpus_mb)
-    load = os.getloadavg()
-    rows = []
+    rows, extra = [], {"corpus": made, "load_average_at_start": os.getloadavg(),
+                       "cpus": os.cpu_count()}
+
+    def record(row: dict) -> None:
+        """Add a row and rewrite the result file (a long run leaves what it measured)."""
+        rows.append(row)
+        extra["load_average_now"] = os.getloadavg()
+        path = write_results("data_prep", rows, extra, out=args.out)
+        print(f"{row['name']}: {json.dumps(row)} (load {os.getloadavg()}; {path})", flush=True)
+
+    prep = {}
     for side in ("ours", "hf"):
-        wall, peak, got = _child(side, work, corpus, tokenizer)
-        rows.append({"name": f"prepare {args.corpus_mb:g} MB: "
-                             f"{'jaxaccel token cache' if side == 'ours' else 'run_clm (datasets)'}",
-                     "median_s": wall, "min_s": wall, "max_s": wall, "n": 1,
-                     "peak_rss_mb": peak / 1e6, "mb_per_s": made["bytes"] / 1e6 / wall, **got})
-    rows[0]["speedup"] = rows[1]["median_s"] / rows[0]["median_s"]
-    rows[0]["memory_ratio"] = rows[0]["peak_rss_mb"] / rows[1]["peak_rss_mb"]
+        prep[side] = _child(side, work, corpus, tokenizer)
+    (ours_s, ours_rss, ours), (hf_s, hf_rss, hf) = prep["ours"], prep["hf"]
+    for side, (wall, peak, got) in prep.items():
+        row = {"name": f"prepare {args.corpus_mb:g} MB: "
+                       f"{'jaxaccel token cache' if side == 'ours' else 'run_clm (datasets)'}",
+               "median_s": wall, "min_s": wall, "max_s": wall, "n": 1,
+               "peak_rss_mb": peak / 1e6, "mb_per_s": made["bytes"] / 1e6 / wall,
+               "disk_mb": _size(os.path.join(work, "cache" if side == "ours" else "hf_cache")),
+               **got}
+        if side == "ours":
+            row.update(speedup=hf_s / ours_s, memory_ratio=ours_rss / hf_rss)
+        record(row)
     wall, _, speed = _child("speed", work, corpus, tokenizer)
-    rows.append({"name": "loader vs the LM job's step (16 x 128)", "median_s": wall,
-                 "min_s": wall, "max_s": wall, "n": 1, **speed,
-                 "loader_over_step": speed["loader_tokens_per_s"] / speed["step_tokens_per_s"]})
+    record({"name": "loader vs the LM job's step (16 x 128)", "median_s": wall, "min_s": wall,
+            "max_s": wall, "n": 1, **speed,
+            "loader_over_step": speed["loader_tokens_per_s"] / speed["step_tokens_per_s"]})
     for mb in (float(s) for s in args.sizes_mb.split(",") if s):
         path = os.path.join(work, f"corpus-{mb:g}mb.jsonl")
-        if not os.path.exists(path):
-            make_corpus(path, mb)
+        make_corpus(path, mb)
         sets = _sets(work, path, tokenizer) + [f"train.max_steps={args.steps}", f"name=m{mb:g}"]
         cli = [sys.executable, "-m", "jaxaccel.cli"]
         config = ["--config", os.path.join(ROOT, "configs", "files_lm.py"),
                   *(f"--set={s}" for s in sets)]
-        peak_rss(cli + ["data", "prepare", *config], _env())
+        prepare_s, _, _ = peak_rss(cli + ["data", "prepare", *config], _env())
         wall, peak, _ = peak_rss(cli + ["train", *config], _env())
-        rows.append({"name": f"train {args.steps} steps on {mb:g} MB", "median_s": wall,
-                     "min_s": wall, "max_s": wall, "n": 1, "peak_rss_mb": peak / 1e6,
-                     "corpus_mb": os.path.getsize(path) / 1e6})
-    extra = {"corpus": made, "load_average_at_start": load,
-             "load_average_at_end": os.getloadavg(), "cpus": os.cpu_count()}
-    path = write_results("data_prep", rows, extra, out=args.out)
-    print(markdown(rows, ["name", "median_s", "peak_rss_mb", "mb_per_s", "speedup",
+        record({"name": f"train {args.steps} steps on {mb:g} MB", "median_s": wall,
+                "min_s": wall, "max_s": wall, "n": 1, "peak_rss_mb": peak / 1e6,
+                "corpus_mb": os.path.getsize(path) / 1e6, "prepare_s": prepare_s})
+    print(markdown(rows, ["name", "median_s", "peak_rss_mb", "mb_per_s", "disk_mb", "speedup",
                           "memory_ratio", "loader_tokens_per_s", "step_tokens_per_s",
                           "loader_over_step"]))
-    print(f"load average {load} -> {os.getloadavg()} on {os.cpu_count()} CPUs; wrote {path}")
+
+
+def _size(folder: str) -> float:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(folder)
+               for f in fs) / 1e6
 
 
 if __name__ == "__main__":

@@ -66,10 +66,9 @@ def source_split(data: DataSpec, split: str) -> str:
         raise ValueError("data.eval_split='validation' needs data.validation_size > 0 (e.g. "
                          "1000): the validation split is held out of the training split.")
     if split not in data.splits:
-        fix = ("; or hold one out of train with data.holdout (e.g. 0.1)"
-               if data.name in ("files", "audio", "hf", "tfds") else "")
         raise ValueError(f"data.name={data.name!r} has no split {split!r} (it has "
-                         f"{', '.join(data.splits)}); set data.eval_split to one of them{fix}.")
+                         f"{', '.join(data.splits)}); set data.eval_split to one of them, or "
+                         "hold one out of the training split with data.holdout (e.g. 0.1).")
     return split
 
 
