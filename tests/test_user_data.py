@@ -234,29 +234,32 @@ def test_files_train_eval_and_predict_name_the_labels(tmp_path, capsys):
     assert "train: 24 examples" in out and "neg 12, pos 12" in out and "cache:" in out
 
 
-def test_a_text_corpus_pretrains_a_decoder(tmp_path, capsys):
-    """Plain-text paragraphs (5% held out) through the corpus's own BPE, packed rows."""
+def corpus_sets(tmp_path):
+    """Plain-text paragraphs (5% held out) for a decoder, through the corpus's own BPE."""
     book = tmp_path / "books" / "one.txt"
     book.parent.mkdir()
     book.write_text("\n\n".join(f"Paragraph {i}: the river ran past the mill, and the miller "
                                 f"sang of rain number {i}." for i in range(200)))
-    sets = files_sets(tmp_path, f"data.train_files={tmp_path / 'books'}",
+    return files_sets(tmp_path, f"data.train_files={tmp_path / 'books'}",
                       "data.documents=paragraph", "data.holdout=0.05", "model.name=llama-cpu",
                       "data.tokenizer_vocab=300", "data.max_len=32", "name=lm")
-    result = loop.train(config.build(sets=sets))
-    assert result["status"] == "completed" and result["task"] == "causal_lm"
-    assert np.isfinite(result["eval_perplexity"])
+
+
+def test_a_text_corpus_is_packed_for_a_decoder(tmp_path, capsys):
+    sets = corpus_sets(tmp_path)
+    code, out, err = run_cli(capsys, "data", "prepare", *[f"--set={s}" for s in sets])
+    assert code == 0, err
+    assert re.search(r"train: 190 documents, [0-9,]+ tokens, [0-9,]+ rows of 32", out), out
     code, out, _ = run_cli(capsys, "data", "show", "-n", "1", *[f"--set={s}" for s in sets])
     assert code == 0 and "segment 1 (positions 0-" in out and "targets" in out
 
 
-@pytest.fixture
-def tfds_dir(tmp_path):
-    """A TFDS dataset prepared offline (ArrayRecord) from a builder defined here."""
+def tfds_sets(tmp_path):
+    """A TFDS dataset prepared offline (ArrayRecord) from a builder defined here, not
+    registered: the source reads the prepared folder without its code."""
     import tensorflow_datasets as tfds
 
     class JaxaccelTestReviews(tfds.core.GeneratorBasedBuilder, skip_registration=True):
-        """Not registered: the source reads the prepared folder without this code."""
         name = "jaxaccel_test_reviews"
         VERSION = tfds.core.Version("1.0.0")
 
@@ -275,32 +278,38 @@ def tfds_dir(tmp_path):
 
     folder = str(tmp_path / "tfds")
     JaxaccelTestReviews(data_dir=folder, file_format="array_record").download_and_prepare()
-    return folder
-
-
-def test_a_prepared_tfds_dataset_trains(tmp_path, tfds_dir):
-    sets = files_sets(tmp_path, "data.name=tfds", "data.dataset=jaxaccel_test_reviews",
-                      f"data.data_dir={tfds_dir}", "data.text_field=review",
+    return files_sets(tmp_path, "data.name=tfds", "data.dataset=jaxaccel_test_reviews",
+                      f"data.data_dir={folder}", "data.text_field=review",
                       "data.label_field=stars")
+
+
+def test_a_prepared_tfds_dataset_is_read_by_name(tmp_path):
+    sets = tfds_sets(tmp_path)
     r = resolve(config.build(sets=sets))
     assert r.data.label_names == ("bad", "good") and r.steps_per_epoch == 24 // 8
-    result = loop.train(config.build(sets=sets))
-    assert result["status"] == "completed" and result["eval_examples"] == 8
+    lines = datacmd.prepare(config.build(sets=sets))
+    assert "train: 24 examples" in lines[1] and "bad 12, good 12" in lines[1], lines
+    assert "test: 8 examples" in lines[3], lines
 
 
-def test_a_hugging_face_dataset_saved_to_disk_trains(tmp_path):
+def hf_sets(tmp_path):
+    """A Hugging Face DatasetDict of one split (ClassLabel labels) saved to disk."""
     datasets = pytest.importorskip("datasets")
     features = datasets.Features({"text": datasets.Value("string"),
                                   "label": datasets.ClassLabel(names=["neg", "pos"])})
     rows = {"text": [t for t, _ in REVIEWS], "label": [int(y == "pos") for _, y in REVIEWS]}
     datasets.DatasetDict({"train": datasets.Dataset.from_dict(rows, features=features)}
                          ).save_to_disk(str(tmp_path / "saved"))
-    sets = files_sets(tmp_path, "data.name=hf", f"data.dataset={tmp_path / 'saved'}",
+    return files_sets(tmp_path, "data.name=hf", f"data.dataset={tmp_path / 'saved'}",
                       "data.holdout=0.25")
+
+
+def test_a_hugging_face_dataset_saved_to_disk_is_read(tmp_path):
+    sets = hf_sets(tmp_path)
     r = resolve(config.build(sets=sets))
     assert r.data.label_names == ("neg", "pos") and r.data.rows == 18
-    result = loop.train(config.build(sets=sets))
-    assert result["status"] == "completed" and result["eval_examples"] == 6
+    lines = datacmd.prepare(config.build(sets=sets))
+    assert "train: 18 examples" in lines[1] and "test: 6 examples" in lines[3], lines
 
 
 def _wav(path, freq: float, seconds=0.3, rate=8000):
@@ -310,27 +319,45 @@ def _wav(path, freq: float, seconds=0.3, rate=8000):
     wavfile.write(path, rate, (0.5 * np.sin(2 * np.pi * freq * t) * 32767).astype(np.int16))
 
 
-def test_audio_folders_train_a_vit_classifier_and_mae(tmp_path):
-    """Clips in a sub-folder a class train the ViT classifier (resampled to data.sample_rate,
-    log-mel of the model's input shape); one folder of unlabelled clips pretrains MAE."""
+def audio_sets(tmp_path, task="classification"):
+    """Clips in a sub-folder a class (8 kHz, resampled to data.sample_rate) for the ViT; MAE
+    reads one folder of them, unlabelled."""
     for i in range(12):
         _wav(tmp_path / "birds" / "low" / f"{i}.wav", 300 + 10 * i)
         _wav(tmp_path / "birds" / "high" / f"{i}.wav", 2000 + 10 * i)
-    sets = files_sets(tmp_path, "data.name=audio", f"data.train_files={tmp_path / 'birds'}",
-                      "data.holdout=0.25", "model.name=vit-tiny", "model.task=classification")
+    where = tmp_path / "birds" if task == "classification" else f"{tmp_path}/birds/low/*.wav"
+    return files_sets(tmp_path, "data.name=audio", f"data.train_files={where}",
+                      "data.holdout=0.25", "model.name=vit-tiny", f"model.task={task}")
+
+
+def test_audio_folders_are_spectrograms_labelled_by_folder(tmp_path):
+    sets = audio_sets(tmp_path)
     r = resolve(config.build(sets=sets))
     assert r.data.label_names == ("high", "low") and r.data.rows == 18
-    result = loop.train(config.build(sets=sets))
-    assert result["status"] == "completed" and result["eval_examples"] == 6
-    labels = [label for label, _ in Predictor(result["run_dir"])(
-        [str(tmp_path / "birds" / "low" / "0.wav")])]
-    assert labels[0] in ("high", "low")
-    mae = files_sets(tmp_path, "data.name=audio",
-                     f"data.train_files={tmp_path / 'birds' / 'low'}/*.wav", "data.holdout=0.25",
-                     "model.name=vit-tiny", "model.task=mae", "name=mae")
-    assert loop.train(config.build(sets=mae))["status"] == "completed"
+    x, labels = r.data.reader.examples("train")
+    assert x.shape == (24, 40, 24) and abs(float(x.mean())) < 1e-5 and labels.sum() == 12
+    lines = datacmd.prepare(config.build(sets=sets))
+    assert "train: 18 examples of (40, 24)" in lines[1], lines
+    mae = audio_sets(tmp_path / "mae", "mae")
+    assert resolve(config.build(sets=mae)).data.label_names == ("low",)
     with pytest.raises(DataError, match="every clip is in the folder 'low', one class"):
         resolve(config.build(sets=mae + ["model.task=classification"]))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("source", ["corpus", "tfds", "hf", "audio", "audio_mae"])
+def test_each_source_trains_end_to_end(tmp_path, source):
+    """Each source through the whole loop (the files classifier trains in the default suite,
+    a corpus from the token cache in test_token_cache.py's resume test); the audio
+    classifier's predict reads a recording."""
+    sets = {"corpus": corpus_sets, "tfds": tfds_sets, "hf": hf_sets, "audio": audio_sets,
+            "audio_mae": lambda p: audio_sets(p, "mae")}[source](tmp_path)
+    result = loop.train(config.build(sets=sets))
+    assert result["status"] == "completed", result
+    assert np.isfinite(result["eval_loss"])
+    if source == "audio":
+        (label, _), = Predictor(result["run_dir"])([str(tmp_path / "birds" / "low" / "0.wav")])
+        assert label in ("high", "low")
 
 
 def test_a_plan_on_data_not_on_this_machine_says_where_the_epoch_comes_from(tmp_path):
