@@ -103,7 +103,8 @@ def test_a_cache_is_built_once_and_rebuilt_when_its_source_or_tokenizer_changes(
     assert len(builds) == 3 and "built by another tokenizer" in caplog.text
 
 
-def test_workers_build_the_same_cache_as_one_process(tmp_path):
+def test_workers_build_the_same_cache_as_one_process(tmp_path, monkeypatch):
+    monkeypatch.setattr(tokencache, "SMALL_SOURCE", 0)        # workers even for a small corpus
     _corpus(tmp_path / "corpus", n=300)
     data, tok = lm_data(tmp_path)
     one = tokencache.tokens(data, "train", tok, workers=1)

@@ -273,7 +273,8 @@ def lookup(plan_: Plan) -> TokenCache | None:
 
 def tokens(spec: DataSpec, split: str, tokenizer, *, workers: int | None = None,
            progress: bool = True) -> TokenCache:
-    """The token cache of ``split``, built first where there is none (module doc)."""
+    """The token cache of ``split``, built first where there is none (module doc), by
+    ``workers`` processes (None: one a CPU; one for a source under ``SMALL_SOURCE``)."""
     enc = encode.encoder(tokenizer, spec.kind, spec.max_len)
     plan_ = plan(spec, split, encode.fingerprint(tokenizer))
     found = lookup(plan_)
@@ -417,10 +418,10 @@ class _Writer:
         return meta
 
 
-def _workers(spec: DataSpec, total: int, unit: str) -> int:
-    """Processes to tokenize with: ``data.workers`` (0: one a CPU), one for a small source."""
+def _workers(total: int, unit: str, asked: int | None) -> int:
+    """Processes to tokenize with: ``asked`` (None: one a CPU), one for a small source."""
     small = total < (SMALL_SOURCE if unit == "B" else SMALL_SOURCE // 256)
-    return 1 if small else (spec.settings.workers or os.cpu_count() or 1)
+    return 1 if small else (asked or os.cpu_count() or 1)
 
 
 def _progress(total: int, unit: str, what: str, enabled: bool):
@@ -435,7 +436,7 @@ def _build(spec: DataSpec, split: str, enc: encode.Encoder, plan_: Plan, workers
     chunks = reader.chunks(split)
     unit = getattr(reader, "unit", "B")
     total = sum(reader.size(c) for c in chunks)
-    workers = _workers(spec, total, unit) if workers is None else workers
+    workers = _workers(total, unit, workers)
     os.makedirs(plan_.root, exist_ok=True)
     _remove_partials(plan_)
     tmp = tempfile.mkdtemp(prefix=f"{os.path.basename(plan_.folder)}.partial-{os.getpid()}-",
