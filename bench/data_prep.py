@@ -208,7 +208,7 @@ def main(argv=None) -> None:
     prep = {}
     for side in ("ours", "hf"):
         prep[side] = _child(side, work, corpus, tokenizer)
-    (ours_s, ours_rss, ours), (hf_s, hf_rss, hf) = prep["ours"], prep["hf"]
+    (ours_s, ours_rss, _), (hf_s, hf_rss, _) = prep["ours"], prep["hf"]
     for side, (wall, peak, got) in prep.items():
         row = {"name": f"prepare {args.corpus_mb:g} MB: "
                        f"{'jaxaccel token cache' if side == 'ours' else 'run_clm (datasets)'}",

@@ -2,7 +2,6 @@
 processes, rebuilt when its source, tokenizer or format changes, never read half-written;
 streamed packed rows equal the in-memory ones at any step and on any process's share; resume
 from it is exact; batches are made ahead (jaxaccel.data.prefetch)."""
-import dataclasses
 import importlib.util
 import json
 import os

@@ -2,7 +2,6 @@
 (file and line), and the data commands (jaxaccel.data.files, tfds_source, hf_disk, audio;
 jaxaccel.train.datacmd). The token cache itself: test_token_cache.py."""
 import json
-import os
 import re
 
 import numpy as np

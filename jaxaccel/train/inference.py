@@ -77,7 +77,6 @@ def evaluate_run(run_dir: str, sets: list[str] | None = None, devices=None) -> d
     check_eval_sets(sets or [])
     check_eval_task(run_dir, sets or [])
     run, meta = checkpoint_run(run_dir, sets or [], devices)
-    cfg = run.cfg
     with jax.set_mesh(run.mesh):
         result = run.evaluate()
     # Records before the step was saved with them give the data position (epoch, step in it).
