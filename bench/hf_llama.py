@@ -139,12 +139,12 @@ def lr_factor(step: int, recipe: dict) -> float:
 # ----------------------------------------------------------------------------- data
 
 
-def packed_batches(cfg, architecture, n: int) -> list[dict]:
-    """The first ``n`` training batches our loop would step on (packed rows of the corpus,
-    numpy), across epochs if one has fewer."""
+def packed_batches(resolved, n: int) -> list[dict]:
+    """The first ``n`` training batches the resolved run's loop would step on (packed rows of
+    the corpus, numpy), across epochs if one has fewer."""
     from jaxaccel.data import load_tokenizer, splits
-    tokenizer = load_tokenizer(splits.tokenizer_dir(cfg, None))
-    data, _ = splits.train_batches(cfg, tokenizer, architecture.max_position_embeddings)
+    tokenizer = load_tokenizer(splits.tokenizer_dir(resolved.data, None))
+    data, _ = splits.train_batches(resolved.data, tokenizer)
     epochs = (data.batches(e) for e in itertools.count())
     return list(itertools.islice(itertools.chain.from_iterable(epochs), n))
 
@@ -461,7 +461,7 @@ def time_steps(config: str, sets: list[str], shape: tuple[int, int], stock: list
     with tempfile.TemporaryDirectory() as tmp:
         cfg = config_lib.load(config, sets + shape_sets(rows_n, length, tmp))
         run = assemble(resolve(cfg, jax.devices()[:1]), data=False)
-        batches = packed_batches(cfg, run.spec.architecture, rounds * steps + 2)
+        batches = packed_batches(run.resolved, rounds * steps + 2)
         recipe = recipe_of(cfg, run.total_steps)
         arch = run.spec.architecture
         sides, firsts, errors, profiles = {}, {}, {}, {}
@@ -555,6 +555,7 @@ def jobs(config: str, sets: list[str], seeds: str | None, sides: list[str], adam
     from jaxaccel import config as config_lib
     from jaxaccel.data import splits
     from jaxaccel.models import model_spec
+    from jaxaccel.train.run import resolve
     base = config_lib.load(config, sets)
     t, d = base.train, base.data
     if t.max_steps < 1:
@@ -564,7 +565,8 @@ def jobs(config: str, sets: list[str], seeds: str | None, sides: list[str], adam
             "max_len": d.max_len, "batch": t.batch_size, "eval_batch": t.eval_batch_size}
     arch = model_spec(base.model).architecture
     recipe = recipe_of(base, t.max_steps)
-    tokenizer_dir = splits.tokenizer_dir(base, None)     # the BPE, built once, outside timing
+    tokenizer_dir = splits.tokenizer_dir(resolve(base).data, None)   # the BPE, built once,
+    # outside timing
     rows, speedups = [], extra.setdefault("job_speedup", {})
     for seed in ([base.seed] if seeds is None else [int(s) for s in seeds.split(",")]):
         work = {"what": "job", "model": base.model.name, "data": d.name, "batch": t.batch_size,

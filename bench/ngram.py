@@ -43,9 +43,10 @@ def documents(cfg) -> tuple[list[np.ndarray], list[np.ndarray], np.ndarray]:
     from jaxaccel.data.packing import tokenize_documents
     from jaxaccel.data.pipeline import load_tokenizer
     from jaxaccel.data.splits import tokenizer_dir
+    from jaxaccel.train.run import resolve
 
     d = cfg.data
-    tokenizer = load_tokenizer(tokenizer_dir(cfg, cfg.model.tokenizer))
+    tokenizer = load_tokenizer(tokenizer_dir(resolve(cfg).data, None))
     corpus = load_corpus(d.name, data_dir=d.data_dir or None, splits=("train", d.eval_split))
     special = set(tokenizer.all_special_ids)
     nbytes = np.array([0 if i in special else len(tokenizer.decode([i]).encode())

@@ -151,18 +151,14 @@ def mae_batch_of(spec, batch):
 
 def _step(model, policy, optimizer, batch) -> Step:
     """The trainer's run of ``model`` on one device (``train.run``: resolved and assembled as
-    ``jaxaccel train`` does it, without data), AdamW/Adan at a constant lr 1e-4, weight decay
-    0.01, clipping at 1, lowered for ``batch``."""
+    ``jaxaccel train`` does it, with no data described or read), AdamW/Adan at a constant lr
+    1e-4, weight decay 0.01, clipping at 1, lowered for ``batch``."""
     rows = next(iter(batch.values())).shape[0]
-    data = {"causal_lm": "canterbury", "mae": "bfsong"}.get(model.spec.task, "synthetic")
-    bpe = ([f"data.tokenizer_vocab={min(8192, model.spec.architecture.vocab_size)}"]
-           if data == "canterbury" else [])
     cfg = config_lib.build(sets=[
         f"precision.policy={policy}", f"train.optimizer={optimizer}", "train.schedule=constant",
         "train.learning_rate=1e-4", "train.weight_decay=0.01", "train.max_grad_norm=1.0",
-        "train.max_steps=1", f"train.batch_size={rows}", "train.unpad=false", "mesh.data=1",
-        f"data.name={data}", *bpe])
-    r = resolve(cfg, jax.devices()[:1], spec=model.spec)
+        "train.max_steps=1", f"train.batch_size={rows}", "train.unpad=false", "mesh.data=1"])
+    r = resolve(cfg, jax.devices()[:1], spec=model.spec, data=False)
     trainer = assemble(r, model=model, data=False)
     data = trainer.put_batch(batch)
     return Step(trainer, data, trainer.train_step.lower(trainer.state, data))

@@ -1,4 +1,4 @@
-"""The ``jaxaccel`` command: train, eval, predict, bench, compare and compile.
+"""The ``jaxaccel`` command: train, eval, predict, generate, bench, compare, compile and data.
 
     jaxaccel train --config configs/minilm_rt.py [--set train.epochs=2 ...]
     jaxaccel eval --checkpoint runs/minilm_rt
@@ -10,6 +10,8 @@
     jaxaccel compare bench/results/job-*.json [--prices FILE] [--weights balance] [--html]
     jaxaccel compile --config configs/bert_base_imdb.py --topology v5e-8 [--out bench/results]
     jaxaccel compile --config configs/bert_base_imdb.py --topology v5e-8,v6e-8,h100:1x8 [--fit]
+    jaxaccel data prepare --config configs/files_lm.py     # tokenize into the cache ahead
+    jaxaccel data show --config configs/files_lm.py -n 5   # the first rows, decoded
 
 predict prints one JSON object a line, in input order: {"index", "text", "label",
 "probability"} (probability null if not finite), or {"index", "error"} for an input that is not
@@ -39,7 +41,7 @@ EXIT_ERROR, EXIT_NONFINITE, EXIT_DOES_NOT_FIT, EXIT_INTERRUPTED = 2, 3, 4, 130
 # `jaxaccel train ... && jaxaccel eval ...` and job schedulers do not go on as if it had finished.
 EXIT_PREEMPTED = 75
 BENCH_SUITES = ("train_step", "attention", "optimizer", "job", "scaling", "hf_flax", "hf_llama",
-                "pipeline", "backtest", "gpu_evidence")
+                "pipeline", "backtest", "gpu_evidence", "data_prep")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -103,6 +105,18 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--no-plots", action="store_true")
     c.add_argument("--mixed-versions", action="store_true",
                    help="join rows run with different jax versions or commits (noted)")
+    d = sub.add_parser("data", help="prepare a run's data ahead of training, or show what the "
+                       "model will read")
+    dsub = d.add_subparsers(dest="data_command", required=True)
+    dp = dsub.add_parser("prepare", help="tokenize the run's data into its cache (both splits) "
+                         "and say what it holds")
+    ds = dsub.add_parser("show", help="print the first training rows, decoded (segments and "
+                         "targets, labels)")
+    ds.add_argument("-n", type=int, default=5, help="rows to print")
+    ds.add_argument("--split", default="train", choices=("train", "eval"))
+    for sp in (dp, ds):
+        sp.add_argument("--config", help="config file (configs/NAME.py, or NAME)")
+        sp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     k = sub.add_parser("compile", help="compile the training and eval steps for a TPU slice, "
                        "GPU hosts or the local devices: memory per device, fits or not, "
                        "estimated step time and cost", description="Compiles the configured "
@@ -317,6 +331,18 @@ def cmd_bench(args) -> int:
     return status if isinstance(status, int) else 0
 
 
+def cmd_data(args) -> int:
+    from jaxaccel import config
+    from jaxaccel.train import datacmd
+    cfg = config.load(args.config, args.set)
+    if args.data_command == "prepare":
+        lines = datacmd.prepare(cfg)
+    else:
+        lines = datacmd.show(cfg, args.n, args.split)
+    print("\n".join(lines))
+    return 0
+
+
 def cmd_compare(args) -> int:
     from jaxaccel import compare
     report = compare.compare(args.results, args.prices, args.weights, args.mixed_versions)
@@ -435,7 +461,8 @@ def main(argv=None) -> int:
         distributed.start()
         return {"train": cmd_train, "eval": cmd_eval, "predict": cmd_predict,
                 "generate": cmd_generate, "bench": cmd_bench, "compare": cmd_compare,
-                "compile": cmd_compile, "export": cmd_export}[args.command](args)
+                "compile": cmd_compile, "export": cmd_export,
+                "data": cmd_data}[args.command](args)
     except (ValueError, KeyError, OSError) as e:
         print(f"error: {error_message(e)}", file=sys.stderr)
         return EXIT_ERROR

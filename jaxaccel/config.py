@@ -59,17 +59,41 @@ BASE: dict[str, Any] = {
                                     # circular (interleaved) schedule, a smaller bubble
     },
     "data": {
-        "name": "rt_snippets",      # rt_snippets | imdb_reviews | synthetic (classification);
-                                    # canterbury (a corpus: packed causal-LM rows); bfsong
-                                    # (birdsong log-mel spectrograms: ViT mae, classification)
+        "name": "rt_snippets",      # the source (data/sources.py): rt_snippets | imdb_reviews
+                                    # (labelled texts); canterbury (a corpus: packed causal-LM
+                                    # rows); bfsong (birdsong spectrograms: ViT mae,
+                                    # classification); synthetic; your data: files | tfds | hf
+                                    # | audio (README "Train on your own data")
         "data_dir": "",             # TFDS data dir ("" = TFDS default / $TFDS_DATA_DIR)
         "manual_dir": "",           # where manually downloaded archives are (imdb_reviews)
+        "train_files": "",          # files, audio: glob(s) of the training files, comma-
+                                    # separated; a folder: every file under it
+        "eval_files": "",           # files, audio: the eval split's files ("" = hold out
+                                    # data.holdout of the training split)
+        "holdout": 0.0,             # > 0: this fraction of the training split is the eval
+                                    # split where the source has none (fixed rows)
+        "dataset": "",              # tfds: the dataset's name in data_dir (imdb_reviews,
+                                    # name:1.0.0); hf: the folder save_to_disk wrote
+        "format": "auto",           # files: auto (by extension) | jsonl | csv | tsv | parquet |
+                                    # arrow | text
+        "text_field": "text",       # files, tfds, hf: the field holding the text
+        "label_field": "label",     # files, tfds, hf: the field holding the label (class
+                                    # names or integers); a corpus reads none
+        "documents": "file",        # files, plain text: file (one document a file; a label
+                                    # is its folder's name) | paragraph (blank-line separated)
+        "sample_rate": 16000,       # audio: clips are resampled to this rate (Hz)
+        "cache_dir": "",            # token caches ("" = $JAXACCEL_DATA_CACHE, else
+                                    # ~/.cache/jaxaccel/data); jaxaccel data prepare fills it
+        "workers": 0,               # processes that tokenize a cache (0 = one a CPU)
+        "train_examples": 0,        # > 0: examples an epoch trains on, for planning a run on
+                                    # data not yet read (jaxaccel compile)
+        "train_tokens": 0,          # > 0: a corpus's training tokens, for planning likewise
         "max_len": 128,             # truncate longer sequences (clamped to the model's maximum);
                                     # a corpus: the packed row length (<= the model's maximum)
         "pad_multiple": 16,         # pad each batch to its longest row, rounded up to this
         "bucket": True,             # group similar lengths into batches (less padding)
         "eval_split": "test",       # test | validation (needs validation_size > 0); a corpus
-                                    # (canterbury): validation
+                                    # (canterbury): validation; tfds, hf: a split's name
         "validation_size": 0,       # > 0: hold these many training examples out as the
                                     # "validation" split (fixed rows, data/splits.py)
         "tokenizer_vocab": 8192,    # corpus without model.tokenizer/checkpoint: tokens of the
@@ -371,8 +395,15 @@ def validate(cfg: Config) -> None:
     if t.microbatches < 0:
         raise ValueError(f"train.microbatches={t.microbatches} must be >= 0 (0: one per "
                          "pipeline stage).")
-    if cfg.data.validation_size < 0:
-        raise ValueError(f"data.validation_size={cfg.data.validation_size} must be >= 0.")
+    d = cfg.data
+    for key in ("validation_size", "workers", "train_examples", "train_tokens"):
+        if d[key] < 0:
+            raise ValueError(f"data.{key}={d[key]} must be >= 0.")
+    if not 0 <= d.holdout < 1:
+        raise ValueError(f"data.holdout={d.holdout} must be in [0, 1): the fraction of the "
+                         "training split held out as the eval split (0: none).")
+    if d.sample_rate < 1:
+        raise ValueError(f"data.sample_rate={d.sample_rate} must be >= 1 (Hz).")
     if not 0 <= cfg.data.synthetic_min_len <= cfg.data.synthetic_seq_len:
         raise ValueError(f"data.synthetic_min_len={cfg.data.synthetic_min_len} must be 0 "
                          f"(fixed length) to data.synthetic_seq_len="

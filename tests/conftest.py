@@ -50,6 +50,13 @@ if "HF_MODULES_CACHE" not in os.environ:
     os.environ["HF_MODULES_CACHE"] = _MODULES_CACHE
 else:
     _MODULES_CACHE = None
+# Token caches (jaxaccel.data.tokencache) likewise: one folder for the session, removed at the
+# end, so tests never write to ~/.cache and share what they tokenized.
+if "JAXACCEL_DATA_CACHE" not in os.environ:
+    _DATA_CACHE = tempfile.mkdtemp(prefix="jaxaccel-tests-data-cache-")
+    os.environ["JAXACCEL_DATA_CACHE"] = _DATA_CACHE
+else:
+    _DATA_CACHE = None
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -92,7 +99,7 @@ def pytest_configure(config):
 
 
 def pytest_sessionfinish(session, exitstatus):
-    for folder in (_SESSION_CACHE, _MODULES_CACHE):
+    for folder in (_SESSION_CACHE, _MODULES_CACHE, _DATA_CACHE):
         if folder is not None:
             shutil.rmtree(folder, ignore_errors=True)
 

@@ -68,9 +68,10 @@ def _config(tmp_path, **extra) -> str:
     return str(path)
 
 
-def fake_batches(cfg, architecture, n):
+def fake_batches(resolved, n):
     """Packed rows of random documents, as ``packed_batches`` gives the corpus's."""
     from jaxaccel.data.packing import pack
+    cfg, architecture = resolved.cfg, resolved.spec.architecture
     rng = np.random.default_rng(0)
     docs = [rng.integers(2, architecture.vocab_size, rng.integers(3, 12)).astype(np.int32)
             for _ in range(n * cfg.train.batch_size * cfg.data.max_len // 3)]

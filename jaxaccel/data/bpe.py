@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable
 
 EOS = "<|endoftext|>"
 
@@ -24,9 +24,10 @@ EOS = "<|endoftext|>"
 MIN_VOCAB = 257     # a byte-level BPE's 256 byte symbols and its end-of-text token
 
 
-def train(texts: Sequence[str], vocab_size: int):
+def train(texts: Iterable[str], vocab_size: int):
     """A ``transformers.PreTrainedTokenizerFast``: byte-level BPE of ``vocab_size`` tokens
-    (special token included) learnt from ``texts``."""
+    (special token included) learnt from ``texts`` (a list, or any iterable: a corpus streamed
+    from its files)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -39,12 +40,13 @@ def train(texts: Sequence[str], vocab_size: int):
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS],
                                   initial_alphabet=alphabet, show_progress=False)
-    tok.train_from_iterator(texts, trainer=trainer, length=len(texts))
+    tok.train_from_iterator(texts, trainer=trainer,
+                            length=len(texts) if hasattr(texts, "__len__") else None)
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=EOS,
                                    bos_token=EOS, unk_token=None)
 
 
-def cached(folder: str, vocab_size: int, texts: Callable[[], Sequence[str]]) -> str:
+def cached(folder: str, vocab_size: int, texts: Callable[[], Iterable[str]]) -> str:
     """The folder of the BPE of ``vocab_size`` under ``folder``/tokenizers, trained on
     ``texts()`` the first time (written to a temporary folder, then renamed into place, so a
     half-written tokenizer is never read)."""

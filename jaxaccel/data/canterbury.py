@@ -28,6 +28,7 @@ holding the four .txt files; each is checked against its recorded sha256.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import os
@@ -39,6 +40,7 @@ import numpy as np
 import tensorflow_datasets as tfds
 
 from jaxaccel.data.sdist import pip_download
+from jaxaccel.data.tfds_source import TfdsRecords, shipped
 
 SOURCE_ENV = "JAXACCEL_CANTERBURY_SOURCE"
 SDIST_REQUIREMENT = "brotli==1.2.1"
@@ -178,3 +180,19 @@ def prepare(data_dir: str | None = None, source: str | os.PathLike | None = None
                              texts=fetch_texts(source))
         builder.download_and_prepare()
     return builder
+
+
+def reader(data_dir: str | None = None, *, manual_dir=None,
+           source: str | os.PathLike | None = None) -> TfdsRecords:
+    """The corpus's record reader (``tfds_source.TfdsRecords``): documents in id order, built
+    on first read."""
+    return TfdsRecords("canterbury", data_dir or "", functools.partial(prepare, data_dir or None,
+                                                                       source),
+                       sort_by="id", version=str(Canterbury.VERSION))
+
+
+def describe(settings, model, batching):
+    """The ``DataSpec`` of ``data.name=canterbury`` (``sources.SOURCES``); its token count is
+    known once tokenized (a prepared cache)."""
+    return shipped(reader(settings.data_dir), "corpus", settings, model, batching,
+                   splits=("train", "validation"), counts={})

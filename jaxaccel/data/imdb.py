@@ -16,6 +16,7 @@ swapped for `tarfile`, so the dataset it writes is the standard one and is reada
 
 from __future__ import annotations
 
+import functools
 import os
 import tarfile
 
@@ -23,11 +24,14 @@ import tensorflow_datasets as tfds
 from etils import epath
 from tensorflow_datasets.datasets.imdb_reviews import imdb_reviews_dataset_builder as upstream
 
+from jaxaccel.data.tfds_source import TfdsRecords, shipped
+
 ARCHIVE = "aclImdb_v1.tar.gz"
 URL = upstream._DOWNLOAD_URL  # pylint: disable=protected-access
 ARCHIVE_SIZE = 84_125_825
 ARCHIVE_SHA256 = "c40f74a18d3b61f90feba1e17730e0d38e8b97c05fde7008942e91923d1658fe"
 LABEL_NAMES = ("neg", "pos")
+SPLIT_EXAMPLES = 25_000         # train and test each
 
 
 def _iter_tar(path):
@@ -82,3 +86,20 @@ def prepare(
         download_config=tfds.download.DownloadConfig(manual_dir=os.fspath(manual_dir))
     )
     return builder
+
+
+def reader(data_dir: str | None = None, *, manual_dir: str | os.PathLike | None = None,
+           source=None) -> TfdsRecords:
+    """The dataset's record reader (``tfds_source.TfdsRecords``), built on first read from
+    ``<manual_dir>/aclImdb_v1.tar.gz``."""
+    return TfdsRecords("imdb_reviews", data_dir or "",
+                       functools.partial(prepare, data_dir or None, manual_dir or None),
+                       label_field="label", version=str(ImdbReviews.VERSION))
+
+
+def describe(settings, model, batching):
+    """The ``DataSpec`` of ``data.name=imdb_reviews`` (``sources.SOURCES``)."""
+    return shipped(reader(settings.data_dir, manual_dir=settings.manual_dir), "text", settings,
+                   model, batching, splits=("train", "test"),
+                   counts={"train": SPLIT_EXAMPLES, "test": SPLIT_EXAMPLES},
+                   label_names=LABEL_NAMES)

@@ -26,7 +26,10 @@ process count):
 permutation drawn from (seed, epoch) (``shuffle``), the rows are packed from that order,
 global batch ``i`` is rows [i*B, (i+1)*B), process p of P keeps rows [p*B/P, (p+1)*B/P) of
 it, and ``batches(epoch, start_step)`` resumes mid-epoch with the same batches. The number of
-rows depends only on the total number of tokens, so every epoch has the same steps.
+rows depends only on the total number of tokens, so every epoch has the same steps. Rows are
+made as they are asked for (``_window``: where each document of the epoch's order ends in the
+stream says which pieces a row holds), from documents in memory or in a token cache
+(``splits.CachedDocs``): an epoch costs 12 bytes a document, not its tokens.
 """
 from __future__ import annotations
 
@@ -37,41 +40,69 @@ import numpy as np
 KEYS = ("input_ids", "positions", "segment_ids", "targets", "target_weights")
 
 
+class ListDocs:
+    """Documents held in memory: ``lengths`` and ``part(i, lo, hi)``, as ``DocStore`` has them."""
+
+    def __init__(self, docs: Sequence[np.ndarray]):
+        self.docs = [np.asarray(d, np.int32) for d in docs]
+        self.lengths = np.fromiter(map(len, self.docs), np.int64, len(self.docs))
+
+    def __len__(self) -> int:
+        return len(self.docs)
+
+    def part(self, i: int, lo: int, hi: int) -> np.ndarray:
+        return self.docs[i][lo:hi]
+
+
+def _window(docs, order: np.ndarray, ends: np.ndarray, first: int, count: int,
+            seq_len: int) -> dict[str, np.ndarray]:
+    """Rows ``first`` .. ``first + count`` of the documents ``order`` laid end to end (``ends``:
+    where each ends in that stream), keys as ``KEYS``: the window's tokens and one more (a
+    row's last target may be the next row's first token)."""
+    a, b = first * seq_len, (first + count) * seq_len
+    ids = np.zeros(b - a + 1, np.int32)
+    doc = np.full(b - a + 1, -1, np.int64)
+    k = int(np.searchsorted(ends, a, "right"))
+    while k < len(order) and (start := int(ends[k]) - int(docs.lengths[order[k]])) <= b:
+        lo, hi = max(a, start), min(b + 1, int(ends[k]))
+        ids[lo - a:hi - a] = docs.part(int(order[k]), lo - start, hi - start)
+        doc[lo - a:hi - a] = k
+        k += 1
+    real = doc[:-1] >= 0
+    same_doc_next = real & (doc[1:] == doc[:-1])
+    index = np.arange(b - a)
+    starts = real & ((index % seq_len == 0) | (doc[:-1] != np.roll(doc[:-1], 1)))
+    segment_ids = np.cumsum(starts.reshape(-1, seq_len), axis=1).reshape(-1) * real
+    positions = (index - np.maximum.accumulate(np.where(starts, index, 0))) * real
+    shape = (count, seq_len)
+    return {"input_ids": ids[:-1].reshape(shape),
+            "positions": positions.astype(np.int32).reshape(shape),
+            "segment_ids": segment_ids.astype(np.int32).reshape(shape),
+            "targets": np.where(same_doc_next, ids[1:], 0).astype(np.int32).reshape(shape),
+            "target_weights": same_doc_next.astype(np.float32).reshape(shape)}
+
+
 def pack(docs: Sequence[np.ndarray], seq_len: int) -> dict[str, np.ndarray]:
     """The rows [R, seq_len] of ``docs`` (int token ids, each ending with its EOS) laid end to
     end in the order given, R = ceil(total tokens / seq_len); keys as ``KEYS``."""
     if seq_len < 1:
         raise ValueError(f"pack: seq_len={seq_len}; expected >= 1.")
-    lengths = np.fromiter(map(len, docs), np.int64, len(docs))
-    n = int(lengths.sum())
+    store = ListDocs(docs)
+    n = int(store.lengths.sum())
     if n == 0:
         raise ValueError("pack: no tokens; expected at least one non-empty document.")
-    total = -(-n // seq_len) * seq_len
-    ids = np.zeros(total, np.int32)
-    ids[:n] = np.concatenate(docs)
-    doc = np.full(total, -1, np.int64)
-    doc[:n] = np.repeat(np.arange(len(docs)), lengths)
-    real = doc >= 0
-    same_doc_next = np.zeros(total, bool)
-    same_doc_next[:-1] = real[:-1] & (doc[1:] == doc[:-1])
-    targets = np.zeros(total, np.int32)
-    targets[:-1] = np.where(same_doc_next[:-1], ids[1:], 0)
-    index = np.arange(total)
-    starts = real & ((index % seq_len == 0) | (doc != np.roll(doc, 1)))
-    segment_ids = np.cumsum(starts.reshape(-1, seq_len), axis=1).reshape(-1) * real
-    positions = (index - np.maximum.accumulate(np.where(starts, index, 0))) * real
-    shape = (-1, seq_len)
-    return {"input_ids": ids.reshape(shape),
-            "positions": positions.astype(np.int32).reshape(shape),
-            "segment_ids": segment_ids.astype(np.int32).reshape(shape),
-            "targets": targets.reshape(shape),
-            "target_weights": same_doc_next.astype(np.float32).reshape(shape)}
+    return _window(store, np.arange(len(store)), np.cumsum(store.lengths), 0, -(-n // seq_len),
+                   seq_len)
 
 
 class PackedBatches:
-    """Epochs of packed causal-LM batches (module doc) of this process."""
+    """Epochs of packed causal-LM batches (module doc) of this process.
 
-    def __init__(self, docs: Sequence[np.ndarray], seq_len: int, global_batch_size: int, *,
+    docs: the documents' token ids (a list), or a store of them with ``lengths`` (int [n])
+      and ``part(i, lo, hi)`` (the ids lo..hi of document i), e.g. a token cache: only the
+      rows of this process's batches are read, as they are asked for."""
+
+    def __init__(self, docs, seq_len: int, global_batch_size: int, *,
                  shuffle: bool = True, seed: int = 0, drop_remainder: bool = True,
                  process_index: int = 0, process_count: int = 1):
         if len(docs) == 0:
@@ -86,13 +117,14 @@ class PackedBatches:
             raise ValueError(f"PackedBatches: global_batch_size={global_batch_size} does not "
                              f"divide by process_count={process_count}; use a multiple of "
                              f"{process_count}.")
-        self.docs = [np.asarray(d, np.int32) for d in docs]
+        self.docs = docs if hasattr(docs, "part") else ListDocs(docs)
         self.seq_len, self.global_batch_size = seq_len, global_batch_size
         self.local_batch_size = global_batch_size // process_count
         self.shuffle, self.seed, self.drop_remainder = shuffle, seed, drop_remainder
         self.process_index = process_index
-        self.tokens = sum(map(len, self.docs))
+        self.tokens = int(self.docs.lengths.sum())
         self.rows_per_epoch = -(-self.tokens // seq_len)
+        self._epoch: tuple[int, np.ndarray, np.ndarray] | None = None
         if drop_remainder and self.rows_per_epoch < global_batch_size:
             raise ValueError(f"PackedBatches: {self.tokens} tokens make {self.rows_per_epoch} "
                              f"rows of {seq_len} < global_batch_size={global_batch_size} with "
@@ -108,25 +140,34 @@ class PackedBatches:
         """The lengths of the batches ``start`` to ``stop``: every row is ``seq_len`` long."""
         return {self.seq_len} if stop > start else set()
 
-    def rows(self, epoch: int) -> dict[str, np.ndarray]:
-        """Every row of ``epoch`` (all processes'), packed from that epoch's document order."""
+    def _order(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        """The documents' order in ``epoch`` (a permutation drawn from (seed, epoch)) and where
+        each ends in the epoch's stream."""
         if epoch < 0:
             raise ValueError(f"epoch={epoch}; expected >= 0.")
-        order = np.random.default_rng((self.seed, epoch)).permutation(len(self.docs)) \
-            if self.shuffle else range(len(self.docs))
-        return pack([self.docs[i] for i in order], self.seq_len)
+        if self._epoch is None or self._epoch[0] != epoch:
+            n = len(self.docs)
+            order = np.random.default_rng((self.seed, epoch)).permutation(n) \
+                if self.shuffle else np.arange(n)
+            self._epoch = (epoch, order, np.cumsum(self.docs.lengths[order]))
+        return self._epoch[1], self._epoch[2]
+
+    def rows(self, epoch: int) -> dict[str, np.ndarray]:
+        """Every row of ``epoch`` (all processes'), packed from that epoch's document order."""
+        return _window(self.docs, *self._order(epoch), 0, self.rows_per_epoch, self.seq_len)
 
     def batches(self, epoch: int, start_step: int = 0) -> Iterator[dict[str, np.ndarray]]:
         """This process's rows of each batch of ``epoch``, from ``start_step`` on; without
         drop_remainder the last batch is completed with padding rows (all weights 0)."""
         if not 0 <= start_step <= self.steps_per_epoch:
             raise ValueError(f"start_step={start_step}; expected 0..{self.steps_per_epoch}.")
-        rows = self.rows(epoch)
+        order, ends = self._order(epoch)
         b, lo = self.global_batch_size, self.process_index * self.local_batch_size
         for step in range(start_step, self.steps_per_epoch):
             first = step * b + lo
-            batch = {k: v[first:first + self.local_batch_size] for k, v in rows.items()}
-            short = self.local_batch_size - len(batch["input_ids"])
+            count = max(0, min(self.local_batch_size, self.rows_per_epoch - first))
+            batch = _window(self.docs, order, ends, first, count, self.seq_len)
+            short = self.local_batch_size - count
             if short:
                 batch = {k: np.concatenate([v, np.zeros((short, self.seq_len), v.dtype)])
                          for k, v in batch.items()}

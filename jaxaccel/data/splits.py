@@ -1,293 +1,218 @@
-"""A run's data, from its config: which examples each split holds and how they are batched.
+"""A run's batches, from its resolved data (``spec.DataSpec``): which examples each split holds
+and how they are batched.
 
-    train, label_names = train_batches(cfg, tokenizer, max_positions)
-    evals, label_names = eval_batches(cfg, tokenizer, max_positions)   # no training split read
-    check_batch_fits(cfg.train, {"data": 2, "fsdp": 4})                 # before anything compiles
+    train, label_names = train_batches(data, tokenizer, share)
+    evals, _ = eval_batches(data, tokenizer, share, label_names)   # the training split unread
+    check_batch_fits(cfg.train, {"data": 2, "fsdp": 4})            # before anything compiles
 
-Examples: ``data.name=synthetic`` makes random token ids (train from ``seed``, eval from
-``seed + 1``); a text dataset is read from its TFDS cache and only the split asked for is
-tokenized. A corpus of documents (``DATASETS`` entries without labels, e.g. ``canterbury``)
-gives causal-LM batches instead: its documents tokenized (with EOS) and packed into rows of
-``data.max_len`` tokens (``jaxaccel.data.packing``), by the model's tokenizer when the config
-names one (``model.tokenizer`` / ``model.checkpoint``), else by a byte-level BPE of
-``data.tokenizer_vocab`` tokens trained on the corpus's train split (``tokenizer_dir``).
-Batching, per process (``jax.process_index()`` of ``jax.process_count()``):
+Text (labelled texts and corpora) is tokenized once into the token cache
+(``jaxaccel.data.tokencache``) and read from it as batches are made; ready token ids and arrays
+come from their source's reader. Splits:
 
-* train: shuffled per (seed, epoch), whole batches only, length-bucketed over windows of 50
-  batches when ``data.bucket`` (less padding);
-* validation (``data.eval_split=validation``): ``data.validation_size`` examples held out of
-  the training split by a fixed permutation (``validation_rows``), which then trains on the
-  rest: a recipe is chosen on it, the test split is read once at the end;
-* eval: in no particular order, so sorted by length over the whole split (one window) to pad
-  least, the last batch completed with weight-0 rows.
+* a source's own split, by name (``data.eval_split``: test, validation, ...);
+* ``data.holdout`` > 0 where the source has no eval split of that name: that fraction of the
+  training split is the eval split, the rest trains;
+* ``data.validation_size`` > 0: that many training examples are held out as the
+  ``"validation"`` split (then ``data.eval_split=validation``), the rest trains: a recipe is
+  chosen on it, the test split is read once at the end.
 
-Packed corpora: train rows from a document order shuffled per (seed, epoch), whole batches
-only; eval rows in document order, the last batch completed with padding rows.
+Both are drawn by a fixed permutation (``spec.held_rows``), the same whatever the run's seed.
+Batching, per process (its ``share`` of every batch: part i of n, ``sharding.batch_share``):
+
+* labelled rows (``pipeline.BatchIterator``): train shuffled per (seed, epoch), whole batches
+  only, length-bucketed over windows of 50 batches when ``data.bucket``; eval in no particular
+  order, sorted by length over the whole split to pad least, the last batch completed with
+  weight-0 rows;
+* corpora (``packing.PackedBatches``): documents (each ending with EOS) packed into rows of
+  ``data.max_len``; train from a document order shuffled per (seed, epoch), whole batches;
+  eval in document order, the last batch completed with padding rows;
+* arrays (``arrays.ArrayBatches``): train shuffled per (seed, epoch), eval in order.
+
+A corpus without ``model.tokenizer`` or ``model.checkpoint`` is tokenized by a byte-level BPE
+of ``data.tokenizer_vocab`` tokens trained on its training split (``tokenizer_dir``).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
+import os
+from collections.abc import Sequence
 
-import jax
 import numpy as np
 
-from jaxaccel.data import (bpe, corpus_folder, dataset_entry, load_arrays, load_corpus,
-                           load_text_dataset)
+from jaxaccel.data import bpe, encode, tokencache
 from jaxaccel.data.arrays import ArrayBatches
-from jaxaccel.data.packing import PackedBatches, tokenize_documents
-from jaxaccel.data.pipeline import BatchIterator, Tokenized, tokenize
-from jaxaccel.data.synthetic import synthetic, synthetic_arrays
+from jaxaccel.data.packing import PackedBatches
+from jaxaccel.data.pipeline import BatchIterator, Tokenized
+from jaxaccel.data.spec import DataError, DataSpec, held_rows, holdout_size
 
-SYNTHETIC_VOCAB = 30522      # BERT's uncased vocabulary: synthetic ids lie in [0, 30522)
 TRAIN_BUCKET_WINDOW = 50     # global batches sorted by length together (data.bucket)
-VALIDATION_SEED = 0          # the held-out validation rows are the same for every run seed
 
 log = logging.getLogger("jaxaccel")
 
 
-def validation_rows(n: int, size: int) -> np.ndarray:
-    """Sorted indices of the ``size`` training examples (of ``n``) that ``data.validation_size``
-    holds out as the ``"validation"`` split: the first ``size`` of a fixed permutation
-    (``VALIDATION_SEED``), so the split does not move with ``seed``; the training split is
-    the other ``n - size``."""
-    if not 0 < size < n:
-        raise ValueError(f"data.validation_size={size} must be in [1, {n - 1}] for a training "
-                         f"split of {n} examples (0 holds out nothing).")
-    return np.sort(np.random.default_rng(VALIDATION_SEED).permutation(n)[:size])
+# ----------------------------------------------------------------------------- splits
 
 
-def _rows(texts: list[str], labels: np.ndarray, split: str, validation_size: int):
-    """``(texts, labels)`` of ``split`` read from the training split's ``texts``/``labels``:
-    the held-out validation rows, or the rest."""
-    held = validation_rows(len(labels), validation_size)
-    keep = held if split == "validation" else np.setdiff1d(np.arange(len(labels)), held)
-    return [texts[i] for i in keep], labels[keep]
-
-
-def split_examples(cfg, tokenizer, max_positions: int,
-                   split: str) -> tuple[Tokenized, tuple]:
-    """``(examples, label_names)`` of ``split``; text is truncated to ``data.max_len`` (at
-    most the model's ``max_positions``)."""
-    d = cfg.data
-    if d.name == "synthetic":
-        examples = synthetic(vocab_size=SYNTHETIC_VOCAB, seq_len=d.synthetic_seq_len,
-                             min_len=d.synthetic_min_len, num_examples=d.synthetic_examples,
-                             seed=cfg.seed if split == "train" else cfg.seed + 1,
-                             num_classes=cfg.model.num_labels)
-        return examples, tuple(str(i) for i in range(cfg.model.num_labels))
-    if split == "validation" and not d.validation_size:
+def source_split(data: DataSpec, split: str) -> str:
+    """The source's split that holds ``split`` (a held-out split is cut from ``train``)."""
+    d = data.settings
+    if split == "validation" and d.validation_size:
+        return "train"
+    if split == data.eval_split and data.held_out:
+        return "train"
+    if split == "validation" and "validation" not in data.splits:
         raise ValueError("data.eval_split='validation' needs data.validation_size > 0 (e.g. "
                          "1000): the validation split is held out of the training split.")
-    source = "train" if split == "validation" else split
-    ds = load_text_dataset(d.name, data_dir=d.data_dir or None, manual_dir=d.manual_dir or None,
-                           splits=(source,))
-    if ds.num_classes > cfg.model.num_labels:
-        raise ValueError(f"data {d.name!r} has {ds.num_classes} classes but "
-                         f"model.num_labels={cfg.model.num_labels}; set model.num_labels="
-                         f"{ds.num_classes}.")
-    texts, labels = ds[source]
-    if source == "train" and d.validation_size:
-        texts, labels = _rows(texts, labels, split, d.validation_size)
-    return (tokenize(tokenizer, texts, labels, max_len=d.max_len, max_positions=max_positions),
-            ds.label_names)
+    if split not in data.splits:
+        raise ValueError(f"data.name={data.name!r} has no split {split!r} (it has "
+                         f"{', '.join(data.splits)}); set data.eval_split to one of them, or "
+                         "hold one out of the training split with data.holdout (e.g. 0.1).")
+    return split
 
 
-def _process_shard(share: tuple[int, int] | None) -> dict:
+def split_rows(data: DataSpec, split: str, n: int) -> np.ndarray | None:
+    """The indices (into its source split of ``n`` examples) of ``split``; None: all."""
+    d = data.settings
+    if source_split(data, split) != "train" or split not in ("train", "validation",
+                                                             data.eval_split):
+        return None
+    rows = np.arange(n)
+    if data.held_out:
+        held = held_rows(n, holdout_size(n, d.holdout), "data.holdout")
+        if split == data.eval_split:
+            return held
+        rows = np.setdiff1d(rows, held)
+    if d.validation_size:
+        held = rows[held_rows(len(rows), d.validation_size)]
+        if split == "validation":
+            return held
+        rows = np.setdiff1d(rows, held)
+    return None if len(rows) == n else rows
+
+
+# ----------------------------------------------------------------------------- token caches
+
+
+class CachedRows(Sequence):
+    """Rows ``rows`` of a token cache, each read as it is asked for (``Tokenized.input_ids``)."""
+
+    def __init__(self, cache: tokencache.TokenCache, rows: np.ndarray):
+        self.cache, self.rows = cache, rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return self.cache.read(int(self.rows[i]))
+
+
+class CachedDocs:
+    """Documents ``rows`` of a token cache, as ``packing.PackedBatches`` reads them: their
+    ``lengths`` and ``part(i, lo, hi)``."""
+
+    def __init__(self, cache: tokencache.TokenCache, rows: np.ndarray):
+        self.cache, self.rows = cache, rows
+        self.lengths = cache.lengths()[rows]
+        self._starts = np.asarray(cache.offsets[:-1])[rows]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def part(self, i: int, lo: int, hi: int) -> np.ndarray:
+        start = int(self._starts[i])
+        return self.cache.span(start + lo, start + hi)
+
+
+def _cache(data: DataSpec, split: str, tokenizer) -> tuple[tokencache.TokenCache, np.ndarray]:
+    """The token cache of ``split``'s source split, and ``split``'s rows of it."""
+    cache = tokencache.tokens(data, source_split(data, split), tokenizer,
+                              workers=data.settings.workers or None)
+    rows = split_rows(data, split, len(cache))
+    return cache, np.arange(len(cache)) if rows is None else rows
+
+
+def learnt_names(data: DataSpec, cache: tokencache.TokenCache) -> tuple[str, ...]:
+    """The classes of a labelled training split: the source's, else its labels sorted
+    (integers by value); a split of one class is refused."""
+    values = cache.label_values
+    if data.label_names is not None:
+        return data.label_names
+    ints = [v for v in values if isinstance(v["value"], int)]
+    words = [v for v in values if not isinstance(v["value"], int)]
+    if ints and words:
+        raise DataError(f"the labels mix integers ({ints[0]['value']} at {ints[0]['first']}) "
+                        f"and names ({words[0]['value']!r} at {words[0]['first']}); give every "
+                        "label the same way.")
+    if len(values) < 2:
+        only = values[0]
+        raise DataError(f"every training example has the label {only['value']!r} (the first at "
+                        f"{only['first']}): a classifier needs two classes or more. Check "
+                        "data.label_field.")
+    return tuple(str(v["value"]) for v in sorted(values, key=lambda v: v["value"]))
+
+
+def label_ids(data: DataSpec, cache: tokencache.TokenCache, names: tuple[str, ...],
+              split: str) -> np.ndarray:
+    """int32 [n]: each example's class in ``names``; a label that is not one is refused
+    with its first example's file and line."""
+    lookup = np.empty(len(cache.label_values), np.int32)
+    for i, v in enumerate(cache.label_values):
+        value = v["value"]
+        if data.labels_are_ids and isinstance(value, int):
+            ok = 0 <= value < len(names)
+            lookup[i] = value
+        else:
+            ok = str(value) in names
+            lookup[i] = names.index(str(value)) if ok else -1
+        if not ok:
+            raise DataError(f"{v['first']}: label {value!r} of the {split!r} split is not one of "
+                            f"the training classes ({', '.join(names)}); train on it too, or "
+                            "drop those examples.")
+    return lookup[cache.labels]
+
+
+def _labelled(data: DataSpec, split: str, tokenizer, names) -> tuple[Tokenized, tuple]:
+    cache, rows = _cache(data, split, tokenizer)
+    names = learnt_names(data, cache) if names is None else names
+    if data.model.num_labels is not None and len(names) > data.model.num_labels:
+        raise ValueError(f"data {data.name!r} has {len(names)} classes but model.num_labels="
+                         f"{data.model.num_labels}; set model.num_labels={len(names)}.")
+    labels = label_ids(data, cache, names, split)[rows]
+    return Tokenized(CachedRows(cache, rows), labels, data.max_len,
+                     tokenizer.pad_token_id or 0, cache.lengths()[rows]), names
+
+
+# ----------------------------------------------------------------------------- batches
+
+
+def _share(share: tuple[int, int] | None) -> dict:
     """The part of every batch this process loads: ``share`` = (i, n), part i of n equal
     contiguous parts (``sharding.batch_share`` of the run's mesh; processes that hold the same
-    rows, e.g. two pipeline stages, load the same part); None: its process index of the
-    process count."""
-    i, n = share or (jax.process_index(), jax.process_count())
+    rows, e.g. two pipeline stages, load the same part); None: the whole batch."""
+    i, n = share or (0, 1)
     return dict(process_index=i, process_count=n)
 
 
-def _is_corpus(cfg) -> bool:
-    return cfg.data.name != "synthetic" and dataset_entry(cfg.data.name).is_corpus
-
-
-DATA_FOR = {"causal_lm": ("data.name=canterbury",),
-            "classification": ("data.name=rt_snippets", "imdb_reviews", "bfsong",
-                               "synthetic"),
-            "mae": ("data.name=bfsong", "synthetic")}
-
-
-def reads_pixels(spec) -> bool:
-    """Whether the model of ``spec`` reads arrays (``pixels``: images, spectrograms) rather
-    than tokens."""
-    return "pixels" in spec.family.resolve("model").input_keys
-
-
-def _pixels_shape(spec) -> tuple[int, ...]:
-    """The shape of one example of the array input of the model of ``spec``."""
-    return spec.family.resolve("model").input_shapes(spec.architecture, None)["pixels"][0]
-
-
-def reads_arrays(cfg, spec=None) -> bool:
-    """Whether the configured data is arrays (an array dataset, or synthetic arrays for a
-    model that reads pixels: the model, ``spec`` or the config's, decides)."""
-    if cfg.data.name == "synthetic":
-        if spec is None:
-            from jaxaccel.models import model_spec
-            spec = model_spec(cfg.model)
-        return reads_pixels(spec)
-    return dataset_entry(cfg.data.name).is_arrays
-
-
-def split_arrays(cfg, spec, split: str) -> tuple[np.ndarray, np.ndarray, tuple]:
-    """``(x, labels, label_names)`` of ``split`` of array data, each example the shape of the
-    model's input (``spec``'s ``pixels``): synthetic arrays (train from ``seed``, eval from
-    ``seed + 1``) or an array dataset's, the validation split held out of its training split
-    as for text."""
-    d = cfg.data
-    shape = _pixels_shape(spec)
-    if d.name == "synthetic":
-        n = cfg.model.num_labels
-        x, labels = synthetic_arrays(shape=shape, num_examples=d.synthetic_examples,
-                                     seed=cfg.seed if split == "train" else cfg.seed + 1,
-                                     num_classes=n)
-        return x, labels, tuple(str(i) for i in range(n))
-    if split == "validation" and not d.validation_size:
-        raise ValueError("data.eval_split='validation' needs data.validation_size > 0 (e.g. "
-                         "300): the validation split is held out of the training split.")
-    source = "train" if split == "validation" else split
-    x, labels = load_arrays(d.name, source, shape, data_dir=d.data_dir or None)
-    if source == "train" and d.validation_size:
-        held = validation_rows(len(labels), d.validation_size)
-        keep = held if split == "validation" else np.setdiff1d(np.arange(len(labels)), held)
-        x, labels = x[keep], labels[keep]
-    names = dataset_entry(d.name).label_names
-    if spec.num_labels is not None and len(names) > spec.num_labels:
-        raise ValueError(f"data {d.name!r} has {len(names)} classes but model.num_labels="
-                         f"{spec.num_labels}; set model.num_labels={len(names)}.")
-    return x, labels, names
-
-
-def input_features(cfg, spec, paths: list[str]) -> np.ndarray:
-    """float32 [len(paths), *input shape]: the model's inputs made from files (recordings) as
-    the array dataset ``data.name`` makes its examples (``DatasetEntry.features``), for
-    ``jaxaccel predict``."""
-    entry = dataset_entry(cfg.data.name) if cfg.data.name != "synthetic" else None
-    if entry is None or entry.features is None:
-        raise ValueError(f"data.name={cfg.data.name!r} makes no inputs from files; predict "
-                         "takes files for an array dataset that reads them (e.g. bfsong: WAV "
-                         "recordings).")
-    shape = _pixels_shape(spec)
-    return entry.features(cfg.data.data_dir or None, paths, tuple(shape))
-
-
-def _array_batches(cfg, spec, split: str, *, training: bool, share) -> tuple:
-    x, labels, names = split_arrays(cfg, spec, split)
-    if training:
-        _check_train_batch(cfg, len(x), f"examples of the {cfg.data.name!r} {split!r} split")
-    size = cfg.train.batch_size if training else _eval_batch_size(cfg, len(x), split)
-    return ArrayBatches(x, labels, size, shuffle=training, seed=cfg.seed,
-                        drop_remainder=training, **_process_shard(share)), names
-
-
-def data_tasks(cfg) -> tuple[str, ...]:
-    """The tasks (``train.tasks.TASKS``) the configured data gives batches for: a corpus
-    ``causal_lm``, an array dataset ``mae`` and ``classification``, a labelled text dataset
-    ``classification``."""
-    if _is_corpus(cfg):
-        return ("causal_lm",)
-    return ("mae", "classification") if reads_arrays(cfg) else ("classification",)
-
-
-def check_task(cfg, spec) -> None:
-    """The model's training task must be one the data gives batches for (``data_tasks``),
-    and the model must read what the data holds (tokens or arrays)."""
-    given, task = data_tasks(cfg), spec.task
-    arrays = cfg.data.name != "synthetic" and dataset_entry(cfg.data.name).is_arrays
-    if arrays != reads_pixels(spec) and cfg.data.name != "synthetic":
-        holds, reads = ("arrays", "tokens") if arrays else ("text", "arrays")
-        raise ValueError(f"data.name={cfg.data.name!r} holds {holds} but the model "
-                         f"(model.name={cfg.model.name!r}) reads {reads}; pick a model of "
-                         f"the {'vit' if arrays else 'bert or llama'} family for it.")
-    if task not in given:
-        models = {"causal_lm": "a decoder (e.g. model.name=llama-cpu)",
-                  "classification": "a classifier (e.g. model.name=minilm-l6)",
-                  "mae": "a ViT (e.g. model.name=vit-tiny)"}
-        raise ValueError(f"data.name={cfg.data.name!r} gives {'/'.join(given)} batches but "
-                         f"the model (model.name={cfg.model.name!r}) trains {task}; use "
-                         f"{models[given[0]]} for it, or data for {task} "
-                         f"({', '.join(DATA_FOR[task])}).")
-
-
-def _trains_bpe(cfg) -> bool:
-    """Whether the run's tokenizer is the corpus's own BPE (a corpus, and the config names
-    neither ``model.tokenizer`` nor ``model.checkpoint``)."""
-    return _is_corpus(cfg) and not (cfg.model.tokenizer or cfg.model.checkpoint)
-
-
-def check_tokenizer_vocab(cfg, architecture) -> None:
-    """A run that trains the corpus's BPE: ``data.tokenizer_vocab`` must be a size a byte-level
-    BPE can have and that the model's embedding table (``architecture.vocab_size``) can index,
-    checked before the BPE is trained and cached."""
-    if not _trains_bpe(cfg):
-        return
-    n, vocab = cfg.data.tokenizer_vocab, architecture.vocab_size
-    if n < bpe.MIN_VOCAB:
-        raise ValueError(f"data.tokenizer_vocab={n} is too small: a byte-level BPE needs its "
-                         f"{bpe.MIN_VOCAB - 1} byte symbols and the end-of-text token; use at "
-                         f"least {bpe.MIN_VOCAB} (e.g. 8192).")
-    if n > vocab:
-        raise ValueError(f"data.tokenizer_vocab={n} is more than the model's vocab_size={vocab} "
-                         f"(model.name={cfg.model.name!r}): its token ids would index past the "
-                         f"embedding table. Set data.tokenizer_vocab <= {vocab}, or train a "
-                         "preset whose vocabulary is at least the tokenizer's.")
-
-
-def tokenizer_dir(cfg, model_tokenizer_dir: str) -> str:
-    """The tokenizer folder of a run: ``model_tokenizer_dir`` (the model's, from
-    ``create_model``), except for a corpus when the config names neither ``model.tokenizer``
-    nor ``model.checkpoint``: then the corpus's BPE of ``data.tokenizer_vocab`` tokens, trained
-    on its train split the first time."""
-    d = cfg.data
-    if not _trains_bpe(cfg):
-        return model_tokenizer_dir
-    return bpe.cached(corpus_folder(d.name, d.data_dir or None), d.tokenizer_vocab,
-                      lambda: load_corpus(d.name, data_dir=d.data_dir or None,
-                                          splits=("train",))["train"])
-
-
-def _packed(cfg, tokenizer, max_positions: int, split: str, *, training: bool,
-            share: tuple[int, int] | None = None) -> PackedBatches:
-    """A corpus split's documents, tokenized and packed into rows of ``data.max_len``."""
-    d = cfg.data
-    if d.max_len > max_positions:
-        raise ValueError(f"data.max_len={d.max_len} (the packed row length) exceeds the "
-                         f"model's maximum sequence length {max_positions}; set data.max_len "
-                         f"<= {max_positions}.")
-    docs = tokenize_documents(
-        tokenizer, load_corpus(d.name, data_dir=d.data_dir or None, splits=(split,))[split])
-    rows = -(-sum(map(len, docs)) // d.max_len)
-    if training:
-        _check_train_batch(cfg, rows, f"rows of {d.max_len} tokens (data.max_len) that the "
-                           f"{d.name!r} {split!r} split packs into")
-    size = cfg.train.batch_size if training else _eval_batch_size(cfg, rows, split)
-    return PackedBatches(docs, d.max_len, size, shuffle=training, seed=cfg.seed,
-                         drop_remainder=training, **_process_shard(share))
-
-
-def _check_train_batch(cfg, rows: int, what: str) -> None:
+def _check_train_batch(data: DataSpec, rows: int, what: str) -> None:
     """A training batch of ``train.batch_size`` rows is refused where the train split has fewer
     (no full batch to train on), naming the key and the data's size, before any batch is
     made."""
-    size = cfg.train.batch_size
+    size = data.batching.batch_size
     if rows < size:
         raise ValueError(f"train.batch_size={size} is more than the {rows} {what}: no full "
                          f"batch to train on. Set train.batch_size to at most {rows} (a "
                          "multiple of the device count), or train on more data.")
 
 
-def _eval_batch_size(cfg, rows: int, split: str) -> int:
+def _eval_batch_size(data: DataSpec, rows: int, split: str) -> int:
     """``train.eval_batch_size``, or, where that is more than the ``rows`` of the eval split,
     the least multiple of the device count that holds them all (one batch; a multiple of
     every mesh's batch shards and of the process count). Without the clamp the rows beyond
     the split are padding the eval step still computes: 100,000 rows of 128 tokens asked XLA
     for 485 GB of logits at an 8k vocabulary."""
-    size, n = cfg.train.eval_batch_size, jax.device_count()
+    size, n = data.batching.eval_batch_size, data.batching.devices
     fit = -(-rows // n) * n
     if size <= fit:
         return size
@@ -296,44 +221,94 @@ def _eval_batch_size(cfg, rows: int, split: str) -> int:
     return fit
 
 
-def train_batches(cfg, tokenizer, max_positions: int, share: tuple[int, int] | None = None,
-                  spec=None) -> tuple[BatchIterator | PackedBatches | ArrayBatches, tuple]:
-    """This process's training batches (shuffled, bucketed, full; its ``share`` of every
-    batch, ``_process_shard``) and the label names; for a corpus, packed causal-LM rows and no
-    labels; for array data (``reads_arrays``; ``tokenizer`` unused), ``ArrayBatches`` of the
-    model ``spec``'s input shape."""
-    if spec is not None and reads_arrays(cfg, spec):
-        return _array_batches(cfg, spec, "train", training=True, share=share)
-    if _is_corpus(cfg):
-        return _packed(cfg, tokenizer, max_positions, "train", training=True, share=share), ()
-    examples, label_names = split_examples(cfg, tokenizer, max_positions, "train")
-    t = cfg.train
-    _check_train_batch(cfg, len(examples), f"examples of the {cfg.data.name!r} 'train' split")
-    batches = BatchIterator(examples, t.batch_size, shuffle=True, seed=cfg.seed,
-                            drop_remainder=True,
-                            bucket_window=TRAIN_BUCKET_WINDOW if cfg.data.bucket else 0,
-                            pad_multiple=cfg.data.pad_multiple, **_process_shard(share))
-    return batches, label_names
+def check_rows(data: DataSpec) -> None:
+    """A corpus's rows must fit the model (``data.max_len`` at most its positions)."""
+    limit = data.model.max_positions
+    if data.kind == "corpus" and data.settings.max_len > limit:
+        raise ValueError(f"data.max_len={data.settings.max_len} (the packed row length) exceeds "
+                         f"the model's maximum sequence length {limit}; set data.max_len <= "
+                         f"{limit}.")
 
 
-def eval_batches(cfg, tokenizer, max_positions: int, share: tuple[int, int] | None = None,
-                 spec=None) -> tuple[BatchIterator | PackedBatches | ArrayBatches, tuple]:
-    """This process's batches of ``data.eval_split`` (length-sorted, every example once; its
-    ``share`` as ``train_batches``') and the label names; the training split is neither read
-    nor tokenized. A corpus: packed rows in document order, every token once, and no labels;
-    array data: in order, the last batch completed with weight-0 rows."""
-    if spec is not None and reads_arrays(cfg, spec):
-        return _array_batches(cfg, spec, cfg.data.eval_split, training=False, share=share)
-    if _is_corpus(cfg):
-        return _packed(cfg, tokenizer, max_positions, cfg.data.eval_split, training=False,
-                       share=share), ()
-    examples, label_names = split_examples(cfg, tokenizer, max_positions,
-                                           cfg.data.eval_split)
-    size = cfg.train.eval_batch_size
-    batches = BatchIterator(examples, size, shuffle=False, drop_remainder=False,
-                            bucket_window=len(examples) // size + 1,
-                            pad_multiple=cfg.data.pad_multiple, **_process_shard(share))
-    return batches, label_names
+def _packed(data: DataSpec, split: str, tokenizer, training: bool, share) -> PackedBatches:
+    check_rows(data)
+    cache, rows = _cache(data, split, tokenizer)
+    docs = CachedDocs(cache, rows)
+    tokens, length = int(docs.lengths.sum()), data.max_len
+    if training and tokens < length:
+        raise DataError(f"the {split!r} split of data.name={data.name!r} holds {tokens} tokens, "
+                        f"less than one row of data.max_len={length}; give it more text or "
+                        "shorter rows.")
+    n = -(-tokens // length)
+    if training:
+        _check_train_batch(data, n, f"rows of {length} tokens (data.max_len) that the "
+                           f"{data.name!r} {split!r} split packs into")
+    size = data.batching.batch_size if training else _eval_batch_size(data, n, split)
+    return PackedBatches(docs, length, size, shuffle=training, seed=data.batching.seed,
+                         drop_remainder=training, **_share(share))
+
+
+def _arrays(data: DataSpec, split: str) -> tuple[np.ndarray, np.ndarray]:
+    source = source_split(data, split)
+    x, labels = data.reader.examples(source)
+    rows = split_rows(data, split, len(labels))
+    return (x, labels) if rows is None else (x[rows], labels[rows])
+
+
+def _ready(data: DataSpec, split: str) -> Tokenized:
+    """Ready token ids of ``split`` (synthetic)."""
+    examples = data.reader.examples(source_split(data, split))
+    rows = split_rows(data, split, len(examples))
+    if rows is None:
+        return examples
+    return dataclasses.replace(examples, input_ids=[examples.input_ids[i] for i in rows],
+                               labels=examples.labels[rows], lengths=None)
+
+
+def _batches(data: DataSpec, split: str, tokenizer, share, names, training: bool):
+    """``(batches, label names)`` of ``split`` (module doc)."""
+    what = f"examples of the {data.name!r} {split!r} split"
+    if data.batches == "packed":
+        return _packed(data, split, tokenizer, training, share), ()
+    if data.batches == "arrays":
+        x, labels = _arrays(data, split)
+        names = data.label_names if names is None else names
+        if training:
+            _check_train_batch(data, len(x), what)
+        size = data.batching.batch_size if training else _eval_batch_size(data, len(x), split)
+        return ArrayBatches(x, labels, size, shuffle=training, seed=data.batching.seed,
+                            drop_remainder=training, **_share(share)), names
+    if data.kind == "tokens":
+        examples, names = _ready(data, split), data.label_names
+    else:
+        examples, names = _labelled(data, split, tokenizer, names)
+    d = data.settings
+    if training:
+        _check_train_batch(data, len(examples), what)
+        return BatchIterator(examples, data.batching.batch_size, shuffle=True,
+                             seed=data.batching.seed, drop_remainder=True,
+                             bucket_window=TRAIN_BUCKET_WINDOW if d.bucket else 0,
+                             pad_multiple=d.pad_multiple, **_share(share)), names
+    size = data.batching.eval_batch_size
+    return BatchIterator(examples, size, shuffle=False, drop_remainder=False,
+                         bucket_window=len(examples) // size + 1, pad_multiple=d.pad_multiple,
+                         **_share(share)), names
+
+
+def train_batches(data: DataSpec, tokenizer, share: tuple[int, int] | None = None):
+    """``(batches, label names)``: this process's training batches (shuffled, bucketed, full;
+    its ``share`` of every batch); a corpus's packed causal-LM rows have no labels;
+    ``tokenizer`` is unused for ready ids and arrays."""
+    return _batches(data, "train", tokenizer, share, None, True)
+
+
+def eval_batches(data: DataSpec, tokenizer, share: tuple[int, int] | None = None,
+                 label_names: tuple[str, ...] | None = None):
+    """``(batches, label names)`` of ``data.eval_split`` (every example once; its ``share`` as
+    ``train_batches``'); the training split is neither read nor tokenized unless the eval split
+    is held out of it. ``label_names``: the training split's classes (a run's), else the
+    data's own."""
+    return _batches(data, data.eval_split, tokenizer, share, label_names, False)
 
 
 def check_batch_fits(train_cfg, batch_axes: dict[str, int], *, training: bool = True) -> None:
@@ -353,19 +328,105 @@ def check_batch_fits(train_cfg, batch_axes: dict[str, int], *, training: bool = 
                 f"{-(-size // shards) * shards}), or set the mesh (mesh.data=...).")
 
 
-def steps_per_epoch(cfg) -> int | None:
-    """Training steps per epoch (whole global batches of the training split, less
-    ``data.validation_size`` examples) known before anything is read or tokenized: from the
-    synthetic example count, or the dataset's ``train_examples`` (its ``DATASETS`` entry; the
-    split is read and counted only where the entry gives no count). None for a corpus, whose
-    rows depend on the packing (the packed data knows: ``PackedBatches.steps_per_epoch``)."""
-    d = cfg.data
-    if d.name == "synthetic":
-        return d.synthetic_examples // cfg.train.batch_size
-    if _is_corpus(cfg):
+# ----------------------------------------------------------------------------- tokenizers
+
+
+def trains_bpe(data: DataSpec) -> bool:
+    """Whether the run's tokenizer is the corpus's own BPE (a corpus, and the model names no
+    tokenizer: neither ``model.tokenizer`` nor ``model.checkpoint``)."""
+    return data.kind == "corpus" and data.model.tokenizer is None
+
+
+def check_tokenizer_vocab(data: DataSpec) -> None:
+    """A run that trains the corpus's BPE: ``data.tokenizer_vocab`` must be a size a byte-level
+    BPE can have and that the model's embedding table (``ModelInput.vocab_size``) can index,
+    checked before the BPE is trained and cached."""
+    if not trains_bpe(data):
+        return
+    n, vocab_size = data.settings.tokenizer_vocab, data.model.vocab_size
+    if n < bpe.MIN_VOCAB:
+        raise ValueError(f"data.tokenizer_vocab={n} is too small: a byte-level BPE needs its "
+                         f"{bpe.MIN_VOCAB - 1} byte symbols and the end-of-text token; use at "
+                         f"least {bpe.MIN_VOCAB} (e.g. 8192).")
+    if n > vocab_size:
+        raise ValueError(f"data.tokenizer_vocab={n} is more than the model's vocab_size="
+                         f"{vocab_size} (model.name={data.model.name!r}): its token ids would "
+                         f"index past the embedding table. Set data.tokenizer_vocab <= "
+                         f"{vocab_size}, or train a preset whose vocabulary is at least the "
+                         "tokenizer's.")
+
+
+def _bpe_home(data: DataSpec) -> str:
+    """The folder of the corpus's trained tokenizers (keyed by its training split)."""
+    p = tokencache.plan(data, "train", "")
+    key = tokencache.digest({"source": p.key["source"], "reader": p.key["reader"]})
+    return os.path.join(p.root, f"{data.name}-train-{key[:16]}")
+
+
+def bpe_folder(data: DataSpec) -> str:
+    """Where the corpus's BPE of ``data.tokenizer_vocab`` tokens is cached."""
+    return os.path.join(_bpe_home(data), "tokenizers", f"bpe-{data.settings.tokenizer_vocab}")
+
+
+def _texts(data: DataSpec, split: str):
+    reader = data.reader
+    for chunk in reader.chunks(split):
+        yield from reader.read(chunk).texts
+
+
+def tokenizer_dir(data: DataSpec, model_tokenizer_dir: str | None) -> str | None:
+    """The run's tokenizer folder: the one the model names (``ModelInput.tokenizer``), else
+    ``model_tokenizer_dir`` (the model's default, from ``create_model``), except for a corpus
+    the model names none for: its BPE of ``data.tokenizer_vocab`` tokens, trained on its
+    training split the first time. None for arrays."""
+    if data.holds != "text":
         return None
-    n = dataset_entry(d.name).train_examples
-    if n is None:
-        n = len(load_text_dataset(d.name, data_dir=d.data_dir or None,
-                                  manual_dir=d.manual_dir or None, splits=("train",))["train"][1])
-    return (n - d.validation_size) // cfg.train.batch_size
+    if not trains_bpe(data):
+        return data.model.tokenizer or model_tokenizer_dir
+    folder = bpe_folder(data)
+    if not os.path.isfile(os.path.join(folder, "tokenizer.json")):
+        tokencache.require_writable(tokencache.cache_root(data.settings),
+                                    f"the BPE of data.name={data.name!r} (data.tokenizer_vocab)")
+    return bpe.cached(_bpe_home(data), data.settings.tokenizer_vocab,
+                      lambda: _texts(data, "train"))
+
+
+def prepared(data: DataSpec, load_tokenizer) -> DataSpec:
+    """``data`` with the training rows read from its prepared token cache's index (``jaxaccel
+    data prepare``, or an earlier run) where the count was unknown; nothing is tokenized or
+    built (``load_tokenizer(folder)`` only loads the tokenizer)."""
+    if data.rows is not None or not data.tokenized or data.reader is None:
+        return data
+    folder = data.model.tokenizer if not trains_bpe(data) else bpe_folder(data)
+    if not folder or not os.path.isdir(folder):
+        return data
+    tokenizer = load_tokenizer(folder)
+    found = tokencache.lookup(tokencache.plan(data, "train", encode.fingerprint(tokenizer)))
+    if found is None:
+        return data
+    rows = split_rows(data, "train", len(found))
+    rows = np.arange(len(found)) if rows is None else rows
+    if data.kind == "corpus":
+        n = -(-int(found.lengths()[rows].sum()) // data.max_len)
+    else:
+        n = len(rows)
+    return dataclasses.replace(data, rows=n, count_source=f"the prepared cache {found.folder}")
+
+
+def input_features(data: DataSpec, paths: list[str]) -> np.ndarray:
+    """float32 [len(paths), *input shape]: the model's inputs made from files (recordings) as
+    the array data makes its examples (``ArrayReader.features``), for ``jaxaccel predict``."""
+    if data.holds != "arrays":
+        raise ValueError(f"data.name={data.name!r} makes no inputs from files; predict takes "
+                         "files for array data that reads them (e.g. bfsong, audio: WAV "
+                         "recordings).")
+    if data.reader is None:
+        raise DataError(f"predict makes its inputs as the run's training data made its examples "
+                        f"(their normalisation), and that data is not here ({data.absent}); "
+                        "predict where it is.")
+    return data.reader.features(paths)
+
+
+__all__ = ["CachedDocs", "CachedRows", "check_batch_fits", "check_rows",
+           "check_tokenizer_vocab", "eval_batches", "input_features", "prepared",
+           "source_split", "split_rows", "tokenizer_dir", "train_batches"]

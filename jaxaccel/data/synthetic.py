@@ -1,10 +1,20 @@
-"""Synthetic token ids and labels for benchmarks and tests: fixed length, deterministic by seed."""
+"""Synthetic token ids and labels for benchmarks and tests: fixed length, deterministic by seed.
+
+``data.name=synthetic`` gives token ids to a model that reads tokens and arrays of its input
+shape to one that reads arrays (a ViT): ``data.synthetic_examples`` examples a split, the
+training split drawn from the run's seed and every other split from seed + 1.
+"""
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 
 from jaxaccel.data.pipeline import Tokenized
+from jaxaccel.data.spec import DataError, DataSpec
+
+VOCAB = 30522      # BERT's uncased vocabulary: synthetic ids lie in [0, 30522)
 
 
 def synthetic(
@@ -47,3 +57,42 @@ def synthetic_arrays(*, shape: tuple[int, ...], num_examples: int, seed: int = 0
     labels = rng.integers(0, num_classes, num_examples).astype(np.int32)
     x = rng.normal(size=(num_examples, *shape)) + patterns[labels]
     return x.astype(np.float32), labels
+
+
+@dataclasses.dataclass(frozen=True)
+class SyntheticExamples:
+    """The ``ArrayReader`` of ``data.name=synthetic``: ``Tokenized`` rows for a model that
+    reads tokens, ``(x, labels)`` arrays of ``shape`` otherwise."""
+
+    shape: tuple[int, ...] | None
+    seq_len: int
+    min_len: int
+    num_examples: int
+    num_classes: int
+    seed: int
+
+    def examples(self, split: str):
+        seed = self.seed if split == "train" else self.seed + 1
+        if self.shape is None:
+            return synthetic(vocab_size=VOCAB, seq_len=self.seq_len, min_len=self.min_len,
+                             num_examples=self.num_examples, seed=seed,
+                             num_classes=self.num_classes)
+        return synthetic_arrays(shape=self.shape, num_examples=self.num_examples, seed=seed,
+                                num_classes=self.num_classes)
+
+    def features(self, paths: list[str]) -> np.ndarray:
+        raise DataError("data.name=synthetic makes no inputs from files; predict takes files "
+                        "for array data that reads them (e.g. bfsong, audio: WAV recordings).")
+
+
+def describe(settings, model, batching) -> DataSpec:
+    """The ``DataSpec`` of ``data.name=synthetic`` (``sources.SOURCES``)."""
+    arrays = model.reads == "pixels"
+    n = settings.synthetic_examples
+    reader = SyntheticExamples(model.shape if arrays else None, settings.synthetic_seq_len,
+                               settings.synthetic_min_len, n, model.num_labels, batching.seed)
+    return DataSpec("synthetic", "arrays" if arrays else "tokens", reader, settings, batching,
+                    model, ("train", settings.eval_split),
+                    {"train": n, settings.eval_split: n}, "data.synthetic_examples",
+                    tuple(str(i) for i in range(model.num_labels)), labels_are_ids=True,
+                    row_length=None if arrays else settings.synthetic_seq_len)

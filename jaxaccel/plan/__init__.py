@@ -140,14 +140,11 @@ def load_config(path: str | None, sets: list[str], target: topology.Target):
     return config_lib.load(path, sets, device_count=len(target.devices))
 
 
-def _seq_len(cfg, max_positions: int) -> int:
-    """The longest batch's sequence length (what the memory must hold); a corpus's packed
-    rows are ``data.max_len`` long."""
-    d = cfg.data
-    if d.name == "synthetic":
-        m = d.pad_multiple
-        return min(-(-d.synthetic_seq_len // m) * m, d.max_len, max_positions)
-    return min(d.max_len, max_positions)
+def _seq_len(run: Run) -> int:
+    """The longest batch's sequence length (what the memory must hold): the data's longest
+    row (``DataSpec.longest``; a corpus's packed rows are ``data.max_len`` long), at most the
+    model's positions."""
+    return min(run.resolved.data.longest(), run.spec.architecture.max_position_embeddings)
 
 
 NO_TILING = "Couldn't find output tile sizes"
@@ -162,8 +159,7 @@ CUBLAS_NOTE = ("XLA's GPU compiler, without a GPU to autotune on, found no Trito
 def abstract_batch(run: Run, size: int) -> dict:
     """A batch of the run's task of ``size`` rows at the config's longest sequence length, as
     the trainer places its batches (``Run.abstract_batch``)."""
-    seq = _seq_len(run.cfg, run.spec.architecture.max_position_embeddings)
-    return run.abstract_batch(size, seq)
+    return run.abstract_batch(size, _seq_len(run))
 
 
 def plannable(cfg) -> tuple:
@@ -182,7 +178,7 @@ def plannable(cfg) -> tuple:
 def abstract_run(cfg, target: topology.Target) -> Run:
     """The trainer's ``Run`` of ``cfg`` on the target's devices, its state ShapeDtypeStructs
     with the trainer's shardings, and no data: what the jitted steps need to be compiled."""
-    return assemble(resolve(cfg, target.devices), abstract=True)
+    return assemble(resolve(cfg, target.devices, absent_ok=True), abstract=True)
 
 
 def shard_bytes(tree) -> int:
@@ -301,10 +297,13 @@ def make_plan(config_path: str | None, sets: list[str], topology_name: str, *,
     batch = abstract_batch(run, t.batch_size)
     eval_batch = abstract_batch(run, t.eval_batch_size)
     shape = flops_lib.model_shape(run.spec)
-    seq = shape.row_tokens(_seq_len(cfg, run.spec.architecture.max_position_embeddings))
+    seq = shape.row_tokens(_seq_len(run))
     state = run.state
     known = {"params": shard_bytes(state.params), "opt_state": shard_bytes(state.opt_state)}
     compile_s, notes = {}, list(notes)
+    if run.resolved.data.absent:
+        notes.append(f"the data is not on this machine ({run.resolved.data.absent.rstrip('.')})"
+                     ": planned from the config alone")
 
     def compile_(step, jitted, *args):
         t0 = time.perf_counter()
@@ -394,16 +393,16 @@ def _cost_of(target, run: Run, estimate) -> dict | None:
         return None
     r = run.resolved
     if r.steps_per_epoch is not None:
-        unit, steps = "epoch", r.steps_per_epoch
+        unit, steps, source = "epoch", r.steps_per_epoch, r.data.count_source
     elif r.total_steps is not None:
-        unit, steps = "run", r.total_steps
+        unit, steps, source = "run", r.total_steps, f"train.max_steps={r.total_steps}"
     else:
         return None
     seconds = {"seconds": steps * estimate["step_s"]}
     for key in ("forecast", "forecast_low", "forecast_high"):
         if estimate.get(f"{key}_s") is not None:
             seconds[f"{key}_seconds"] = steps * estimate[f"{key}_s"]
-    out = {"unit": unit, "steps": steps, **seconds}
+    out = {"unit": unit, "steps": steps, "steps_from": source, **seconds}
     try:
         p = prices.lookup(target.device_kind, prices.PRICES)
     except KeyError:
@@ -537,6 +536,7 @@ def report(plan: Plan) -> str:
         usd = usd_text(c["usd"]) if c["usd"] is not None else "no price"
         lines.append(f"{c['unit']} (estimate): {c['steps']} steps x step time = "
                      f"{c['seconds']:.1f} s, {usd} ({c['price']})")
+        lines.append(f"  the {c['unit']}'s steps: from {c['steps_from']}")
         if "forecast_seconds" in c:
             usd = "" if c["usd"] is None else (
                 f", {usd_text(c['forecast_usd'])} ({usd_text(c['forecast_low_usd'])}-"
@@ -545,8 +545,9 @@ def report(plan: Plan) -> str:
                          f"{duration(c['forecast_low_seconds'])}-"
                          f"{duration(c['forecast_high_seconds'])}){usd}")
     elif e["step_s"] is not None:
-        lines.append("epoch: no estimate (a corpus's steps per epoch are known once it is "
-                     "packed; train.max_steps gives the run's)")
+        lines.append("epoch: no estimate (the data's size is unknown until it is read: "
+                     "jaxaccel data prepare builds its cache, whose index then gives it; or "
+                     "set train.max_steps, data.train_examples or data.train_tokens)")
     if plan.notes:
         lines += ["", "notes: " + "; ".join(plan.notes) + "."]
     lines += ["", "caveats: " + "; ".join(CAVEATS) + (f"; {forecast_lib.CAVEAT}" if e.get(

@@ -10,9 +10,9 @@ import jax
 import numpy as np
 
 from jaxaccel import config as config_lib
-from jaxaccel.data import BatchIterator, load_tokenizer, splits, tokenize
+from jaxaccel.data import BatchIterator, load_tokenizer, sources, splits, tokenize
 from jaxaccel.data.arrays import ArrayBatches
-from jaxaccel.models import check_vocab
+from jaxaccel.models import check_vocab, spec as spec_lib
 from jaxaccel.models.generate import Sampler
 from jaxaccel.train import rundir
 from jaxaccel.train.run import assemble, resolve
@@ -46,28 +46,30 @@ def check_eval_sets(sets: list[str]) -> None:
 
 
 def check_eval_task(run_dir: str, sets: list[str]) -> None:
-    """``ValueError`` if ``sets`` give data of another task than the run trained on (a corpus
+    """``ValueError`` if ``sets`` give data of another task than the run trained (a corpus
     for a classifier, a labelled dataset for a causal LM: a bare ``KeyError`` or a complaint
-    about the tokenizer's EOS token otherwise), before anything is read; the run's model
-    trains its data's task (``train`` refuses others: ``splits.check_task``)."""
+    about the tokenizer's EOS token otherwise), before anything is read (the data sources'
+    rows say which tasks each serves: ``data.sources.SOURCES``)."""
     saved = rundir.saved_config(run_dir)
     if saved is None or not sets:
         return                    # load_run says what a folder without a config lacks
     trained, asked = config_lib.build(saved[0]), config_lib.build(saved[0], sets)
-    was, now = splits.data_tasks(trained), splits.data_tasks(asked)
-    if was != now:
+    task = spec_lib.from_config(trained.model).task
+    serves = sources.source(asked.data.name).tasks
+    if task not in serves:
         fix = {"causal_lm": "a corpus (e.g. data.name=canterbury)",
                "classification": "a labelled dataset (e.g. data.name=rt_snippets)",
-               "mae": "an array dataset (e.g. data.name=bfsong)"}[was[0]]
+               "mae": "an array dataset (e.g. data.name=bfsong)"}[task]
         raise ValueError(f"eval --set data.name={asked.data.name}: the run {run_dir!r} trained "
-                         f"a {'/'.join(was)} model (on data.name={trained.data.name!r}), but "
-                         f"{asked.data.name!r} gives {'/'.join(now)} batches; evaluate it on "
-                         f"{fix}.")
+                         f"a {task} model (on data.name={trained.data.name!r}), but "
+                         f"{asked.data.name!r} gives {'/'.join(serves)} batches; evaluate it "
+                         f"on {fix}.")
 
 
 def evaluate_run(run_dir: str, sets: list[str] | None = None, devices=None) -> dict:
-    """The task's report (classification: accuracy and loss; causal LM: loss and perplexity,
-    ``tasks.TASKS``) of the run's latest checkpoint on its eval split, data parallel over
+    """The task's report (classification: accuracy and loss, and the class names the run
+    learnt or was given; causal LM: loss and perplexity, ``tasks.TASKS``) of the run's latest
+    checkpoint on its eval split, data parallel over
     ``devices`` (default all at hand, not the training mesh, which may need more) unless
     ``sets`` say (only ``EVAL_SETTABLE`` keys). Builds only the evaluation side
     (``checkpoint_run``): the model from the run folder, the eval split; no optimizer state,
@@ -75,13 +77,14 @@ def evaluate_run(run_dir: str, sets: list[str] | None = None, devices=None) -> d
     check_eval_sets(sets or [])
     check_eval_task(run_dir, sets or [])
     run, meta = checkpoint_run(run_dir, sets or [], devices)
-    cfg = run.cfg
     with jax.set_mesh(run.mesh):
         result = run.evaluate()
     # Records before the step was saved with them give the data position (epoch, step in it).
     step = meta["step"] if "step" in meta else \
-        meta["epoch"] * splits.steps_per_epoch(cfg) + meta["step_in_epoch"]
+        meta["epoch"] * run.resolved.data.steps_per_epoch + meta["step_in_epoch"]
     result.update(step=step, run_dir=run_dir)
+    if run.label_names:
+        result["label_names"] = list(run.label_names)    # the classes, as the run named them
     return result
 
 
@@ -89,15 +92,21 @@ def checkpoint_run(run_dir: str, sets=(), devices=None, *, data: bool = True):
     """``(run, meta)``: the eval-only ``Run`` of the run folder's newest readable checkpoint
     (``train.run.resolve`` and ``assemble``, as every command builds its run), data parallel
     over ``devices`` (default all) whatever mesh trained it, with ``sets`` applied; its eval
-    split batched unless ``data`` is False (predict brings its own texts). The checkpoint holds
-    the per-parameter form whatever the trainer's layout or pipeline was."""
+    split batched unless ``data`` is False (predict brings its own inputs: the data is then
+    described, from the config alone where it is not on this machine, and not read). The
+    checkpoint holds the per-parameter form whatever the trainer's layout or pipeline was."""
     model, cfg, meta = load_run(run_dir)
     cfg = config_lib.build(cfg.to_dict(), ["mesh.data=-1", "mesh.fsdp=1", "mesh.tensor=1",
                                            "mesh.stage=1", *sets])
-    reads_text = data and not splits.reads_arrays(cfg, model.spec)
-    run = assemble(resolve(cfg, devices, training=False, spec=model.spec), model=model,
-                   tokenizer_dir=tokenizer_dir(run_dir) if reads_text else None, data=data)
-    return run, meta
+    folder = None if reads_arrays(model.spec) else tokenizer_dir(run_dir)
+    resolved = resolve(cfg, devices, training=False, spec=model.spec, tokenizer=folder,
+                       label_names=meta.get("label_names") or None, absent_ok=not data)
+    return assemble(resolved, model=model, tokenizer_dir=folder, data=data), meta
+
+
+def reads_arrays(spec) -> bool:
+    """Whether the model of ``spec`` reads arrays (``pixels``) rather than tokens."""
+    return "pixels" in spec.family.resolve("model").input_keys
 
 
 def tokenizer_dir(run_dir: str) -> str:
@@ -116,26 +125,27 @@ class Predictor:
     evaluation batches are (``BatchIterator``: sorted by length, each batch padded by the run's
     ``data.pad_multiple``, the last one completed with filler rows); an array model's are files
     (e.g. WAV recordings), made into its inputs as its dataset makes its examples
-    (``splits.input_features``)."""
+    (``splits.input_features``, which reads the training data's normalisation)."""
 
     def __init__(self, run_dir: str, batch_size: int = 64):
         if batch_size < 1:
             raise ValueError(f"batch_size={batch_size} must be >= 1.")
         run, meta = checkpoint_run(run_dir, devices=jax.devices()[:1], data=False)
         cfg, task = run.cfg, run.task
-        self.arrays = splits.reads_arrays(cfg, run.spec)
+        self.arrays = reads_arrays(run.spec)
         if task.name != "classification":
             use = "`jaxaccel eval`" if self.arrays else \
                 "`jaxaccel generate` (or `jaxaccel eval`)"
             raise ValueError(f"run {run_dir!r} trained a {task.name} model; predict "
                              f"classifies {'files' if self.arrays else 'texts'}. Use {use}.")
-        self.batch_size, self.pad_multiple = batch_size, cfg.data.pad_multiple
+        data = run.resolved.data
+        self.batch_size, self.pad_multiple = batch_size, data.settings.pad_multiple
         self.label_names = meta.get("label_names") or [str(i) for i in
                                                       range(cfg.model.num_labels)]
-        self._features = lambda paths: splits.input_features(cfg, run.spec, paths)
+        self._features = lambda paths: splits.input_features(data, paths)
         if not self.arrays:
             self.tokenizer = load_tokenizer(tokenizer_dir(run_dir), light=True)
-            self.max_len = min(cfg.data.max_len, run.spec.architecture.max_position_embeddings)
+            self.max_len = data.max_len
         self._state = run.state
 
         @jax.jit

@@ -36,6 +36,7 @@ from tqdm.auto import tqdm
 
 from jaxaccel import flops
 from jaxaccel.config import Config
+from jaxaccel.data.prefetch import prefetch
 from jaxaccel.train import rundir
 from jaxaccel.train.checkpoint import Checkpointer, NonFiniteState, on_disk, restore_state
 from jaxaccel.train.metrics import MetricsWriter
@@ -265,18 +266,20 @@ def _train(run: Run, changes: dict, services: Services) -> dict:
                      time.perf_counter() - t0)
             epoch = start // steps_per_epoch
             while step < run.total_steps and not preempt.stop:
-                for batch in run.train_data.batches(epoch, step - epoch * steps_per_epoch):
-                    state, metrics = run.train_step(state, run.put_batch(batch))
-                    step += 1
-                    if pending is not None:
-                        drain(pending)
-                    pending = (step, metrics, batch)
-                    if t.checkpoint_every and step % t.checkpoint_every == 0:
-                        drain(pending)
-                        pending = None
-                        save(step)
-                    if preempt.reached() or step >= run.total_steps:
-                        break
+                ahead = prefetch(run.train_data.batches(epoch, step - epoch * steps_per_epoch))
+                with contextlib.closing(ahead) as batches:
+                    for batch in batches:
+                        state, metrics = run.train_step(state, run.put_batch(batch))
+                        step += 1
+                        if pending is not None:
+                            drain(pending)
+                        pending = (step, metrics, batch)
+                        if t.checkpoint_every and step % t.checkpoint_every == 0:
+                            drain(pending)
+                            pending = None
+                            save(step)
+                        if preempt.reached() or step >= run.total_steps:
+                            break
                 if pending is not None:
                     drain(pending)
                     pending = None

@@ -26,8 +26,11 @@ from jaxaccel import optim
 from jaxaccel import sharding as shd
 from jaxaccel.config import Config
 from jaxaccel.data import BatchIterator, load_tokenizer, splits
+from jaxaccel.data import sources as data_sources
 from jaxaccel.data.packing import PackedBatches
-from jaxaccel.models import ModelSpec, attention, check_vocab, create_model, model_spec
+from jaxaccel.data.spec import Batching, DataSpec, ModelInput
+from jaxaccel.models import (ModelSpec, attention, check_vocab, checkpoint_of, create_model,
+                             model_spec)
 from jaxaccel.models.fp8 import Fp8Meta
 from jaxaccel.models.unpad import Capacity
 from jaxaccel.precision import LossScale, Policy, policy_of
@@ -54,8 +57,12 @@ class Resolved:
       layout: the parameter layout (``layout.choose``; ``PER_LEAF`` for a run that only
         evaluates, whose checkpoint holds the per-parameter form).
       training: whether the run trains (optimizer state, training split) or only evaluates.
-      steps_per_epoch: known without reading the data (``splits.steps_per_epoch``); None for
-        a corpus until it is packed.
+      data: what the data is (``data.spec.DataSpec``: its kind, tasks, splits, counts, label
+        names, how batches are made), from its source's row (``data.sources``); None for a
+        run fed its own batches (``bench/train_step.py``).
+      steps_per_epoch: known without reading the data (``DataSpec.steps_per_epoch``: a
+        dataset's size, a count the config gives, a prepared cache's index); None where
+        unknown until the data is read.
       total_steps: the run's length (``train.max_steps``, else ``train.epochs`` epochs); None
         while ``steps_per_epoch`` is.
       stages: the pipeline (``pipeline.Stages``: ``mesh.stage`` > 1, training), else None.
@@ -68,6 +75,7 @@ class Resolved:
     task: Task
     layout: Layout
     training: bool
+    data: DataSpec | None
     steps_per_epoch: int | None
     total_steps: int | None
     stages: pipeline.Stages | None = None
@@ -95,28 +103,65 @@ def _length(t, steps_per_epoch: int | None) -> int | None:
 
 
 def resolve(cfg: Config, devices=None, *, training: bool = True,
-            spec: ModelSpec | None = None) -> Resolved:
+            spec: ModelSpec | None = None, data: bool = True, tokenizer: str | None = None,
+            label_names: tuple[str, ...] | None = None, absent_ok: bool = False) -> Resolved:
     """The run ``cfg`` describes on ``devices`` (default all; a planned target's compile-only
     devices for ``jaxaccel compile``), checked and derived once. ``training=False``: a run that
     only evaluates (no optimizer, only the eval batch must fit the mesh). ``spec``: the model's
-    spec where it is known already (a checkpoint's), else read from the config. The config's
-    choices are checked by their owners first (precision policy, optimizer, attention kernel)."""
+    spec where it is known already (a checkpoint's), else read from the config. ``data=False``:
+    no data is described (a benchmark feeds its own batches); ``tokenizer`` and
+    ``label_names``: a trained run's, for evaluating it; ``absent_ok``: data not on this
+    machine is described from the config alone (a plan). The config's choices are checked by
+    their owners first (precision policy, optimizer, attention kernel)."""
     policy = policy_of(cfg.precision)
     optim.check_config(cfg.train)
     attention.check_config(cfg.model.attention_impl, policy)
     spec = model_spec(cfg.model) if spec is None else spec
-    if training:
-        splits.check_task(cfg, spec)
-        splits.check_tokenizer_vocab(cfg, spec.architecture)
     mesh = shd.make_mesh(dict(cfg.mesh), devices)
+    described = describe_data(cfg, spec, mesh.size, tokenizer, label_names,
+                              absent_ok) if data else None
+    if training and described is not None:
+        data_sources.check_task(described)
+        splits.check_tokenizer_vocab(described)
+        described = splits.prepared(described, load_tokenizer)
     splits.check_batch_fits(cfg.train, {a: mesh.shape[a] for a in shd.BATCH_AXES},
                             training=training)
     shd.check_model_fits(spec.architecture, mesh)
     layout = layout_lib.choose(cfg.train) if training else layout_lib.PER_LEAF
     stages = _stages(cfg, spec) if training else None
-    per_epoch = splits.steps_per_epoch(cfg) if training else None
-    return Resolved(cfg, mesh, policy, spec, TASKS[spec.task], layout, training, per_epoch,
-                    _length(cfg.train, per_epoch), stages)
+    per_epoch = described.steps_per_epoch if training and described is not None else None
+    return Resolved(cfg, mesh, policy, spec, TASKS[spec.task], layout, training, described,
+                    per_epoch, _length(cfg.train, per_epoch), stages)
+
+
+def model_input(cfg: Config, spec: ModelSpec, tokenizer: str | None = None) -> ModelInput:
+    """What the model of ``spec`` reads, as its data is told (``data.spec.ModelInput``): its
+    inputs, task and classes, and the tokenizer folder it names (``tokenizer``, a trained
+    run's; else ``model.tokenizer`` or the checkpoint's; None: the model's default, or a
+    corpus's own BPE)."""
+    model_cls = spec.family.resolve("model")
+    arch = spec.architecture
+    if "pixels" in model_cls.input_keys:
+        shape = tuple(model_cls.input_shapes(arch, None)["pixels"][0])
+        return ModelInput(cfg.model.name, spec.task, "pixels", shape,
+                          num_labels=cfg.model.num_labels, vocab_size=None)
+    named = tokenizer or cfg.model.tokenizer or checkpoint_of(cfg.model) or None
+    return ModelInput(cfg.model.name, spec.task, "tokens", None, arch.max_position_embeddings,
+                      cfg.model.num_labels, named, arch.vocab_size)
+
+
+def describe_data(cfg: Config, spec: ModelSpec, devices: int, tokenizer: str | None = None,
+                  label_names: tuple[str, ...] | None = None,
+                  absent_ok: bool = False) -> DataSpec:
+    """The run's data (``data.sources.describe``): the config's ``data`` section for the model
+    of ``spec``, batched as the ``train`` section says over ``devices`` devices."""
+    t = cfg.train
+    batching = Batching(t.batch_size, t.eval_batch_size, cfg.seed, devices)
+    described = data_sources.describe(cfg.data, batching, model_input(cfg, spec, tokenizer),
+                                      absent_ok=absent_ok)
+    if label_names:
+        described = dataclasses.replace(described, label_names=tuple(label_names))
+    return described
 
 
 def _stages(cfg: Config, spec: ModelSpec):
@@ -350,7 +395,7 @@ def _training(r: Resolved, model, tokenizer_dir: str | None, data: bool) -> Run:
             init_from(model, cfg.model.init_from)
     graphdef, params, fp8, param_shardings = split_model(model, r.mesh)
     fp8 = fp8 if r.policy.fp8 else None
-    sources = _data(r, model, tokenizer_dir) if data else {}
+    sources = _data(r, tokenizer_dir) if data else {}
     total = r.total_steps if r.total_steps is not None else \
         r.length(sources["train_data"].steps_per_epoch)
     tx, schedule, create, shardings = optimizer_state(r, params, fp8, param_shardings, total)
@@ -362,17 +407,23 @@ def _training(r: Resolved, model, tokenizer_dir: str | None, data: bool) -> Run:
                total_steps=total, unpad=unpad)
 
 
-def _data(r: Resolved, model, tokenizer_dir: str) -> dict:
+def _tokenizer(r: Resolved, model_tokenizer_dir: str | None, light: bool = False):
+    """The run's tokenizer (``splits.tokenizer_dir``: the model's, or a corpus's own BPE),
+    checked against the model's vocabulary; None for data that is not text."""
+    folder = splits.tokenizer_dir(r.data, model_tokenizer_dir)
+    if folder is None:
+        return None
+    tokenizer = load_tokenizer(folder, light=light)
+    check_vocab(len(tokenizer), r.spec.architecture, folder)
+    return tokenizer
+
+
+def _data(r: Resolved, tokenizer_dir: str) -> dict:
     """A training run's tokenizer and both splits' batches (``Run`` fields)."""
-    cfg, tokenizer = r.cfg, None
-    if not splits.reads_arrays(cfg, r.spec):
-        tokenizer_dir = splits.tokenizer_dir(cfg, tokenizer_dir)
-        tokenizer = load_tokenizer(tokenizer_dir)
-        check_vocab(len(tokenizer), model.config, tokenizer_dir)
-    max_positions = model.config.max_position_embeddings
+    tokenizer = _tokenizer(r, tokenizer_dir)
     share = shd.batch_share(r.mesh)
-    train_data, label_names = splits.train_batches(cfg, tokenizer, max_positions, share, r.spec)
-    eval_data, _ = splits.eval_batches(cfg, tokenizer, max_positions, share, r.spec)
+    train_data, label_names = splits.train_batches(r.data, tokenizer, share)
+    eval_data, _ = splits.eval_batches(r.data, tokenizer, share, label_names)
     return dict(eval_data=eval_data, tokenizer=tokenizer, label_names=label_names,
                 train_data=train_data)
 
@@ -387,12 +438,9 @@ def _eval_only(r: Resolved, model, tokenizer_dir: str | None, data: bool) -> Run
                                       fp8=fp8), shardings)
     if not data:
         return Run(r, graphdef, state, shardings)
-    tokenizer = None
-    if r.cfg.data.name != "synthetic" and not splits.reads_arrays(r.cfg, r.spec):
-        tokenizer = load_tokenizer(tokenizer_dir, light=True)
-    eval_data, label_names = splits.eval_batches(r.cfg, tokenizer,
-                                                 model.config.max_position_embeddings,
-                                                 shd.batch_share(r.mesh), r.spec)
+    tokenizer = _tokenizer(r, tokenizer_dir, light=True) if r.data.tokenized else None
+    eval_data, label_names = splits.eval_batches(r.data, tokenizer, shd.batch_share(r.mesh),
+                                                 r.data.label_names)
     return Run(r, graphdef, state, shardings, eval_data, tokenizer, label_names,
                unpad=_unpad_plan(r, eval_data))
 

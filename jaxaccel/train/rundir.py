@@ -64,11 +64,13 @@ RESUMABLE = frozenset({
     "train.unpad", "train.microbatches",
     "model.attention_impl", "model.remat", "model.checkpoint", "model.tokenizer",
     "model.pipeline_repeats",
-    "data.data_dir", "data.manual_dir", "data.eval_split",
+    "data.data_dir", "data.manual_dir", "data.eval_split", "data.cache_dir", "data.workers",
+    "data.train_examples", "data.train_tokens",
     "mesh.data", "mesh.fsdp", "mesh.tensor", "mesh.stage", "sharding.zero1",
 })
 """Config keys a resumed run may change: run length, observation, storage, device layout,
-kernel choice, unpadding (the same numbers up to summation order), trainer path
+kernel choice, unpadding (the same numbers up to summation order), where the token cache is
+and how many processes build it, the counts a plan reads, trainer path
 (``train.flat_params``: the flat-buffer and the optax Adan resume
 each other's checkpoints, which hold the per-parameter form), the pipeline (``mesh.stage``,
 ``train.microbatches``, ``model.pipeline_repeats``: a pipelined step is the plain step, and its

@@ -1,0 +1,133 @@
+"""A folder of audio files (``data.name=audio``): labelled by sub-folder for a ViT classifier, or
+unlabelled for MAE pretraining; each clip becomes a log-mel spectrogram of the model's input
+shape.
+
+    data.name=audio data.train_files=birds/train data.eval_files=birds/test   # birds/*/x.wav
+    data.name=audio data.train_files="clips/*.wav" data.holdout=0.1           # MAE, unlabelled
+
+* Files: WAV (16-bit PCM or float; the first channel), found as ``data.name=files`` finds them
+  (globs, or folders searched recursively); a clip's label is its folder's name, the classes
+  the training files' folders, sorted. Without ``data.eval_files`` the eval split is
+  ``data.holdout`` of the training clips.
+* Spectrograms (``bfsong.log_mel``): clips resampled to ``data.sample_rate``, 25 ms Hann
+  windows every 10 ms (the Kaldi filterbank framing AST and Audio-MAE use), as many mel bands
+  over 0 to half the sample rate as the model's input has, padded with silence or cut to its
+  frames; then normalised by the training clips' mean and standard deviation (one scalar each,
+  as AST and Audio-MAE normalise theirs). ``jaxaccel predict`` makes its inputs the same way.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+
+import numpy as np
+
+from jaxaccel.data.bfsong import log_mel
+from jaxaccel.data.files import expand
+from jaxaccel.data.spec import DataError, DataMissing, DataSpec
+
+WINDOW_S, HOP_S = 0.025, 0.010
+
+
+def read_wav(path: str, rate: int) -> np.ndarray:
+    """A WAV file's first channel as float samples in [-1, 1), resampled to ``rate``."""
+    from scipy.io import wavfile
+    from scipy.signal import resample_poly
+    try:
+        have, samples = wavfile.read(path)
+    except (ValueError, OSError) as e:
+        raise DataError(f"{path}: not a readable WAV file ({e}); convert it to 16-bit PCM WAV "
+                        "(e.g. sox in.flac -b 16 out.wav).") from None
+    samples = samples[:, 0] if samples.ndim == 2 else samples
+    if samples.dtype.kind in "iu":
+        x = samples.astype(np.float64) / float(np.iinfo(samples.dtype).max + 1)
+    else:
+        x = samples.astype(np.float64)
+    if not len(x):
+        raise DataError(f"{path}: an empty recording (0 samples).")
+    if have != rate:
+        g = math.gcd(rate, have)
+        x = resample_poly(x, rate // g, have // g)
+    return x
+
+
+def spectrogram(path: str, rate: int, shape: tuple[int, ...]) -> np.ndarray:
+    """float32 [frames, mel bands] of one clip (module doc), before normalisation."""
+    frames, bands = shape
+    return log_mel(read_wav(path, rate), rate, n_fft=round(WINDOW_S * rate),
+                   hop=round(HOP_S * rate), n_mels=bands, frames=frames, fmax=rate / 2)
+
+
+_FEATURES: dict[tuple, np.ndarray] = {}
+
+
+@dataclasses.dataclass(frozen=True)
+class AudioArrays:
+    """The ``ArrayReader`` of ``data.name=audio``: spectrograms of each split's clips (computed
+    once a process), labelled by folder."""
+
+    files: tuple[tuple[str, tuple[str, ...]], ...]
+    names: tuple[str, ...]
+    shape: tuple[int, ...]
+    rate: int
+
+    def _raw(self, paths: tuple[str, ...]) -> np.ndarray:
+        key = (paths, self.shape, self.rate)
+        if key not in _FEATURES:
+            _FEATURES[key] = np.stack([spectrogram(p, self.rate, self.shape) for p in paths])
+        return _FEATURES[key]
+
+    def _normalised(self, x: np.ndarray) -> np.ndarray:
+        train = self._raw(dict(self.files)["train"])
+        return ((x - train.mean()) / train.std()).astype(np.float32)
+
+    def examples(self, split: str) -> tuple[np.ndarray, np.ndarray]:
+        paths = dict(self.files)[split]
+        labels = []
+        for p in paths:
+            name = os.path.basename(os.path.dirname(p))
+            if name not in self.names:
+                raise DataError(f"{p}: its class {name!r} (its folder) is not among the "
+                                f"training classes ({', '.join(self.names)}).")
+            labels.append(self.names.index(name))
+        return self._normalised(self._raw(paths)), np.asarray(labels, np.int32)
+
+    def features(self, paths: list[str]) -> np.ndarray:
+        return self._normalised(np.stack([spectrogram(p, self.rate, self.shape)
+                                          for p in paths]))
+
+
+def _clips(globs: str, key: str) -> tuple[str, ...]:
+    files = expand(globs, key)
+    other = [p for p in files if not p.lower().endswith(".wav")]
+    if other:
+        raise DataError(f"{other[0]}: not a .wav file; {key} takes WAV recordings (convert "
+                        "others, e.g. sox in.flac -b 16 out.wav).")
+    return files
+
+
+def describe(settings, model, batching) -> DataSpec:
+    """``data.name=audio`` (module doc): the clips are found and their classes named here."""
+    if not settings.train_files:
+        raise DataMissing("data.name=audio needs data.train_files: a folder (or glob) of WAV "
+                        "files, in one sub-folder a class for a classifier.")
+    files = {"train": _clips(settings.train_files, "data.train_files")}
+    if settings.eval_files:
+        files[settings.eval_split] = _clips(settings.eval_files, "data.eval_files")
+    names = tuple(sorted({os.path.basename(os.path.dirname(p)) for p in files["train"]}))
+    if model.task == "classification" and len(names) < 2:
+        raise DataError(f"data.train_files={settings.train_files!r}: every clip is in the folder "
+                        f"{names[0]!r}, one class; a classifier needs a sub-folder a class (two "
+                        "or more).")
+    shape = tuple(model.shape) if model.shape is not None else None
+    if shape is not None and len(shape) != 2:
+        raise DataError(f"data.name=audio makes [frames, mel bands] spectrograms; the model's "
+                        f"input is {shape}.")
+    reader = AudioArrays(tuple(files.items()), names, shape, settings.sample_rate)
+    counts = {s: len(p) for s, p in files.items()}
+    return DataSpec("audio", "arrays", reader, settings, batching, model, tuple(files), counts,
+                    "the number of clips", names, labels_are_ids=True)
+
+
+__all__ = ["AudioArrays", "describe", "read_wav", "spectrogram"]
