@@ -453,7 +453,9 @@ def error_message(e: Exception) -> str:
 
 def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    for noisy in ("absl", "orbax", "jax._src", "tensorflow_datasets"):
+    # The console carries jaxaccel's own lines; the kernel registry's "impl='auto' runs ..."
+    # (INFO, for library users) stays out of it, its warnings do not.
+    for noisy in ("absl", "orbax", "jax._src", "tensorflow_datasets", "kernels_pallas"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     args = _parser().parse_args(argv)
     try:

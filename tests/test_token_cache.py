@@ -51,6 +51,17 @@ def test_the_cache_tokenizes_as_the_tokenizer_does(tokenizer, tmp_path):
     assert encode.fingerprint(bpe_tok) != encode.fingerprint(tokenizer)
 
 
+def test_encoders_of_one_tokenizer_keep_their_own_truncation(tokenizer):
+    """The backend is cached per process; an encoder with another max_len, or a corpus
+    encoder (no truncation), used before must not change what a text encoder returns (CI ran
+    another file's encoder first in the same worker and got untruncated rows)."""
+    assert encode.encoder(tokenizer, "text", 512)(TEXTS)[1].max() > 300
+    assert encode.encoder(tokenizer, "text", 16)(TEXTS)[1].max() == 16
+    bpe_tok = bpe.train(TEXTS * 5, 300)
+    assert encode.encoder(bpe_tok, "corpus", None)(TEXTS)[1].max() > 16
+    assert encode.encoder(bpe_tok, "text", 16)(TEXTS)[1].max() == 16
+
+
 def _corpus(folder, n=120, seed=0):
     """A JSONL corpus of ``n`` documents of varied length."""
     rng = np.random.default_rng(seed)

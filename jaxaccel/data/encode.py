@@ -51,10 +51,13 @@ class Encoder:
         return np.uint16 if self.vocab_size <= 1 << 16 else np.uint32
 
     def _tokenizer(self):
-        tok = _BACKENDS.get(self.backend)
+        # Truncation is state of the backend object: one per (backend, kind, max_len), or
+        # one encoder's setting leaks into another's in the same process.
+        key = (self.backend, self.kind, self.max_len)
+        tok = _BACKENDS.get(key)
         if tok is None:
             from tokenizers import Tokenizer
-            tok = _BACKENDS[self.backend] = Tokenizer.from_str(self.backend)
+            tok = _BACKENDS[key] = Tokenizer.from_str(self.backend)
             tok.no_padding()
             if self.kind == "text":
                 tok.enable_truncation(self.max_len, stride=0, strategy="longest_first",
@@ -75,7 +78,7 @@ class Encoder:
         return flat, lengths
 
 
-_BACKENDS: dict[str, object] = {}
+_BACKENDS: dict[tuple, object] = {}
 
 
 def encoder(tokenizer, kind: str, max_len: int | None) -> Encoder:
