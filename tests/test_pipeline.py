@@ -15,7 +15,9 @@ import pytest
 
 from jaxaccel import config, plan, precision
 from jaxaccel.models import model_spec
-from jaxaccel.optim import flat
+from jaxaccel import forms
+from jaxaccel.forms.flat import FlatParams
+from jaxaccel.forms.stacked import Stacked
 from jaxaccel.train import inference, loop, pipeline
 from jaxaccel.train import run as run_lib
 from support import (CONFIGS, DEVICES, TINY, TINY_SETS, docs, logged_losses, needs_cuda_plugin,
@@ -65,7 +67,7 @@ def two_steps(sets, tmp_path, mesh, layers, *extra, policy=None):
         for batch in batches:
             state, metrics = run.train_step(state, run.put_batch(batch))
             losses.append(float(metrics["loss"]))
-    return Steps(losses, jax.device_get(flat.portable(state.params)), run,
+    return Steps(losses, jax.device_get(forms.portable(state.params)), run,
                  jax.device_get(state.fp8))
 
 
@@ -114,7 +116,7 @@ def test_pipelined_steps_equal_the_plain_steps(plain, tmp_path, family, mesh, pe
                                     f"model.pipeline_repeats={repeats}")
     stages = run.resolved.stages
     assert (stages.stages, stages.microbatches, stages.repeats) == (sizes["stage"], m, repeats)
-    assert isinstance(run.state.params, pipeline.StagedParams)
+    assert isinstance(run.state.params, Stacked)
     # the layers live split over the stages: each device holds its stage's groups only
     leaf = jax.tree_util.tree_leaves(run.state.params.layers)[0]
     assert leaf.sharding.spec[0] == "stage"
@@ -190,7 +192,7 @@ def test_layer_decay_and_the_flat_layout_compose_with_the_pipeline(plain, tmp_pa
     assert max(np.max(np.abs(a - b)) for a, b in zip(jax.tree_util.tree_leaves(without),
                                                      jax.tree_util.tree_leaves(pipe[1]))) > 1e-3
     if "train.flat_params=true" in extra:
-        assert isinstance(pipe[2].state.params, flat.FlatParams)
+        assert isinstance(pipe[2].state.params, FlatParams)
 
 
 def test_layers_that_do_not_split_evenly_are_padded_at_the_end(plain, tmp_path):
@@ -201,9 +203,9 @@ def test_layers_that_do_not_split_evenly_are_padded_at_the_end(plain, tmp_path):
     assert (st.group, st.padding) == (6, 2)
     assert st.idle == pytest.approx(1 - 22 * 4 / (4 * 6 * 7)) and st.idle > st.bubble
     params = {"layers": {i: {"w": np.full((2,), i + 1.0)} for i in range(22)}}
-    staged = pipeline.StagedParams.create(st, params)
+    staged = Stacked.create(st, params)
     assert (staged.layers["w"][3, 0, 4:] == 0).all() and staged.layers["w"][3, 0, 3, 0] == 22
-    assert sorted(staged.unstaged()["layers"]) == list(range(22))
+    assert sorted(staged.unstacked()["layers"]) == list(range(22))
     losses, params, run, _ = two_steps(LLAMA, tmp_path, MESHES["stage2_fsdp2_data2"], 3,
                                        "train.microbatches=2")
     assert run.resolved.stages.padding == 1
@@ -221,10 +223,10 @@ def test_layers_are_placed_round_robin_by_repeat_and_the_bubble_follows():
     # stage 1 holds layers 2, 3 (repeat 0) and 10, 11 (repeat 1)
     assert [st.layer(1, r, j) for r in range(2) for j in range(2)] == [2, 3, 10, 11]
     params = {"embed": np.zeros(3), "layers": {i: {"w": np.full((2,), i)} for i in range(16)}}
-    staged = pipeline.StagedParams.create(st, params)
+    staged = Stacked.create(st, params)
     assert staged.layers["w"].shape == (4, 2, 2, 2)
     assert staged.layers["w"][1, 1, 0, 0] == 10
-    back = staged.unstaged()
+    back = staged.unstacked()
     assert all((back["layers"][i]["w"] == i).all() for i in range(16))
 
 

@@ -1,5 +1,6 @@
 """A model's layer stack: the one way every family calls its layers, and the hook through which
-a schedule that runs them otherwise (the pipeline, ``jaxaccel.train.pipeline``) takes over.
+a schedule that runs them otherwise (the scan, the pipeline: ``jaxaccel.train.pipeline``)
+takes over.
 
 Every family's forward is embeddings -> layers -> head, and its ``__call__`` runs the layers as
 ``stack(x, args, key, deterministic)`` (default: ``sequential`` over its own layers), where
@@ -23,6 +24,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxaccel.forms.stacked import LAYERS, Stacked
 from jaxaccel.sharding import by_batch
 
 
@@ -64,4 +66,54 @@ def sequential(layers, layer_call, *, remat: bool = False):
     return stack
 
 
-__all__ = ["layer_rngs", "layers_key", "sequential", "token_rows"]
+def layer_fn(layer_graphdef, layer_call, remat: bool = False):
+    """``fn(p, f, x, args, rows, key, index, deterministic) -> x``: one layer of a stacked
+    form, ``layer_graphdef`` merged with its parameters ``p`` and fp8 state ``f`` (None
+    without), run by the family's ``layer_call`` on ``x`` with layer ``index``'s dropout
+    stream; rematerialised in the backward pass if ``remat``."""
+    def one(p, f, x, args, rows, key, index, deterministic):
+        layer = nnx.merge(layer_graphdef, p, *(() if f is None else (f,)))
+        return layer_call(layer, x, args, deterministic, layer_rngs(key, index), rows)
+    return jax.checkpoint(one, static_argnums=(7,)) if remat else one
+
+
+def scan_layers(fn, x, layers, fp8, args, rows, key, first, deterministic, *, count=None,
+                unroll: bool = False, place=lambda h: h):
+    """``x`` through the stacked ``layers`` [G, ...] (fp8 state ``fp8`` likewise, or None) by
+    one ``jax.lax.scan`` of ``fn`` (``layer_fn``): layer ``j`` is the model's layer
+    ``first + j``; one numbered ``count`` or more is padding and passes its input through
+    (``count`` None: no padding); ``place`` constrains the hidden states between layers."""
+    def body(h, xs):
+        p, f, j = xs
+        out = fn(p, f, h, args, rows, key, first + j, deterministic)
+        if count is not None:
+            out = jnp.where(first + j < count, out, h)
+        return place(out), None
+    size = jax.tree_util.tree_leaves(layers)[0].shape[0]
+    x, _ = jax.lax.scan(body, x, (layers, fp8, jnp.arange(size)), unroll=unroll)
+    return x
+
+
+def merge(graphdef, params, fp8=None):
+    """``(model, stack)``: the model of ``graphdef`` with ``params`` and the fp8 state
+    ``fp8`` (per layer, as a train state holds it; None without the fp8 policy), and the
+    ``stack`` to call it with: None (its own loop) for the model's tree; for the stacked form
+    (``forms.stacked.Stacked``) its stacking's, the model's layers then holding placeholders
+    the stack never reads and ``fp8`` stacked alike."""
+    if not isinstance(params, Stacked):
+        return nnx.merge(graphdef, params, *(() if fp8 is None else (fp8,))), None
+    stacking = params.stacking
+    if fp8 is not None:
+        # A padding layer's scales are a real layer's (zero scales would quantize to NaN,
+        # which its zero cotangent does not cancel), and give that layer no gradient.
+        fp8 = Stacked.create(stacking, fp8, jax.lax.stop_gradient(fp8[LAYERS][0]))
+
+    def placeholders(stacked):
+        first = jax.tree_util.tree_map(lambda a: a[(0,) * len(stacking.shape)], stacked.layers)
+        return {**stacked.rest, LAYERS: {l: first for l in range(stacking.layers)}}
+    model = nnx.merge(graphdef, *(placeholders(t) for t in (params, fp8) if t is not None))
+    return model, stacking.stack(model, params.layers, None if fp8 is None else fp8.layers)
+
+
+__all__ = ["layer_fn", "layer_rngs", "layers_key", "merge", "scan_layers",
+           "sequential", "token_rows"]

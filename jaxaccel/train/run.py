@@ -29,6 +29,8 @@ from jaxaccel.data import BatchIterator, load_tokenizer, splits
 from jaxaccel.data import sources as data_sources
 from jaxaccel.data.packing import PackedBatches
 from jaxaccel.data.spec import Batching, DataSpec, ModelInput
+from jaxaccel.forms.packing import Packer
+from jaxaccel.forms.stacked import Stacked, stacked_shardings
 from jaxaccel.models import (ModelSpec, attention, check_vocab, checkpoint_of, create_model,
                              model_spec)
 from jaxaccel.models.fp8 import Fp8Meta
@@ -54,7 +56,7 @@ class Resolved:
       policy: the precision policy (``precision.policy_of``), the one of the run.
       spec: the model's ``ModelSpec`` (its family, architecture, task and options).
       task: the training task (``tasks.TASKS[spec.task]``), which the data gives batches for.
-      layout: the parameter layout (``layout.choose``; ``PER_LEAF`` for a run that only
+      layout: the parameter layout (``layout.choose``; ``TREE`` for a run that only
         evaluates, whose checkpoint holds the per-parameter form).
       training: whether the run trains (optimizer state, training split) or only evaluates.
       data: what the data is (``data.spec.DataSpec``: its kind, tasks, splits, counts, label
@@ -127,7 +129,7 @@ def resolve(cfg: Config, devices=None, *, training: bool = True,
     splits.check_batch_fits(cfg.train, {a: mesh.shape[a] for a in shd.BATCH_AXES},
                             training=training)
     shd.check_model_fits(spec.architecture, mesh)
-    layout = layout_lib.choose(cfg.train) if training else layout_lib.PER_LEAF
+    layout = layout_lib.choose(cfg.train) if training else layout_lib.TREE
     stages = _stages(cfg, spec) if training else None
     per_epoch = described.steps_per_epoch if training and described is not None else None
     return Resolved(cfg, mesh, policy, spec, TASKS[spec.task], layout, training, described,
@@ -304,16 +306,16 @@ def optimizer_state(r: Resolved, params, fp8, param_shardings, total_steps: int)
     schedule = optim.make_schedule(t.schedule, t.learning_rate, total_steps,
                              int(t.warmup_ratio * total_steps))
     if r.stages is not None:
-        param_shardings = pipeline.staged_shardings(r.stages, param_shardings)
-    tx = r.layout.make_optimizer(t, schedule, r.spec, param_shardings,
-                                 shd.BATCH_AXES if cfg.sharding.zero1 else ())
+        param_shardings = stacked_shardings(r.stages, param_shardings)
+    tx = r.layout.make_optimizer(t, schedule, r.spec, Packer(
+        param_shardings, shd.BATCH_AXES if cfg.sharding.zero1 else ()))
     loss_scale = LossScale.create(cfg.precision.loss_scale_init,
                                   cfg.precision.loss_scale_growth_interval) \
         if r.policy.loss_scaling else None
 
     def create(params, fp8):
         if r.stages is not None:
-            params = pipeline.StagedParams.create(r.stages, params)
+            params = Stacked.create(r.stages, params)
         return TrainState.create(r.layout.flatten(tx, params), tx, cfg.seed, loss_scale, fp8)
     shardings = r.layout.state_shardings(jax.eval_shape(create, params, fp8), param_shardings,
                                          r.mesh, cfg.sharding.zero1)
