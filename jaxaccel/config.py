@@ -55,6 +55,9 @@ BASE: dict[str, Any] = {
         "hidden_dropout": None,     # None = the checkpoint's value
         "attention_dropout": None,  # None = the checkpoint's value
         "remat": False,             # rematerialise each layer in the backward pass
+        "scan_layers": False,       # the layers' parameters stacked [layers, ...] and run by
+                                    # one jax.lax.scan: one compiled layer body (a pipeline
+                                    # stacks them by stage instead); models/stack.py
         "pipeline_repeats": 1,      # pipeline: layer groups per stage (R); R > 1 is the
                                     # circular (interleaved) schedule, a smaller bubble
     },

@@ -20,11 +20,13 @@ Every family's forward is embeddings -> layers -> head, and its ``__call__`` run
 """
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxaccel.forms.stacked import LAYERS, Stacked
+from jaxaccel.forms.stacked import LAYERS, Stacked, Stacking
 from jaxaccel.sharding import by_batch
 
 
@@ -94,6 +96,33 @@ def scan_layers(fn, x, layers, fp8, args, rows, key, first, deterministic, *, co
     return x
 
 
+@dataclasses.dataclass(frozen=True)
+class Scan(Stacking):
+    """The ``Stacking`` of scanned layers: [layers, ...], run by one ``jax.lax.scan`` on the
+    whole batch (``model.scan_layers``)."""
+
+    layers: int
+
+    @property
+    def shape(self) -> tuple:
+        return (self.layers,)
+
+    @property
+    def lead(self) -> tuple:
+        return (None,)
+
+    def layer(self, i: int) -> int:
+        return i
+
+    def stack(self, model, layers, fp8):
+        fn = layer_fn(nnx.graphdef(model.layers[0]), type(model).layer_call, model.spec.remat)
+
+        def run(x, args, key, deterministic):
+            return scan_layers(fn, x, layers, fp8, args, None, key, 0, deterministic,
+                               place=by_batch)
+        return run
+
+
 def merge(graphdef, params, fp8=None):
     """``(model, stack)``: the model of ``graphdef`` with ``params`` and the fp8 state
     ``fp8`` (per layer, as a train state holds it; None without the fp8 policy), and the
@@ -115,5 +144,5 @@ def merge(graphdef, params, fp8=None):
     return model, stacking.stack(model, params.layers, None if fp8 is None else fp8.layers)
 
 
-__all__ = ["layer_fn", "layer_rngs", "layers_key", "merge", "scan_layers",
+__all__ = ["Scan", "layer_fn", "layer_rngs", "layers_key", "merge", "scan_layers",
            "sequential", "token_rows"]

@@ -30,10 +30,11 @@ from jaxaccel.data import sources as data_sources
 from jaxaccel.data.packing import PackedBatches
 from jaxaccel.data.spec import Batching, DataSpec, ModelInput
 from jaxaccel.forms.packing import Packer
-from jaxaccel.forms.stacked import Stacked, stacked_shardings
+from jaxaccel.forms.stacked import Stacked, Stacking, stacked_shardings
 from jaxaccel.models import (ModelSpec, attention, check_vocab, checkpoint_of, create_model,
                              model_spec)
 from jaxaccel.models.fp8 import Fp8Meta
+from jaxaccel.models.stack import Scan
 from jaxaccel.models.unpad import Capacity
 from jaxaccel.precision import LossScale, Policy, policy_of
 from jaxaccel.train import layout as layout_lib
@@ -68,6 +69,9 @@ class Resolved:
       total_steps: the run's length (``train.max_steps``, else ``train.epochs`` epochs); None
         while ``steps_per_epoch`` is.
       stages: the pipeline (``pipeline.Stages``: ``mesh.stage`` > 1, training), else None.
+      stacking: how the state stacks the model's layers (``forms.stacked``): the pipeline's
+        stages, else the scan's (``model.scan_layers``: ``models.stack.Scan``), else None
+        (the per-layer tree, run by the model's own loop).
     """
 
     cfg: Config
@@ -81,6 +85,7 @@ class Resolved:
     steps_per_epoch: int | None
     total_steps: int | None
     stages: pipeline.Stages | None = None
+    stacking: Stacking | None = None
 
     @property
     def run_dir(self) -> str:
@@ -131,9 +136,11 @@ def resolve(cfg: Config, devices=None, *, training: bool = True,
     shd.check_model_fits(spec.architecture, mesh)
     layout = layout_lib.choose(cfg.train) if training else layout_lib.TREE
     stages = _stages(cfg, spec) if training else None
+    stacking = stages or (Scan(spec.architecture.num_hidden_layers) if cfg.model.scan_layers
+                          else None)
     per_epoch = described.steps_per_epoch if training and described is not None else None
     return Resolved(cfg, mesh, policy, spec, TASKS[spec.task], layout, training, described,
-                    per_epoch, _length(cfg.train, per_epoch), stages)
+                    per_epoch, _length(cfg.train, per_epoch), stages, stacking)
 
 
 def model_input(cfg: Config, spec: ModelSpec, tokenizer: str | None = None) -> ModelInput:
@@ -305,8 +312,8 @@ def optimizer_state(r: Resolved, params, fp8, param_shardings, total_steps: int)
     cfg, t = r.cfg, r.cfg.train
     schedule = optim.make_schedule(t.schedule, t.learning_rate, total_steps,
                              int(t.warmup_ratio * total_steps))
-    if r.stages is not None:
-        param_shardings = stacked_shardings(r.stages, param_shardings)
+    if r.stacking is not None:
+        param_shardings = stacked_shardings(r.stacking, param_shardings)
     tx = r.layout.make_optimizer(t, schedule, r.spec, Packer(
         param_shardings, shd.BATCH_AXES if cfg.sharding.zero1 else ()))
     loss_scale = LossScale.create(cfg.precision.loss_scale_init,
@@ -314,8 +321,8 @@ def optimizer_state(r: Resolved, params, fp8, param_shardings, total_steps: int)
         if r.policy.loss_scaling else None
 
     def create(params, fp8):
-        if r.stages is not None:
-            params = Stacked.create(r.stages, params)
+        if r.stacking is not None:
+            params = Stacked.create(r.stacking, params)
         return TrainState.create(r.layout.flatten(tx, params), tx, cfg.seed, loss_scale, fp8)
     shardings = r.layout.state_shardings(jax.eval_shape(create, params, fp8), param_shardings,
                                          r.mesh, cfg.sharding.zero1)
@@ -434,6 +441,11 @@ def _eval_only(r: Resolved, model, tokenizer_dir: str | None, data: bool) -> Run
     graphdef, params, fp8, param_shardings = split_model(model, r.mesh)
     replicated = lambda tree: jax.tree_util.tree_map(lambda _: shd.replicated(r.mesh), tree)
     fp8 = fp8 if r.policy.fp8 else None
+    if r.stacking is not None:
+        params = jax.device_put(params, param_shardings)
+        param_shardings = stacked_shardings(r.stacking, param_shardings)
+        params = jax.jit(Stacked.create, static_argnums=0,
+                         out_shardings=param_shardings)(r.stacking, params)
     shardings = TrainState(step=None, params=param_shardings, opt_state=None, rng=None,
                            fp8=replicated(fp8))
     state = jax.device_put(TrainState(step=None, params=params, opt_state=None, rng=None,
