@@ -4,8 +4,9 @@ Numerically the same model as Hugging Face's ``BertModel`` (exact-erf GELU, post
 tanh(dense(first token))). Every parameter carries logical axis names (``vocab``, ``embed``,
 ``heads``, ``mlp``); ``jaxaccel.sharding`` maps them to mesh axes. Dtypes come from a
 ``jaxaccel.precision.Policy``: matmuls run in ``policy.compute_dtype``, parameters are stored in
-``policy.param_dtype``, layer norms and softmax run in float32. Under the fp8 policy the
-encoder's Dense layers (QKV, attention output, MLP in/out) are ``fp8.Fp8Linear`` (same
+``policy.param_dtype``, the hidden states (the layer norms' outputs) in
+``policy.activation_dtype``; the embeddings' sum, the layer norms' statistics and softmax run in
+float32. Under the fp8 policy the encoder's Dense layers (QKV, attention output, MLP in/out) are ``fp8.Fp8Linear`` (same
 parameters plus non-trainable ``Fp8Meta`` scales); attention, pooler and heads stay bf16.
 
     model = BertModel(ModelSpec(spec.PRESETS["tiny"], num_labels=2), policy="bf16")
@@ -79,7 +80,7 @@ def _dense(din, dout, axes, cfg: BertConfig, policy: Policy, rngs, encoder: bool
 
 def _layer_norm(cfg: BertConfig, policy: Policy, rngs):
     return nnx.LayerNorm(
-        cfg.hidden_size, epsilon=cfg.layer_norm_eps, dtype=jnp.float32,
+        cfg.hidden_size, epsilon=cfg.layer_norm_eps, dtype=policy.activation_dtype,
         param_dtype=policy.param_dtype, use_fast_variance=False,
         scale_init=_const(nnx.initializers.ones_init(), ("embed",)),
         bias_init=_const(nnx.initializers.zeros_init(), ("embed",)), rngs=rngs)

@@ -21,7 +21,8 @@ For hidden states ``x`` [batch, seq, hidden] and each layer::
   cudnn, ``auto``); ``num_key_value_heads`` < ``num_attention_heads`` is grouped-query
   attention, the key/value heads never repeated in memory.
 * Precision (``precision.Policy``): parameters in ``param_dtype``, matmuls in
-  ``compute_dtype``; the residual stream, RMSNorm, RoPE, softmax and the logits in float32.
+  ``compute_dtype``, the residual stream in ``activation_dtype`` (bfloat16 under bf16 and
+  fp8); RMSNorm's statistics, RoPE, softmax and the logits in float32.
   Under fp8 the block Dense layers (q/k/v/o, gate/up/down) are ``fp8.Fp8Linear``; the
   embeddings and the LM head stay bf16.
 * Logical axes: ``vocab``, ``embed``, ``heads`` (query heads x head_dim), ``kv_heads``
@@ -95,7 +96,7 @@ def _per_token(dense, x):
 
 
 def _rms_norm(cfg: LlamaConfig, policy: Policy, rngs):
-    return nnx.RMSNorm(cfg.hidden_size, epsilon=cfg.rms_norm_eps, dtype=jnp.float32,
+    return nnx.RMSNorm(cfg.hidden_size, epsilon=cfg.rms_norm_eps, dtype=policy.activation_dtype,
                        param_dtype=policy.param_dtype, use_fast_variance=False,
                        scale_init=_partitioned(nnx.initializers.ones_init(), ("embed",)),
                        rngs=rngs)
@@ -224,7 +225,8 @@ class LlamaForCausalLM(nnx.Module):
         cfg = spec.architecture
         self.spec, self.config, self.policy = spec, cfg, policy
         self.embed_tokens = nnx.Embed(
-            cfg.vocab_size, cfg.hidden_size, dtype=jnp.float32, param_dtype=policy.param_dtype,
+            cfg.vocab_size, cfg.hidden_size, dtype=policy.activation_dtype,
+            param_dtype=policy.param_dtype,
             embedding_init=_partitioned(nnx.initializers.normal(cfg.initializer_range),
                                         ("vocab", "embed")), rngs=rngs)
         self.layers = nnx.List([LlamaDecoderLayer(cfg, policy, spec.attention_impl, rngs)

@@ -30,7 +30,8 @@ attention/query``, ..., ``layernorm``, ``decoder/...``, ``classifier``;
   ``[sincos(c) | sincos(r)]``, ``sincos(p) = [sin(p w_k) | cos(p w_k)]``, ``w_k = 10000 **
   (-k / (D/4))``, k < D/4; the CLS token's position is 0. They are computed, not stored.
 * Precision (``precision.Policy``): parameters in ``param_dtype``, matmuls in
-  ``compute_dtype``, layer norms, softmax and the outputs in float32. Under fp8 the block
+  ``compute_dtype``, the residual stream in ``activation_dtype``; the layer norms'
+  statistics, softmax and the outputs in float32. Under fp8 the block
   Dense layers of the encoder and the decoder (query/key/value, attention output, MLP in/out)
   are ``fp8.Fp8Linear``; the patch embedding and the heads stay bf16.
 * Logical axes: ``embed`` (either hidden size), ``heads``, ``mlp``.
@@ -86,7 +87,7 @@ def _dense(din, dout, axes, cfg: ViTConfig, policy: Policy, rngs, bias: bool = T
 
 
 def _layer_norm(size: int, cfg: ViTConfig, policy: Policy, rngs):
-    return nnx.LayerNorm(size, epsilon=cfg.layer_norm_eps, dtype=jnp.float32,
+    return nnx.LayerNorm(size, epsilon=cfg.layer_norm_eps, dtype=policy.activation_dtype,
                          param_dtype=policy.param_dtype, use_fast_variance=False,
                          scale_init=_partitioned(nnx.initializers.ones_init(), ("embed",)),
                          bias_init=_partitioned(nnx.initializers.zeros_init(), ("embed",)),
@@ -255,7 +256,8 @@ class ViTMAEDecoder(nnx.Module):
         patches = jnp.take_along_axis(patches, ids_restore[..., None], axis=1)
         rows, cols = cfg.grid
         pos = sincos_positions(cfg.decoder_hidden_size, rows, cols)[None]
-        x = by_batch(jnp.concatenate([x[:, :1], patches], axis=1).astype(jnp.float32) + pos)
+        x = jnp.concatenate([x[:, :1], patches], axis=1).astype(jnp.float32) + pos
+        x = by_batch(x.astype(self.policy.activation_dtype))
         for i, layer in enumerate(self.decoder_layers):
             segments = None
             if cfg.decoder_window is not None:
@@ -375,7 +377,7 @@ class ViTModel(nnx.Module):
             e, mask, ids_restore = random_masking(e, noise, cfg.mask_ratio)
         cls = jnp.broadcast_to(self.embeddings.cls_token[...].astype(jnp.float32) + pos[:, :1],
                                (e.shape[0], 1, e.shape[2]))
-        h = by_batch(jnp.concatenate([cls, e], axis=1))
+        h = by_batch(jnp.concatenate([cls, e], axis=1).astype(self.policy.activation_dtype))
         key = layers_key(rngs, deterministic)
         stack = stack or sequential(self.layers, self.layer_call, remat=self.spec.remat)
         h = self.layernorm(stack(h, (), key, deterministic))
