@@ -54,7 +54,10 @@ BASE: dict[str, Any] = {
                                     # (masked mean of the last hidden states)
         "hidden_dropout": None,     # None = the checkpoint's value
         "attention_dropout": None,  # None = the checkpoint's value
-        "remat": False,             # rematerialise each layer in the backward pass
+        "remat": None,              # what each layer keeps for the backward pass (the rest
+                                    # is computed again): none (None, false) | full (true) |
+                                    # minimal | save_dot_except_mlp | save_qkv_proj |
+                                    # minimal_offloaded (models/remat.py)
         "scan_layers": False,       # the layers' parameters stacked [layers, ...] and run by
                                     # one jax.lax.scan: one compiled layer body (a pipeline
                                     # stacks them by stage instead); models/stack.py

@@ -69,6 +69,7 @@ def _close(a, b, atol):
 
 CASES = [("bert", ()), ("llama", ()), ("vit", ()),
          ("llama", ("model.remat=true",)),
+         ("bert", ("model.remat=save_dot_except_mlp",)),
          ("llama", ("train.grad_accum=2",)),
          ("bert", ("precision.policy=fp8",)),
          ("bert", ("train.layer_decay=0.8",)),

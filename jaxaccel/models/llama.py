@@ -46,6 +46,7 @@ from flax import struct
 
 from jaxaccel.models.attention import attention, check_impl
 from jaxaccel.models.fp8 import block_dense
+from jaxaccel.models.remat import tag
 from jaxaccel.models.spec import LlamaConfig, ModelSpec
 from jaxaccel.models.stack import layer_rngs, layers_key, sequential
 from jaxaccel.precision import Policy, get_policy
@@ -154,9 +155,11 @@ class LlamaAttention(nnx.Module):
         b, s, _ = x.shape
         heads = lambda t, n: t.reshape(b, s, n, cfg.head_dim)
         freq = rope_frequencies(cfg)
-        q = rope(heads(_per_token(self.q_proj, x), cfg.num_attention_heads), positions, freq)
-        k = rope(heads(_per_token(self.k_proj, x), cfg.num_key_value_heads), positions, freq)
-        v = heads(_per_token(self.v_proj, x), cfg.num_key_value_heads)
+        q = rope(heads(tag(_per_token(self.q_proj, x), "query_proj"), cfg.num_attention_heads),
+                 positions, freq)
+        k = rope(heads(tag(_per_token(self.k_proj, x), "key_proj"), cfg.num_key_value_heads),
+                 positions, freq)
+        v = heads(tag(_per_token(self.v_proj, x), "value_proj"), cfg.num_key_value_heads)
         kv = (k, v)
         segments, causal = segment_ids, True
         if cache is not None:
@@ -173,7 +176,7 @@ class LlamaAttention(nnx.Module):
         ctx = attention(q, k, v, segment_ids=segments, causal=causal, impl=self.attention_impl,
                         dropout_rate=cfg.attention_dropout, deterministic=deterministic,
                         dropout_rng=dropout_rng, dropout_rows=rows)
-        return _per_token(self.o_proj, ctx.reshape(b, s, -1)), kv
+        return tag(_per_token(self.o_proj, ctx.reshape(b, s, -1)), "out_proj"), kv
 
 
 class LlamaMLP(nnx.Module):

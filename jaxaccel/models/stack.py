@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxaccel.forms.stacked import LAYERS, Stacked, Stacking
+from jaxaccel.models import remat as remat_lib
 from jaxaccel.sharding import by_batch
 
 
@@ -53,30 +54,29 @@ def _call(layer_call, layer, x, args, rngs, deterministic):
     return layer_call(layer, x, args, deterministic, rngs, None)
 
 
-_remat_call = nnx.remat(_call, static_argnums=(0, 5))
-
-
-def sequential(layers, layer_call, *, remat: bool = False):
+def sequential(layers, layer_call, *, remat="none"):
     """``stack(x, args, key, deterministic)``: ``layers`` one after another on the whole batch
-    (``layer_call`` the family's), each rematerialised in the backward pass if ``remat``, the
-    hidden states kept split over the batch axes between layers."""
+    (``layer_call`` the family's), each rematerialised in the backward pass by the policy
+    ``remat`` names (``models.remat``), the hidden states kept split over the batch axes
+    between layers."""
+    call = remat_lib.checkpoint(_call, remat, static_argnums=(0, 5), modules=True)
+
     def stack(x, args, key, deterministic):
         for i, layer in enumerate(layers):
-            call = _remat_call if remat else _call
             x = by_batch(call(layer_call, layer, x, args, layer_rngs(key, i), deterministic))
         return x
     return stack
 
 
-def layer_fn(layer_graphdef, layer_call, remat: bool = False):
+def layer_fn(layer_graphdef, layer_call, remat="none"):
     """``fn(p, f, x, args, rows, key, index, deterministic) -> x``: one layer of a stacked
     form, ``layer_graphdef`` merged with its parameters ``p`` and fp8 state ``f`` (None
     without), run by the family's ``layer_call`` on ``x`` with layer ``index``'s dropout
-    stream; rematerialised in the backward pass if ``remat``."""
+    stream; rematerialised in the backward pass by the policy ``remat`` names."""
     def one(p, f, x, args, rows, key, index, deterministic):
         layer = nnx.merge(layer_graphdef, p, *(() if f is None else (f,)))
         return layer_call(layer, x, args, deterministic, layer_rngs(key, index), rows)
-    return jax.checkpoint(one, static_argnums=(7,)) if remat else one
+    return remat_lib.checkpoint(one, remat, static_argnums=(7,))
 
 
 def scan_layers(fn, x, layers, fp8, args, rows, key, first, deterministic, *, count=None,

@@ -49,6 +49,8 @@ from flax import struct
 
 from jaxaccel.models.attention import attention, check_impl
 from jaxaccel.models.dropout import Dropout
+from jaxaccel.models import remat as remat_lib
+from jaxaccel.models.remat import tag
 from jaxaccel.models.fp8 import block_dense
 from jaxaccel.models.spec import ModelSpec, ViTConfig
 from jaxaccel.models.stack import layer_rngs, layers_key, sequential, token_rows
@@ -149,13 +151,14 @@ class ViTAttention(nnx.Module):
         dropout_rng = None
         if not deterministic and self.cfg.attention_probs_dropout_prob > 0:
             dropout_rng = rngs.dropout()
-        ctx = attention(split(self.query(x)), split(self.key(x)), split(self.value(x)),
-                        segment_ids=segment_ids, impl=self.attention_impl,
-                        dropout_rate=self.cfg.attention_probs_dropout_prob,
+        ctx = attention(split(tag(self.query(x), "query_proj")),
+                        split(tag(self.key(x), "key_proj")),
+                        split(tag(self.value(x), "value_proj")), segment_ids=segment_ids,
+                        impl=self.attention_impl, dropout_rate=self.cfg.attention_probs_dropout_prob,
                         deterministic=deterministic, dropout_rng=dropout_rng,
                         dropout_rows=rows)
-        return self.dropout(self.output(ctx.reshape(b, s, hidden)), deterministic=deterministic,
-                            rngs=rngs, rows=token_rows(rows, s))
+        return self.dropout(tag(self.output(ctx.reshape(b, s, hidden)), "out_proj"),
+                            deterministic=deterministic, rngs=rngs, rows=token_rows(rows, s))
 
 
 class ViTLayer(nnx.Module):
@@ -218,7 +221,6 @@ def _decoder_call(layer, x, segments, rngs, deterministic):
     return layer(x, segments, deterministic, rngs)
 
 
-_remat_decoder_call = nnx.remat(_decoder_call, static_argnums=(4,))
 
 
 class ViTMAEDecoder(nnx.Module):
@@ -227,7 +229,7 @@ class ViTMAEDecoder(nnx.Module):
     the activations)."""
 
     def __init__(self, cfg: ViTConfig, policy: Policy, attention_impl: str, rngs: nnx.Rngs,
-                 remat: bool = False):
+                 remat="none"):
         d = cfg.decoder_hidden_size
         self.cfg, self.policy, self.remat = cfg, policy, remat
         self.decoder_embed = _dense(cfg.hidden_size, d, ("embed", None), cfg, policy, rngs,
@@ -258,12 +260,12 @@ class ViTMAEDecoder(nnx.Module):
         pos = sincos_positions(cfg.decoder_hidden_size, rows, cols)[None]
         x = jnp.concatenate([x[:, :1], patches], axis=1).astype(jnp.float32) + pos
         x = by_batch(x.astype(self.policy.activation_dtype))
+        call = remat_lib.checkpoint(_decoder_call, self.remat, static_argnums=(4,), modules=True)
         for i, layer in enumerate(self.decoder_layers):
             segments = None
             if cfg.decoder_window is not None:
                 segments = jnp.broadcast_to(
                     window_segments(rows, cols, cfg.decoder_window, shift=i % 2 == 1), (b, n + 1))
-            call = _remat_decoder_call if self.remat else _decoder_call
             x = by_batch(call(layer, x, segments, layer_rngs(key, cfg.num_hidden_layers + i),
                               deterministic))
         pred = self.decoder_pred(self.decoder_norm(x))

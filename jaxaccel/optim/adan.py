@@ -18,9 +18,9 @@ Implementations (``impl``, ``IMPLS``), all computing the same numbers. The kerne
 * ``"per_leaf"``: the kernel's reference applied leaf by leaf (the unfused, single-tensor
   baseline; its state is the portable form checkpoints hold).
 * ``"xla"``: multi-tensor: each moment is ``Packed`` in the flat form of
-  ``jaxaccel.forms.flat`` (one [rows, 128] buffer per group, ``forms.packing``), each step packs the gradients
-  (and the parameters, only when weight decay is on) and unpacks the updates; the kernel's
-  reference does the math, fused by XLA.
+  ``jaxaccel.forms.flat`` (one [rows, 128] buffer per group, ``forms.packing``), each step
+  packs the gradients (and the parameters, only when weight decay is on) and unpacks the
+  updates; the kernel's reference does the math, fused by XLA.
 * ``"pallas"``: the same flat buffers through the fused kernel in ``kernels_pallas/adan.py``
   (interpret mode on CPU).
 * ``"mosaic_gpu"``: the same through its Mosaic GPU kernel (Hopper GPUs; jax's Mosaic GPU

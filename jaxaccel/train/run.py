@@ -32,7 +32,7 @@ from jaxaccel.data.spec import Batching, DataSpec, ModelInput
 from jaxaccel.forms.packing import Packer
 from jaxaccel.forms.stacked import Stacked, Stacking, stacked_shardings
 from jaxaccel.models import (ModelSpec, attention, check_vocab, checkpoint_of, create_model,
-                             model_spec)
+                             model_spec, remat)
 from jaxaccel.models.fp8 import Fp8Meta
 from jaxaccel.models.stack import Scan
 from jaxaccel.models.unpad import Capacity
@@ -125,6 +125,7 @@ def resolve(cfg: Config, devices=None, *, training: bool = True,
     attention.check_config(cfg.model.attention_impl, policy)
     spec = model_spec(cfg.model) if spec is None else spec
     mesh = shd.make_mesh(dict(cfg.mesh), devices)
+    remat.check(spec.remat, list(mesh.devices.flat))
     described = describe_data(cfg, spec, mesh.size, tokenizer, label_names,
                               absent_ok) if data else None
     if training and described is not None:
