@@ -134,6 +134,9 @@ BASE: dict[str, Any] = {
                                     # jaxaccel/train/layout.py); optimizer_impl then picks the
                                     # kernel: auto|xla|pallas|mosaic_gpu
         "grad_accum": 1,            # micro-batches per optimizer step
+        "loss_chunks": 1,           # causal LM: > 1 takes the loss over this many sequence
+                                    # chunks, never the whole [batch, length, vocab] float32
+                                    # logits at once (train/tasks.py); must divide the length
         "microbatches": 0,          # pipeline (mesh.stage > 1): micro-batches per pass through
                                     # the stages, >= mesh.stage; 0 = mesh.stage. The bubble
                                     # is (S-1)/(R*M+S-1)
@@ -394,6 +397,7 @@ def validate(cfg: Config) -> None:
                 "data.synthetic_examples": cfg.data.synthetic_examples,
                 "data.synthetic_seq_len": cfg.data.synthetic_seq_len,
                 "train.grad_accum": t.grad_accum, "train.log_every": t.log_every,
+                "train.loss_chunks": t.loss_chunks,
                 "data.max_len": cfg.data.max_len, "data.pad_multiple": cfg.data.pad_multiple,
                 "data.tokenizer_vocab": cfg.data.tokenizer_vocab,
                 "model.num_labels": cfg.model.num_labels,

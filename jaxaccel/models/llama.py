@@ -73,8 +73,9 @@ class KVCache:
 
 @struct.dataclass
 class LlamaOutput:
-    logits: jax.Array
+    logits: jax.Array | None
     cache: KVCache | None = None
+    hidden: jax.Array | None = None     # the normed last hidden states (``head=False``)
 
 
 def _partitioned(init, axes: tuple):
@@ -268,8 +269,10 @@ class LlamaForCausalLM(nnx.Module):
 
     def __call__(self, input_ids, positions=None, segment_ids=None, *,
                  cache: KVCache | None = None, deterministic: bool = True,
-                 rngs: nnx.Rngs | None = None, stack=None) -> LlamaOutput:
-        """float32 logits [batch, seq, vocab] of every position.
+                 rngs: nnx.Rngs | None = None, stack=None, head: bool = True) -> LlamaOutput:
+        """float32 logits [batch, seq, vocab] of every position (``head=False``: none, but
+        the normed last hidden states in the compute dtype, ``hidden``, whose logits are
+        ``hidden @ head_kernel()``: a loss taken over chunks of them, ``train.tasks``).
 
         ``positions`` [batch, seq] (default 0, 1, ...; the cache's ``index`` onwards with a
         cache), ``segment_ids`` [batch, seq] (default one document per row). With ``cache``
@@ -305,14 +308,26 @@ class LlamaForCausalLM(nnx.Module):
                 new_kv.append(kv)
                 x = by_batch(x)
         h = self.policy.cast_to_compute(self.norm(x))
-        head = (self.embed_tokens.embedding[...].T if self.lm_head is None
-                else self.lm_head.kernel[...])
-        logits = jnp.einsum("th,hv->tv", h.reshape(b * s, -1), self.policy.cast_to_compute(head),
-                            preferred_element_type=jnp.float32).reshape(b, s, -1)
         new_cache = None if cache is None else KVCache(
             tuple(k for k, _ in new_kv), tuple(v for _, v in new_kv), kv_segments, start + s)
-        return LlamaOutput(logits=logits, cache=new_cache)
+        if not head:
+            return LlamaOutput(logits=None, cache=new_cache, hidden=h)
+        return LlamaOutput(logits=head_logits(h, self.head_kernel()), cache=new_cache)
+
+    def head_kernel(self):
+        """The LM head's [hidden, vocab] matrix in the compute dtype (the embeddings' transpose
+        when tied)."""
+        head = (self.embed_tokens.embedding[...].T if self.lm_head is None
+                else self.lm_head.kernel[...])
+        return self.policy.cast_to_compute(head)
 
 
-__all__ = ["FP8_GROUPS", "KVCache", "LlamaForCausalLM", "LlamaOutput", "rope",
+def head_logits(h, kernel):
+    """float32 logits [..., vocab] of hidden states ``h`` [..., hidden], one [tokens, hidden]
+    matmul (``_per_token``'s reason)."""
+    return jnp.einsum("th,hv->tv", h.reshape(-1, h.shape[-1]), kernel,
+                      preferred_element_type=jnp.float32).reshape(*h.shape[:-1], -1)
+
+
+__all__ = ["FP8_GROUPS", "KVCache", "LlamaForCausalLM", "LlamaOutput", "head_logits", "rope",
            "rope_frequencies"]

@@ -44,7 +44,7 @@ from jaxaccel.train.saved import init_from
 from jaxaccel.train.layout import Layout
 from jaxaccel.train.state import TrainState
 from jaxaccel.train.step import make_eval_step, make_train_step
-from jaxaccel.train.tasks import TASKS, Task
+from jaxaccel.train.tasks import TASKS, Task, with_loss_chunks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,7 +56,9 @@ class Resolved:
       mesh: the device mesh (``mesh`` section) over the target's devices.
       policy: the precision policy (``precision.policy_of``), the one of the run.
       spec: the model's ``ModelSpec`` (its family, architecture, task and options).
-      task: the training task (``tasks.TASKS[spec.task]``), which the data gives batches for.
+      task: the training task (``tasks.TASKS[spec.task]``, its loss over
+        ``train.loss_chunks`` chunks: ``tasks.with_loss_chunks``), which the data gives
+        batches for.
       layout: the parameter layout (``layout.choose``; ``TREE`` for a run that only
         evaluates, whose checkpoint holds the per-parameter form).
       training: whether the run trains (optimizer state, training split) or only evaluates.
@@ -140,7 +142,7 @@ def resolve(cfg: Config, devices=None, *, training: bool = True,
     stacking = stages or (Scan(spec.architecture.num_hidden_layers) if cfg.model.scan_layers
                           else None)
     per_epoch = described.steps_per_epoch if training and described is not None else None
-    return Resolved(cfg, mesh, policy, spec, TASKS[spec.task], layout, training, described,
+    return Resolved(cfg, mesh, policy, spec, _task(cfg, spec), layout, training, described,
                     per_epoch, _length(cfg.train, per_epoch), stages, stacking)
 
 
@@ -172,6 +174,18 @@ def describe_data(cfg: Config, spec: ModelSpec, devices: int, tokenizer: str | N
     if label_names:
         described = dataclasses.replace(described, label_names=tuple(label_names))
     return described
+
+
+def _task(cfg: Config, spec: ModelSpec) -> Task:
+    """The model's task, its loss over ``train.loss_chunks`` chunks of the rows' length."""
+    chunks = cfg.train.loss_chunks
+    task = with_loss_chunks(TASKS[spec.task], chunks)
+    length = cfg.data.max_len if chunks == 1 else \
+        min(cfg.data.max_len, spec.architecture.max_position_embeddings)
+    if length % chunks:
+        raise ValueError(f"train.loss_chunks={chunks} does not divide the rows' length "
+                         f"{length} (data.max_len); use a divisor of it.")
+    return task
 
 
 def _stages(cfg: Config, spec: ModelSpec):
