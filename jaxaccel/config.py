@@ -58,9 +58,10 @@ BASE: dict[str, Any] = {
                                     # is computed again): none (None, false) | full (true) |
                                     # minimal | save_dot_except_mlp | save_qkv_proj |
                                     # minimal_offloaded (models/remat.py)
-        "scan_layers": False,       # the layers' parameters stacked [layers, ...] and run by
+        "scan_layers": None,        # the layers' parameters stacked [layers, ...] and run by
                                     # one jax.lax.scan: one compiled layer body (a pipeline
-                                    # stacks them by stage instead); models/stack.py
+                                    # stacks them by stage instead); models/stack.py. None:
+                                    # on TPUs and GPUs, not on the CPU (slower steps there)
         "pipeline_repeats": 1,      # pipeline: layer groups per stage (R); R > 1 is the
                                     # circular (interleaved) schedule, a smaller bubble
     },
@@ -402,6 +403,9 @@ def validate(cfg: Config) -> None:
                 "data.tokenizer_vocab": cfg.data.tokenizer_vocab,
                 "model.num_labels": cfg.model.num_labels,
                 "model.pipeline_repeats": cfg.model.pipeline_repeats}
+    if cfg.model.scan_layers not in (None, True, False):
+        raise ValueError(f"model.scan_layers={cfg.model.scan_layers!r} must be true, false or "
+                         "None (scanned on TPUs and GPUs, not on the CPU).")
     if t.microbatches < 0:
         raise ValueError(f"train.microbatches={t.microbatches} must be >= 0 (0: one per "
                          "pipeline stage).")

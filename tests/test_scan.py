@@ -17,7 +17,8 @@ from jaxaccel.models import model_spec
 from jaxaccel.models.stack import Scan
 from jaxaccel.train import inference, loop, pipeline
 from jaxaccel.train import run as run_lib
-from support import DEVICES, TINY_SETS, docs, logged_losses, packed, sigterm_at, tiny_cfg
+from support import (DEVICES, TINY_SETS, docs, logged_losses, needs_libtpu, packed, sigterm_at,
+                     tiny_cfg)
 
 pytestmark = pytest.mark.usefixtures("on_eight_devices")   # DEVICES: the module's 8 devices
 
@@ -105,6 +106,14 @@ def test_the_scanned_step_holds_one_layer_body(tmp_path):
             for scan in ("true", "false") for n in (2, 4)}
     assert dots["true", 2] == dots["true", 4], dots
     assert dots["false", 4] > dots["false", 2] > 0, dots
+
+
+@needs_libtpu
+def test_layers_are_scanned_by_default_on_tpus_not_on_the_cpu(tmp_path, compile_target):
+    cfg = config.build(sets=[*FAMILIES["llama"], f"workdir={tmp_path}"])
+    assert run_lib.resolve(cfg, DEVICES).stacking is None
+    tpu = run_lib.resolve(cfg, compile_target("v5e:2x2").devices).stacking
+    assert tpu == Scan(model_spec(cfg.model).architecture.num_hidden_layers)
 
 
 def test_a_pipeline_stacks_its_layers_by_stage_whatever_scan_layers_says(tmp_path):
