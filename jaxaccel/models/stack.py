@@ -103,6 +103,14 @@ class Scan(Stacking):
 
     layers: int
 
+    @classmethod
+    def of(cls, setting, layers: int, platform: str) -> "Scan | None":
+        """The scan ``model.scan_layers`` (``setting``) asks for on ``platform``'s devices;
+        None (its default) scans on TPUs and GPUs, not on the CPU, where the scanned steps of
+        the main job and the decoder job measured 5-13% slower (``bench/scan.py``, README)."""
+        scan = platform != "cpu" if setting is None else setting
+        return cls(layers) if scan else None
+
     @property
     def shape(self) -> tuple:
         return (self.layers,)

@@ -139,9 +139,11 @@ def resolve(cfg: Config, devices=None, *, training: bool = True,
     shd.check_model_fits(spec.architecture, mesh)
     layout = layout_lib.choose(cfg.train) if training else layout_lib.TREE
     stages = _stages(cfg, spec) if training else None
-    stacking = stages or _scan(cfg, spec, mesh)
+    stacking = stages or Scan.of(cfg.model.scan_layers, spec.architecture.num_hidden_layers,
+                                 mesh.devices.flat[0].platform)
     per_epoch = described.steps_per_epoch if training and described is not None else None
-    return Resolved(cfg, mesh, policy, spec, _task(cfg, spec), layout, training, described,
+    task = with_loss_chunks(TASKS[spec.task], cfg.train.loss_chunks, cfg.data.max_len)
+    return Resolved(cfg, mesh, policy, spec, task, layout, training, described,
                     per_epoch, _length(cfg.train, per_epoch), stages, stacking)
 
 
@@ -173,28 +175,6 @@ def describe_data(cfg: Config, spec: ModelSpec, devices: int, tokenizer: str | N
     if label_names:
         described = dataclasses.replace(described, label_names=tuple(label_names))
     return described
-
-
-def _scan(cfg: Config, spec: ModelSpec, mesh) -> Scan | None:
-    """The scan of the model's layers where ``model.scan_layers`` asks for it; its default
-    (None) scans on TPUs and GPUs, not on the CPU, where the scanned steps of the main job and
-    the decoder job measured 5-13% slower (bench/scan.py, README)."""
-    scan = cfg.model.scan_layers
-    if scan is None:
-        scan = mesh.devices.flat[0].platform != "cpu"
-    return Scan(spec.architecture.num_hidden_layers) if scan else None
-
-
-def _task(cfg: Config, spec: ModelSpec) -> Task:
-    """The model's task, its loss over ``train.loss_chunks`` chunks of the rows' length."""
-    chunks = cfg.train.loss_chunks
-    task = with_loss_chunks(TASKS[spec.task], chunks)
-    length = cfg.data.max_len if chunks == 1 else \
-        min(cfg.data.max_len, spec.architecture.max_position_embeddings)
-    if length % chunks:
-        raise ValueError(f"train.loss_chunks={chunks} does not divide the rows' length "
-                         f"{length} (data.max_len); use a divisor of it.")
-    return task
 
 
 def _stages(cfg: Config, spec: ModelSpec):

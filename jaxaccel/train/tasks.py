@@ -184,16 +184,20 @@ def _chunked_sums(out: LMHead, batch, chunks: int):
     return total
 
 
-def with_loss_chunks(task: Task, chunks: int) -> Task:
-    """``task`` with its loss over ``chunks`` sequence chunks (``train.loss_chunks``; module
-    doc): itself for 1; ``ValueError`` for a task other than causal_lm, whose logits are
-    per row or per patch."""
+def with_loss_chunks(task: Task, chunks: int, length: int) -> Task:
+    """``task`` with its loss over ``chunks`` sequence chunks of its rows of ``length`` tokens
+    (``train.loss_chunks``; module doc): itself for 1; ``ValueError`` for a task other than
+    causal_lm, whose logits are per row or per patch, or a length ``chunks`` does not
+    divide."""
     if chunks == 1:
         return task
     if task.name != "causal_lm":
         raise ValueError(f"train.loss_chunks={chunks}: only a causal LM's logits are "
                          f"[batch, length, vocab]; the {task.name} task's are not chunked. "
                          "Use train.loss_chunks=1.")
+    if length % chunks:
+        raise ValueError(f"train.loss_chunks={chunks} does not divide the rows' length "
+                         f"{length} (data.max_len); use a divisor of it.")
     return dataclasses.replace(task, logits=_lm_head, sums=lambda out, b: _chunked_sums(
         out, b, chunks))
 
