@@ -18,10 +18,10 @@ from jaxaccel.models import model_spec
 from jaxaccel import forms
 from jaxaccel.forms.flat import FlatParams
 from jaxaccel.forms.stacked import Stacked
-from jaxaccel.train import inference, loop, pipeline
+from jaxaccel.train import pipeline
 from jaxaccel.train import run as run_lib
-from support import (CONFIGS, DEVICES, TINY, TINY_SETS, docs, logged_losses, needs_cuda_plugin,
-                     needs_libtpu, packed, sigterm_at, tiny_cfg)
+from support import (CONFIGS, DEVICES, TINY, TINY_SETS, docs, needs_cuda_plugin, needs_libtpu,
+                     packed, resumes_both_ways)
 
 pytestmark = pytest.mark.usefixtures("on_eight_devices")   # DEVICES: the module's 8 devices
 
@@ -251,24 +251,8 @@ def test_checkpoints_move_between_pipelined_and_plain_runs(tmp_path, steps):
     Adan's state in the flat layout, so its checkpoint is converted through both forms."""
     sets = ["model.hidden_dropout=0.1", "model.attention_dropout=0.1", f"train.max_steps={steps}",
             "mesh.data=-1", "train.optimizer=adan", "train.optimizer_impl=xla"]
-    piped = ("mesh.stage=2", "train.flat_params=true")
-    full = loop.train(tiny_cfg(tmp_path, "name=full", *sets))
-    lf = logged_losses(full["run_dir"])
-    assert sorted(lf) == list(range(1, steps + 1))
-    for first, second in ((piped, ("mesh.stage=1",)), (("mesh.stage=1",), piped)):
-        name = f"name=from_{first[0][-1]}"
-        part = loop.train(tiny_cfg(tmp_path, name, *sets, *first), sigterm_at(3))
-        assert part["status"] == "preempted"
-        resumed = loop.train(tiny_cfg(tmp_path, name, *sets, *second))
-        assert resumed["status"] == "completed"
-        lp = logged_losses(part["run_dir"])
-        assert sorted(lp) == sorted(lf)
-        np.testing.assert_allclose([lp[s] for s in sorted(lf)], [lf[s] for s in sorted(lf)],
-                                   rtol=1e-5)
-        assert resumed["eval_accuracy"] == pytest.approx(full["eval_accuracy"])
-        # jaxaccel eval of the folder: data parallel on the devices at hand, whatever trained it
-        assert inference.evaluate_run(part["run_dir"], devices=DEVICES[:2])["accuracy"] == \
-            pytest.approx(full["eval_accuracy"])
+    resumes_both_ways(tmp_path, sets, ("mesh.stage=2", "train.flat_params=true"),
+                      ("mesh.stage=1",), steps)
 
 
 # The decoder job's config with the tiny decoder (2 layers; a tokenizer named so that no corpus

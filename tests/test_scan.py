@@ -15,10 +15,9 @@ from jaxaccel import config, forms
 from jaxaccel.forms.stacked import Stacked
 from jaxaccel.models import model_spec
 from jaxaccel.models.stack import Scan
-from jaxaccel.train import inference, loop, pipeline
+from jaxaccel.train import pipeline
 from jaxaccel.train import run as run_lib
-from support import (DEVICES, TINY_SETS, docs, logged_losses, needs_libtpu, packed, sigterm_at,
-                     tiny_cfg)
+from support import DEVICES, TINY_SETS, docs, needs_libtpu, packed, resumes_both_ways
 
 pytestmark = pytest.mark.usefixtures("on_eight_devices")   # DEVICES: the module's 8 devices
 
@@ -130,19 +129,5 @@ def test_checkpoints_move_between_scanned_and_unscanned_runs(tmp_path):
     checkpoint converts through both forms."""
     sets = ["model.hidden_dropout=0.1", "model.attention_dropout=0.1", "train.max_steps=6",
             "mesh.data=-1", "train.optimizer=adan", "train.optimizer_impl=xla"]
-    scan, plain = ("model.scan_layers=true",), ("model.scan_layers=false",)
-    full = loop.train(tiny_cfg(tmp_path, "name=full", *sets, *plain))
-    lf = logged_losses(full["run_dir"])
-    for first, second in ((scan, plain), (plain, scan)):
-        name = "name=from_scanned" if first == scan else "name=from_unscanned"
-        part = loop.train(tiny_cfg(tmp_path, name, *sets, *first), sigterm_at(3))
-        assert part["status"] == "preempted"
-        resumed = loop.train(tiny_cfg(tmp_path, name, *sets, *second))
-        assert resumed["status"] == "completed"
-        lp = logged_losses(part["run_dir"])
-        assert sorted(lp) == sorted(lf)
-        np.testing.assert_allclose([lp[s] for s in sorted(lf)], [lf[s] for s in sorted(lf)],
-                                   rtol=1e-5)
-        assert resumed["eval_accuracy"] == pytest.approx(full["eval_accuracy"])
-        assert inference.evaluate_run(part["run_dir"], devices=DEVICES[:2])["accuracy"] == \
-            pytest.approx(full["eval_accuracy"])
+    resumes_both_ways(tmp_path, sets, ("model.scan_layers=true",),
+                      ("model.scan_layers=false",), 6)
