@@ -61,7 +61,8 @@ def test_sharded_steps_equal_unsharded(tmp_path, unsharded, mesh, devices):
 
 def adan_buffers(state):
     adan_state = state.opt_state
-    return adan_state.m + adan_state.v + adan_state.n + adan_state.prev
+    return sum((x.buffers for x in (adan_state.m, adan_state.v, adan_state.n, adan_state.prev)),
+               ())
 
 
 @pytest.mark.parametrize("mesh,devices,sets,blocks", [
