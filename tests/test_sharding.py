@@ -283,7 +283,7 @@ def test_bert_base_train_step_compiles_for_8_chips_with_per_chip_memory_as_shard
     assert memory.temp_size_in_bytes < 2 * arguments, (memory.temp_size_in_bytes, arguments)
     if target.platform == "gpu":
         compile_only.assert_gemm_dtypes(compiled.as_text(), policy,
-                                        run.spec.architecture.num_hidden_layers)
+                                        compile_only.layer_bodies(run))
 
 
 @pytest.mark.parametrize("sets,source", [((), (8, 1, 1)), (ADAN, (1, 8, 1))])
