@@ -1,4 +1,4 @@
-"""The one-pass Adan on flat parameters (``optim.flat``, ``adan_onepass``, ``kernels_pallas``'s
+"""The one-pass Adan on flat parameters (``forms.flat``, ``adan_onepass``, ``kernels_pallas``'s
 ``adan_apply``, ``train.flat_params``): the float64 rule, the kernel three ways, training equal
 to the optax path on one device and sharded, checkpoints portable across the two paths."""
 import json

@@ -133,14 +133,22 @@ class Stages(Stacking):
 
 def of(cfg, num_layers: int) -> Stages | None:
     """The pipeline of a config (``mesh.stage`` > 1), checked against the model's
-    ``num_layers``; None without one. ``train.microbatches`` 0 is one per stage."""
+    ``num_layers`` and the batch sizes its micro-batches split; None without one.
+    ``train.microbatches`` 0 is one per stage."""
     s = int(cfg.mesh.get("stage", 1))
     if s <= 1:
         return None
-    m = cfg.train.microbatches or s
+    t = cfg.train
+    m = t.microbatches or s
     stages = Stages(s, int(cfg.model.pipeline_repeats), int(m), int(num_layers),
                     bool(cfg.sharding.get("pipeline_gather_once", False)))
     stages.check()
+    sizes = {"train.batch_size / train.grad_accum": t.batch_size // t.grad_accum,
+             "train.eval_batch_size": t.eval_batch_size}
+    for key, size in sizes.items():
+        if size % m:
+            raise ValueError(f"{key}={size} does not split into train.microbatches={m} "
+                             f"micro-batches; use a multiple of {m}.")
     return stages
 
 

@@ -138,7 +138,7 @@ def resolve(cfg: Config, devices=None, *, training: bool = True,
                             training=training)
     shd.check_model_fits(spec.architecture, mesh)
     layout = layout_lib.choose(cfg.train) if training else layout_lib.TREE
-    stages = _stages(cfg, spec) if training else None
+    stages = pipeline.of(cfg, spec.architecture.num_hidden_layers) if training else None
     stacking = stages or Scan.of(cfg.model.scan_layers, spec.architecture.num_hidden_layers,
                                  mesh.devices.flat[0].platform)
     per_epoch = described.steps_per_epoch if training and described is not None else None
@@ -175,23 +175,6 @@ def describe_data(cfg: Config, spec: ModelSpec, devices: int, tokenizer: str | N
     if label_names:
         described = dataclasses.replace(described, label_names=tuple(label_names))
     return described
-
-
-def _stages(cfg: Config, spec: ModelSpec):
-    """The run's pipeline (``pipeline.of``), checked against the batch sizes its micro-batches
-    split."""
-    stages = pipeline.of(cfg, spec.architecture.num_hidden_layers)
-    if stages is None:
-        return None
-    t = cfg.train
-    sizes = {"train.batch_size / train.grad_accum": t.batch_size // t.grad_accum,
-             "train.eval_batch_size": t.eval_batch_size}
-    for key, size in sizes.items():
-        if size % stages.microbatches:
-            raise ValueError(f"{key}={size} does not split into train.microbatches="
-                             f"{stages.microbatches} micro-batches; use a multiple of "
-                             f"{stages.microbatches}.")
-    return stages
 
 
 @dataclasses.dataclass
