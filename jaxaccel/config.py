@@ -54,7 +54,14 @@ BASE: dict[str, Any] = {
                                     # (masked mean of the last hidden states)
         "hidden_dropout": None,     # None = the checkpoint's value
         "attention_dropout": None,  # None = the checkpoint's value
-        "remat": False,             # rematerialise each layer in the backward pass
+        "remat": None,              # what each layer keeps for the backward pass (the rest
+                                    # is computed again): none (None, false) | full (true) |
+                                    # minimal | save_dot_except_mlp | save_qkv_proj |
+                                    # minimal_offloaded (models/remat.py)
+        "scan_layers": None,        # the layers' parameters stacked [layers, ...] and run by
+                                    # one jax.lax.scan: one compiled layer body (a pipeline
+                                    # stacks them by stage instead); models/stack.py. None:
+                                    # on TPUs and GPUs, not on the CPU (slower steps there)
         "pipeline_repeats": 1,      # pipeline: layer groups per stage (R); R > 1 is the
                                     # circular (interleaved) schedule, a smaller bubble
     },
@@ -128,6 +135,9 @@ BASE: dict[str, Any] = {
                                     # jaxaccel/train/layout.py); optimizer_impl then picks the
                                     # kernel: auto|xla|pallas|mosaic_gpu
         "grad_accum": 1,            # micro-batches per optimizer step
+        "loss_chunks": 1,           # causal LM: > 1 takes the loss over this many sequence
+                                    # chunks, never the whole [batch, length, vocab] float32
+                                    # logits at once (train/tasks.py); must divide the length
         "microbatches": 0,          # pipeline (mesh.stage > 1): micro-batches per pass through
                                     # the stages, >= mesh.stage; 0 = mesh.stage. The bubble
                                     # is (S-1)/(R*M+S-1)
@@ -388,10 +398,14 @@ def validate(cfg: Config) -> None:
                 "data.synthetic_examples": cfg.data.synthetic_examples,
                 "data.synthetic_seq_len": cfg.data.synthetic_seq_len,
                 "train.grad_accum": t.grad_accum, "train.log_every": t.log_every,
+                "train.loss_chunks": t.loss_chunks,
                 "data.max_len": cfg.data.max_len, "data.pad_multiple": cfg.data.pad_multiple,
                 "data.tokenizer_vocab": cfg.data.tokenizer_vocab,
                 "model.num_labels": cfg.model.num_labels,
                 "model.pipeline_repeats": cfg.model.pipeline_repeats}
+    if cfg.model.scan_layers not in (None, True, False):
+        raise ValueError(f"model.scan_layers={cfg.model.scan_layers!r} must be true, false or "
+                         "None (scanned on TPUs and GPUs, not on the CPU).")
     if t.microbatches < 0:
         raise ValueError(f"train.microbatches={t.microbatches} must be >= 0 (0: one per "
                          "pipeline stage).")

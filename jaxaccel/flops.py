@@ -33,6 +33,8 @@ import numpy as np
 from jaxaccel import devices
 from jaxaccel.precision import get_policy
 
+RECOMPUTED = ("qkv", "out", "mlp", "core")     # a layer's forward: all of it (full remat)
+
 
 @dataclasses.dataclass(frozen=True)
 class Shape:
@@ -64,9 +66,16 @@ class Shape:
     def train_flops(self, batch: int, seq: int) -> float:
         return 6.0 * self.matmul_weights * batch * seq + self.attention_flops(batch, seq)
 
-    def recompute_flops(self, batch: int, seq: int) -> float:
-        """The layers' forward pass again (remat): a third of their training FLOPs."""
-        return (self.train_flops(batch, seq) - 6.0 * self.head_weights * batch * seq) / 3.0
+    def recompute_flops(self, batch: int, seq: int, parts=RECOMPUTED) -> float:
+        """The forward FLOPs of ``parts`` of every layer again (remat): "qkv" (the query, key
+        and value projections), "out" (attention's output projection), "mlp", "core"
+        (attention's scores and context); all four: the layers' whole forward pass, a third
+        of their training FLOPs."""
+        h, d = self.hidden, self.head_dim
+        weights = {"qkv": h * self.heads * d + 2 * h * self.kv_heads * d,
+                   "out": h * self.heads * d, "mlp": self.mlp_matrices * h * self.intermediate}
+        flops = 2.0 * batch * seq * self.layers * sum(weights[p] for p in parts if p in weights)
+        return flops + (self.attention_flops(batch, seq) / 3.0 if "core" in parts else 0.0)
 
     @staticmethod
     def rows(batch: dict) -> tuple[int, int]:
@@ -108,10 +117,10 @@ class ViTShape:
         return (self.encoder.train_flops(batch, self.encoder_tokens) + dec
                 + 6.0 * self.patch_weights * batch * self.patches)
 
-    def recompute_flops(self, batch: int, seq: int | None = None) -> float:
+    def recompute_flops(self, batch: int, seq: int | None = None, parts=RECOMPUTED) -> float:
         dec = 0.0 if self.decoder is None else \
-            self.decoder.recompute_flops(batch, self.decoder_tokens)
-        return self.encoder.recompute_flops(batch, self.encoder_tokens) + dec
+            self.decoder.recompute_flops(batch, self.decoder_tokens, parts)
+        return self.encoder.recompute_flops(batch, self.encoder_tokens, parts) + dec
 
     def rows(self, batch: dict) -> tuple[int, int]:
         return len(batch["pixels"]), self.patches
@@ -135,11 +144,12 @@ def train_flops(shape: Shape | ViTShape, batch: int, seq: int) -> float:
     return shape.train_flops(batch, seq)
 
 
-def recompute_flops(shape: Shape | ViTShape, batch: int, seq: int) -> float:
-    """FLOPs a step with ``model.remat`` adds to ``train_flops``: each layer's forward pass is
-    run again in the backward pass (not counted in MFU, which counts the model's FLOPs, but
-    time the hardware spends)."""
-    return shape.recompute_flops(batch, seq)
+def recompute_flops(shape: Shape | ViTShape, batch: int, seq: int, parts=RECOMPUTED) -> float:
+    """FLOPs a step with ``model.remat`` adds to ``train_flops``: the ``parts`` of each layer's
+    forward pass its policy computes again in the backward pass (``models.remat``; all of it
+    under ``full``), not counted in MFU, which counts the model's FLOPs, but time the hardware
+    spends."""
+    return shape.recompute_flops(batch, seq, parts)
 
 
 def bert_shape(spec) -> Shape:

@@ -4,17 +4,23 @@ which dtype leaves the model (logits), and how the loss or the matmul inputs are
 A policy is chosen by name in the config (``precision.policy``) so that a GPU run and a TPU run
 can use the same numerics and be compared directly:
 
-=======  ===========  =============  ============  ===========================================
-name     param dtype  compute dtype  output dtype  scaling
-=======  ===========  =============  ============  ===========================================
-fp32     float32      float32        float32       none
-bf16     float32      bfloat16       float32       none
-fp16     float32      float16        float32       dynamic loss scaling (``LossScale``)
-fp8      float32      bfloat16       float32       encoder matmuls in fp8 with delayed scaling
-=======  ===========  =============  ============  ===========================================
+=======  ===========  =============  ===========  ============  ==================================
+name     param dtype  compute dtype  activations  output dtype  scaling
+=======  ===========  =============  ===========  ============  ==================================
+fp32     float32      float32        float32      float32       none
+bf16     float32      bfloat16       bfloat16     float32       none
+fp16     float32      float16        float32      float32       dynamic loss scaling
+fp8      float32      bfloat16       bfloat16     float32       block matmuls in fp8, delayed
+                                                                scaling
+=======  ===========  =============  ===========  ============  ==================================
 
-Softmax, layer norm, losses and optimizer math always run in float32 whatever the policy;
-model code reads dtypes from the policy and never hard-codes them.
+Activations (``activation_dtype``) are the residual stream between and within the layers and
+what the backward pass keeps of it (a rematerialised layer's input): bfloat16 under bf16 and
+fp8, as MaxText keeps them, which halves those bytes; float32 under fp16, whose narrow range
+the residual stream of a deep model can leave. Softmax, the norms' statistics, losses and
+optimizer math always run in float32 whatever the policy (a norm reads its input in float32
+and writes the activation dtype); model code reads dtypes from the policy and never
+hard-codes them.
 
 **fp16.** The loss is multiplied by a scale ``S`` before differentiation and the gradients
 divided by it, so small fp16 gradients do not flush to zero. If any gradient is inf/NaN the
@@ -54,6 +60,8 @@ class Policy:
       matmul_dtype: the dtype the dense matmuls run in, whose published peak FLOP/s bounds
         them (``jaxaccel.devices``; MFU's denominator): fp8's encoder matmuls run in float8
         although its other compute is bfloat16.
+      compute_activations: the activations in ``compute_dtype`` (``activation_dtype``), else
+        float32.
     """
 
     name: str
@@ -64,6 +72,12 @@ class Policy:
     fp8: bool = False
     amax_history_length: int = 1024
     matmul_dtype: str = "float32"
+    compute_activations: bool = False
+
+    @property
+    def activation_dtype(self):
+        """The dtype of the residual stream and the activations kept for the backward pass."""
+        return self.compute_dtype if self.compute_activations else jnp.float32
 
     def cast_to_compute(self, x):
         return x.astype(self.compute_dtype)
@@ -74,11 +88,12 @@ class Policy:
 
 POLICIES = {
     "fp32": Policy("fp32", jnp.float32, jnp.float32, jnp.float32),
-    "bf16": Policy("bf16", jnp.float32, jnp.bfloat16, jnp.float32, matmul_dtype="bfloat16"),
+    "bf16": Policy("bf16", jnp.float32, jnp.bfloat16, jnp.float32, matmul_dtype="bfloat16",
+                   compute_activations=True),
     "fp16": Policy("fp16", jnp.float32, jnp.float16, jnp.float32, loss_scaling=True,
                    matmul_dtype="float16"),
     "fp8": Policy("fp8", jnp.float32, jnp.bfloat16, jnp.float32, fp8=True,
-                  matmul_dtype="float8"),
+                  matmul_dtype="float8", compute_activations=True),
 }
 
 

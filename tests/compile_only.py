@@ -20,6 +20,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jaxaccel.models.stack import Scan
 from jaxaccel.train.checkpoint import abstract_like
 
 # The custom call each platform's Pallas kernels compile to ("gpu": Triton), and the Mosaic GPU
@@ -110,8 +111,16 @@ def dots(hlo: str) -> list[tuple[str, str, bool]]:
 ENCODER_DENSE = 6
 
 
+def layer_bodies(run) -> int:
+    """How many layer bodies ``run``'s compiled step holds: one where its layers are scanned
+    (``models.stack.Scan``: one body run by the loop), else one per layer."""
+    return 1 if isinstance(run.resolved.stacking, Scan) else \
+        run.spec.architecture.num_hidden_layers
+
+
 def assert_gemm_dtypes(hlo: str, policy: str, layers: int):
-    """What a GPU target's optimized HLO says of the encoder's GEMMs under ``policy``.
+    """What a GPU target's optimized HLO says of the encoder's GEMMs under ``policy``, for
+    ``layers`` layer bodies in the program (``layer_bodies``).
 
     fp8: fp8 operands reach them: forward E4M3 x E4M3 (one per Dense) and backward GEMMs with
     E5M2 gradients (two per Dense). bf16: every GEMM, backward ones included, takes bf16

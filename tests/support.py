@@ -30,7 +30,7 @@ from jaxaccel import cli, config
 from jaxaccel.plan import topology
 from jaxaccel.data.packing import pack
 from jaxaccel.models import LLAMA_PRESETS
-from jaxaccel.train import loop
+from jaxaccel.train import inference, loop
 from jaxaccel.train import run as run_lib
 from jaxaccel.train.metrics import read_metrics
 from jaxaccel.train.preemption import Preemption
@@ -110,6 +110,28 @@ class _SigtermAt(Preemption):
 def sigterm_at(n: int) -> loop.Services:
     """The loop's services with a real SIGTERM to this process after its n-th train step."""
     return loop.Services(stop=lambda: _SigtermAt(n))
+
+
+def resumes_both_ways(tmp_path, sets, one, other, steps):
+    """The tiny run of ``sets`` stopped after step 3 with the settings ``one`` and resumed with
+    ``other``, and the reverse: each has the losses of the run on ``other`` that never stopped
+    (``steps`` of them), its final eval, and the eval of the folder on 2 of ``DEVICES``
+    (data parallel on the devices at hand, whatever trained it)."""
+    full = loop.train(tiny_cfg(tmp_path, "name=full", *sets, *other))
+    lf = logged_losses(full["run_dir"])
+    assert sorted(lf) == list(range(1, steps + 1))
+    for name, first, second in (("name=from_one", one, other), ("name=from_other", other, one)):
+        part = loop.train(tiny_cfg(tmp_path, name, *sets, *first), sigterm_at(3))
+        assert part["status"] == "preempted"
+        resumed = loop.train(tiny_cfg(tmp_path, name, *sets, *second))
+        assert resumed["status"] == "completed"
+        lp = logged_losses(part["run_dir"])
+        assert sorted(lp) == sorted(lf)
+        np.testing.assert_allclose([lp[s] for s in sorted(lf)], [lf[s] for s in sorted(lf)],
+                                   rtol=1e-5)
+        assert resumed["eval_accuracy"] == pytest.approx(full["eval_accuracy"])
+        assert inference.evaluate_run(part["run_dir"], devices=DEVICES[:2])["accuracy"] == \
+            pytest.approx(full["eval_accuracy"])
 
 
 # ---- the tiny run on a module's 8 devices ----

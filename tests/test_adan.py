@@ -14,7 +14,8 @@ import pytest
 
 import compile_only
 from jaxaccel.optim import decay_mask
-from jaxaccel.optim import flat
+from jaxaccel import forms
+from jaxaccel.forms.packing import Packer
 from jaxaccel.optim.adan import AdanState, adan, restart
 from kernels_pallas import registry
 from kernels_pallas import mgpu
@@ -197,19 +198,19 @@ def test_portable_form_is_the_reference_state_and_round_trips():
     kw = dict(weight_decay=0.01, mask=decay_mask)
     _, flat_state, _ = run(adan(1e-3, impl="xla", **kw), params, 3)
     _, ref, _ = run(adan(1e-3, impl="per_leaf", **kw), params, 3)
-    portable = flat.portable(flat_state)
+    portable = forms.portable(flat_state)
     assert jax.tree_util.tree_structure(portable) == jax.tree_util.tree_structure(ref)
     for a, b in zip(jax.tree_util.tree_leaves(portable), jax.tree_util.tree_leaves(ref)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
-    back = flat.restore(portable, flat_state)
-    assert back.layout == flat_state.layout
+    back = forms.restore(portable, flat_state)
+    assert back.m.packing == flat_state.m.packing
     for a, b in zip(jax.tree_util.tree_leaves(back), jax.tree_util.tree_leaves(flat_state)):
         np.testing.assert_array_equal(a, b)
     # Inside an optax chain too; the other parts of the state pass through.
     tx = optax.chain(optax.trace(decay=0.9), adan(1e-3, impl="xla"))
     state = tx.init(params)
-    assert isinstance(flat.portable(state)[1].m, dict)
-    assert all(a is b for a, b in zip(jax.tree_util.tree_leaves(flat.portable(state)[0]),
+    assert isinstance(forms.portable(state)[1].m, dict)
+    assert all(a is b for a, b in zip(jax.tree_util.tree_leaves(forms.portable(state)[0]),
                                       jax.tree_util.tree_leaves(state[0])))
 
 
@@ -219,12 +220,12 @@ def test_sharding_arguments_are_checked(eight_devices):
     params = small_tree()                          # bias is (13,): 8 does not divide 13
     split = jax.tree_util.tree_map(lambda _: NamedSharding(mesh, P("fsdp")), params)
     with pytest.raises(ValueError, match=r"shape \(13,\) is sharded .* 13 into 8 uneven"):
-        adan(1e-3, impl="xla", shardings=split).init(params)
+        adan(1e-3, impl="xla", packer=Packer(split)).init(params)
     with pytest.raises(ValueError, match="zero_axes.*needs the parameters' shardings"):
-        adan(1e-3, impl="xla", zero_axes=("data",)).init(params)
+        adan(1e-3, impl="xla", packer=Packer(zero_axes=("data",))).init(params)
     replicated = jax.tree_util.tree_map(lambda _: NamedSharding(mesh, P()), params)
     with pytest.raises(ValueError, match=r"zero_axes \['data'\] are not axes of the mesh"):
-        adan(1e-3, impl="xla", shardings=replicated, zero_axes=("data",)).init(params)
+        adan(1e-3, impl="xla", packer=Packer(replicated, ("data",))).init(params)
 
 
 def test_sharded_layout_takes_the_mesh_from_the_arrays(eight_devices):
@@ -235,16 +236,16 @@ def test_sharded_layout_takes_the_mesh_from_the_arrays(eight_devices):
     mesh = Mesh(np.asarray(eight_devices), ("fsdp",))
     params = {"w": np.ones((16, 8), np.float32), "b": np.arange(8, dtype=np.float32)}
     split = jax.tree_util.tree_map(lambda _: NamedSharding(mesh, P("fsdp")), params)
-    tx = adan(1e-3, weight_decay=0.1, impl="xla", shardings=split)
+    tx = adan(1e-3, weight_decay=0.1, impl="xla", packer=Packer(split))
     state = tx.init(params)
-    assert state.layout.axis_sizes == (("fsdp", 8),) and state.layout.shard_axes == ("fsdp",)
-    assert not any(isinstance(getattr(state.layout, f.name), Mesh)
-                   for f in dataclasses.fields(state.layout))
+    assert state.m.packing.axis_sizes == (("fsdp", 8),) and state.m.packing.shard_axes == ("fsdp",)
+    assert not any(isinstance(getattr(state.m.packing, f.name), Mesh)
+                   for f in dataclasses.fields(state.m.packing))
     grads = grads_at(0, params)
     with pytest.raises(ValueError, match="no mesh is set and the arrays are not placed"):
         tx.update(grads, state, params)
     place = lambda tree: jax.device_put(tree, split)
-    buffers = NamedSharding(mesh, state.layout.buffer_spec)
+    buffers = NamedSharding(mesh, state.m.packing.buffer_spec)
     state = jax.device_put(state, jax.tree_util.tree_map(lambda _: buffers, state)
                            .replace(count=NamedSharding(mesh, P())))
     updates, _ = jax.jit(tx.update)(place(grads), state, place(params))

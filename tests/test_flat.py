@@ -1,4 +1,4 @@
-"""The one-pass Adan on flat parameters (``optim.flat``, ``adan_onepass``, ``kernels_pallas``'s
+"""The one-pass Adan on flat parameters (``forms.flat``, ``adan_onepass``, ``kernels_pallas``'s
 ``adan_apply``, ``train.flat_params``): the float64 rule, the kernel three ways, training equal
 to the optax path on one device and sharded, checkpoints portable across the two paths."""
 import json
@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 
 import compile_only
-from jaxaccel.optim import decay_mask, flat
+from jaxaccel import forms
+from jaxaccel.forms.packing import Packer
+from jaxaccel.optim import decay_mask
 from jaxaccel.optim.adan import adan_onepass
 from jaxaccel.train.checkpoint import Checkpointer, on_disk, restore_state
 from jaxaccel.train.metrics import read_metrics
@@ -63,14 +65,14 @@ def test_groups_split_by_decay_and_dtype_and_views_round_trip():
     params["half"] = jnp.arange(300, dtype=jnp.bfloat16).reshape(3, 100)
     tx = adan_onepass(1e-3, weight_decay=0.1, mask=decay_mask)
     fp = tx.flatten(params)
-    kinds = [(g.decay, g.dtype) for g in fp.layout.groups]
+    kinds = [(g.decay, g.dtype) for g in fp.packing.groups]
     assert kinds == [(True, "bfloat16"), (True, "float32"), (False, "float32")]
     assert [b.dtype for b in fp.buffers] == [jnp.bfloat16, jnp.float32, jnp.float32]
     assert all(b.shape[0] % ROW_ALIGN == 0 and b.shape[1] == LANES for b in fp.buffers)
     for a, b in zip(jax.tree_util.tree_leaves(fp.view()), jax.tree_util.tree_leaves(params)):
         np.testing.assert_array_equal(a, b)
         assert a.dtype == b.dtype
-    back = flat.restore(flat.portable(fp), fp)
+    back = forms.restore(forms.portable(fp), fp)
     for a, b in zip(back.buffers, fp.buffers):
         np.testing.assert_array_equal(a, b)
     with pytest.raises(ValueError, match="gradient buffers for 3 groups"):
@@ -90,10 +92,9 @@ def test_the_flat_gradient_norm_counts_a_replicated_leaf_once():
     shardings = {k: NamedSharding(mesh, v) for k, v in specs.items()}
     grads = jax.device_put(grads, shardings)
     for zero in ((), ("tensor",)):
-        tx = adan_onepass(1e-3, mask=decay_mask, impl="xla", shardings=shardings,
-                          zero_axes=zero)
+        tx = adan_onepass(1e-3, mask=decay_mask, impl="xla", packer=Packer(shardings, zero))
         fp = tx.flatten(grads)
-        layout = fp.layout
+        layout = fp.packing
         assert [layout.copies(i) for i in range(3)] == [2, 1, 8]   # half, split, whole
         with jax.set_mesh(mesh):
             got = jax.jit(layout.global_norm)(fp.buffers)
@@ -186,7 +187,7 @@ def test_flat_training_equals_the_optax_path(tmp_path, optax_path):
 def test_sharded_flat_training_equals_one_device(tmp_path, optax_path, mesh, devices, sets):
     run = build(tmp_path, mesh, devices, *ADAN, *FLAT, *sets)
     buf = run.state.params.buffers[0]
-    assert buf.sharding.spec == run.state.params.layout.param_spec
+    assert buf.sharding.spec == run.state.params.packing.param_spec
     _assert_same(_losses_and_params(run), optax_path)
 
 
@@ -204,11 +205,11 @@ def test_flat_step_compiles_for_tpu_and_gpu_with_one_kernel_per_group(flat_142, 
     from jax.sharding import PartitionSpec as P
     target = compile_target(name)
     run = flat_142
-    assert run.state.params.layout.param_spec == P(("fsdp", "tensor"))
+    assert run.state.params.packing.param_spec == P(("fsdp", "tensor"))
     m = compile_only.mesh(target, run.mesh.devices.shape, run.mesh.axis_names)
     text = compile_only.compile_step(run, m)[0].as_text()
     calls = compile_only.kernel_calls(text, target.platform)
-    assert sum("adan_apply" in c for c in calls) == len(run.state.params.layout.groups)
+    assert sum("adan_apply" in c for c in calls) == len(run.state.params.packing.groups)
     assert not any("adan_update" in c for c in calls)
 
 
@@ -262,7 +263,7 @@ def test_the_flat_layout_rule_is_one_function():
         choose("train.optimizer=adan", "train.optimizer_impl=per_leaf")
     assert choose("train.optimizer=adan", "train.grad_accum=2",
                   "precision.policy=fp16") is layout.FLAT
-    assert layout.choose(config.build(sets=["train.optimizer=adan"]).train) is layout.PER_LEAF
+    assert layout.choose(config.build(sets=["train.optimizer=adan"]).train) is layout.TREE
 
 
 def test_a_flat_run_resumes_as_optax_and_back_and_evaluates(tmp_path, capsys):

@@ -11,9 +11,9 @@ from flax import nnx
 from jaxaccel import sharding as shd
 from jaxaccel.plan.collectives import collective_bytes
 from jaxaccel.models import LLAMA_PRESETS, ModelSpec, build_model
-from jaxaccel.optim import make_optimizer, state_shardings
+from jaxaccel.optim import make_optimizer
 from jaxaccel.precision import get_policy
-from jaxaccel.train.layout import PER_LEAF
+from jaxaccel.train.layout import TREE, state_shardings
 from jaxaccel.train.run import split_model
 from jaxaccel.train.checkpoint import abstract_like
 from jaxaccel.train.state import TrainState
@@ -31,8 +31,7 @@ def sharded_step(spec, policy, mesh, abstract=False, grad_accum=1):
     model = nnx.eval_shape(make) if abstract else make()
     graphdef, params, fp8, p_sh = split_model(model, mesh)
     fp8 = fp8 if policy.fp8 else None
-    tx = make_optimizer("adamw", 3e-3, weight_decay=0.01, max_grad_norm=1.0, eps=1e-3,
-                        shardings=p_sh)
+    tx = make_optimizer("adamw", 3e-3, weight_decay=0.01, max_grad_norm=1.0, eps=1e-3)
     create = lambda p, f: TrainState.create(p, tx, 0, None, f)
     shapes = jax.eval_shape(create, params, fp8)
     rep = shd.replicated(mesh)
@@ -41,7 +40,7 @@ def sharded_step(spec, policy, mesh, abstract=False, grad_accum=1):
                            fp8=jax.tree_util.tree_map(lambda _: rep, shapes.fp8))
     state = abstract_like(shapes, shardings) if abstract else \
         jax.jit(create, out_shardings=shardings)(jax.device_put(params, p_sh), fp8)
-    step = jax.jit(make_train_step(graphdef, tx, PER_LEAF, task=LM,
+    step = jax.jit(make_train_step(graphdef, tx, TREE, task=LM,
                                    fp8_group=type(model).fp8_group, grad_accum=grad_accum),
                    in_shardings=(shardings, shd.batch_sharding(mesh)),
                    out_shardings=(shardings, rep), donate_argnums=0)

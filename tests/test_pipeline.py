@@ -15,11 +15,13 @@ import pytest
 
 from jaxaccel import config, plan, precision
 from jaxaccel.models import model_spec
-from jaxaccel.optim import flat
-from jaxaccel.train import inference, loop, pipeline
+from jaxaccel import forms
+from jaxaccel.forms.flat import FlatParams
+from jaxaccel.forms.stacked import Stacked
+from jaxaccel.train import pipeline
 from jaxaccel.train import run as run_lib
-from support import (CONFIGS, DEVICES, TINY, TINY_SETS, docs, logged_losses, needs_cuda_plugin,
-                     needs_libtpu, packed, sigterm_at, tiny_cfg)
+from support import (CONFIGS, DEVICES, TINY, TINY_SETS, docs, needs_cuda_plugin, needs_libtpu,
+                     packed, resumes_both_ways)
 
 pytestmark = pytest.mark.usefixtures("on_eight_devices")   # DEVICES: the module's 8 devices
 
@@ -65,7 +67,7 @@ def two_steps(sets, tmp_path, mesh, layers, *extra, policy=None):
         for batch in batches:
             state, metrics = run.train_step(state, run.put_batch(batch))
             losses.append(float(metrics["loss"]))
-    return Steps(losses, jax.device_get(flat.portable(state.params)), run,
+    return Steps(losses, jax.device_get(forms.portable(state.params)), run,
                  jax.device_get(state.fp8))
 
 
@@ -114,7 +116,7 @@ def test_pipelined_steps_equal_the_plain_steps(plain, tmp_path, family, mesh, pe
                                     f"model.pipeline_repeats={repeats}")
     stages = run.resolved.stages
     assert (stages.stages, stages.microbatches, stages.repeats) == (sizes["stage"], m, repeats)
-    assert isinstance(run.state.params, pipeline.StagedParams)
+    assert isinstance(run.state.params, Stacked)
     # the layers live split over the stages: each device holds its stage's groups only
     leaf = jax.tree_util.tree_leaves(run.state.params.layers)[0]
     assert leaf.sharding.spec[0] == "stage"
@@ -190,7 +192,7 @@ def test_layer_decay_and_the_flat_layout_compose_with_the_pipeline(plain, tmp_pa
     assert max(np.max(np.abs(a - b)) for a, b in zip(jax.tree_util.tree_leaves(without),
                                                      jax.tree_util.tree_leaves(pipe[1]))) > 1e-3
     if "train.flat_params=true" in extra:
-        assert isinstance(pipe[2].state.params, flat.FlatParams)
+        assert isinstance(pipe[2].state.params, FlatParams)
 
 
 def test_layers_that_do_not_split_evenly_are_padded_at_the_end(plain, tmp_path):
@@ -201,9 +203,9 @@ def test_layers_that_do_not_split_evenly_are_padded_at_the_end(plain, tmp_path):
     assert (st.group, st.padding) == (6, 2)
     assert st.idle == pytest.approx(1 - 22 * 4 / (4 * 6 * 7)) and st.idle > st.bubble
     params = {"layers": {i: {"w": np.full((2,), i + 1.0)} for i in range(22)}}
-    staged = pipeline.StagedParams.create(st, params)
+    staged = Stacked.create(st, params)
     assert (staged.layers["w"][3, 0, 4:] == 0).all() and staged.layers["w"][3, 0, 3, 0] == 22
-    assert sorted(staged.unstaged()["layers"]) == list(range(22))
+    assert sorted(staged.unstacked()["layers"]) == list(range(22))
     losses, params, run, _ = two_steps(LLAMA, tmp_path, MESHES["stage2_fsdp2_data2"], 3,
                                        "train.microbatches=2")
     assert run.resolved.stages.padding == 1
@@ -221,10 +223,10 @@ def test_layers_are_placed_round_robin_by_repeat_and_the_bubble_follows():
     # stage 1 holds layers 2, 3 (repeat 0) and 10, 11 (repeat 1)
     assert [st.layer(1, r, j) for r in range(2) for j in range(2)] == [2, 3, 10, 11]
     params = {"embed": np.zeros(3), "layers": {i: {"w": np.full((2,), i)} for i in range(16)}}
-    staged = pipeline.StagedParams.create(st, params)
+    staged = Stacked.create(st, params)
     assert staged.layers["w"].shape == (4, 2, 2, 2)
     assert staged.layers["w"][1, 1, 0, 0] == 10
-    back = staged.unstaged()
+    back = staged.unstacked()
     assert all((back["layers"][i]["w"] == i).all() for i in range(16))
 
 
@@ -249,24 +251,8 @@ def test_checkpoints_move_between_pipelined_and_plain_runs(tmp_path, steps):
     Adan's state in the flat layout, so its checkpoint is converted through both forms."""
     sets = ["model.hidden_dropout=0.1", "model.attention_dropout=0.1", f"train.max_steps={steps}",
             "mesh.data=-1", "train.optimizer=adan", "train.optimizer_impl=xla"]
-    piped = ("mesh.stage=2", "train.flat_params=true")
-    full = loop.train(tiny_cfg(tmp_path, "name=full", *sets))
-    lf = logged_losses(full["run_dir"])
-    assert sorted(lf) == list(range(1, steps + 1))
-    for first, second in ((piped, ("mesh.stage=1",)), (("mesh.stage=1",), piped)):
-        name = f"name=from_{first[0][-1]}"
-        part = loop.train(tiny_cfg(tmp_path, name, *sets, *first), sigterm_at(3))
-        assert part["status"] == "preempted"
-        resumed = loop.train(tiny_cfg(tmp_path, name, *sets, *second))
-        assert resumed["status"] == "completed"
-        lp = logged_losses(part["run_dir"])
-        assert sorted(lp) == sorted(lf)
-        np.testing.assert_allclose([lp[s] for s in sorted(lf)], [lf[s] for s in sorted(lf)],
-                                   rtol=1e-5)
-        assert resumed["eval_accuracy"] == pytest.approx(full["eval_accuracy"])
-        # jaxaccel eval of the folder: data parallel on the devices at hand, whatever trained it
-        assert inference.evaluate_run(part["run_dir"], devices=DEVICES[:2])["accuracy"] == \
-            pytest.approx(full["eval_accuracy"])
+    resumes_both_ways(tmp_path, sets, ("mesh.stage=2", "train.flat_params=true"),
+                      ("mesh.stage=1",), steps)
 
 
 # The decoder job's config with the tiny decoder (2 layers; a tokenizer named so that no corpus

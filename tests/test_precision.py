@@ -15,7 +15,9 @@ from flax import nnx
 
 import compile_only
 from jaxaccel import config
+from jaxaccel.models import build_model, model_spec
 from jaxaccel.models.fp8 import Fp8Linear
+from jaxaccel.models.stack import sequential
 from jaxaccel.precision import POLICIES, LossScale, get_policy
 from jaxaccel.train import loop
 from jaxaccel.train import run as run_lib
@@ -163,6 +165,30 @@ def test_bf16_training_lowers_the_loss(tmp_path):
     losses = logged_losses(result["run_dir"])
     assert np.mean([losses[s] for s in (10, 11, 12)]) < np.mean([losses[s] for s in (1, 2, 3)]) \
         - 0.05
+
+
+# ---- activations ----
+
+@pytest.mark.parametrize("name", ["tiny", "llama-tiny", "vit-tiny"])
+def test_the_residual_stream_is_bf16_under_bf16_and_fp8_and_float32_otherwise(name):
+    """What enters and leaves the layer stack (the residual stream, and what a rematerialised
+    or scanned layer keeps of it) is in the policy's activation dtype, for each family; the
+    logits stay float32."""
+    spec = model_spec(config.build(sets=[f"model.name={name}"]).model)
+    for policy, want in (("fp32", jnp.float32), ("fp16", jnp.float32),
+                         ("bf16", jnp.bfloat16), ("fp8", jnp.bfloat16)):
+        model = build_model(spec, policy)
+        seen = []
+
+        def stack(x, args, key, deterministic):
+            out = sequential(model.layers, type(model).layer_call)(x, args, key, deterministic)
+            seen.extend((x.dtype, out.dtype))
+            return out
+        inputs = {k: jnp.ones((2, *shape), dtype) for k, (shape, dtype) in
+                  type(model).input_shapes(spec.architecture, 16).items()}
+        out = model(*(inputs[k] for k in model.input_keys), stack=stack)
+        assert set(seen) == {jnp.dtype(want)}, (policy, seen)
+        assert out.logits.dtype == jnp.float32
 
 
 # ---- sharding and compiling for accelerators ----

@@ -4,9 +4,11 @@ Numerically the same model as Hugging Face's ``BertModel`` (exact-erf GELU, post
 tanh(dense(first token))). Every parameter carries logical axis names (``vocab``, ``embed``,
 ``heads``, ``mlp``); ``jaxaccel.sharding`` maps them to mesh axes. Dtypes come from a
 ``jaxaccel.precision.Policy``: matmuls run in ``policy.compute_dtype``, parameters are stored in
-``policy.param_dtype``, layer norms and softmax run in float32. Under the fp8 policy the
-encoder's Dense layers (QKV, attention output, MLP in/out) are ``fp8.Fp8Linear`` (same
-parameters plus non-trainable ``Fp8Meta`` scales); attention, pooler and heads stay bf16.
+``policy.param_dtype``, the hidden states (the layer norms' outputs) in
+``policy.activation_dtype``; the embeddings' sum, the layer norms' statistics and softmax run in
+float32. Under the fp8 policy the encoder's Dense layers (QKV, attention output, MLP in/out)
+are ``fp8.Fp8Linear`` (same parameters plus non-trainable ``Fp8Meta`` scales); attention,
+pooler and heads stay bf16.
 
     model = BertModel(ModelSpec(spec.PRESETS["tiny"], num_labels=2), policy="bf16")
     out = model(input_ids, attention_mask=mask)      # out.last_hidden_state, .pooler_output, .logits
@@ -24,6 +26,7 @@ from flax import struct
 from jaxaccel.models.attention import ATTENTION_IMPLS, attention, check_impl
 from jaxaccel.models.dropout import Dropout
 from jaxaccel.models.fp8 import Fp8Linear
+from jaxaccel.models.remat import tag
 from jaxaccel.models.spec import BertConfig, ModelSpec
 from jaxaccel.models.stack import layers_key, sequential, token_rows
 from jaxaccel.models.unpad import Unpadded
@@ -79,7 +82,7 @@ def _dense(din, dout, axes, cfg: BertConfig, policy: Policy, rngs, encoder: bool
 
 def _layer_norm(cfg: BertConfig, policy: Policy, rngs):
     return nnx.LayerNorm(
-        cfg.hidden_size, epsilon=cfg.layer_norm_eps, dtype=jnp.float32,
+        cfg.hidden_size, epsilon=cfg.layer_norm_eps, dtype=policy.activation_dtype,
         param_dtype=policy.param_dtype, use_fast_variance=False,
         scale_init=_const(nnx.initializers.ones_init(), ("embed",)),
         bias_init=_const(nnx.initializers.zeros_init(), ("embed",)), rngs=rngs)
@@ -139,14 +142,16 @@ class BertAttention(nnx.Module):
         dropout_rng = None
         if not deterministic and self.cfg.attention_probs_dropout_prob > 0:
             dropout_rng = rngs.dropout()
-        ctx = attention(split(self.query(x)), split(self.key(x)), split(self.value(x)),
+        ctx = attention(split(tag(self.query(x), "query_proj")),
+                        split(tag(self.key(x), "key_proj")),
+                        split(tag(self.value(x), "value_proj")),
                         attention_mask, impl=self.attention_impl,
                         dropout_rate=self.cfg.attention_probs_dropout_prob,
                         deterministic=deterministic, dropout_rng=dropout_rng, dropout_rows=rows)
         ctx = ctx.reshape(*ctx.shape[:2], heads * d)
         ctx = ctx if tokens is None else tokens.gather(ctx)
-        y = self.dropout(self.output(ctx), deterministic=deterministic, rngs=rngs,
-                         rows=_hidden_rows(x, tokens, rows))
+        y = self.dropout(tag(self.output(ctx), "out_proj"), deterministic=deterministic,
+                         rngs=rngs, rows=_hidden_rows(x, tokens, rows))
         return self.layer_norm(y + x)
 
 

@@ -21,7 +21,8 @@ For hidden states ``x`` [batch, seq, hidden] and each layer::
   cudnn, ``auto``); ``num_key_value_heads`` < ``num_attention_heads`` is grouped-query
   attention, the key/value heads never repeated in memory.
 * Precision (``precision.Policy``): parameters in ``param_dtype``, matmuls in
-  ``compute_dtype``; the residual stream, RMSNorm, RoPE, softmax and the logits in float32.
+  ``compute_dtype``, the residual stream in ``activation_dtype`` (bfloat16 under bf16 and
+  fp8); RMSNorm's statistics, RoPE, softmax and the logits in float32.
   Under fp8 the block Dense layers (q/k/v/o, gate/up/down) are ``fp8.Fp8Linear``; the
   embeddings and the LM head stay bf16.
 * Logical axes: ``vocab``, ``embed``, ``heads`` (query heads x head_dim), ``kv_heads``
@@ -45,6 +46,7 @@ from flax import struct
 
 from jaxaccel.models.attention import attention, check_impl
 from jaxaccel.models.fp8 import block_dense
+from jaxaccel.models.remat import tag
 from jaxaccel.models.spec import LlamaConfig, ModelSpec
 from jaxaccel.models.stack import layer_rngs, layers_key, sequential
 from jaxaccel.precision import Policy, get_policy
@@ -71,8 +73,9 @@ class KVCache:
 
 @struct.dataclass
 class LlamaOutput:
-    logits: jax.Array
+    logits: jax.Array | None
     cache: KVCache | None = None
+    hidden: jax.Array | None = None     # the normed last hidden states (``head=False``)
 
 
 def _partitioned(init, axes: tuple):
@@ -95,7 +98,7 @@ def _per_token(dense, x):
 
 
 def _rms_norm(cfg: LlamaConfig, policy: Policy, rngs):
-    return nnx.RMSNorm(cfg.hidden_size, epsilon=cfg.rms_norm_eps, dtype=jnp.float32,
+    return nnx.RMSNorm(cfg.hidden_size, epsilon=cfg.rms_norm_eps, dtype=policy.activation_dtype,
                        param_dtype=policy.param_dtype, use_fast_variance=False,
                        scale_init=_partitioned(nnx.initializers.ones_init(), ("embed",)),
                        rngs=rngs)
@@ -153,9 +156,11 @@ class LlamaAttention(nnx.Module):
         b, s, _ = x.shape
         heads = lambda t, n: t.reshape(b, s, n, cfg.head_dim)
         freq = rope_frequencies(cfg)
-        q = rope(heads(_per_token(self.q_proj, x), cfg.num_attention_heads), positions, freq)
-        k = rope(heads(_per_token(self.k_proj, x), cfg.num_key_value_heads), positions, freq)
-        v = heads(_per_token(self.v_proj, x), cfg.num_key_value_heads)
+        q = rope(heads(tag(_per_token(self.q_proj, x), "query_proj"), cfg.num_attention_heads),
+                 positions, freq)
+        k = rope(heads(tag(_per_token(self.k_proj, x), "key_proj"), cfg.num_key_value_heads),
+                 positions, freq)
+        v = heads(tag(_per_token(self.v_proj, x), "value_proj"), cfg.num_key_value_heads)
         kv = (k, v)
         segments, causal = segment_ids, True
         if cache is not None:
@@ -172,7 +177,7 @@ class LlamaAttention(nnx.Module):
         ctx = attention(q, k, v, segment_ids=segments, causal=causal, impl=self.attention_impl,
                         dropout_rate=cfg.attention_dropout, deterministic=deterministic,
                         dropout_rng=dropout_rng, dropout_rows=rows)
-        return _per_token(self.o_proj, ctx.reshape(b, s, -1)), kv
+        return tag(_per_token(self.o_proj, ctx.reshape(b, s, -1)), "out_proj"), kv
 
 
 class LlamaMLP(nnx.Module):
@@ -224,7 +229,8 @@ class LlamaForCausalLM(nnx.Module):
         cfg = spec.architecture
         self.spec, self.config, self.policy = spec, cfg, policy
         self.embed_tokens = nnx.Embed(
-            cfg.vocab_size, cfg.hidden_size, dtype=jnp.float32, param_dtype=policy.param_dtype,
+            cfg.vocab_size, cfg.hidden_size, dtype=policy.activation_dtype,
+            param_dtype=policy.param_dtype,
             embedding_init=_partitioned(nnx.initializers.normal(cfg.initializer_range),
                                         ("vocab", "embed")), rngs=rngs)
         self.layers = nnx.List([LlamaDecoderLayer(cfg, policy, spec.attention_impl, rngs)
@@ -263,8 +269,10 @@ class LlamaForCausalLM(nnx.Module):
 
     def __call__(self, input_ids, positions=None, segment_ids=None, *,
                  cache: KVCache | None = None, deterministic: bool = True,
-                 rngs: nnx.Rngs | None = None, stack=None) -> LlamaOutput:
-        """float32 logits [batch, seq, vocab] of every position.
+                 rngs: nnx.Rngs | None = None, stack=None, head: bool = True) -> LlamaOutput:
+        """float32 logits [batch, seq, vocab] of every position (``head=False``: none, but
+        the normed last hidden states in the compute dtype, ``hidden``, whose logits are
+        ``hidden @ head_kernel()``: a loss taken over chunks of them, ``train.tasks``).
 
         ``positions`` [batch, seq] (default 0, 1, ...; the cache's ``index`` onwards with a
         cache), ``segment_ids`` [batch, seq] (default one document per row). With ``cache``
@@ -300,14 +308,26 @@ class LlamaForCausalLM(nnx.Module):
                 new_kv.append(kv)
                 x = by_batch(x)
         h = self.policy.cast_to_compute(self.norm(x))
-        head = (self.embed_tokens.embedding[...].T if self.lm_head is None
-                else self.lm_head.kernel[...])
-        logits = jnp.einsum("th,hv->tv", h.reshape(b * s, -1), self.policy.cast_to_compute(head),
-                            preferred_element_type=jnp.float32).reshape(b, s, -1)
         new_cache = None if cache is None else KVCache(
             tuple(k for k, _ in new_kv), tuple(v for _, v in new_kv), kv_segments, start + s)
-        return LlamaOutput(logits=logits, cache=new_cache)
+        if not head:
+            return LlamaOutput(logits=None, cache=new_cache, hidden=h)
+        return LlamaOutput(logits=head_logits(h, self.head_kernel()), cache=new_cache)
+
+    def head_kernel(self):
+        """The LM head's [hidden, vocab] matrix in the compute dtype (the embeddings' transpose
+        when tied)."""
+        head = (self.embed_tokens.embedding[...].T if self.lm_head is None
+                else self.lm_head.kernel[...])
+        return self.policy.cast_to_compute(head)
 
 
-__all__ = ["FP8_GROUPS", "KVCache", "LlamaForCausalLM", "LlamaOutput", "rope",
+def head_logits(h, kernel):
+    """float32 logits [..., vocab] of hidden states ``h`` [..., hidden], one [tokens, hidden]
+    matmul (``_per_token``'s reason)."""
+    return jnp.einsum("th,hv->tv", h.reshape(-1, h.shape[-1]), kernel,
+                      preferred_element_type=jnp.float32).reshape(*h.shape[:-1], -1)
+
+
+__all__ = ["FP8_GROUPS", "KVCache", "LlamaForCausalLM", "LlamaOutput", "head_logits", "rope",
            "rope_frequencies"]

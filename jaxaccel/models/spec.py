@@ -28,6 +28,10 @@ from typing import Any, Mapping
 
 BERT_MODEL_TYPES = ("bert", "bert_mean_pooling")   # the latter: jaxaccel's export (remote_code)
 POOLINGS = ("cls", "mean")
+# Rematerialisation policies (models/remat.py), and what the config's true/false/None name.
+REMATS = ("none", "minimal", "save_dot_except_mlp", "save_qkv_proj", "minimal_offloaded",
+          "full")
+REMAT_ALIASES = {None: "none", False: "none", True: "full"}
 HIDDEN_ACTS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu")
 # BERT's dropouts: config key (None = keep the checkpoint's or preset's value) -> field
 DROPOUTS = {"hidden_dropout": "hidden_dropout_prob",
@@ -510,8 +514,8 @@ class ModelSpec:
         pooling such as sentence-transformers models).
       attention_impl: the attention implementation (``models.attention.ATTENTION_IMPLS``),
         checked when the model is built.
-      remat: rematerialise each layer's activations in the backward pass (memory for
-        compute).
+      remat: what each layer keeps for the backward pass and computes again (memory for
+        compute): a ``models.remat`` policy name (true: full, false: none).
       mlm_head: (bert) add the masked-LM head; ``logits`` are then [batch, seq, vocab].
       task: the training task (``jaxaccel.train.tasks.TASKS``); None: the family's default
         (bert: classification, llama: causal_lm).
@@ -521,11 +525,12 @@ class ModelSpec:
     num_labels: int | None = None
     pooling: str = "cls"
     attention_impl: str = "xla"
-    remat: bool = False
+    remat: str = "none"
     mlm_head: bool = False
     task: str | None = None
 
     def __post_init__(self):
+        object.__setattr__(self, "remat", remat_name(self.remat))
         family = family_of(self.architecture)
         if self.task is None:
             object.__setattr__(self, "task", family.tasks[0])
@@ -585,6 +590,17 @@ def _check_keys(cls, d: dict, what: str) -> None:
     if unknown:
         raise ValueError(f"{what}: unknown keys {unknown}; expected keys of {cls.__name__}: "
                          f"{names}. Was it written by a newer jaxaccel?")
+
+
+def remat_name(value) -> str:
+    """The rematerialisation policy ``value`` (a name, a bool or None) stands for;
+    ``ValueError`` naming the choices for anything else."""
+    if isinstance(value, bool) or value is None:
+        return REMAT_ALIASES[value]
+    if value not in REMATS:
+        raise ValueError(f"model.remat={value!r} is not one of {list(REMATS)} (or true = "
+                         "full, false = none).")
+    return value
 
 
 def from_config(model_cfg, architecture=None) -> ModelSpec:

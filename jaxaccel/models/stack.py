@@ -1,5 +1,6 @@
 """A model's layer stack: the one way every family calls its layers, and the hook through which
-a schedule that runs them otherwise (the pipeline, ``jaxaccel.train.pipeline``) takes over.
+a schedule that runs them otherwise (the scan, the pipeline: ``jaxaccel.train.pipeline``)
+takes over.
 
 Every family's forward is embeddings -> layers -> head, and its ``__call__`` runs the layers as
 ``stack(x, args, key, deterministic)`` (default: ``sequential`` over its own layers), where
@@ -19,10 +20,14 @@ Every family's forward is embeddings -> layers -> head, and its ``__call__`` run
 """
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxaccel.forms.stacked import LAYERS, Stacked, Stacking
+from jaxaccel.models import remat as remat_lib
 from jaxaccel.sharding import by_batch
 
 
@@ -49,19 +54,103 @@ def _call(layer_call, layer, x, args, rngs, deterministic):
     return layer_call(layer, x, args, deterministic, rngs, None)
 
 
-_remat_call = nnx.remat(_call, static_argnums=(0, 5))
-
-
-def sequential(layers, layer_call, *, remat: bool = False):
+def sequential(layers, layer_call, *, remat="none"):
     """``stack(x, args, key, deterministic)``: ``layers`` one after another on the whole batch
-    (``layer_call`` the family's), each rematerialised in the backward pass if ``remat``, the
-    hidden states kept split over the batch axes between layers."""
+    (``layer_call`` the family's), each rematerialised in the backward pass by the policy
+    ``remat`` names (``models.remat``), the hidden states kept split over the batch axes
+    between layers."""
+    call = remat_lib.checkpoint(_call, remat, static_argnums=(0, 5), modules=True)
+
     def stack(x, args, key, deterministic):
         for i, layer in enumerate(layers):
-            call = _remat_call if remat else _call
             x = by_batch(call(layer_call, layer, x, args, layer_rngs(key, i), deterministic))
         return x
     return stack
 
 
-__all__ = ["layer_rngs", "layers_key", "sequential", "token_rows"]
+def layer_fn(layer_graphdef, layer_call, remat="none"):
+    """``fn(p, f, x, args, rows, key, index, deterministic) -> x``: one layer of a stacked
+    form, ``layer_graphdef`` merged with its parameters ``p`` and fp8 state ``f`` (None
+    without), run by the family's ``layer_call`` on ``x`` with layer ``index``'s dropout
+    stream; rematerialised in the backward pass by the policy ``remat`` names."""
+    def one(p, f, x, args, rows, key, index, deterministic):
+        layer = nnx.merge(layer_graphdef, p, *(() if f is None else (f,)))
+        return layer_call(layer, x, args, deterministic, layer_rngs(key, index), rows)
+    return remat_lib.checkpoint(one, remat, static_argnums=(7,))
+
+
+def scan_layers(fn, x, layers, fp8, args, rows, key, first, deterministic, *, count=None,
+                unroll: bool = False, place=lambda h: h):
+    """``x`` through the stacked ``layers`` [G, ...] (fp8 state ``fp8`` likewise, or None) by
+    one ``jax.lax.scan`` of ``fn`` (``layer_fn``): layer ``j`` is the model's layer
+    ``first + j``; one numbered ``count`` or more is padding and passes its input through
+    (``count`` None: no padding); ``place`` constrains the hidden states between layers."""
+    def body(h, xs):
+        p, f, j = xs
+        out = fn(p, f, h, args, rows, key, first + j, deterministic)
+        if count is not None:
+            out = jnp.where(first + j < count, out, h)
+        return place(out), None
+    size = jax.tree_util.tree_leaves(layers)[0].shape[0]
+    x, _ = jax.lax.scan(body, x, (layers, fp8, jnp.arange(size)), unroll=unroll)
+    return x
+
+
+@dataclasses.dataclass(frozen=True)
+class Scan(Stacking):
+    """The ``Stacking`` of scanned layers: [layers, ...], run by one ``jax.lax.scan`` on the
+    whole batch (``model.scan_layers``)."""
+
+    layers: int
+
+    @classmethod
+    def of(cls, setting, layers: int, platform: str) -> "Scan | None":
+        """The scan ``model.scan_layers`` (``setting``) asks for on ``platform``'s devices;
+        None (its default) scans on TPUs and GPUs, not on the CPU, where the scanned steps of
+        the main job and the decoder job measured 5-13% slower (``bench/scan.py``, README)."""
+        scan = platform != "cpu" if setting is None else setting
+        return cls(layers) if scan else None
+
+    @property
+    def shape(self) -> tuple:
+        return (self.layers,)
+
+    @property
+    def lead(self) -> tuple:
+        return (None,)
+
+    def layer(self, i: int) -> int:
+        return i
+
+    def stack(self, model, layers, fp8):
+        fn = layer_fn(nnx.graphdef(model.layers[0]), type(model).layer_call, model.spec.remat)
+
+        def run(x, args, key, deterministic):
+            return scan_layers(fn, x, layers, fp8, args, None, key, 0, deterministic,
+                               place=by_batch)
+        return run
+
+
+def merge(graphdef, params, fp8=None):
+    """``(model, stack)``: the model of ``graphdef`` with ``params`` and the fp8 state
+    ``fp8`` (per layer, as a train state holds it; None without the fp8 policy), and the
+    ``stack`` to call it with: None (its own loop) for the model's tree; for the stacked form
+    (``forms.stacked.Stacked``) its stacking's, the model's layers then holding placeholders
+    the stack never reads and ``fp8`` stacked alike."""
+    if not isinstance(params, Stacked):
+        return nnx.merge(graphdef, params, *(() if fp8 is None else (fp8,))), None
+    stacking = params.stacking
+    if fp8 is not None:
+        # A padding layer's scales are a real layer's (zero scales would quantize to NaN,
+        # which its zero cotangent does not cancel), and give that layer no gradient.
+        fp8 = Stacked.create(stacking, fp8, jax.lax.stop_gradient(fp8[LAYERS][0]))
+
+    def placeholders(stacked):
+        first = jax.tree_util.tree_map(lambda a: a[(0,) * len(stacking.shape)], stacked.layers)
+        return {**stacked.rest, LAYERS: {l: first for l in range(stacking.layers)}}
+    model = nnx.merge(graphdef, *(placeholders(t) for t in (params, fp8) if t is not None))
+    return model, stacking.stack(model, params.layers, None if fp8 is None else fp8.layers)
+
+
+__all__ = ["Scan", "layer_fn", "layer_rngs", "layers_key", "merge", "scan_layers",
+           "sequential", "token_rows"]

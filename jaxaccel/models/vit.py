@@ -30,7 +30,8 @@ attention/query``, ..., ``layernorm``, ``decoder/...``, ``classifier``;
   ``[sincos(c) | sincos(r)]``, ``sincos(p) = [sin(p w_k) | cos(p w_k)]``, ``w_k = 10000 **
   (-k / (D/4))``, k < D/4; the CLS token's position is 0. They are computed, not stored.
 * Precision (``precision.Policy``): parameters in ``param_dtype``, matmuls in
-  ``compute_dtype``, layer norms, softmax and the outputs in float32. Under fp8 the block
+  ``compute_dtype``, the residual stream in ``activation_dtype``; the layer norms'
+  statistics, softmax and the outputs in float32. Under fp8 the block
   Dense layers of the encoder and the decoder (query/key/value, attention output, MLP in/out)
   are ``fp8.Fp8Linear``; the patch embedding and the heads stay bf16.
 * Logical axes: ``embed`` (either hidden size), ``heads``, ``mlp``.
@@ -48,6 +49,8 @@ from flax import struct
 
 from jaxaccel.models.attention import attention, check_impl
 from jaxaccel.models.dropout import Dropout
+from jaxaccel.models import remat as remat_lib
+from jaxaccel.models.remat import tag
 from jaxaccel.models.fp8 import block_dense
 from jaxaccel.models.spec import ModelSpec, ViTConfig
 from jaxaccel.models.stack import layer_rngs, layers_key, sequential, token_rows
@@ -86,7 +89,7 @@ def _dense(din, dout, axes, cfg: ViTConfig, policy: Policy, rngs, bias: bool = T
 
 
 def _layer_norm(size: int, cfg: ViTConfig, policy: Policy, rngs):
-    return nnx.LayerNorm(size, epsilon=cfg.layer_norm_eps, dtype=jnp.float32,
+    return nnx.LayerNorm(size, epsilon=cfg.layer_norm_eps, dtype=policy.activation_dtype,
                          param_dtype=policy.param_dtype, use_fast_variance=False,
                          scale_init=_partitioned(nnx.initializers.ones_init(), ("embed",)),
                          bias_init=_partitioned(nnx.initializers.zeros_init(), ("embed",)),
@@ -148,13 +151,14 @@ class ViTAttention(nnx.Module):
         dropout_rng = None
         if not deterministic and self.cfg.attention_probs_dropout_prob > 0:
             dropout_rng = rngs.dropout()
-        ctx = attention(split(self.query(x)), split(self.key(x)), split(self.value(x)),
-                        segment_ids=segment_ids, impl=self.attention_impl,
-                        dropout_rate=self.cfg.attention_probs_dropout_prob,
+        ctx = attention(split(tag(self.query(x), "query_proj")),
+                        split(tag(self.key(x), "key_proj")),
+                        split(tag(self.value(x), "value_proj")), segment_ids=segment_ids,
+                        impl=self.attention_impl, dropout_rate=self.cfg.attention_probs_dropout_prob,
                         deterministic=deterministic, dropout_rng=dropout_rng,
                         dropout_rows=rows)
-        return self.dropout(self.output(ctx.reshape(b, s, hidden)), deterministic=deterministic,
-                            rngs=rngs, rows=token_rows(rows, s))
+        return self.dropout(tag(self.output(ctx.reshape(b, s, hidden)), "out_proj"),
+                            deterministic=deterministic, rngs=rngs, rows=token_rows(rows, s))
 
 
 class ViTLayer(nnx.Module):
@@ -217,7 +221,6 @@ def _decoder_call(layer, x, segments, rngs, deterministic):
     return layer(x, segments, deterministic, rngs)
 
 
-_remat_decoder_call = nnx.remat(_decoder_call, static_argnums=(4,))
 
 
 class ViTMAEDecoder(nnx.Module):
@@ -226,7 +229,7 @@ class ViTMAEDecoder(nnx.Module):
     the activations)."""
 
     def __init__(self, cfg: ViTConfig, policy: Policy, attention_impl: str, rngs: nnx.Rngs,
-                 remat: bool = False):
+                 remat="none"):
         d = cfg.decoder_hidden_size
         self.cfg, self.policy, self.remat = cfg, policy, remat
         self.decoder_embed = _dense(cfg.hidden_size, d, ("embed", None), cfg, policy, rngs,
@@ -255,13 +258,14 @@ class ViTMAEDecoder(nnx.Module):
         patches = jnp.take_along_axis(patches, ids_restore[..., None], axis=1)
         rows, cols = cfg.grid
         pos = sincos_positions(cfg.decoder_hidden_size, rows, cols)[None]
-        x = by_batch(jnp.concatenate([x[:, :1], patches], axis=1).astype(jnp.float32) + pos)
+        x = jnp.concatenate([x[:, :1], patches], axis=1).astype(jnp.float32) + pos
+        x = by_batch(x.astype(self.policy.activation_dtype))
+        call = remat_lib.checkpoint(_decoder_call, self.remat, static_argnums=(4,), modules=True)
         for i, layer in enumerate(self.decoder_layers):
             segments = None
             if cfg.decoder_window is not None:
                 segments = jnp.broadcast_to(
                     window_segments(rows, cols, cfg.decoder_window, shift=i % 2 == 1), (b, n + 1))
-            call = _remat_decoder_call if self.remat else _decoder_call
             x = by_batch(call(layer, x, segments, layer_rngs(key, cfg.num_hidden_layers + i),
                               deterministic))
         pred = self.decoder_pred(self.decoder_norm(x))
@@ -375,7 +379,7 @@ class ViTModel(nnx.Module):
             e, mask, ids_restore = random_masking(e, noise, cfg.mask_ratio)
         cls = jnp.broadcast_to(self.embeddings.cls_token[...].astype(jnp.float32) + pos[:, :1],
                                (e.shape[0], 1, e.shape[2]))
-        h = by_batch(jnp.concatenate([cls, e], axis=1))
+        h = by_batch(jnp.concatenate([cls, e], axis=1).astype(self.policy.activation_dtype))
         key = layers_key(rngs, deterministic)
         stack = stack or sequential(self.layers, self.layer_call, remat=self.spec.remat)
         h = self.layernorm(stack(h, (), key, deterministic))

@@ -4,27 +4,25 @@
 decoupled weight decay masked off biases and LayerNorm parameters, a warm-up schedule, and
 optionally layer-wise learning-rate decay (``jaxaccel.optim.layer_decay``).
 Adan (``jaxaccel.optim.adan``) follows the official algorithm and has fused implementations;
-``adan.adan_onepass`` is its one-pass form for parameters kept flat (``jaxaccel.optim.flat``;
-the trainer's flat layout, ``jaxaccel.train.layout``).
-``state_shardings`` places an optimizer state on the mesh; ``flat.portable`` /
-``flat.restore`` turn any state holding flat buffers into the mesh-independent form
-checkpoints hold and back. ``IMPLS``: what ``impl`` (config ``train.optimizer_impl``) takes.
+``adan.adan_onepass`` is its one-pass form for parameters kept flat (``jaxaccel.forms.flat``;
+the trainer's flat layout, ``jaxaccel.train.layout``). ``IMPLS``: what ``impl`` (config
+``train.optimizer_impl``) takes.
+
+The optimizers know pytrees only: their states mirror the parameters in whatever form the
+caller holds them (``jaxaccel.forms``), and the caller places the states and converts them
+for checkpoints.
 """
 from __future__ import annotations
 
 import jax
 import optax
-from jax.sharding import NamedSharding
 
-from jaxaccel import sharding as shd
-from jaxaccel.optim import flat
 from jaxaccel.optim.clip import clip_by_global_norm, global_norm
 from jaxaccel.optim.layer_decay import entry_name, scale_by_layer
-from jaxaccel.optim.adan import IMPLS, AdanState, adan
+from jaxaccel.optim.adan import IMPLS, adan
 
-__all__ = ["IMPLS", "OPTIMIZERS", "SCHEDULES", "check_config", "decay_mask", "flat",
-           "global_norm", "make_optimizer",
-           "make_schedule", "scale_by_layer", "state_shardings"]
+__all__ = ["IMPLS", "OPTIMIZERS", "SCHEDULES", "check_config", "decay_mask", "global_norm",
+           "make_optimizer", "make_schedule", "scale_by_layer"]
 
 OPTIMIZERS = ("adamw", "adan")
 
@@ -68,14 +66,13 @@ def decay_mask(params):
 
 def make_optimizer(name: str, learning_rate, *, weight_decay: float = 0.0,
                    max_grad_norm: float = 0.0, b1=None, b2=None, b3=None, eps=None,
-                   impl: str = "auto", shardings=None, zero_axes: tuple[str, ...] = (),
-                   layer_decay: float = 1.0,
+                   impl: str = "auto", packer=None, layer_decay: float = 1.0,
                    embeddings: tuple[str, ...] = ()) -> optax.GradientTransformation:
     """The optimizer ``name`` with clipping and masked weight decay; ``None`` = its default.
 
-    ``shardings`` (the parameters' NamedShardings) and ``zero_axes`` (ZeRO-1) matter to the
-    multi-tensor Adan, whose flat state is laid out per device; per-leaf optimizers are placed
-    by ``state_shardings`` alone. ``layer_decay`` < 1 scales each layer's updates
+    ``packer`` (a ``forms.packing.Packer``: the parameters' placement) matters to the
+    multi-tensor Adan, whose flat state is packed per device. ``layer_decay`` < 1 scales each
+    layer's updates
     (``scale_by_layer``; ``embeddings``: the model family's, ``models.spec.Family``)."""
     if name == "adamw":
         tx = optax.adamw(learning_rate, b1=0.9 if b1 is None else b1,
@@ -84,7 +81,7 @@ def make_optimizer(name: str, learning_rate, *, weight_decay: float = 0.0,
         tx = optax.chain(clip_by_global_norm(max_grad_norm), tx) if max_grad_norm > 0 else tx
     elif name == "adan":
         tx = adan(learning_rate, weight_decay=weight_decay, max_grad_norm=max_grad_norm,
-                  mask=decay_mask, impl=impl, shardings=shardings, zero_axes=zero_axes,
+                  mask=decay_mask, impl=impl, packer=packer,
                   **_given(b1=b1, b2=b2, b3=b3, eps=eps))
     else:
         raise ValueError(f"optimizer {name!r} is unknown; expected one of {OPTIMIZERS}.")
@@ -93,21 +90,3 @@ def make_optimizer(name: str, learning_rate, *, weight_decay: float = 0.0,
 
 def _given(**kw) -> dict:
     return {k: v for k, v in kw.items() if v is not None}
-
-
-def state_shardings(opt_state_shapes, param_shardings, mesh, *, zero1: bool = False):
-    """Shardings for an optimizer state (or its ``jax.eval_shape``): per-parameter leaves take
-    their parameter's sharding (ZeRO-1: also split over the batch axes), flat multi-tensor Adan
-    buffers the placement of their layout, anything else is replicated."""
-    base = shd.opt_state_shardings(opt_state_shapes, param_shardings, mesh)
-    if zero1:
-        base = shd.zero1_shardings(opt_state_shapes, base, mesh)
-
-    def place_flat(state, given):
-        if not (isinstance(state, AdanState) and state.layout is not None):
-            return given
-        place = NamedSharding(mesh, state.layout.buffer_spec)
-        return given.replace(**{k: tuple(place for _ in getattr(state, k))
-                                for k in ("m", "v", "n", "prev")})
-    return jax.tree_util.tree_map(place_flat, opt_state_shapes, base,
-                                  is_leaf=lambda x: isinstance(x, AdanState))

@@ -13,44 +13,44 @@ The rule (official sail-sg/Adan ``adan.py``; betas are the code's), per step t =
 official code uses b2, so the two give different trajectories (tests/test_adan.py shows it).
 
 Implementations (``impl``, ``IMPLS``), all computing the same numbers. The kernel's names
-(``kernels_pallas.adan.IMPLS``: what the math runs as) and one layout choice:
+(``kernels_pallas.adan.IMPLS``: what the math runs as) and one choice of form:
 
 * ``"per_leaf"``: the kernel's reference applied leaf by leaf (the unfused, single-tensor
   baseline; its state is the portable form checkpoints hold).
-* ``"xla"``: multi-tensor: the state lives in the flat layout of ``jaxaccel.optim.flat`` (one
-  [rows, 128] buffer per group), each step packs the gradients (and the parameters, only when
-  weight decay is on) and unpacks the updates; the kernel's reference does the math, fused by
-  XLA.
+* ``"xla"``: multi-tensor: each moment is ``Packed`` in the flat form of
+  ``jaxaccel.forms.flat`` (one [rows, 128] buffer per group, ``forms.packing``), each step
+  packs the gradients (and the parameters, only when weight decay is on) and unpacks the
+  updates; the kernel's reference does the math, fused by XLA.
 * ``"pallas"``: the same flat buffers through the fused kernel in ``kernels_pallas/adan.py``
   (interpret mode on CPU).
 * ``"mosaic_gpu"``: the same through its Mosaic GPU kernel (Hopper GPUs; jax's Mosaic GPU
   interpreter on CPU).
-* ``"auto"``: the flat layout and the kernel registry's default order for the platform
+* ``"auto"``: the flat form and the kernel registry's default order for the platform
   (``kernels_pallas.adan.DEFAULT_ORDER``: the kernel on TPU, the reference on GPU and CPU).
 
 ``adan`` is a plain optax ``GradientTransformation``. ``adan_onepass`` is the trainer's faster
-path outside optax's contract: the parameters live in the flat layout too (``FlatParams``), the
+path outside optax's contract: the parameters live in the flat form too (``FlatParams``), the
 gradient arrives flat, and one kernel pass reads g, p, m, v, n, prev and writes p, m, v, n,
 prev in place: no packing, no updates tree, no separate ``apply_updates``.
 
-Sharded parameters (``shardings``, ``zero_axes``: FSDP, tensor parallel, ZeRO-1) are updated
-per device on the shards each device holds; see ``jaxaccel.optim.flat``. Checkpoints hold the
-per-parameter form (``flat.portable`` / ``flat.restore``).
+Sharded parameters (FSDP, tensor parallel, ZeRO-1) are updated per device on the shards each
+device holds, packed as the caller's ``packer`` (a ``forms.packing.Packer``) says; this module
+knows pytrees only. Checkpoints hold the per-layer form (``forms.portable`` /
+``forms.restore``).
 """
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 
-from jaxaccel.optim import flat
+from jaxaccel.forms.flat import FlatParams, Packed
+from jaxaccel.forms.packing import Packer, Packing, is_float, pack, unpack
 from jaxaccel.optim.clip import global_norm
-from jaxaccel.optim.flat import FlatNode, FlatParams, Layout, is_float
 from kernels_pallas import adan as kernel
 from kernels_pallas.adan import adan_apply, adan_reference, adan_update, make_scalars
 
@@ -58,39 +58,23 @@ PER_LEAF = "per_leaf"
 IMPLS = kernel.IMPLS + (PER_LEAF,)
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
-class AdanState(FlatNode):
-    """``count``: steps done. ``m, v, n, prev``: per-leaf trees ("per_leaf", and the portable
-    form) or tuples of flat [rows, 128] buffers, one per group, described by ``layout``."""
+@dataclasses.dataclass(frozen=True)
+class AdanState:
+    """``count``: steps done. ``m, v, n, prev``: trees like the parameters ("per_leaf", and
+    the per-layer form), or each ``Packed`` in the flat form (the multi-tensor impls)."""
 
     count: jax.Array
     m: Any
     v: Any
     n: Any
     prev: Any
-    layout: Layout | None = None
 
     def replace(self, **kw) -> "AdanState":
         return dataclasses.replace(self, **kw)
 
-    def portable(self) -> "AdanState":
-        return _per_leaf_state(self)
-
-    def from_portable(self, saved: "AdanState") -> "AdanState":
-        inner = (flat.restore_leaves(self.layout, t) for t in (saved.m, saved.v, saved.n,
-                                                               saved.prev))
-        return _flat_state(self.layout, AdanState(saved.count, *inner))
-
-    def portable_shardings(self, shardings: "AdanState") -> "AdanState":
-        layout, mesh = self.layout, shardings.count.mesh
-        packed = set(layout.packed)
-        tree = layout.treedef.unflatten([s if i in packed else NamedSharding(mesh, P())
-                                         for i, s in enumerate(layout.leaf_shardings(mesh))])
-        return AdanState(shardings.count, tree, tree, tree, tree)
-
 
 jax.tree_util.register_dataclass(AdanState, data_fields=["count", "m", "v", "n", "prev"],
-                                 meta_fields=["layout"])
+                                 meta_fields=[])
 
 
 def _mask_leaves(mask, params, treedef, num_leaves):
@@ -133,10 +117,10 @@ class _Rule:
             return [True] * num_leaves
         return _mask_leaves(self.mask, params, treedef, num_leaves)
 
-    def layout(self, params, shardings, zero_axes) -> Layout:
+    def packing(self, params, packer: Packer) -> Packing:
         leaves, treedef = jax.tree_util.tree_flatten(params)
-        return flat.make_layout(leaves, treedef, self.decay_flags(params, treedef, len(leaves)),
-                                self.state_dtype, shardings, zero_axes)
+        return packer.packing(params, self.decay_flags(params, treedef, len(leaves)),
+                            self.state_dtype)
 
     def scalars(self, count, norm):
         """The kernel's scalar vectors for (no decay, decay), stacked, at step ``count + 1``;
@@ -155,8 +139,7 @@ class _Rule:
 def adan(learning_rate: float | Callable = 1e-3, b1: float = 0.98, b2: float = 0.92,
          b3: float = 0.99, eps: float = 1e-8, weight_decay: float = 0.0, no_prox: bool = False,
          max_grad_norm: float = 0.0, mask: Any = None, state_dtype: Any = None,
-         impl: str = "auto", shardings: Any = None,
-         zero_axes: tuple[str, ...] = ()) -> optax.GradientTransformation:
+         impl: str = "auto", packer: Packer | None = None) -> optax.GradientTransformation:
     """Adan following the official code (see module docstring).
 
     Args:
@@ -168,13 +151,11 @@ def adan(learning_rate: float | Callable = 1e-3, b1: float = 0.98, b2: float = 0
       no_prox: the official ``no_prox`` switch (multiplicative decay instead of proximal).
       max_grad_norm: global-norm clipping inside the optimizer, as the official code; 0 = off.
       state_dtype: dtype of m, v, n, prev (default float32); math is float32 regardless.
-      impl: one of ``IMPLS``: auto | xla | pallas | mosaic_gpu (flat layout, the kernel
+      impl: one of ``IMPLS``: auto | xla | pallas | mosaic_gpu (the flat form, the kernel
         registry's implementation) or per_leaf.
-      shardings: the parameters' ``NamedSharding``s (a tree like the parameters). The
-        multi-tensor impls then update each device's own shards (see ``optim.flat``); the
-        "per_leaf" impl needs nothing (XLA partitions it like the parameters).
-      zero_axes: ZeRO-1: mesh axes over which each device's state is split further (the
-        parameters replicated over them), e.g. the batch axes ``("data", "fsdp")``.
+      packer: how the multi-tensor impls pack the parameters (``forms.packing.Packer``: per
+        device for sharded parameters, ZeRO-1; default: unsharded); the "per_leaf" impl
+        needs nothing (XLA partitions it like the parameters).
     """
     if impl not in IMPLS:
         raise ValueError(f"adan impl={impl!r} is not one of {IMPLS}.")
@@ -187,8 +168,8 @@ def adan(learning_rate: float | Callable = 1e-3, b1: float = 0.98, b2: float = 0
             zeros = lambda: jax.tree_util.tree_map(
                 lambda x: jnp.zeros(x.shape if is_float(x) else (), rule.state_dtype), params)
             return AdanState(count, zeros(), zeros(), zeros(), zeros())
-        layout = rule.layout(params, shardings, zero_axes)
-        return AdanState(count, *(flat.zero_buffers(layout) for _ in range(4)), layout=layout)
+        packing = rule.packing(params, packer or Packer())
+        return AdanState(count, *(Packed.zeros(packing) for _ in range(4)))
 
     def update_fn(updates, state: AdanState, params=None):
         if rule.needs_params and params is None:
@@ -200,16 +181,16 @@ def adan(learning_rate: float | Callable = 1e-3, b1: float = 0.98, b2: float = 0
         scalars = rule.scalars(state.count,
                                lambda: global_norm([x for x in leaves if is_float(x)]))
         p_leaves = treedef.flatten_up_to(params) if rule.needs_params else None
-        if state.layout is None:
+        if not isinstance(state.m, Packed):
             decay = rule.decay_flags(params, treedef, len(leaves))
             out = _update_per_leaf(leaves, treedef, state, p_leaves, decay, scalars)
         else:
-            if state.layout.treedef != treedef:
+            if state.m.packing.treedef != treedef:
                 raise ValueError("adan: the state was initialised for another parameter tree "
-                                 f"({state.layout.treedef}); the updates are {treedef}.")
-            out = _update_flat(state.layout, leaves, state, p_leaves, scalars)
+                                 f"({state.m.packing.treedef}); the updates are {treedef}.")
+            out = _update_flat(state.m.packing, leaves, state, p_leaves, scalars)
         new_updates, m, v, n, prev = out
-        return new_updates, AdanState(state.count + 1, m, v, n, prev, state.layout)
+        return new_updates, AdanState(state.count + 1, m, v, n, prev)
 
     def _update_per_leaf(leaves, treedef, state, p_leaves, decay, scalars):
         states = [treedef.flatten_up_to(x) for x in (state.m, state.v, state.n, state.prev)]
@@ -224,43 +205,44 @@ def adan(learning_rate: float | Callable = 1e-3, b1: float = 0.98, b2: float = 0
         cols = list(zip(*outs))
         return tuple(treedef.unflatten(c) for c in cols)
 
-    def _update_flat(layout, leaves, state, p_leaves, scalars):
-        """The multi-tensor update, per device when the layout is sharded: pack the local
+    def _update_flat(packing, leaves, state, p_leaves, scalars):
+        """The multi-tensor update, per device when the packing is sharded: pack the local
         gradient (and parameter) shards, update this device's rows, unpack local updates."""
-        grad_idx = layout.packed
-        param_idx = [i for g in layout.groups if g.decay for i in g.leaves] \
+        grad_idx = packing.packed
+        param_idx = [i for g in packing.groups if g.decay for i in g.leaves] \
             if p_leaves is not None else []
 
         def local(scalars, g, p, m, v, n, prev):
             u_leaves, new = {}, ([], [], [], [])
-            for k, group in enumerate(layout.groups):
+            for k, group in enumerate(packing.groups):
                 dtype = _common_dtype(g, group)
-                gk = layout.own_rows(flat.pack(g, group, dtype))
-                pk = layout.own_rows(flat.pack(p, group, dtype)) if p and group.decay else None
+                gk = packing.own_rows(pack(g, group, dtype))
+                pk = packing.own_rows(pack(p, group, dtype)) if p and group.decay else None
                 u, *st = adan_update(scalars[int(group.decay)], gk, m[k], v[k], n[k], prev[k],
                                      pk, no_prox=no_prox, impl=impl)
                 for buf, s in zip(new, st):
                     buf.append(s)
-                for i, x in flat.unpack(layout.all_rows(u), group, layout).items():
+                for i, x in unpack(packing.all_rows(u), group, packing).items():
                     u_leaves[i] = x.astype(g[i].dtype)
             return u_leaves, tuple(tuple(b) for b in new)
 
-        bufs = layout.buffer_specs
-        local = layout.per_device(
-            local, in_specs=(P(), layout.leaf_specs(grad_idx), layout.leaf_specs(param_idx),
+        bufs = packing.buffer_specs
+        local = packing.per_device(
+            local, in_specs=(P(), packing.leaf_specs(grad_idx), packing.leaf_specs(param_idx),
                              bufs, bufs, bufs, bufs),
-            out_specs=(layout.leaf_specs(grad_idx), (bufs,) * 4))
+            out_specs=(packing.leaf_specs(grad_idx), (bufs,) * 4))
         u, new_state = local(scalars, {i: leaves[i] for i in grad_idx},
-                             {i: p_leaves[i] for i in param_idx}, state.m, state.v, state.n,
-                             state.prev)
+                             {i: p_leaves[i] for i in param_idx},
+                             *(x.buffers for x in (state.m, state.v, state.n, state.prev)))
         new_leaves = [u[i] if i in u else jnp.zeros_like(x) for i, x in enumerate(leaves)]
-        return (layout.treedef.unflatten(new_leaves),) + new_state
+        return (packing.treedef.unflatten(new_leaves),
+                *(Packed(b, packing) for b in new_state))
 
     return optax.GradientTransformation(init_fn, update_fn)
 
 
 class OnePass(NamedTuple):
-    """Adan outside optax's contract, on parameters that live in the flat layout.
+    """Adan outside optax's contract, on parameters that live in the flat form.
 
     ``flatten(params) -> FlatParams``; ``init(flat_params) -> AdanState``;
     ``apply(grads, state, flat_params) -> (flat_params, state)`` with ``grads`` the gradient
@@ -274,8 +256,8 @@ class OnePass(NamedTuple):
 def adan_onepass(learning_rate: float | Callable = 1e-3, b1: float = 0.98, b2: float = 0.92,
                  b3: float = 0.99, eps: float = 1e-8, weight_decay: float = 0.0,
                  no_prox: bool = False, max_grad_norm: float = 0.0, mask: Any = None,
-                 state_dtype: Any = None, impl: str = "auto", shardings: Any = None,
-                 zero_axes: tuple[str, ...] = (), block_sizes=None) -> OnePass:
+                 state_dtype: Any = None, impl: str = "auto", packer: Packer | None = None,
+                 block_sizes=None) -> OnePass:
     """The one-pass Adan: same arguments and numbers as ``adan`` (``impl`` one of the kernel's
     ``kernels_pallas.adan.IMPLS``; ``block_sizes`` the kernel's, default per target). Per group
     and device, one ``adan_apply``:
@@ -283,65 +265,50 @@ def adan_onepass(learning_rate: float | Callable = 1e-3, b1: float = 0.98, b2: f
         reads  g, p, m, v, n, prev    (6 words per parameter)
         writes p, m, v, n, prev       (5 words, aliased in place)
 
-    plus one read of g for the clipping norm when ``max_grad_norm > 0``. With ``zero_axes``
-    each device updates its rows of the parameters and gathers the others (ZeRO-1)."""
+    plus one read of g for the clipping norm when ``max_grad_norm > 0``. With ZeRO-1 (the
+    ``packer``'s zero axes) each device updates its rows of the parameters and gathers the
+    others."""
     kernel.APPLY.candidates(impl)                  # a known name, before anything is built
     rule = _Rule(learning_rate, b1, b2, b3, eps, weight_decay, no_prox, max_grad_norm, mask,
                  jnp.dtype(state_dtype or jnp.float32))
 
     def flatten(params) -> FlatParams:
-        return FlatParams.create(rule.layout(params, shardings, zero_axes), params)
+        return FlatParams.create(rule.packing(params, packer or Packer()), params)
 
     def init(params: FlatParams) -> AdanState:
-        layout = params.layout
         return AdanState(jnp.zeros((), jnp.int32),
-                         *(flat.zero_buffers(layout) for _ in range(4)), layout=layout)
+                         *(Packed.zeros(params.packing) for _ in range(4)))
 
     def apply(grads, state: AdanState, params: FlatParams):
-        layout = params.layout
-        if state.layout != layout:
-            raise ValueError("adan_onepass: the state's layout is not the parameters'; build "
+        packing = params.packing
+        if state.m.packing != packing:
+            raise ValueError("adan_onepass: the state's packing is not the parameters'; build "
                              "it with init(flat_params).")
-        if len(grads) != len(layout.groups):
+        if len(grads) != len(packing.groups):
             raise ValueError(f"adan_onepass: {len(grads)} gradient buffers for "
-                             f"{len(layout.groups)} groups; pass the gradient w.r.t. "
+                             f"{len(packing.groups)} groups; pass the gradient w.r.t. "
                              "flat_params.buffers.")
-        scalars = rule.scalars(state.count, lambda: layout.global_norm(grads))
+        scalars = rule.scalars(state.count, lambda: packing.global_norm(grads))
 
         def local(scalars, g, p, m, v, n, prev):
             out = ([], [], [], [], [])
-            for k, group in enumerate(layout.groups):
-                new = adan_apply(scalars[int(group.decay)], layout.own_rows(g[k]),
-                                 layout.own_rows(p[k]), m[k], v[k], n[k], prev[k],
+            for k, group in enumerate(packing.groups):
+                new = adan_apply(scalars[int(group.decay)], packing.own_rows(g[k]),
+                                 packing.own_rows(p[k]), m[k], v[k], n[k], prev[k],
                                  no_prox=no_prox, impl=impl, block_sizes=block_sizes)
-                for buf, x in zip(out, (layout.all_rows(new[0]),) + new[1:]):
+                for buf, x in zip(out, (packing.all_rows(new[0]),) + new[1:]):
                     buf.append(x)
             return tuple(out[0]), tuple(tuple(b) for b in out[1:])
 
-        bufs, pbufs = layout.buffer_specs, layout.param_specs
-        local = layout.per_device(local, in_specs=(P(), pbufs, pbufs, bufs, bufs, bufs, bufs),
+        bufs, pbufs = packing.buffer_specs, packing.param_specs
+        local = packing.per_device(local, in_specs=(P(), pbufs, pbufs, bufs, bufs, bufs, bufs),
                                   out_specs=(pbufs, (bufs,) * 4))
-        p, (m, v, n, prev) = local(scalars, tuple(grads), params.buffers, state.m, state.v,
-                                   state.n, state.prev)
+        p, new = local(scalars, tuple(grads), params.buffers,
+                       *(x.buffers for x in (state.m, state.v, state.n, state.prev)))
         return (dataclasses.replace(params, buffers=p),
-                AdanState(state.count + 1, m, v, n, prev, layout))
+                AdanState(state.count + 1, *(Packed(b, packing) for b in new)))
 
     return OnePass(flatten, init, apply)
-
-
-@jax.jit
-def _per_leaf_state(state: AdanState) -> AdanState:
-    """A flat state in the per-parameter form (compiled once per layout: it is in the treedef)."""
-    m, v, n, prev = (flat.to_per_leaf(state.layout, b) for b in (state.m, state.v, state.n,
-                                                                 state.prev))
-    return AdanState(state.count, m, v, n, prev)
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def _flat_state(layout: Layout, state: AdanState) -> AdanState:
-    m, v, n, prev = (flat.from_per_leaf(layout, t) for t in (state.m, state.v, state.n,
-                                                             state.prev))
-    return AdanState(state.count, m, v, n, prev, layout)
 
 
 def _is_state(x) -> bool:

@@ -9,11 +9,11 @@ rate means for AdamW and Adan alike; clipping before the optimizer still sees th
 gradient.
 
 The depth of a parameter comes from its path: ``layers[i]`` in every model family, and the
-family's ``embeddings`` (``models.spec.Family``) for the collections below the first layer. A
-pipelined run's parameters hold the layers stacked [S, R, G, ...] by stage
-(``train.pipeline.StagedParams``): each stacked leaf is scaled by an [S, R, G] table of its
-layers' factors. The factors are constants fixed when the step is traced, so they cost one
-multiply per update element that XLA fuses into the optimizer's last pass.
+family's ``embeddings`` (``models.spec.Family``) for the collections below the first layer.
+Parameters in the stacked form (``forms.stacked.Stacked``: a scan's [L, ...], a pipeline's
+[S, R, G, ...]) have each stacked leaf scaled by a table of its layers' factors, one per place
+(``Stacking.numbers``). The factors are constants fixed when the step is traced, so they cost
+one multiply per update element that XLA fuses into the optimizer's last pass.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import jax
 import numpy as np
 import optax
 
-LAYERS = "layers"
+from jaxaccel.forms.stacked import LAYERS, Stacked
 
 
 def entry_name(entry):
@@ -34,11 +34,10 @@ def entry_name(entry):
 
 def depths(tree, embeddings: tuple[str, ...]):
     """``(depth tree, number of layers)``: 0 for the embeddings, ``i + 1`` for ``layers[i]``,
-    ``L + 1`` for the rest; a pipeline's stacked layers (``staged_depths``) get arrays of
-    depths that broadcast against them."""
-    from jaxaccel.train.pipeline import StagedParams   # the pipeline builds on this package
-    if isinstance(tree, StagedParams):
-        return staged_depths(tree, embeddings)
+    ``L + 1`` for the rest; stacked layers (``stacked_depths``) get arrays of depths that
+    broadcast against them."""
+    if isinstance(tree, Stacked):
+        return stacked_depths(tree, embeddings)
     leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
     names = [[entry_name(e) for e in path] for path, _ in leaves]
     layer_ids = [n[1] for n in names if len(n) > 1 and n[0] == LAYERS]
@@ -52,22 +51,22 @@ def depths(tree, embeddings: tuple[str, ...]):
     return jax.tree_util.tree_unflatten(treedef, top), count
 
 
-def staged_depths(tree, embeddings: tuple[str, ...]):
-    """``depths`` of a pipeline's ``StagedParams``: its ``rest`` by name (the embeddings 0,
-    the rest ``L + 1``) and each stacked layer leaf an [S, R, G, 1, ...] array of ``l + 1`` for
-    the layer ``l`` each of its entries holds (``Stages.layer``)."""
-    st = tree.layout
-    number = np.array([[[st.layer(s, r, j) for j in range(st.group)]
-                        for r in range(st.repeats)] for s in range(st.stages)])
+def stacked_depths(tree: Stacked, embeddings: tuple[str, ...]):
+    """``depths`` of the stacked form: its ``rest`` by name (the embeddings 0, the rest
+    ``L + 1``) and each stacked layer leaf a [*shape, 1, ...] array of ``l + 1`` for the layer
+    ``l`` each of its places holds (``Stacking.numbers``)."""
+    stacking = tree.stacking
+    number = stacking.numbers()
 
     def of_layer(leaf):
-        return (number + 1).reshape(number.shape + (1,) * (np.ndim(leaf) - 3))
+        return (number + 1).reshape(number.shape + (1,) * (np.ndim(leaf) - number.ndim))
 
     def of_rest(name, subtree):
-        depth = 0 if name in embeddings else st.layers + 1
+        depth = 0 if name in embeddings else stacking.layers + 1
         return jax.tree_util.tree_map(lambda _: depth, subtree)
     rest = {k: of_rest(k, v) for k, v in tree.rest.items()}
-    return (type(tree)(jax.tree_util.tree_map(of_layer, tree.layers), rest, st), st.layers)
+    return (Stacked(jax.tree_util.tree_map(of_layer, tree.layers), rest, stacking),
+            stacking.layers)
 
 
 def scale_by_layer(decay: float, embeddings: tuple[str, ...]) -> optax.GradientTransformation:

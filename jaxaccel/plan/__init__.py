@@ -66,7 +66,7 @@ from jaxaccel import config as config_lib
 from jaxaccel import devices as devices_lib
 from jaxaccel import flops as flops_lib
 from jaxaccel.compare import prices
-from jaxaccel.models import attention
+from jaxaccel.models import attention, remat
 from jaxaccel.plan import collectives as collectives_lib
 from jaxaccel.plan import forecast as forecast_lib
 from jaxaccel.plan import topology
@@ -340,8 +340,8 @@ def make_plan(config_path: str | None, sets: list[str], topology_name: str, *,
     cost = xla_cost(train)
     flops = {"analytic": flops_lib.train_flops(shape, t.batch_size, seq),
              "attention": flops_lib.attention_flops(shape, t.batch_size, seq),
-             "recompute": flops_lib.recompute_flops(shape, t.batch_size, seq)
-             if cfg.model.remat else 0.0,
+             "recompute": flops_lib.recompute_flops(shape, t.batch_size, seq,
+                                                    remat.of(cfg.model.remat).recomputes),
              "xla_per_device": cost.get("flops")}
     capacity, capacity_source = _capacity(target) if device_memory is None else \
         (device_memory, f"{device_memory / 1e9:g} GB given (--memory)")
@@ -443,7 +443,7 @@ def does_not_fit(target, cfg, mesh: dict, step: str, numbers: str) -> str:
         if mesh["fsdp"] == 1 and len(target.devices) > 1:
             fixes.append(f"shard parameters and optimizer state with an FSDP axis (--set "
                          f"mesh.fsdp={len(target.devices)} --set mesh.data=1)")
-        if not cfg.model.remat:
+        if not remat.of(cfg.model.remat).on:
             fixes.append("recompute activations in the backward pass (--set model.remat=true)")
         micro = t.batch_size // t.grad_accum // rows
         if micro > 1:

@@ -7,8 +7,10 @@ around the config as given (every other setting kept, the optimizer batch never 
 - the mesh: the devices the batch axes span (``data`` x ``fsdp``, after ``tensor`` and
   ``stage``) split between data parallelism and FSDP: the config's own split, then
   all-FSDP, then the splits between;
-- remat: the config's, then on where the mesh fits nothing without it (the recomputed
-  forward is in the plan's estimate, so remat never makes a step faster);
+- remat: the config's policy, then where the mesh fits nothing with it, each policy that keeps
+  less (``models.remat.LADDER``: none, minimal, save_dot_except_mlp, save_qkv_proj, full)
+  in turn (the recomputed forward is in the plan's estimate, so a policy that keeps less
+  never makes a step faster);
 - gradient accumulation: for each of those, the fewest micro-batches (``train.grad_accum``, a
   divisor of the batch that leaves each batch-axis device whole rows) that fits, found by
   bisection from the first compile's memory (temporaries scale with the micro-batch);
@@ -27,6 +29,7 @@ import re
 from typing import Callable
 
 from jaxaccel import sharding
+from jaxaccel.models import remat
 from jaxaccel.plan import (DoesNotFit, Plan, StepRefused, load_config, make_plan, plannable,
                            topology)
 
@@ -146,7 +149,9 @@ def search(config_path: str | None, sets: list[str], topology_name: str, *,
     # The config's own split, then all-FSDP (the least state per device), then the splits
     # between, most FSDP first.
     meshes = sorted(_divisors(rows), key=lambda f: (f != own_fsdp, -f))
-    remats = [cfg.model.remat] + ([] if cfg.model.remat else [True])
+    own = remat.of(cfg.model.remat).name
+    remats = list(remat.LADDER[remat.LADDER.index(own):]) if own in remat.LADDER \
+        else [own, "full"]
     # Every split keeps data x fsdp = rows, so the same accumulations are valid on each.
     accums = [a for a in _divisors(t.batch_size)
               if a >= t.grad_accum and (t.batch_size // a) % rows == 0]
@@ -158,8 +163,8 @@ def search(config_path: str | None, sets: list[str], topology_name: str, *,
     stopped = None
     for fsdp in meshes:
         mesh = {} if fsdp == own_fsdp else {"mesh.data": rows // fsdp, "mesh.fsdp": fsdp}
-        for remat in remats:
-            base = {**mesh, **({"model.remat": "true"} if remat != cfg.model.remat else {})}
+        for name in remats:
+            base = {**mesh, **({"model.remat": name} if name != own else {})}
             outcome = _fewest_accum(attempt, base, accums, t, rows, first if not base else None,
                                     lambda: len(tried) >= limit)
             if outcome == "limit":

@@ -20,10 +20,11 @@ restores onto another; a checkpoint that cannot be read is skipped for the newes
 (a writer moves the unreadable ones to ``skipped_checkpoints/`` beside ``checkpoints/`` so that
 their steps can be written again).
 
-A train state is saved as ``on_disk(state)``: whatever lives in a flat multi-tensor layout
-(Adan's state, flat parameters) in its per-parameter form (``jaxaccel.optim.flat.portable``),
-which no mesh, device count, optimizer impl or trainer path shapes; ``restore_state`` reads it
-back into the layout and shardings of a target state.
+A train state is saved as ``on_disk(state)``: every parameter form in it (flat buffers of
+Adan's state or of the parameters, stacked layers of a pipeline or a scan) in the per-layer
+form (``jaxaccel.forms.portable``), which no mesh, device count, optimizer impl, trainer path
+or layer stacking shapes; ``restore_state`` reads it back into the forms and shardings of a
+target state.
 """
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
-from jaxaccel.optim import flat
+from jaxaccel import forms
 
 log = logging.getLogger("jaxaccel")
 # Tracebacks of failed reads and writes: kept out of the console; the run folder's library.log
@@ -468,19 +469,19 @@ def like(template, restored):
 
 
 def on_disk(state):
-    """What a checkpoint holds: the train state with its flat parts in the mesh-independent
-    per-parameter form (the rest is saved as it is, without a copy)."""
-    return flat.portable(state)
+    """What a checkpoint holds: the train state with its forms in the mesh-independent
+    per-layer form (the rest is saved as it is, without a copy)."""
+    return forms.portable(state)
 
 
 def restore_state(ckpt: Checkpointer, state, shardings, step: int | None = None):
     """``(state, meta)`` of checkpoint ``step`` (default latest) laid out and placed like
     ``state`` with ``shardings`` (the target run's train state and its shardings), whatever mesh
-    and trainer path it was saved from; ``None`` if there is no checkpoint. The flat parts come
-    back sharded like the parameters, then go into the target's layouts."""
+    and trainer path it was saved from; ``None`` if there is no checkpoint. The forms come
+    back sharded like the parameters, then go into the target's forms."""
     saved = jax.eval_shape(on_disk, state)
-    out = ckpt.restore(abstract_like(saved, flat.portable_shardings(state, shardings)), step)
+    out = ckpt.restore(abstract_like(saved, forms.portable_shardings(state, shardings)), step)
     if out is None:
         return None
     restored, meta = out
-    return flat.restore(restored, state), meta
+    return forms.restore(restored, state), meta

@@ -19,7 +19,7 @@ asked for in one of two explicit ways:
   (its windowed or non-square decoder, which transformers' ViT-MAE cannot run, left out).
 
 The checkpoint holds the per-parameter form whatever layout or pipeline trained it
-(``optim.flat.portable``), so every run exports. Parameters are float32 under every policy and
+(``forms.portable``), so every run exports. Parameters are float32 under every policy and
 are written so; an fp8 run's scaling state (amax histories) is no part of a transformers
 checkpoint, which runs the weights unquantized (the outputs of the run's model under the fp32
 policy).

@@ -2,19 +2,20 @@
 train step differentiates and how it applies an update. One rule (``choose``) picks the layout
 of a run; the train step (``jaxaccel.train.step``) is written once around either.
 
-* ``PER_LEAF`` (default): the parameters are a nested dict like the model's, the optimizer is an
-  optax ``GradientTransformation`` (any of ``optim.OPTIMIZERS``, any ``optimizer_impl``):
-  ``grads -> tx.update -> optax.apply_updates``.
+* ``TREE`` (default): the parameters are a pytree (the model's tree, or its stacked form:
+  ``jaxaccel.forms.stacked``), the optimizer is an optax ``GradientTransformation`` (any of
+  ``optim.OPTIMIZERS``, any ``optimizer_impl``): ``grads -> tx.update -> optax.apply_updates``.
 * ``FLAT`` (``train.flat_params=true``): the parameters and Adan's state live permanently in
-  the flat multi-tensor layout, one [rows, 128] buffer per (weight decay, dtype) group and
-  device (``jaxaccel.optim.flat.FlatParams``), and the optimizer is the one-pass Adan
+  the flat form, one [rows, 128] buffer per (weight decay, dtype) group and device
+  (``jaxaccel.forms.flat.FlatParams``), and the optimizer is the one-pass Adan
   (``optim.adan.adan_onepass``). The step differentiates the buffers themselves, so the
   gradient arrives flat, and one kernel pass reads g, p, m, v, n, prev and writes p, m, v, n,
   prev in place (the state is donated): no packing, no updates tree, no ``apply_updates``.
   Same numbers as ``train.optimizer=adan`` with the same ``optimizer_impl`` (tested).
 
-Both layouts checkpoint the per-parameter form (``optim.flat.portable``), so a run resumes on
-the other layout, and evaluation reads either through ``Layout.view``.
+Both layouts checkpoint the per-layer form (``forms.portable``), so a run resumes on the other
+layout, and evaluation reads either through ``Layout.view``. The layout also places the
+optimizer state (``state_shardings``): the optimizers know pytrees only.
 """
 from __future__ import annotations
 
@@ -23,8 +24,10 @@ import dataclasses
 import jax
 import optax
 
+from jaxaccel import forms
 from jaxaccel import sharding as shd
-from jaxaccel.optim import decay_mask, global_norm, make_optimizer, state_shardings
+from jaxaccel.forms.packing import Packer
+from jaxaccel.optim import decay_mask, global_norm, make_optimizer
 from jaxaccel.optim.adan import adan_onepass
 from jaxaccel.train.state import TrainState
 from kernels_pallas.adan import IMPLS as ONEPASS_IMPLS
@@ -43,18 +46,17 @@ def _hyper(t) -> dict:
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """A parameter layout; ``name`` is what plans and logs call it. This class is the
-    per-leaf layout (``PER_LEAF``): parameters as the model's tree, an optax optimizer; the
-    flat layout overrides each method."""
+    """A parameter layout; ``name`` is what plans and logs call it. This class is the tree
+    layout (``TREE``): parameters as a pytree, an optax optimizer; the flat layout overrides
+    each method."""
 
     name: str
 
-    def make_optimizer(self, t, schedule, spec, param_shardings, zero_axes):
+    def make_optimizer(self, t, schedule, spec, packer: Packer):
         """The optimizer of the ``train`` config section ``t`` on this layout, over
-        ``schedule``; ``spec`` names the model family's embeddings (layer decay),
-        ``param_shardings`` and ``zero_axes`` place a multi-tensor state per device."""
-        return make_optimizer(t.optimizer, schedule, impl=t.optimizer_impl,
-                              shardings=param_shardings, zero_axes=zero_axes,
+        ``schedule``; ``spec`` names the model family's embeddings (layer decay), ``packer``
+        the parameters' placement (a multi-tensor state is packed per device)."""
+        return make_optimizer(t.optimizer, schedule, impl=t.optimizer_impl, packer=packer,
                               layer_decay=t.layer_decay, embeddings=spec.family.embeddings,
                               **_hyper(t))
 
@@ -93,10 +95,20 @@ class Layout:
             opt_state=state_shardings(abstract.opt_state, param_shardings, mesh, zero1=zero1))
 
 
+def state_shardings(opt_state, param_shardings, mesh, *, zero1: bool = False):
+    """Where an optimizer state (or its ``jax.eval_shape``) lives on ``mesh``: per-parameter
+    leaves like their parameter (ZeRO-1: also split over the batch axes), forms by their own
+    placement (a multi-tensor Adan's packed moments), anything else replicated."""
+    base = shd.opt_state_shardings(opt_state, param_shardings, mesh)
+    if zero1:
+        base = shd.zero1_shardings(opt_state, base, mesh)
+    return forms.shardings(opt_state, base, mesh)
+
+
 class _Flat(Layout):
-    def make_optimizer(self, t, schedule, spec, param_shardings, zero_axes):
-        return adan_onepass(schedule, mask=decay_mask, impl=t.optimizer_impl,
-                            shardings=param_shardings, zero_axes=zero_axes, **_hyper(t))
+    def make_optimizer(self, t, schedule, spec, packer):
+        return adan_onepass(schedule, mask=decay_mask, impl=t.optimizer_impl, packer=packer,
+                            **_hyper(t))
 
     def flatten(self, tx, params):
         return tx.flatten(params)
@@ -111,30 +123,30 @@ class _Flat(Layout):
         return dataclasses.replace(params, buffers=x).view()
 
     def grad_norm(self, grads, params):
-        return params.layout.global_norm(grads)
+        return params.packing.global_norm(grads)
 
     def apply(self, tx, grads, opt_state, params):
         return tx.apply(grads, opt_state, params)
 
     def state_shardings(self, abstract, param_shardings, mesh, zero1):
-        layout = abstract.params.layout
-        leaves = layout.treedef.unflatten(layout.leaf_shardings(mesh))
-        # zero1 is already in the layout (its zero_axes): the buffers' placement says it.
+        packing = abstract.params.packing
+        leaves = packing.treedef.unflatten(packing.leaf_shardings(mesh))
+        # zero1 is already in the packing (its zero_axes): the buffers' placement says it.
         return _replicated_rest(abstract, mesh).replace(
-            params=abstract.params.shardings(mesh),
+            params=abstract.params.shardings(None, mesh),
             opt_state=state_shardings(abstract.opt_state, leaves, mesh))
 
 
-PER_LEAF = Layout("per_leaf")
+TREE = Layout("tree")
 FLAT = _Flat("flat")
 
 
 def choose(t) -> Layout:
     """The layout of a run with the ``train`` config section ``t``: ``FLAT`` when
-    ``train.flat_params`` asks for it and the run can have it, ``PER_LEAF`` otherwise.
+    ``train.flat_params`` asks for it and the run can have it, ``TREE`` otherwise.
     ``ValueError`` naming every setting that keeps a run off the flat layout, and the fix."""
     if not t.flat_params:
-        return PER_LEAF
+        return TREE
     problems = []
     if t.optimizer != "adan":
         problems.append(f"train.optimizer=adan (got {t.optimizer!r}: only Adan has a one-pass "
@@ -151,4 +163,4 @@ def choose(t) -> Layout:
     return FLAT
 
 
-__all__ = ["FLAT", "Layout", "ONEPASS_IMPLS", "PER_LEAF", "choose"]
+__all__ = ["FLAT", "Layout", "ONEPASS_IMPLS", "TREE", "choose", "state_shardings"]

@@ -7,7 +7,8 @@ XLA compiles to a collective permute).
 Placement (``Stages``): ``L`` layers, ``S`` stages, ``R`` repeats (``model.pipeline_repeats``),
 groups of ``G = ceil(L / (S R))`` consecutive layers; stage ``s`` holds groups ``r S + s`` for
 ``r < R``, i.e. layer ``l = (r S + s) G + j``. The parameters of the layers are stacked
-[S, R, G, ...] and split over ``stage`` on the first dimension (``StagedParams``); the rest of
+[S, R, G, ...] and split over ``stage`` on the first dimension (``Stages`` is the
+``forms.stacked.Stacking`` of the parameters' ``Stacked`` form); the rest of
 the model (embeddings, head) is placed as without a pipeline and runs on the whole batch. Where
 ``S R`` does not divide ``L``, the last ``S R G - L`` places hold padding layers: zero
 parameters that pass their input through (their output is not selected), never checkpointed,
@@ -38,7 +39,7 @@ each schedule step that uses them; ``sharding.pipeline_gather_once`` gathers the
 the schedule instead (``_gathered``), holding the stage's weights whole, and reduce-scatters
 each use's weight gradient where it arises (``_split_cotangent``).
 
-A checkpoint holds the per-layer form (``StagedParams.portable``): a pipelined run resumes
+A checkpoint holds the per-layer form (``forms.portable``): a pipelined run resumes
 unpipelined, on any stage count, and the reverse.
 """
 from __future__ import annotations
@@ -52,17 +53,16 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxaccel import sharding as shd
-from jaxaccel.models.stack import layer_rngs
-from jaxaccel.optim.flat import FlatNode
+from jaxaccel.forms.stacked import Stacking
+from jaxaccel.models.stack import layer_fn, scan_layers
 from kernels_pallas import registry
-
-LAYERS = "layers"
 
 
 @dataclasses.dataclass(frozen=True)
-class Stages:
+class Stages(Stacking):
     """A pipeline's shape: ``stages`` (S, the mesh's ``stage`` size), ``repeats`` (R),
-    ``microbatches`` (M) and the model's ``layers`` (L)."""
+    ``microbatches`` (M) and the model's ``layers`` (L); as a ``Stacking``, the layers
+    stacked [S, R, G] with S over the mesh's ``stage`` axis."""
 
     stages: int
     repeats: int
@@ -76,9 +76,12 @@ class Stages:
         return -(-self.layers // (self.stages * self.repeats))
 
     @property
-    def padding(self) -> int:
-        """Padding layers after the model's last (S R G - L; 0 where S R divides L)."""
-        return self.stages * self.repeats * self.group - self.layers
+    def shape(self) -> tuple:
+        return (self.stages, self.repeats, self.group)
+
+    @property
+    def lead(self) -> tuple:
+        return ("stage", None, None)
 
     @property
     def iterations(self) -> int:
@@ -115,6 +118,12 @@ class Stages:
                              f"would wait for its own output; use at least {s} micro-batches "
                              f"(more shrink the bubble (S-1)/(R*M+S-1)).")
 
+    def stack(self, model, layers, fp8):
+        layer = model.layers[0]
+        fn = layer_fn(nnx.graphdef(layer), type(model).layer_call, model.spec.remat)
+        return stack(self, layers, fp8, fn,
+                     _layer_specs(layer, layers) if self.gather_once else None)
+
     def as_dict(self) -> dict:
         return {"stages": self.stages, "repeats": self.repeats,
                 "microbatches": self.microbatches, "layers_per_group": self.group,
@@ -124,103 +133,23 @@ class Stages:
 
 def of(cfg, num_layers: int) -> Stages | None:
     """The pipeline of a config (``mesh.stage`` > 1), checked against the model's
-    ``num_layers``; None without one. ``train.microbatches`` 0 is one per stage."""
+    ``num_layers`` and the batch sizes its micro-batches split; None without one.
+    ``train.microbatches`` 0 is one per stage."""
     s = int(cfg.mesh.get("stage", 1))
     if s <= 1:
         return None
-    m = cfg.train.microbatches or s
+    t = cfg.train
+    m = t.microbatches or s
     stages = Stages(s, int(cfg.model.pipeline_repeats), int(m), int(num_layers),
                     bool(cfg.sharding.get("pipeline_gather_once", False)))
     stages.check()
+    sizes = {"train.batch_size / train.grad_accum": t.batch_size // t.grad_accum,
+             "train.eval_batch_size": t.eval_batch_size}
+    for key, size in sizes.items():
+        if size % m:
+            raise ValueError(f"{key}={size} does not split into train.microbatches={m} "
+                             f"micro-batches; use a multiple of {m}.")
     return stages
-
-
-def _places(stages: Stages):
-    """(stage, repeat, position) of every place of the [S, R, G] stack, in its order."""
-    return [(i, k, j) for i in range(stages.stages) for k in range(stages.repeats)
-            for j in range(stages.group)]
-
-
-def _stack(stages: Stages, layers: dict, pad=None):
-    """Per-layer trees ``{l: tree}`` -> one tree of [S, R, G, ...] arrays, ``pad`` (default
-    zeros) where a place holds a padding layer."""
-    s, r, g = stages.stages, stages.repeats, stages.group
-    if stages.padding and pad is None:
-        pad = jax.tree_util.tree_map(jnp.zeros_like, layers[0])
-    order = [layers.get(stages.layer(*place), pad) for place in _places(stages)]
-    return jax.tree_util.tree_map(
-        lambda *xs: jnp.stack(xs).reshape(s, r, g, *xs[0].shape), *order)
-
-
-def _unstack(stages: Stages, stacked) -> dict:
-    """Inverse of ``_stack`` (the padding layers dropped)."""
-    return {stages.layer(*place): jax.tree_util.tree_map(lambda a: a[place], stacked)
-            for place in _places(stages) if stages.layer(*place) < stages.layers}
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class StagedParams(FlatNode):
-    """A model's parameters with its layers stacked by stage: ``layers`` one layer's tree of
-    [S, R, G, ...] arrays (split over ``stage``), ``rest`` every other parameter, as in the
-    model's tree; ``layout`` the ``Stages``. Optimizer moments of these parameters are
-    ``StagedParams`` too (optax maps over the pytree), and both convert to the per-layer form
-    checkpoints hold (``portable``, ``jaxaccel.optim.flat``)."""
-
-    layers: dict
-    rest: dict
-    layout: Stages | None = None
-
-    @classmethod
-    def create(cls, stages: Stages, params: dict, pad=None) -> "StagedParams":
-        """``params`` (the model's tree) staged; ``pad`` one layer's tree for the padding
-        layers' places (default zeros)."""
-        rest = {k: v for k, v in params.items() if k != LAYERS}
-        return cls(_stack(stages, params[LAYERS], pad), rest, stages)
-
-    def unstaged(self) -> dict:
-        """The model's parameter tree (``layers[l]`` per layer)."""
-        return {**self.rest, LAYERS: _unstack(self.layout, self.layers)}
-
-    def portable(self):
-        return _unstaged(self)
-
-    def from_portable(self, saved):
-        """``saved`` staged, placed as this node's arrays are (where they are placed)."""
-        placed = [getattr(a, "sharding", None) for a in jax.tree_util.tree_leaves(self)]
-        if None in placed:
-            return _staged(self.layout, saved)
-        shardings = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(self), placed)
-        return jax.jit(StagedParams.create, static_argnums=0,
-                       out_shardings=shardings)(self.layout, saved)
-
-    def portable_shardings(self, shardings):
-        one = jax.tree_util.tree_map(
-            lambda s: NamedSharding(s.mesh, P(*tuple(s.spec)[3:])), shardings.layers)
-        return {**shardings.rest, LAYERS: {l: one for l in range(self.layout.layers)}}
-
-
-jax.tree_util.register_dataclass(StagedParams, data_fields=["layers", "rest"],
-                                 meta_fields=["layout"])
-
-
-@jax.jit
-def _unstaged(params: StagedParams) -> dict:
-    return params.unstaged()
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def _staged(stages: Stages, params: dict) -> StagedParams:
-    return StagedParams.create(stages, params)
-
-
-def staged_shardings(stages: Stages, shardings: dict) -> StagedParams:
-    """The shardings of ``StagedParams.create(stages, params)`` given the per-layer
-    ``shardings`` of ``params``: a layer's placement with [S, R, G] in front, S over
-    ``stage``."""
-    def stacked(s):
-        return NamedSharding(s.mesh, P("stage", None, None, *tuple(s.spec)))
-    layers = jax.tree_util.tree_map(stacked, shardings[LAYERS][0])
-    return StagedParams(layers, {k: v for k, v in shardings.items() if k != LAYERS}, stages)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
@@ -299,37 +228,38 @@ def _split_cotangent(tree, shardings):
     return place(tree)
 
 
-def stack(params: StagedParams, layer_graphdef, layer_call, *, remat: bool = False,
-          fp8: StagedParams | None = None, specs=None):
-    """The layers' ``stack(x, args, key, deterministic)`` (``models.stack``) of the staged
-    ``params``: the schedule of this module's docstring. ``layer_graphdef`` is one layer's,
-    ``layer_call`` the family's; ``remat`` rematerialises each layer in the backward pass;
-    ``fp8`` the layers' staged fp8 state (None without the fp8 policy); ``specs`` one layer's
-    mesh-axis specs (``Stages.gather_once``)."""
-    st = params.layout
-    s_, m_, g_ = st.stages, st.microbatches, st.group
+def _layer_specs(layer, layers):
+    """One layer's mesh-axis specs (``Stages.gather_once``), None without a mesh."""
+    mesh = shd.current_mesh(layers)
+    if mesh is None:
+        return None
+    weights = nnx.state(layer, nnx.Param)
+    placed = shd.tree_shardings(mesh, nnx.to_pure_dict(nnx.get_partition_spec(weights)),
+                                nnx.to_pure_dict(weights))
+    return jax.tree_util.tree_map(lambda s: s.spec, placed)
 
-    def one_layer(p, f, x, args, rows, key, index, deterministic):
-        layer = nnx.merge(layer_graphdef, p, *(() if f is None else (f,)))
-        return layer_call(layer, x, args, deterministic, layer_rngs(key, index), rows)
+
+def stack(st: Stages, layers, fp8, layer_fn, specs=None):
+    """The layers' ``stack(x, args, key, deterministic)`` (``models.stack``) of the stacked
+    ``layers`` [S, R, G, ...]: the schedule of this module's docstring. ``fp8`` the layers'
+    stacked fp8 state (None without the fp8 policy); ``layer_fn`` runs one layer
+    (``models.stack.layer_fn``); ``specs`` one layer's mesh-axis specs
+    (``Stages.gather_once``)."""
+    s_, m_ = st.stages, st.microbatches
 
     def run(x, args, key, deterministic):
         if x.shape[0] % m_:
             raise ValueError(f"a batch of {x.shape[0]} rows does not split into "
                              f"train.microbatches={m_} micro-batches.")
-        layer_fn = jax.checkpoint(one_layer, static_argnums=(7,)) if remat else one_layer
         # XLA:CPU's runtime can run a loop's collectives and independent ones outside it in
         # different orders on different devices (a rendezvous deadlock, seen with the stage
         # permute against the loss denominator's all-reduce): on the CPU the loops are
         # unrolled, so every collective is in the program's one ordered sequence.
         unroll = registry.platform(x) == "cpu"
-        xs = _placed(_micro(x, m_), None)
         args_m = jax.tree_util.tree_map(lambda a: _micro(a, m_), args)
         rows_m = _micro(jnp.arange(x.shape[0], dtype=jnp.int32), m_)
-        stage_ids = jnp.arange(s_)
-        layers, split = (_gathered(params.layers, specs) if st.gather_once
-                         else (params.layers, None))
-        fp8_m = None if fp8 is None else _spread(fp8.layers, m_)
+        stacked, split = _gathered(layers, specs) if st.gather_once else (layers, None)
+        fp8_m = None if fp8 is None else _spread(fp8, m_)
 
         def stage_fn(group_params, group_fp8, h, stage, t):
             k = t - stage
@@ -342,69 +272,41 @@ def stack(params: StagedParams, layer_graphdef, layer_call, *, remat: bool = Fal
                 lambda a: jnp.where(busy, a[repeat, micro], jax.lax.stop_gradient(
                     a[repeat, micro])), group_fp8)
             a = jax.tree_util.tree_map(lambda v: v[micro], args_m)
-            rows = rows_m[micro]
-            first = (repeat * s_ + stage) * g_
-
-            def body(h, pj):
-                p_j, f_j, j = pj
-                out = layer_fn(p_j, f_j, h, a, rows, key, first + j, deterministic)
-                if st.padding:      # a padding layer passes its input through
-                    out = jnp.where(first + j < st.layers, out, h)
-                return out, None
-            h, _ = jax.lax.scan(body, h, (p, f, jnp.arange(g_)), unroll=unroll)
-            return h
+            return scan_layers(layer_fn, h, p, f, a, rows_m[micro], key,
+                               (repeat * s_ + stage) * st.group, deterministic,
+                               count=st.layers if st.padding else None, unroll=unroll)
 
         staged = jax.vmap(stage_fn, in_axes=(0, 0, 0, 0, None), spmd_axis_name="stage")
-
-        # The buffer turns one micro-batch per step (queue[i] is micro-batch (t + i) % M at
-        # step t): stage 0 reads place 0 and the last stage's output of micro-batch
-        # t - (S - 1) goes to place (1 - S) % M, fixed places, so the loop slices the buffer
-        # statically (a slice at t % M made XLA gather the whole buffer over the batch axes
-        # at every step).
-        write = (1 - s_) % m_
-
-        def tick(carry, t):
-            state, queue = carry
-            state = state.at[0].set(queue[0])
-            out = staged(layers, fp8_m, state, stage_ids, t)
-            k = t - (s_ - 1)
-            done = (k >= 0) & (k < st.repeats * m_)
-            queue = queue.at[write].set(jnp.where(done, out[s_ - 1], queue[write]))
-            return (_placed(jnp.roll(out, 1, axis=0), "stage"),
-                    _placed(jnp.roll(queue, -1, axis=0), None)), None
-
-        state = _placed(jnp.zeros((s_, *xs.shape[1:]), xs.dtype), "stage")
-        (_, queue), _ = jax.lax.scan(tick, (state, xs), jnp.arange(st.iterations),
-                                     unroll=unroll)
-        return _unmicro(jnp.roll(queue, st.iterations % m_, axis=0))
+        return _schedule(st, functools.partial(staged, stacked, fp8_m),
+                         _placed(_micro(x, m_), None), unroll)
 
     return run
 
 
-def forward_model(graphdef, params: StagedParams, fp8: dict | None = None):
-    """``(model, stack)``: the model of ``graphdef`` with ``params.rest`` (its layers hold
-    placeholders the stack never reads) and the pipelined stack over ``params.layers`` to
-    call it with (``model(..., stack=stack)``); ``fp8`` the model's fp8 state (per layer, as
-    the train state holds it), staged here."""
-    stages = params.layout
-    if fp8 is not None:
-        # A padding layer's scales are a real layer's (zero scales would quantize to NaN,
-        # which its zero cotangent does not cancel), and give that layer no gradient.
-        fp8 = StagedParams.create(stages, fp8, jax.lax.stop_gradient(fp8[LAYERS][0]))
+def _schedule(st: Stages, staged, xs, unroll: bool):
+    """The last stage's outputs of the last repeat, [B, ...], of the micro-batches ``xs``
+    [M, B / M, ...] through ``staged(hidden [S, ...], stage ids [S], step) -> [S, ...]``.
 
-    def placeholders(staged):
-        first = jax.tree_util.tree_map(lambda a: a[0, 0, 0], staged.layers)
-        return {**staged.rest, LAYERS: {l: first for l in range(stages.layers)}}
-    model = nnx.merge(graphdef, *(placeholders(t) for t in (params, fp8) if t is not None))
-    layer = model.layers[0]
-    specs, mesh = None, shd.current_mesh(params.layers)
-    if stages.gather_once and mesh is not None:
-        weights = nnx.state(layer, nnx.Param)
-        placed = shd.tree_shardings(mesh, nnx.to_pure_dict(nnx.get_partition_spec(weights)),
-                                    nnx.to_pure_dict(weights))
-        specs = jax.tree_util.tree_map(lambda s: s.spec, placed)
-    return model, stack(params, nnx.graphdef(layer), type(model).layer_call,
-                        remat=model.spec.remat, fp8=fp8, specs=specs)
+    The buffer turns one micro-batch per step (queue[i] is micro-batch (t + i) % M at step
+    t): stage 0 reads place 0 and the last stage's output of micro-batch t - (S - 1) goes to
+    place (1 - S) % M, fixed places, so the loop slices the buffer statically (a slice at
+    t % M made XLA gather the whole buffer over the batch axes at every step)."""
+    s_, m_ = st.stages, st.microbatches
+    write, stage_ids = (1 - s_) % m_, jnp.arange(s_)
+
+    def tick(carry, t):
+        state, queue = carry
+        state = state.at[0].set(queue[0])
+        out = staged(state, stage_ids, t)
+        k = t - (s_ - 1)
+        done = (k >= 0) & (k < st.repeats * m_)
+        queue = queue.at[write].set(jnp.where(done, out[s_ - 1], queue[write]))
+        return (_placed(jnp.roll(out, 1, axis=0), "stage"),
+                _placed(jnp.roll(queue, -1, axis=0), None)), None
+
+    state = _placed(jnp.zeros((s_, *xs.shape[1:]), xs.dtype), "stage")
+    (_, queue), _ = jax.lax.scan(tick, (state, xs), jnp.arange(st.iterations), unroll=unroll)
+    return _unmicro(jnp.roll(queue, st.iterations % m_, axis=0))
 
 
-__all__ = ["StagedParams", "Stages", "forward_model", "of", "stack", "staged_shardings"]
+__all__ = ["Stages", "of", "stack"]

@@ -29,9 +29,12 @@ from jaxaccel.data import BatchIterator, load_tokenizer, splits
 from jaxaccel.data import sources as data_sources
 from jaxaccel.data.packing import PackedBatches
 from jaxaccel.data.spec import Batching, DataSpec, ModelInput
+from jaxaccel.forms.packing import Packer
+from jaxaccel.forms.stacked import Stacked, Stacking, stacked_shardings
 from jaxaccel.models import (ModelSpec, attention, check_vocab, checkpoint_of, create_model,
-                             model_spec)
+                             model_spec, remat)
 from jaxaccel.models.fp8 import Fp8Meta
+from jaxaccel.models.stack import Scan
 from jaxaccel.models.unpad import Capacity
 from jaxaccel.precision import LossScale, Policy, policy_of
 from jaxaccel.train import layout as layout_lib
@@ -41,7 +44,7 @@ from jaxaccel.train.saved import init_from
 from jaxaccel.train.layout import Layout
 from jaxaccel.train.state import TrainState
 from jaxaccel.train.step import make_eval_step, make_train_step
-from jaxaccel.train.tasks import TASKS, Task
+from jaxaccel.train.tasks import TASKS, Task, with_loss_chunks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,8 +56,10 @@ class Resolved:
       mesh: the device mesh (``mesh`` section) over the target's devices.
       policy: the precision policy (``precision.policy_of``), the one of the run.
       spec: the model's ``ModelSpec`` (its family, architecture, task and options).
-      task: the training task (``tasks.TASKS[spec.task]``), which the data gives batches for.
-      layout: the parameter layout (``layout.choose``; ``PER_LEAF`` for a run that only
+      task: the training task (``tasks.TASKS[spec.task]``, its loss over
+        ``train.loss_chunks`` chunks: ``tasks.with_loss_chunks``), which the data gives
+        batches for.
+      layout: the parameter layout (``layout.choose``; ``TREE`` for a run that only
         evaluates, whose checkpoint holds the per-parameter form).
       training: whether the run trains (optimizer state, training split) or only evaluates.
       data: what the data is (``data.spec.DataSpec``: its kind, tasks, splits, counts, label
@@ -66,6 +71,9 @@ class Resolved:
       total_steps: the run's length (``train.max_steps``, else ``train.epochs`` epochs); None
         while ``steps_per_epoch`` is.
       stages: the pipeline (``pipeline.Stages``: ``mesh.stage`` > 1, training), else None.
+      stacking: how the state stacks the model's layers (``forms.stacked``): the pipeline's
+        stages, else the scan's (``model.scan_layers``, by default on TPUs and GPUs:
+        ``models.stack.Scan``), else None (the per-layer tree, run by the model's own loop).
     """
 
     cfg: Config
@@ -79,6 +87,7 @@ class Resolved:
     steps_per_epoch: int | None
     total_steps: int | None
     stages: pipeline.Stages | None = None
+    stacking: Stacking | None = None
 
     @property
     def run_dir(self) -> str:
@@ -118,6 +127,7 @@ def resolve(cfg: Config, devices=None, *, training: bool = True,
     attention.check_config(cfg.model.attention_impl, policy)
     spec = model_spec(cfg.model) if spec is None else spec
     mesh = shd.make_mesh(dict(cfg.mesh), devices)
+    remat.check(spec.remat, list(mesh.devices.flat))
     described = describe_data(cfg, spec, mesh.size, tokenizer, label_names,
                               absent_ok) if data else None
     if training and described is not None:
@@ -127,11 +137,14 @@ def resolve(cfg: Config, devices=None, *, training: bool = True,
     splits.check_batch_fits(cfg.train, {a: mesh.shape[a] for a in shd.BATCH_AXES},
                             training=training)
     shd.check_model_fits(spec.architecture, mesh)
-    layout = layout_lib.choose(cfg.train) if training else layout_lib.PER_LEAF
-    stages = _stages(cfg, spec) if training else None
+    layout = layout_lib.choose(cfg.train) if training else layout_lib.TREE
+    stages = pipeline.of(cfg, spec.architecture.num_hidden_layers) if training else None
+    stacking = stages or Scan.of(cfg.model.scan_layers, spec.architecture.num_hidden_layers,
+                                 mesh.devices.flat[0].platform)
     per_epoch = described.steps_per_epoch if training and described is not None else None
-    return Resolved(cfg, mesh, policy, spec, TASKS[spec.task], layout, training, described,
-                    per_epoch, _length(cfg.train, per_epoch), stages)
+    task = with_loss_chunks(TASKS[spec.task], cfg.train.loss_chunks, cfg.data.max_len)
+    return Resolved(cfg, mesh, policy, spec, task, layout, training, described,
+                    per_epoch, _length(cfg.train, per_epoch), stages, stacking)
 
 
 def model_input(cfg: Config, spec: ModelSpec, tokenizer: str | None = None) -> ModelInput:
@@ -162,23 +175,6 @@ def describe_data(cfg: Config, spec: ModelSpec, devices: int, tokenizer: str | N
     if label_names:
         described = dataclasses.replace(described, label_names=tuple(label_names))
     return described
-
-
-def _stages(cfg: Config, spec: ModelSpec):
-    """The run's pipeline (``pipeline.of``), checked against the batch sizes its micro-batches
-    split."""
-    stages = pipeline.of(cfg, spec.architecture.num_hidden_layers)
-    if stages is None:
-        return None
-    t = cfg.train
-    sizes = {"train.batch_size / train.grad_accum": t.batch_size // t.grad_accum,
-             "train.eval_batch_size": t.eval_batch_size}
-    for key, size in sizes.items():
-        if size % stages.microbatches:
-            raise ValueError(f"{key}={size} does not split into train.microbatches="
-                             f"{stages.microbatches} micro-batches; use a multiple of "
-                             f"{stages.microbatches}.")
-    return stages
 
 
 @dataclasses.dataclass
@@ -303,17 +299,17 @@ def optimizer_state(r: Resolved, params, fp8, param_shardings, total_steps: int)
     cfg, t = r.cfg, r.cfg.train
     schedule = optim.make_schedule(t.schedule, t.learning_rate, total_steps,
                              int(t.warmup_ratio * total_steps))
-    if r.stages is not None:
-        param_shardings = pipeline.staged_shardings(r.stages, param_shardings)
-    tx = r.layout.make_optimizer(t, schedule, r.spec, param_shardings,
-                                 shd.BATCH_AXES if cfg.sharding.zero1 else ())
+    if r.stacking is not None:
+        param_shardings = stacked_shardings(r.stacking, param_shardings)
+    tx = r.layout.make_optimizer(t, schedule, r.spec, Packer(
+        param_shardings, shd.BATCH_AXES if cfg.sharding.zero1 else ()))
     loss_scale = LossScale.create(cfg.precision.loss_scale_init,
                                   cfg.precision.loss_scale_growth_interval) \
         if r.policy.loss_scaling else None
 
     def create(params, fp8):
-        if r.stages is not None:
-            params = pipeline.StagedParams.create(r.stages, params)
+        if r.stacking is not None:
+            params = Stacked.create(r.stacking, params)
         return TrainState.create(r.layout.flatten(tx, params), tx, cfg.seed, loss_scale, fp8)
     shardings = r.layout.state_shardings(jax.eval_shape(create, params, fp8), param_shardings,
                                          r.mesh, cfg.sharding.zero1)
@@ -432,6 +428,11 @@ def _eval_only(r: Resolved, model, tokenizer_dir: str | None, data: bool) -> Run
     graphdef, params, fp8, param_shardings = split_model(model, r.mesh)
     replicated = lambda tree: jax.tree_util.tree_map(lambda _: shd.replicated(r.mesh), tree)
     fp8 = fp8 if r.policy.fp8 else None
+    if r.stacking is not None:
+        params = jax.device_put(params, param_shardings)
+        param_shardings = stacked_shardings(r.stacking, param_shardings)
+        params = jax.jit(Stacked.create, static_argnums=0,
+                         out_shardings=param_shardings)(r.stacking, params)
     shardings = TrainState(step=None, params=param_shardings, opt_state=None, rng=None,
                            fp8=replicated(fp8))
     state = jax.device_put(TrainState(step=None, params=params, opt_state=None, rng=None,

@@ -63,7 +63,7 @@ RESUMABLE = frozenset({
     "train.eval_every_epoch", "train.progress", "train.optimizer_impl", "train.flat_params",
     "train.unpad", "train.microbatches",
     "model.attention_impl", "model.remat", "model.checkpoint", "model.tokenizer",
-    "model.pipeline_repeats",
+    "model.pipeline_repeats", "model.scan_layers",
     "data.data_dir", "data.manual_dir", "data.eval_split", "data.cache_dir", "data.workers",
     "data.train_examples", "data.train_tokens",
     "mesh.data", "mesh.fsdp", "mesh.tensor", "mesh.stage", "sharding.zero1",
@@ -74,8 +74,8 @@ and how many processes build it, the counts a plan reads, trainer path
 (``train.flat_params``: the flat-buffer and the optax Adan resume
 each other's checkpoints, which hold the per-parameter form), the pipeline (``mesh.stage``,
 ``train.microbatches``, ``model.pipeline_repeats``: a pipelined step is the plain step, and its
-checkpoint the per-layer form) and where files are (checkpoints are portable across meshes and
-kernels)."""
+checkpoint the per-layer form), scanned layers (``model.scan_layers``: likewise) and where
+files are (checkpoints are portable across meshes and kernels)."""
 
 RUN_FILES = ("checkpoints", "skipped_checkpoints", "metrics.jsonl", "tensorboard",
              "config.json", "tokenizer")

@@ -1,6 +1,6 @@
 """The train and eval steps of a task (``jaxaccel.train.tasks``: classification, causal LM) on a
-parameter layout (``jaxaccel.train.layout``: per-leaf optax or flat one-pass), written once:
-the layout says what is differentiated and how an update is applied, and gradient
+parameter layout (``jaxaccel.train.layout``: a pytree under optax, or flat one-pass), written
+once: the layout says what is differentiated and how an update is applied, and gradient
 accumulation, loss scaling and fp8 are written here around it for both.
 
 The loss is the task's weighted mean cross entropy (float32) over the global batch (for
@@ -27,8 +27,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxaccel.models.fp8 import summary as fp8_summary
+from jaxaccel.models.stack import merge
 from jaxaccel.train.layout import Layout
-from jaxaccel.train.pipeline import StagedParams, forward_model
 from jaxaccel.train.state import TrainState
 from jaxaccel.train.tasks import Task, weight_sum
 
@@ -45,13 +45,13 @@ def forward(graphdef, params, batch, *, task: Task, deterministic, rng=None, fp8
     """The task's float32 logits of the model ``graphdef`` with ``params`` (a parameter tree,
     and the fp8 state ``fp8``) on ``batch``; dropout from ``rng`` unless ``deterministic``; the
     per-token layers on the real tokens only by the plan ``unpad`` (``models.unpad.Capacity``),
-    if given. Parameters staged for a pipeline (``pipeline.StagedParams``) run the layers by
-    its schedule. The one forward pass of training, evaluation and prediction."""
+    if given. Parameters in the stacked form (a scan's, a pipeline's) run the layers as their
+    stacking says (``models.stack.merge``). The one forward pass of training, evaluation and
+    prediction."""
     kwargs = {} if unpad is None else {"unpad": unpad}
-    if isinstance(params, StagedParams):
-        model, kwargs["stack"] = forward_model(graphdef, params, fp8)
-    else:
-        model = nnx.merge(graphdef, params, *(() if fp8 is None else (fp8,)))
+    model, stack = merge(graphdef, params, fp8)
+    if stack is not None:
+        kwargs["stack"] = stack
     rngs = None if deterministic else nnx.Rngs(dropout=rng)
     return task.logits(model, batch, deterministic, rngs, **kwargs)
 

@@ -19,7 +19,11 @@ count``; an evaluation adds the sums over every batch and ``report``\\s from the
   next token of the same document) [B, L] int32 and ``target_weights`` [B, L] float32 (1
   where ``targets`` is a real next token, else 0); logits [B, L, vocab]; the loss is the
   next-token cross entropy ``-sum_t w_t log p(targets_t) / sum_t w_t``; eval reports ``loss``,
-  ``perplexity = exp(loss)``, token ``accuracy`` and ``tokens``.
+  ``perplexity = exp(loss)``, token ``accuracy`` and ``tokens``. With ``train.loss_chunks``
+  = N > 1 (``with_loss_chunks``) the [B, L, vocab] float32 logits never exist whole: the
+  model gives its last hidden states and head (``LMHead``) and the sums are taken over N
+  chunks of L / N positions, each chunk's logits made, used and dropped, and made again in
+  the backward pass (MaxText's vocabulary tiling): the same sums and gradients.
 * ``mae`` (masked-autoencoder pretraining, ``models.vit``): batch ``pixels`` [B, H, W] and
   ``weights`` [B]; the model masks each row's patches at random and predicts them; a row's
   loss is the mean squared error over its masked patches (of the normalised patches under
@@ -36,7 +40,9 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 import optax
+from flax import struct
 
+from jaxaccel.models.llama import head_logits
 from kernels_pallas import registry
 
 
@@ -143,6 +149,59 @@ def _lm_logits(model, batch, deterministic, rngs, stack=None):
     return out.logits.astype(jnp.float32)
 
 
+@struct.dataclass
+class LMHead:
+    """A causal LM's last hidden states [B, L, hidden] and head [hidden, vocab] (compute
+    dtype): its logits, not yet made (``with_loss_chunks``)."""
+
+    hidden: jax.Array
+    kernel: jax.Array
+
+
+def _lm_head(model, batch, deterministic, rngs, stack=None):
+    out = model(batch["input_ids"], positions=batch["positions"],
+                segment_ids=batch["segment_ids"], deterministic=deterministic, rngs=rngs,
+                stack=stack, head=False)
+    return LMHead(out.hidden, model.head_kernel())
+
+
+def _chunked_sums(out: LMHead, batch, chunks: int):
+    """``_weighted_sums`` of the logits of ``out``, made ``chunks`` sequence chunks at a time
+    by a loop whose body is rematerialised (the backward pass makes a chunk's logits again
+    instead of keeping them)."""
+    b, length = batch["targets"].shape
+    split = lambda a: a.reshape(b, chunks, length // chunks, *a.shape[2:]).swapaxes(0, 1)
+
+    @jax.checkpoint
+    def body(total, xs):
+        h, targets, weights = xs
+        sums = _weighted_sums(head_logits(h, out.kernel), targets, weights)
+        return tuple(t + s for t, s in zip(total, sums)), None
+    zero = jnp.zeros((), jnp.float32)
+    total, _ = jax.lax.scan(body, (zero, zero, zero),
+                            (split(out.hidden), split(batch["targets"]),
+                             split(batch["target_weights"])))
+    return total
+
+
+def with_loss_chunks(task: Task, chunks: int, length: int) -> Task:
+    """``task`` with its loss over ``chunks`` sequence chunks of its rows of ``length`` tokens
+    (``train.loss_chunks``; module doc): itself for 1; ``ValueError`` for a task other than
+    causal_lm, whose logits are per row or per patch, or a length ``chunks`` does not
+    divide."""
+    if chunks == 1:
+        return task
+    if task.name != "causal_lm":
+        raise ValueError(f"train.loss_chunks={chunks}: only a causal LM's logits are "
+                         f"[batch, length, vocab]; the {task.name} task's are not chunked. "
+                         "Use train.loss_chunks=1.")
+    if length % chunks:
+        raise ValueError(f"train.loss_chunks={chunks} does not divide the rows' length "
+                         f"{length} (data.max_len); use a divisor of it.")
+    return dataclasses.replace(task, logits=_lm_head, sums=lambda out, b: _chunked_sums(
+        out, b, chunks))
+
+
 def _lm_report(t: dict) -> dict:
     n = max(t["count"], 1.0)
     loss = t["loss_sum"] / n
@@ -198,4 +257,4 @@ def weight_sum(task: Task, batch) -> jax.Array:
     return jnp.maximum(jnp.sum(batch[task.weights].astype(jnp.float32)), 1.0)
 
 
-__all__ = ["TASKS", "Task", "weight_sum"]
+__all__ = ["LMHead", "TASKS", "Task", "weight_sum", "with_loss_chunks"]

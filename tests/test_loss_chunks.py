@@ -1,0 +1,74 @@
+"""The causal-LM loss over sequence chunks (``train.loss_chunks``, ``tasks.with_loss_chunks``):
+the same losses, parameters and eval sums as over the whole logits, without the whole
+[batch, length, vocab] float32 logits in the compiled step's memory; refused where it cannot
+apply."""
+import jax
+import numpy as np
+import pytest
+
+from jaxaccel import config, forms
+from jaxaccel.train import run as run_lib
+from support import DEVICES, TINY_SETS, docs, packed
+
+pytestmark = pytest.mark.usefixtures("on_eight_devices")   # DEVICES: the module's 8 devices
+
+LLAMA = ["model.name=llama-tiny", "data.name=canterbury", "model.tokenizer=unused",
+         "data.max_len=16", "train.batch_size=16", "train.eval_batch_size=16",
+         "train.max_steps=3", "train.learning_rate=3e-3", "train.eps=1e-3",
+         "train.progress=false"]
+BATCHES = [packed([docs(8 * i + r, 5, 9, 2) for r in range(16)], 16) for i in range(2)]
+
+
+def _run(tmp_path, *sets, devices=2):
+    cfg = config.build(sets=[*LLAMA, f"workdir={tmp_path}", *sets])
+    return run_lib.assemble(run_lib.resolve(cfg, DEVICES[:devices]), data=False)
+
+
+def _steps(run):
+    state, losses = run.state, []
+    with jax.set_mesh(run.mesh):
+        for batch in BATCHES:
+            state, metrics = run.train_step(state, run.put_batch(batch))
+            losses.append(float(metrics["loss"]))
+        sums = run.eval_step(state.params, run.put_batch(BATCHES[0]), state.fp8)
+    return losses, jax.device_get(forms.portable(state.params)), jax.device_get(sums)
+
+
+@pytest.mark.parametrize("sets", [(), ("model.scan_layers=true", "model.remat=true")])
+def test_chunked_loss_steps_equal_the_whole_logits_steps(tmp_path, sets):
+    whole = _steps(_run(tmp_path, *sets))
+    chunked = _steps(_run(tmp_path, "train.loss_chunks=4", *sets))
+    np.testing.assert_allclose(chunked[0], whole[0], rtol=1e-6)
+    for a, b in zip(jax.tree_util.tree_leaves(chunked[1]), jax.tree_util.tree_leaves(whole[1])):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)   # the head gradient summed by chunk
+    for key in ("loss_sum", "correct", "count"):
+        np.testing.assert_allclose(chunked[2][key], whole[2][key], rtol=1e-6)
+
+
+def _temporaries(run, rows=16, length=64):
+    batch = run.abstract_batch(rows, length)
+    with jax.set_mesh(run.mesh):
+        compiled = run.train_step.lower(run.state, batch).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+
+def test_chunks_keep_the_whole_logits_out_of_the_step(tmp_path):
+    """16 rows of 64 tokens of the CPU decoder's 2,048-token vocabulary on one device: the
+    whole float32 logits are 16 x 64 x 2048 x 4 = 8.4 MB (and their gradient as much); in 8
+    chunks the step's temporaries shrink by more than that."""
+    sets = ("model.name=llama-cpu", "data.max_len=64")
+    whole = _temporaries(_run(tmp_path, *sets, devices=1))
+    chunked = _temporaries(_run(tmp_path, *sets, "train.loss_chunks=8", devices=1))
+    vocab = run_lib.resolve(config.build(sets=[*LLAMA, *sets]), DEVICES[:1]).spec.architecture \
+        .vocab_size
+    logits = 16 * 64 * vocab * 4
+    assert whole - chunked > logits, (whole, chunked, logits)
+
+
+@pytest.mark.parametrize("sets,message", [
+    ([*TINY_SETS, "train.loss_chunks=2"], "only a causal LM's logits"),
+    ([*LLAMA, "train.loss_chunks=3"], "does not divide the rows' length 16"),
+])
+def test_chunks_that_cannot_apply_are_refused(sets, message):
+    with pytest.raises(ValueError, match=message):
+        run_lib.resolve(config.build(sets=sets), DEVICES[:1])
