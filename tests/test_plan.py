@@ -47,6 +47,21 @@ def test_local_plan_reports_memory_fit_and_labelled_estimates(local_plan):
     assert "collectives per step" in text
 
 
+def test_flops_and_bytes_count_every_micro_batch(local_plan):
+    """Gradient accumulation runs the forward and backward in a loop over micro-batches: the
+    plan counts every trip (the same FLOPs as one whole batch), where XLA's own cost analysis
+    counts the loop body once; the report says where the numbers come from. (Each
+    micro-batch's gradient all-reduce adds its elements again: hence the 10 %.)"""
+    p = plan.make_plan(TINY_CONFIG, ["train.grad_accum=2"], "local")
+    one = local_plan.flops["counted_per_device"]
+    assert p.flops["counted_per_device"] == pytest.approx(one, rel=0.1)
+    assert p.flops["xla_per_device"] < 0.8 * p.flops["counted_per_device"]
+    assert p.hlo_cost["bytes accessed"] > p.hlo_cost["compiler"]["bytes accessed"]
+    assert p.hlo_cost["uncounted"] == [] and p.hlo_cost["loops"] >= 1
+    text = plan.report(p)
+    assert "counted with loop trips" in text and "HloCostAnalysis" in text
+
+
 def test_the_estimate_never_goes_below_the_roofline():
     """A v5e-8 step with 1 ms of compute per chip whose collectives must send 0.8 GB per chip
     (4 ms at 200 GB/s each way): interconnect-bound, and XLA's cost model is used only above
