@@ -279,13 +279,15 @@ def test_several_targets_are_planned_and_ranked_by_time_and_cost(capsys, tmp_pat
     assert row["epoch_forecast_usd"] >= row["epoch_usd"] > 0
     assert "TPU v5 lite $1.2/h" in row["price"]
     # The GPU plan: the budget is the share of HBM JAX preallocates, and the compile-only GPU
-    # client gives no cost analysis, so the bound is the roofline.
+    # client gives no cost analysis, so the bound is the roofline, its bytes counted from the
+    # HLO (XLA's HloCostAnalysis) as a TPU program's are.
     gpu = plans["h100_1x4"]
     row = gpu["rows"][0]
     assert gpu["device"] == "NVIDIA H100 80GB HBM3" and row["fits"]
     assert row["device_memory"] == pytest.approx(0.75 * 80e9)
     assert "preallocation" in row["device_memory_source"]
     assert row["xla_flops_per_device"] is None and row["bound_source"] == "estimate:roofline"
+    assert row["hbm_bytes_per_device"] > 0 and row["counted_flops_per_device"] > 0
     # compare reads the plan files (plans are estimates; ranked as one group of the same work)
     report = compare_lib.compare([str(p) for p in sorted(tmp_path.iterdir())],
                                  prices_file=None, weights=None)
