@@ -278,14 +278,21 @@ def analyse(side: str, a, target, cfg, spec) -> dict:
             "collective_bytes": collectives_lib.by_kind(found), "collective_sent": sent,
             "analytic_flops": flops, "estimate": estimate,
             "largest_allocations": largest_temporaries(os.path.join(folder, "dump")),
-            "live_at_peak": at_peak(os.path.join(folder, "dump"), hlo)}
+            "peak": peak_groups(at_peak(os.path.join(folder, "dump"), hlo))}
+
+
+def _dumped(dump: str, kind: str) -> str:
+    """The step's ``after_optimizations-<kind>.txt`` in an XLA dump folder (the largest such
+    file, should the process have compiled more than the step)."""
+    return max(glob.glob(os.path.join(dump, f"*after_optimizations-{kind}.txt")),
+               key=os.path.getsize)
 
 
 def largest_temporaries(dump: str, top: int = 12) -> list[dict]:
     """The largest allocations of the step's default memory space, from XLA's
     memory-usage report in ``dump`` (``--xla_dump_to``): size in bytes and the shapes of the
     values sharing it (an allocation is reused by values whose lives do not overlap)."""
-    (path,) = glob.glob(os.path.join(dump, "*train_step*memory-usage-report.txt"))
+    path = _dumped(dump, "memory-usage-report")
     rows = []
     with open(path) as f:
         for line in f:
@@ -300,29 +307,48 @@ def largest_temporaries(dump: str, top: int = 12) -> list[dict]:
 _PEAK = re.compile(r"^  Live ranges at \d+ \(peak\):")
 _LIVE = re.compile(r"^    ([\w.\-]+)(\{[\d,]*\}): (\d+) bytes")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
+_LAYOUT = re.compile(r"\{[^}]*\}")
 
 
-def at_peak(dump: str, hlo: str, top: int = 15) -> list[dict]:
-    """What is live at the step's peak, largest first, from XLA's live-range dump: bytes, the
-    instruction's shape and opcode, and the jax operation it came from (its ``op_name``)."""
+def at_peak(dump: str, hlo: str) -> list[dict]:
+    """Every value live at the step's peak, largest first, from XLA's live-range dump: bytes,
+    the instruction's shape (layout dropped), its origin (``argument``; ``AllocateBuffer``:
+    a buffer the TPU compiler allocates ahead of the op that fills it; else the opcode) and
+    the jax operation it came from (its ``op_name``)."""
     from jaxaccel.plan import loops
-    (path,) = glob.glob(os.path.join(dump, "*train_step*live-range.txt"))
     computations, _ = loops.parse(hlo)
     instructions = {n: i for c in computations.values() for n, i in c.items()}
     found, inside = [], False
-    with open(path) as f:
+    with open(_dumped(dump, "live-range")) as f:
         for line in f:
             if _PEAK.match(line):
                 inside = True
             elif inside and (m := _LIVE.match(line)):
                 i = instructions.get(m.group(1))
                 op = _OP_NAME.search(i.attributes) if i else None
+                origin = "" if i is None else "argument" if i.opcode == "parameter" else \
+                    "AllocateBuffer" if '"AllocateBuffer"' in i.attributes else i.opcode
                 found.append({"bytes": int(m.group(3)), "value": m.group(1) + m.group(2),
-                              "shape": i.shape if i else "", "opcode": i.opcode if i else "",
-                              "op_name": op.group(1) if op else ""})
+                              "shape": _LAYOUT.sub("", i.shape) if i else "",
+                              "origin": origin, "op_name": op.group(1) if op else ""})
             elif inside:
                 break
-    return sorted(found, key=lambda r: -r["bytes"])[:top]
+    return sorted(found, key=lambda r: -r["bytes"])
+
+
+def peak_groups(live: list[dict], top: int = 12) -> dict:
+    """The peak's bytes by origin, and its largest groups of values of one shape and origin
+    (``count x shape``): what a program holds at its peak, comparable across programs."""
+    by_origin, groups = {}, {}
+    for v in live:
+        by_origin[v["origin"]] = by_origin.get(v["origin"], 0) + v["bytes"]
+        g = groups.setdefault((v["shape"], v["origin"]), {"shape": v["shape"],
+                                                           "origin": v["origin"], "count": 0,
+                                                           "bytes": 0, "op_name": v["op_name"]})
+        g["count"] += 1
+        g["bytes"] += v["bytes"]
+    return {"bytes": sum(by_origin.values()), "by_origin": by_origin,
+            "largest": sorted(groups.values(), key=lambda g: -g["bytes"])[:top]}
 
 
 def _bytes(size: str) -> int:
@@ -339,6 +365,10 @@ ROWS = (("parameters", lambda r: f"{r['parameters']:,}"),
         ("arguments (GB)", lambda r: _gb(r["memory"]["arguments"])),
         ("temporaries (GB)", lambda r: _gb(r["memory"]["temp"])),
         ("total memory (GB)", lambda r: _gb(r["memory"]["total"])),
+        ("live at the peak (GB)", lambda r: _gb(r["peak"]["bytes"])),
+        ("  arguments (state, batch)", lambda r: _gb(r["peak"]["by_origin"].get("argument"))),
+        ("  buffers allocated ahead (AllocateBuffer)",
+         lambda r: _gb(r["peak"]["by_origin"].get("AllocateBuffer", 0))),
         ("HBM bytes, loop trips counted (GB)", lambda r: _gb(r["counted"]["bytes accessed"])),
         ("HBM bytes, compiler's count: loop bodies once (GB)",
          lambda r: _gb(r["compiler_cost"].get("bytes accessed"))),
@@ -363,6 +393,16 @@ def table(rows: list[dict]) -> str:
     lines = ["| per chip | " + " | ".join(r["name"] for r in rows) + " |",
              "|---|" + "---|" * len(rows)]
     lines += [f"| {label} | " + " | ".join(get(r) for r in rows) + " |" for label, get in ROWS]
+    return "\n".join(lines)
+
+
+def peaks(rows: list[dict]) -> str:
+    """Each side's largest groups of values live at its peak (``count x shape``, origin)."""
+    lines = []
+    for r in rows:
+        lines.append(f"{r['name']}: live at the peak {_gb(r['peak']['bytes'])} GB")
+        lines += [f"  {g['bytes'] / 2 ** 20:8.1f} MiB  {g['count']:3d} x {g['shape']}  "
+                  f"({g['origin']}) {g['op_name'][-60:]}" for g in r["peak"]["largest"]]
     return "\n".join(lines)
 
 
@@ -435,7 +475,7 @@ def report(a, argv: list[str], sides: list[str]) -> None:
                                .replace("=", "") + ".json")
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
-    print(table(rows))
+    print(table(rows) + "\n\n" + peaks(rows))
     print(f"\n{path}\nrerun: " + "\n       ".join(result["commands"]))
 
 

@@ -40,7 +40,7 @@ def test_maxtext_gets_our_model_batch_mesh_and_dtypes():
 
 
 def test_the_largest_temporaries_come_from_the_memory_usage_report(tmp_path):
-    (tmp_path / "module_0000.jit_train_step.cl_1.after_optimizations-memory-usage-report.txt"
+    (tmp_path / "module_0000.jit_step.cl_1.after_optimizations-memory-usage-report.txt"
      ).write_text("""Memory Space: default (color=0)
 Total bytes: 4604925440 (4.29GiB)
   cumulative_size;       size;       offset; used_by_n_values; shapes_list

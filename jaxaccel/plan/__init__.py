@@ -275,7 +275,8 @@ def estimate_step(target, policy, attention_impl: str, flops: dict, cost: dict, 
               "interconnect": link_s or 0.0}
     bound = max(bounds, key=bounds.get)
     out = {"roofline_s": bounds[bound], "bound": bound, "idle": idle,
-           "compute_s": bounds["compute"], "work_per_chip": work * per_chip,
+           "compute_s": bounds["compute"], "memory_s": bounds["memory"],
+           "work_per_chip": work * per_chip,
            "interconnect_s": link_s,
            "interconnect": link, "peak": f"{peak_flops:.4g} FLOP/s ({which}), "
                                          f"{bandwidth:.3g} B/s HBM ({target.chip.source})"}
