@@ -20,15 +20,17 @@ remat on every layer ("full", or "none"), the attention kernel (Pallas flash on 
 AdamW's b1, b2, eps, weight decay and clipping; the parameter counts of the two sides must be
 equal or the script stops.
 
-Each side compiles in a child process of its own (compile time measured there, on this
-machine's CPU: a ratio is a result only within one run), with XLA's dumps written beside its
-optimized HLO (``--work``, default the cache folder): the memory-usage report and buffer
-assignment are what the largest temporaries are read from. Per chip, each row has: compile
-seconds, memory (arguments, outputs, temporaries, total; ``memory_analysis()``), HBM bytes and
+Each side compiles in a child process of its own (its trace, lowering and compile timed
+there in wall and process CPU seconds, on this machine's CPU: on a shared CPU the CPU seconds
+are the steadier measure), with XLA's dumps written beside its optimized HLO (``--work``,
+default the cache folder): the memory-usage report and live ranges are read from them. Per
+chip, each row has: compile seconds, memory (arguments, outputs, temporaries, total; ``memory_analysis()``), HBM bytes and
 FLOPs counted with loop trips (``jaxaccel.plan.hlo_cost``) beside the compiler's own figures
 (loop bodies once), the bytes each kind of collective writes and the least a chip sends
 (``jaxaccel.plan.collectives``), and the planner's estimate of the step
-(``jaxaccel.plan.estimate_step``) from those numbers. Writes
+(``jaxaccel.plan.estimate_step``) from those numbers; what is live at the step's peak (XLA's
+live-range dump), by origin and in its largest groups of one shape; with ``--by-op``, the HBM
+bytes by jax operation (``jaxaccel.plan.hlo_cost.by_instruction``). Writes
 ``<out>/maxtext-<model>-<topology>.json`` and prints a Markdown table and the two commands that
 rerun it.
 """
@@ -278,7 +280,8 @@ def analyse(side: str, a, target, cfg, spec) -> dict:
             "collective_bytes": collectives_lib.by_kind(found), "collective_sent": sent,
             "analytic_flops": flops, "estimate": estimate,
             "largest_allocations": largest_temporaries(os.path.join(folder, "dump")),
-            "peak": peak_groups(at_peak(os.path.join(folder, "dump"), hlo))}
+            "peak": peak_groups(at_peak(os.path.join(folder, "dump"), hlo)),
+            "by_op": by_op(hlo) if a.by_op else None}
 
 
 def _dumped(dump: str, kind: str) -> str:
@@ -396,13 +399,40 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def by_op(hlo: str, top: int = 20) -> list[dict]:
+    """The step's HBM bytes and FLOPs by jax operation: each instruction costed alone
+    (``hlo_cost.by_instruction``) times its runs, grouped by the pass it belongs to (forward,
+    backward, the backward's remat forward), the last part of its ``op_name`` and the dtype of
+    its result."""
+    from jaxaccel.plan import hlo_cost
+    groups = {}
+    for i, _, runs, cost in hlo_cost.by_instruction(hlo):
+        op = _OP_NAME.search(i.attributes)
+        op = op.group(1) if op else ""
+        stage = ("backward" if "transpose(" in op else "forward" if op else "-") + \
+            (" (remat)" if "rematted" in op else "")
+        dtype = re.match(r"\(?(\w+)\[", i.shape)
+        key = (stage, re.sub(r"\[.*", "", op.split("/")[-1]) if op else i.opcode,
+               dtype.group(1) if dtype else "")
+        g = groups.setdefault(key, {"pass": key[0], "op": key[1], "dtype": key[2],
+                                    "bytes": 0.0, "flops": 0.0})
+        g["bytes"] += runs * cost["bytes accessed"]
+        g["flops"] += runs * cost["flops"]
+    return sorted(groups.values(), key=lambda g: -g["bytes"])[:top]
+
+
 def peaks(rows: list[dict]) -> str:
-    """Each side's largest groups of values live at its peak (``count x shape``, origin)."""
+    """Each side's largest groups of values live at its peak (``count x shape``, origin), and
+    where its HBM bytes go (``--by-op``)."""
     lines = []
     for r in rows:
         lines.append(f"{r['name']}: live at the peak {_gb(r['peak']['bytes'])} GB")
         lines += [f"  {g['bytes'] / 2 ** 20:8.1f} MiB  {g['count']:3d} x {g['shape']}  "
                   f"({g['origin']}) {g['op_name'][-60:]}" for g in r["peak"]["largest"]]
+        if r.get("by_op"):
+            lines.append(f"{r['name']}: HBM bytes by jax operation (pass, op, result dtype)")
+            lines += [f"  {g['bytes'] / 1e9:7.1f} GB  {g['pass']}: {g['op']} ({g['dtype']})"
+                      for g in r["by_op"]]
     return "\n".join(lines)
 
 
@@ -425,6 +455,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--reuse", action="store_true",
                    help="analyse a side compiled before (its --work folder) instead of "
                         "compiling it again")
+    p.add_argument("--by-op", action="store_true",
+                   help="also the HBM bytes by jax operation (each instruction costed alone: "
+                        "minutes per side)")
     p.add_argument("--work", help="where each side's HLO and XLA dumps go (default: the cache "
                                   "folder, maxtext-bench/<model>-<topology>-<mesh>)")
     p.add_argument("--python", help="a Python 3.12 for MaxText's environment")

@@ -42,6 +42,20 @@ def test_nested_loops_multiply():
     assert sorted(runs for _, _, runs in counted.loops) == [3, 3 * n]
 
 
+def test_instruction_by_instruction_adds_up_to_the_count():
+    """Each instruction costed alone, times its computation's runs, sums to the counted FLOPs
+    (and bytes: on this CPU program nothing is left out)."""
+    def step(w, x):
+        return jax.grad(lambda w: jnp.sum(jnp.tanh(layers(w, x))))(w)
+    n, b, d = 4, 16, 128
+    c, counted = compiled(step, jnp.zeros((n, d, d)), jnp.zeros((b, d)))
+    parts = list(hlo_cost.by_instruction(c.as_text()))
+    assert sum(runs * cost["flops"] for _, _, runs, cost in parts) == pytest.approx(
+        counted.flops, rel=1e-3)
+    assert sum(runs * cost["bytes accessed"] for _, _, runs, cost in parts) == pytest.approx(
+        counted.bytes_accessed, rel=0.01)
+
+
 @pytest.mark.aot_compile
 @needs_libtpu
 def test_a_scanned_fsdp_step_on_a_tpu_slice_counts_the_analytic_flops():

@@ -133,6 +133,50 @@ def count(hlo: str) -> Counted | None:
                    loops=tuple((x.body, x.trips, times[x.body]) for x in found))
 
 
+_SKIP = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast", "while",
+         "after-all", "partition-id"}
+_CONTROL = re.compile(r",\s*control-predecessors=\{[^}]*\}")
+_LINE = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = ")
+
+
+def by_instruction(hlo: str):
+    """``(instruction, computation, runs, cost)`` of each instruction of the module's step
+    computations (entry, loop bodies) that does work, costed alone (XLA's HloCostAnalysis of a
+    module of just it, its operands as parameters): where a program's bytes and FLOPs go.
+    The ``-done`` half of an async pair is left out (its cost is its ``-start``'s), and so is
+    an instruction the parser cannot take alone (e.g. an operand of a kind only its producer
+    may feed); ``count`` stays the total."""
+    tools = _analysis()
+    if tools is None:
+        return
+    parse, analyse, client = tools
+    preamble, blocks = _blocks(hlo)
+    computations, entry = loops_lib.parse(hlo)
+    times = loops_lib.runs(hlo)
+    for name in [entry, *(x.body for x in loops_lib.loops(hlo))]:
+        instructions = computations[name]
+        for line in blocks[name].splitlines()[1:]:
+            if not (m := _LINE.match(line)):
+                continue
+            i = instructions[m.group(1)]
+            if i.opcode in _SKIP or i.opcode.endswith("-done"):
+                continue
+            operands = [o for o in dict.fromkeys(i.operands) if o in instructions]
+            params = [f"  %{o} = {instructions[o].shape} parameter({k})"
+                      for k, o in enumerate(operands)]
+            called = []
+            for callee in _NAME.findall(line.split("(", 1)[1]):
+                if callee in blocks and callee not in instructions:
+                    called += [n for n in _reachable(callee, blocks) if n not in called]
+            text = "\n\n".join(blocks[n] for n in called) + "\n\nENTRY %e {\n" + "\n".join(
+                [*params, "  ROOT " + _CONTROL.sub("", line).replace("ROOT ", "").strip()])
+            try:
+                cost = analyse(client, parse(f"HloModule e\n{preamble}\n\n{text}\n}}\n"))
+            except Exception:           # noqa: BLE001 (the parser's errors have no one type)
+                continue
+            yield i, name, times[name], {key: float(cost.get(key, 0.0)) for key in KEYS.values()}
+
+
 def _owners(hlo: str, steps: set) -> dict:
     """Each computation -> the step computation (entry, loop body or condition) it runs within:
     itself for a step, else its caller's."""
