@@ -315,28 +315,38 @@ _LAYOUT = re.compile(r"\{[^}]*\}")
 
 def at_peak(dump: str, hlo: str) -> list[dict]:
     """Every value live at the step's peak, largest first, from XLA's live-range dump: bytes,
-    the instruction's shape (layout dropped), its origin (``argument``; ``AllocateBuffer``:
-    a buffer the TPU compiler allocates ahead of the op that fills it; else the opcode) and
+    the instruction's shape (layout dropped), its origin (``argument`` of the step; ``loop
+    state``; ``AllocateBuffer``: a buffer the TPU compiler allocates ahead of the op that fills
+    it; else the opcode) and
     the jax operation it came from (its ``op_name``)."""
     from jaxaccel.plan import loops
-    computations, _ = loops.parse(hlo)
-    instructions = {n: i for c in computations.values() for n, i in c.items()}
+    computations, entry = loops.parse(hlo)
+    instructions = {n: (i, c) for c, found in computations.items() for n, i in found.items()}
     found, inside = [], False
     with open(_dumped(dump, "live-range")) as f:
         for line in f:
             if _PEAK.match(line):
                 inside = True
             elif inside and (m := _LIVE.match(line)):
-                i = instructions.get(m.group(1))
+                i, computation = instructions.get(m.group(1), (None, ""))
                 op = _OP_NAME.search(i.attributes) if i else None
-                origin = "" if i is None else "argument" if i.opcode == "parameter" else \
-                    "AllocateBuffer" if '"AllocateBuffer"' in i.attributes else i.opcode
+                origin = _origin(i, computation == entry)
                 found.append({"bytes": int(m.group(3)), "value": m.group(1) + m.group(2),
                               "shape": _LAYOUT.sub("", i.shape) if i else "",
                               "origin": origin, "op_name": op.group(1) if op else ""})
             elif inside:
                 break
     return sorted(found, key=lambda r: -r["bytes"])
+
+
+def _origin(i, in_entry: bool) -> str:
+    if i is None:
+        return ""
+    if '"AllocateBuffer"' in i.attributes:
+        return "AllocateBuffer"
+    if i.opcode == "parameter":
+        return "argument" if in_entry else "loop state"
+    return i.opcode
 
 
 def peak_groups(live: list[dict], top: int = 12) -> dict:
@@ -427,7 +437,7 @@ def peaks(rows: list[dict]) -> str:
     lines = []
     for r in rows:
         lines.append(f"{r['name']}: live at the peak {_gb(r['peak']['bytes'])} GB")
-        lines += [f"  {g['bytes'] / 2 ** 20:8.1f} MiB  {g['count']:3d} x {g['shape']}  "
+        lines += [f"  {g['bytes'] / 2 ** 20:8.1f} MiB  {g['count']:3d} x {g['shape'][:70]}  "
                   f"({g['origin']}) {g['op_name'][-60:]}" for g in r["peak"]["largest"]]
         if r.get("by_op"):
             lines.append(f"{r['name']}: HBM bytes by jax operation (pass, op, result dtype)")
