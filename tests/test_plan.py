@@ -62,6 +62,14 @@ def test_flops_and_bytes_count_every_micro_batch(local_plan):
     assert "counted with loop trips" in text and "HloCostAnalysis" in text
 
 
+def test_a_program_xla_cannot_cost_falls_back_to_the_compilers_figures(monkeypatch):
+    def refuse(hlo):
+        raise ValueError("XLA could not cost computation 'body' on its own: ...")
+    monkeypatch.setattr(plan.hlo_cost, "count", refuse)
+    assert plan.counted_cost("HloModule m") == {
+        "error": "XLA could not cost computation 'body' on its own: ..."}
+
+
 def test_the_estimate_never_goes_below_the_roofline():
     """A v5e-8 step with 1 ms of compute per chip whose collectives must send 0.8 GB per chip
     (4 ms at 200 GB/s each way): interconnect-bound, and XLA's cost model is used only above

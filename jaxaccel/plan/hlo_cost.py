@@ -103,7 +103,8 @@ def _reachable(name: str, blocks: dict) -> list[str]:
 
 
 def count(hlo: str) -> Counted | None:
-    """The module's cost per run, loops counted trip by trip (module docstring)."""
+    """The module's cost per run, loops counted trip by trip (module docstring); None where
+    this jaxlib cannot parse or cost HLO, ValueError where XLA refuses a computation."""
     tools = _analysis()
     if tools is None:
         return None
@@ -118,7 +119,11 @@ def count(hlo: str) -> Counted | None:
     def once(name: str) -> dict:
         text = "\n\n".join(("ENTRY " if n == name else "") + blocks[n]
                            for n in _reachable(name, blocks))
-        cost = analyse(client, parse(f"HloModule {name}\n{preamble}\n\n{text}\n"))
+        try:
+            cost = analyse(client, parse(f"HloModule {name}\n{preamble}\n\n{text}\n"))
+        except jax.errors.JaxRuntimeError as e:
+            raise ValueError(f"XLA could not cost computation {name!r} on its own: "
+                             f"{str(e).splitlines()[0]}") from e
         return {key: float(cost.get(key, 0.0)) for key in KEYS.values()}
 
     steps = {name: once(name) for name in step_names}
@@ -172,7 +177,7 @@ def by_instruction(hlo: str):
                 [*params, "  ROOT " + _CONTROL.sub("", line).replace("ROOT ", "").strip()])
             try:
                 cost = analyse(client, parse(f"HloModule e\n{preamble}\n\n{text}\n}}\n"))
-            except Exception:           # noqa: BLE001 (the parser's errors have no one type)
+            except jax.errors.JaxRuntimeError:
                 continue
             yield i, name, times[name], {key: float(cost.get(key, 0.0)) for key in KEYS.values()}
 
