@@ -217,6 +217,7 @@ def compile_side(side: str, a) -> None:
     import jax
     jax.config.update("jax_enable_compilation_cache", False)   # compile, never load
 
+    from bench.common import git_sha
     from jaxaccel import plan
     target, cfg, spec = setting(a)
     if side == "jaxaccel":
@@ -227,7 +228,8 @@ def compile_side(side: str, a) -> None:
     with gzip.open(os.path.join(folder, "hlo.txt.gz"), "wt") as f:
         f.write(compiled.as_text())
     with open(os.path.join(folder, "side.json"), "w") as f:
-        json.dump({"side": side, "compile_s": seconds["wall"], "compile_cpu_s": seconds["cpu"],
+        json.dump({"side": side, "jaxaccel": git_sha(),
+                   "compile_s": seconds["wall"], "compile_cpu_s": seconds["cpu"],
                    "load_average": os.getloadavg(), "parameters": int(parameters),
                    "memory": plan.memory_of(compiled),
                    "compiler_cost": {k: v for k, v in plan.xla_cost(compiled).items()
@@ -409,7 +411,7 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def by_op(hlo: str, top: int = 20) -> list[dict]:
+def by_op(hlo: str, top: int = 40) -> list[dict]:
     """The step's HBM bytes and FLOPs by jax operation: each instruction costed alone
     (``hlo_cost.by_instruction``) times its runs, grouped by the pass it belongs to (forward,
     backward, the backward's remat forward), the last part of its ``op_name`` and the dtype of
@@ -442,7 +444,7 @@ def peaks(rows: list[dict]) -> str:
         if r.get("by_op"):
             lines.append(f"{r['name']}: HBM bytes by jax operation (pass, op, result dtype)")
             lines += [f"  {g['bytes'] / 1e9:7.1f} GB  {g['pass']}: {g['op']} ({g['dtype']})"
-                      for g in r["by_op"]]
+                      for g in r["by_op"][:20]]
     return "\n".join(lines)
 
 
