@@ -251,7 +251,7 @@ def setting(a):
     mesh = dict(kv.split("=") for kv in a.mesh.split(","))
     cfg = our_config(a.model, a.batch, a.seq, {k: int(v) for k, v in mesh.items()},
                      a.ours_set, target)
-    return target, cfg, resolve(cfg, target.devices).spec
+    return target, cfg, resolve(cfg, target.devices, absent_ok=True).spec
 
 
 def analyse(side: str, a, target, cfg, spec) -> dict:
