@@ -79,19 +79,25 @@ def test_one_device_sends_nothing_but_a_permute_always_sends():
 
 def test_a_loop_body_runs_once_per_trip():
     """A collective in a while body counts once per trip: XLA's known trip count where it
-    prints one, else the condition's `i < N` (libtpu prints none); a fusion in the body runs
-    as often as the body."""
+    prints one, else the loop's counter (libtpu prints none: here `i < 3` from 0 by 1,
+    jaxaccel.plan.loops); a fusion in the body runs as often as the body."""
     hlo = """%fused (p: f32[8]) -> f32[8] {
   ROOT %all-reduce.1 = f32[8]{0} all-reduce(%p), replica_groups=[1,2]<=[2], to_apply=%add
 }
 
 %body (t: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %t = (s32[]{:T(128)}, f32[8]{0}) parameter(0)
+  %i = s32[]{:T(128)} get-tuple-element(%t), index=0
+  %one = s32[]{:T(128)} constant(1)
+  %next = s32[]{:T(128)} add(%i, %one)
   %all-gather.2 = f32[16]{0} all-gather(%x), replica_groups=[1,2]<=[2], dimensions={0}
   %fusion.3 = f32[8]{0} fusion(%y), kind=kCustom, calls=%fused
+  ROOT %out = (s32[]{:T(128)}, f32[8]{0}) tuple(%next, %fusion.3)
 }
 
 %cond (t: (s32[], f32[8])) -> pred[] {
   %constant.9 = s32[]{:T(128)} constant(3)
+  %t = (s32[]{:T(128)}, f32[8]{0}) parameter(0)
   %gte = s32[]{:T(128)} get-tuple-element(%t), index=0
   ROOT %lt.4 = pred[]{:T(512)} compare(%gte, %constant.9), direction=LT
 }
@@ -101,6 +107,8 @@ def test_a_loop_body_runs_once_per_trip():
 }
 
 ENTRY %main (p: f32[8]) -> f32[8] {
+  %zero = s32[]{:T(128)} constant(0)
+  %t0 = (s32[], f32[8]) tuple(%zero, %p)
   %while = (s32[], f32[8]) while(%t0), condition=%cond, body=%body
   %while.2 = (s32[], f32[8]) while(%t1), condition=%cond.2, body=%body.2, backend_config={"known_trip_count":{"n":"5"}}
   ROOT %all-reduce.6 = f32[2]{0} all-reduce(%z), replica_groups=[1,2]<=[2], to_apply=%add
@@ -108,6 +116,71 @@ ENTRY %main (p: f32[8]) -> f32[8] {
     assert collective_bytes(hlo) == {"all-gather": 3 * 64 + 5 * 16, "all-reduce": 3 * 32 + 8,
                                      "reduce-scatter": 0, "all-to-all": 0,
                                      "collective-permute": 0}
+
+
+def test_the_tpu_compilers_own_loops_count_per_trip():
+    """libtpu's windowed FSDP matmul: an unsigned counter from 0 to 4 by 2, so 2 trips of the
+    permutes in its body (read as 1 trip when only signed bounds were read, as 4 when the
+    step was taken to be 1)."""
+    hlo = """%windowed_body (p: (u32[], bf16[1,256,64])) -> (u32[], bf16[1,256,64]) {
+  %p = (u32[]{:T(128)}, bf16[1,256,64]{2,1,0}) parameter(0)
+  %i = u32[]{:T(128)} get-tuple-element(%p), index=0
+  %two = u32[]{:T(128)} constant(2)
+  %next = u32[]{:T(128)S(6)} add(%i, %two)
+  %x = bf16[1,256,64]{2,1,0} get-tuple-element(%p), index=1
+  %cp = (bf16[1,256,64]{2,1,0}, bf16[1,256,64]{2,1,0}, u32[]{:S(2)}, u32[]{:S(2)}) collective-permute-start(%x), channel_id=3, source_target_pairs={{0,1},{1,0}}
+  %cpd = bf16[1,256,64]{2,1,0} collective-permute-done(%cp)
+  ROOT %t = (u32[]{:T(128)}, bf16[1,256,64]{2,1,0}) tuple(%next, %cpd)
+}
+
+%windowed_cond (p: (u32[], bf16[1,256,64])) -> pred[] {
+  %four = u32[]{:T(128)} constant(4), metadata={op_name="jit(step)/jvp()/dot_general"}
+  %p = (u32[]{:T(128)}, bf16[1,256,64]{2,1,0}) parameter(0)
+  %i = u32[]{:T(128)} get-tuple-element(%p), index=0
+  ROOT %lt = pred[]{:T(512)} compare(%i, %four), direction=LT
+}
+
+ENTRY %main (x: bf16[1,256,64]) -> bf16[1,256,64] {
+  %zero = u32[]{:T(128)} constant(0)
+  %x = bf16[1,256,64]{2,1,0} parameter(0)
+  %c = u32[]{:T(128)} copy(%zero)
+  %init = (u32[]{:T(128)}, bf16[1,256,64]{2,1,0}) tuple(%c, %x)
+  %while = (u32[]{:T(128)}, bf16[1,256,64]{2,1,0}) while(%init), condition=%windowed_cond, body=%windowed_body
+  ROOT %out = bf16[1,256,64]{2,1,0} get-tuple-element(%while), index=1
+}"""
+    assert collective_bytes(hlo, 8)["collective-permute"] == 2 * 256 * 64 * 2
+    unsigned_by_one = hlo.replace("constant(2)", "constant(1)")
+    assert collective_bytes(unsigned_by_one, 8)["collective-permute"] == 4 * 256 * 64 * 2
+
+
+def test_the_tpu_compilers_async_clones_of_one_collective_count_once():
+    """libtpu runs an overlapped collective as a chain of fusions (start, the computation it
+    overlaps, done), each computation holding a clone of the collective with the same
+    channel id: one collective."""
+    hlo = """%fused_start (p: bf16[1,64,512]) -> (bf16[1,64,512], bf16[1,512,512], u32[]) {
+  %ag.1 = bf16[1,512,512]{2,1,0} all-gather(%p), channel_id=7, replica_groups=mesh['axis_0'=8] {'axis_0'}, dimensions={1}, frontend_attributes={chain_id="0"}
+  ROOT %cc = (bf16[1,64,512]{2,1,0}, bf16[1,512,512]{2,1,0}, u32[]{:S(2)}) custom-call(%ag.1), custom_call_target="AsyncCollectiveStart"
+}
+
+%async_collective_fusion (p: bf16[1,64,512]) -> (f32[8,512], bf16[1,512,512]) {
+  %ag.2 = bf16[1,512,512]{2,1,0} all-gather(%p), channel_id=7, replica_groups=mesh['axis_0'=8] {'axis_0'}, dimensions={1}, frontend_attributes={chain_id="0"}
+  %conv = f32[8,512]{1,0} convolution(%a, %b), dim_labels=bf_io->bf
+  ROOT %t = (f32[8,512]{1,0}, bf16[1,512,512]{2,1,0}) tuple(%conv, %ag.2)
+}
+
+%fused_done (p: bf16[1,64,512]) -> bf16[1,512,512] {
+  %ag.3 = bf16[1,512,512]{2,1,0} all-gather(%p), channel_id=7, replica_groups=mesh['axis_0'=8] {'axis_0'}, dimensions={1}, frontend_attributes={chain_id="0"}
+  ROOT %cd = bf16[1,512,512]{2,1,0} custom-call(%p, %ag.3), custom_call_target="AsyncCollectiveDone"
+}
+
+ENTRY %main (x: bf16[1,64,512]) -> bf16[1,512,512] {
+  %x = bf16[1,64,512]{2,1,0} parameter(0)
+  %start = (bf16[1,64,512]{2,1,0}, bf16[1,512,512]{2,1,0}, u32[]{:S(2)}) fusion(%x), kind=kCustom, calls=%fused_start
+  %mid = (f32[8,512]{1,0}, bf16[1,512,512]{2,1,0}) fusion(%start), kind=kCustom, calls=%async_collective_fusion
+  %done = bf16[1,512,512]{2,1,0} fusion(%mid), kind=kCustom, calls=%fused_done
+  ROOT %ag.4 = bf16[1,512,512]{2,1,0} all-gather(%x), channel_id=8, replica_groups=mesh['axis_0'=8] {'axis_0'}, dimensions={1}
+}"""
+    assert collectives(hlo, 8) == [Collective("all-gather", 512 * 512 * 2, 8)] * 2
 
 
 def _reduced(target: str, micro: int) -> int:
@@ -140,3 +213,24 @@ def test_gradient_accumulation_reduces_once_per_micro_batch(target):
     if target == "local" and len(jax.devices()) < 2:
         pytest.skip("needs 2 or more devices (the suite forces 8 host devices)")
     assert _reduced(target, 8) == 2 * _reduced(target, 4) > 0
+
+
+@pytest.mark.aot_compile
+@needs_libtpu
+def test_a_scan_over_fsdp_layers_gathers_each_layer_once_each_way():
+    """A scan over L FSDP-sharded layers compiled for a v5e-8: every trip gathers its layer's
+    weight for the forward and again for the backward, and reduces its gradient once: 2L
+    gathers and L reductions, however the compiler overlaps them (async clones)."""
+    mesh = Mesh(np.array(topology.resolve("v5e:2x4").devices), ("fsdp",))
+    layers, d = 6, 512
+
+    def loss(w, x):
+        return jnp.sum(jax.lax.scan(lambda h, wl: (jnp.tanh(h @ wl), None), x, w)[0])
+
+    w = jax.ShapeDtypeStruct((layers, d, d), jnp.float32,
+                             sharding=NamedSharding(mesh, P(None, "fsdp")))
+    x = jax.ShapeDtypeStruct((64, d), jnp.float32, sharding=NamedSharding(mesh, P("fsdp")))
+    hlo = jax.jit(jax.grad(loss)).lower(w, x).compile().as_text()
+    kinds = [c.kind for c in collectives(hlo, mesh.size)]
+    assert kinds.count("all-gather") == 2 * layers
+    assert kinds.count("all-reduce") + kinds.count("reduce-scatter") == layers

@@ -47,6 +47,29 @@ def test_local_plan_reports_memory_fit_and_labelled_estimates(local_plan):
     assert "collectives per step" in text
 
 
+def test_flops_and_bytes_count_every_micro_batch(local_plan):
+    """Gradient accumulation runs the forward and backward in a loop over micro-batches: the
+    plan counts every trip (the same FLOPs as one whole batch), where XLA's own cost analysis
+    counts the loop body once; the report says where the numbers come from. (Each
+    micro-batch's gradient all-reduce adds its elements again: hence the 10 %.)"""
+    p = plan.make_plan(TINY_CONFIG, ["train.grad_accum=2"], "local")
+    one = local_plan.flops["counted_per_device"]
+    assert p.flops["counted_per_device"] == pytest.approx(one, rel=0.1)
+    assert p.flops["xla_per_device"] < 0.8 * p.flops["counted_per_device"]
+    assert p.hlo_cost["bytes accessed"] > p.hlo_cost["compiler"]["bytes accessed"]
+    assert p.hlo_cost["uncounted"] == [] and p.hlo_cost["loops"] >= 1
+    text = plan.report(p)
+    assert "counted with loop trips" in text and "HloCostAnalysis" in text
+
+
+def test_a_program_xla_cannot_cost_falls_back_to_the_compilers_figures(monkeypatch):
+    def refuse(hlo):
+        raise ValueError("XLA could not cost computation 'body' on its own: ...")
+    monkeypatch.setattr(plan.hlo_cost, "count", refuse)
+    assert plan.counted_cost("HloModule m") == {
+        "error": "XLA could not cost computation 'body' on its own: ..."}
+
+
 def test_the_estimate_never_goes_below_the_roofline():
     """A v5e-8 step with 1 ms of compute per chip whose collectives must send 0.8 GB per chip
     (4 ms at 200 GB/s each way): interconnect-bound, and XLA's cost model is used only above
@@ -264,13 +287,15 @@ def test_several_targets_are_planned_and_ranked_by_time_and_cost(capsys, tmp_pat
     assert row["epoch_forecast_usd"] >= row["epoch_usd"] > 0
     assert "TPU v5 lite $1.2/h" in row["price"]
     # The GPU plan: the budget is the share of HBM JAX preallocates, and the compile-only GPU
-    # client gives no cost analysis, so the bound is the roofline.
+    # client gives no cost analysis, so the bound is the roofline, its bytes counted from the
+    # HLO (XLA's HloCostAnalysis) as a TPU program's are.
     gpu = plans["h100_1x4"]
     row = gpu["rows"][0]
     assert gpu["device"] == "NVIDIA H100 80GB HBM3" and row["fits"]
     assert row["device_memory"] == pytest.approx(0.75 * 80e9)
     assert "preallocation" in row["device_memory_source"]
     assert row["xla_flops_per_device"] is None and row["bound_source"] == "estimate:roofline"
+    assert row["hbm_bytes_per_device"] > 0 and row["counted_flops_per_device"] > 0
     # compare reads the plan files (plans are estimates; ranked as one group of the same work)
     report = compare_lib.compare([str(p) for p in sorted(tmp_path.iterdir())],
                                  prices_file=None, weights=None)

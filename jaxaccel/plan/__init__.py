@@ -24,16 +24,19 @@ TensorCore of a deviceless v4) it gives:
   stage-to-stage collective permutes per device (and the padding layers where the stages do
   not split the layers evenly); every device holds one stage's layers, so
   the memory per device is the memory per stage;
-- FLOPs per step: analytic (``jaxaccel.flops.train_flops``) and XLA's ``cost_analysis()`` (not
-  given by the compile-only GPU client);
+- FLOPs and HBM bytes per step: analytic FLOPs (``jaxaccel.flops.train_flops``); FLOPs and bytes
+  counted from the optimized HLO with every loop's trips (``jaxaccel.plan.hlo_cost``: XLA's
+  HloCostAnalysis per computation times its runs); XLA's ``cost_analysis()``, which counts a
+  loop body once (a scanned model's layers, gradient accumulation's micro-batches, the TPU
+  compiler's windowed FSDP matmuls), beside them (not given by the compile-only GPU client);
 - an estimated step time, tokens/s and cost per epoch (per run where the epoch's steps are
   unknown before the data is packed: a corpus). Each estimate names its source:
   ``roofline`` = the analytic FLOPs (with a remat run's recomputed forward) at the chip's
-  published peak for the policy's matmul dtype, the bytes XLA says the step moves at the HBM
-  bandwidth, or the bytes its collectives must send (``jaxaccel.plan.collectives``) at the
-  chip's interconnect bandwidth (ICI, NVLink), whichever is slowest (a lower bound: real
-  steps reach a fraction of peak, see MFU in the README, and overlap collectives with
-  compute only in part); a pipeline's compute bound is
+  published peak for the policy's matmul dtype, the bytes the step moves (counted with loop
+  trips, above) at the HBM bandwidth, or the bytes its collectives must send
+  (``jaxaccel.plan.collectives``) at the chip's interconnect bandwidth (ICI, NVLink),
+  whichever is slowest (a lower bound: real steps reach a fraction of peak, see MFU in the
+  README, and overlap collectives with compute only in part); a pipeline's compute bound is
   divided by ``1 - idle`` (``Stages.idle``): every stage computes on each of the schedule's
   ``R*M+S-1`` steps, ``S-1`` of which carry no micro-batch, and padding layers compute too;
   ``xla-cost-model`` = XLA's own ``optimal_seconds`` where it gives one (TPU), which does not
@@ -69,6 +72,7 @@ from jaxaccel.compare import prices
 from jaxaccel.models import attention, remat
 from jaxaccel.plan import collectives as collectives_lib
 from jaxaccel.plan import forecast as forecast_lib
+from jaxaccel.plan import hlo_cost
 from jaxaccel.plan import topology
 from jaxaccel.train.run import Run, assemble, resolve
 
@@ -120,6 +124,7 @@ class Plan:
     sent: float = 0.0       # bytes a device sends at least per train step (collectives.py)
     notes: tuple = ()       # what the plan assumed that the run may not (said in the report)
     pipeline: dict | None = None  # Stages.as_dict() + "permute_bytes" (per device, per step)
+    hlo_cost: dict = dataclasses.field(default_factory=dict)  # counted_cost() + "compiler"
 
     @property
     def time_s(self) -> float | None:
@@ -186,7 +191,9 @@ def shard_bytes(tree) -> int:
                for x in jax.tree_util.tree_leaves(tree))
 
 
-def _memory(compiled, **known) -> dict:
+def memory_of(compiled, **known) -> dict:
+    """Bytes per device of a compiled step (``memory_analysis()``) and its total: arguments +
+    outputs - donated aliases + temporaries + code; ``known``: more entries (params, ...)."""
     m = compiled.memory_analysis()
     total = (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
              + m.temp_size_in_bytes + m.generated_code_size_in_bytes)
@@ -201,6 +208,21 @@ def xla_cost(compiled) -> dict:
     if isinstance(cost, list):                  # older jax: one dict per program
         cost = cost[0] if cost else None
     return dict(cost or {})
+
+
+def counted_cost(hlo: str) -> dict:
+    """The train step's FLOPs and HBM bytes per device counted with loop trips
+    (``jaxaccel.plan.hlo_cost``), under cost_analysis()'s keys, with their "source", the loops
+    and those whose trips could not be read; {} where this jaxlib cannot count them, or
+    {"error": why} where XLA refused (the plan then goes by the compiler's own figures)."""
+    try:
+        counted = hlo_cost.count(hlo)
+    except ValueError as e:
+        return {"error": str(e)}
+    if counted is None:
+        return {}
+    return {**counted.totals, "source": counted.source, "loops": len(counted.loops),
+            "uncounted": list(counted.uncounted)}
 
 
 def _capacity(target: topology.Target) -> tuple[float | None, str]:
@@ -257,7 +279,8 @@ def estimate_step(target, policy, attention_impl: str, flops: dict, cost: dict, 
               "interconnect": link_s or 0.0}
     bound = max(bounds, key=bounds.get)
     out = {"roofline_s": bounds[bound], "bound": bound, "idle": idle,
-           "compute_s": bounds["compute"], "work_per_chip": work * per_chip,
+           "compute_s": bounds["compute"], "memory_s": bounds["memory"],
+           "work_per_chip": work * per_chip,
            "interconnect_s": link_s,
            "interconnect": link, "peak": f"{peak_flops:.4g} FLOP/s ({which}), "
                                          f"{bandwidth:.3g} B/s HBM ({target.chip.source})"}
@@ -335,29 +358,36 @@ def make_plan(config_path: str | None, sets: list[str], topology_name: str, *,
     with jax.set_mesh(run.mesh):
         train = compile_("train", run.train_step, state, batch)
         evaluate = compile_("eval", run.eval_step, state.params, eval_batch, state.fp8)
-    memory = _memory(train, **known, batch=shard_bytes(batch))
-    eval_memory = _memory(evaluate)
-    cost = xla_cost(train)
+    memory = memory_of(train, **known, batch=shard_bytes(batch))
+    eval_memory = memory_of(evaluate)
+    hlo = train.as_text()
+    cost, counted = xla_cost(train), counted_cost(hlo)
+    if "bytes accessed" not in counted:
+        notes.append("HBM bytes and FLOPs were not counted with loop trips ("
+                     + counted.get("error", "this jaxlib cannot cost HLO text") + "): the "
+                     "plan goes by the compiler's own figures, which count a loop body once")
     flops = {"analytic": flops_lib.train_flops(shape, t.batch_size, seq),
              "attention": flops_lib.attention_flops(shape, t.batch_size, seq),
              "recompute": flops_lib.recompute_flops(shape, t.batch_size, seq,
                                                     remat.of(cfg.model.remat).recomputes),
-             "xla_per_device": cost.get("flops")}
+             "xla_per_device": cost.get("flops"), "counted_per_device": counted.get("flops")}
     capacity, capacity_source = _capacity(target) if device_memory is None else \
         (device_memory, f"{device_memory / 1e9:g} GB given (--memory)")
-    found = collectives_lib.collectives(train.as_text(), len(target.devices))
+    found = collectives_lib.collectives(hlo, len(target.devices))
     sent = sum(c.sent for c in found)
     stages = run.resolved.stages
     pipeline = None if stages is None else {
         **stages.as_dict(), "permute_bytes": collectives_lib.by_kind(found)["collective-permute"]}
-    estimate = estimate_step(target, run.resolved.policy, run.spec.attention_impl, flops, cost,
-                             t.batch_size, seq, sent, 0.0 if stages is None else stages.idle)
+    estimate = estimate_step(target, run.resolved.policy, run.spec.attention_impl, flops,
+                             {**cost, **counted}, t.batch_size, seq, sent,
+                             0.0 if stages is None else stages.idle)
     if estimate["step_s"] is not None:
         estimate.update(_forecast(target, run, shape, seq, flops, memory, estimate))
     plan = Plan(target, cfg, dict(run.mesh.shape), t.batch_size, t.eval_batch_size, seq,
                 memory, eval_memory, capacity, capacity_source, compile_s, flops, estimate,
                 _cost_of(target, run, estimate),
-                collectives_lib.by_kind(found), sent, tuple(notes), pipeline)
+                collectives_lib.by_kind(found), sent, tuple(notes), pipeline,
+                {**counted, "compiler": {k: cost.get(k) for k in ("flops", "bytes accessed")}})
     if plan.fits is False:
         m, e = plan.memory, plan.eval_memory
         step = "train" if m["total"] > capacity else "eval"
@@ -480,9 +510,11 @@ def report(plan: Plan) -> str:
                      f"({head / plan.capacity:.0%}): {'fits' if plan.fits else 'DOES NOT FIT'}")
     else:
         lines.append(f"  device memory unknown ({plan.capacity_source}): fit not checked")
-    f = plan.flops
+    f, h = plan.flops, plan.hlo_cost
     xla = f"{f['xla_per_device']:.4g} per device" if f["xla_per_device"] else \
         "not given by this compiler"
+    counted = f"; counted with loop trips {f['counted_per_device']:.4g} per device" \
+        if f.get("counted_per_device") else ""
     moved = {k: v for k, v in plan.collectives.items() if v}
     lines.append(f"  {'collectives per step':<26}{_gb(sum(moved.values())):>12}  (" + (", ".join(
         f"{k} {_gb(v)}" for k, v in moved.items()) or "none") + ")")
@@ -500,7 +532,14 @@ def report(plan: Plan) -> str:
               f"FLOPs per step: analytic {f['analytic']:.4g} (6N x tokens + attention "
               f"{f['attention']:.4g})" + (f" + the remat forward {f['recompute']:.4g}"
                                           if f.get("recompute") else "")
-              + f"; XLA cost analysis {xla}"]
+              + f"{counted}; XLA cost analysis {xla} (loop bodies once)"]
+    if h.get("bytes accessed"):
+        own = h["compiler"].get("bytes accessed")
+        lines.append(f"HBM bytes per step: {_gb(h['bytes accessed'])} per device, counted with "
+                     f"loop trips ({h['source']}; {h['loops']} loops"
+                     + (f", {len(h['uncounted'])} of unreadable trips counted once"
+                        if h["uncounted"] else "") + f"); the compiler's own count "
+                     + (f"{_gb(own)} (loop bodies once)" if own else "not given"))
     if e["step_s"] is None:
         lines.append(f"step time: no estimate ({e['source']})")
     else:
@@ -579,6 +618,9 @@ def result(plan: Plan) -> dict:
            "interconnect_s": e.get("interconnect_s"),
            "compile_s": plan.compile_s, "model_flops": plan.flops["analytic"],
            "xla_flops_per_device": plan.flops["xla_per_device"],
+           "counted_flops_per_device": plan.flops.get("counted_per_device"),
+           "hbm_bytes_per_device": plan.hlo_cost.get("bytes accessed"),
+           "hlo_cost": plan.hlo_cost,
            "roofline_s": e.get("roofline_s"), "xla_cost_model_s": e.get("xla_cost_model_s"),
            "xla_optimal_seconds": e.get("xla_optimal_seconds"),
            "peak": e.get("peak"),

@@ -5,11 +5,14 @@ what each one writes on a device, over how many devices, and the least it must s
     sent = sum(c.sent for c in collectives(hlo, n))     # bytes one device must send
 
 Each collective is counted once per execution: an async pair at its ``-done`` (a ``-start``
-returns its operands too on GPU and TPU), one in a loop body (a ``scan`` over micro-batches)
-once per trip, from XLA's ``known_trip_count`` (GPU, CPU) or else the loop condition's
-``i < N`` with a constant N (libtpu prints no trip count; jax's loops count from 0 by 1). The
-TPU compiler writes a reduce-scatter as an all-reduce fused with the slice each device keeps
-(a fusion calling ``%all-reduce-scatter...``); it is counted as the reduce-scatter it is.
+returns its operands too on GPU and TPU), one in a loop body (a ``scan`` over layers or
+micro-batches, the TPU compiler's windowed FSDP matmuls) once per trip of every loop around it
+(``jaxaccel.plan.loops``: XLA's ``known_trip_count``, else the loop's counter, signed or
+unsigned, its start, bound and step). The TPU compiler overlaps a collective with other work
+as a chain of fusions (start, the overlapped computation, done), each holding a clone of the
+collective with the same ``channel_id``: a channel's collective is counted once. It writes a
+reduce-scatter as an all-reduce fused with the slice each device keeps (a fusion calling
+``%all-reduce-scatter...``); that is counted as the reduce-scatter it is.
 
 ``Collective.sent`` is a lower bound: the bytes a bandwidth-optimal algorithm (ring or
 better) sends from each device of a group of n. Per byte of the result: all-reduce 2(n-1)/n,
@@ -21,6 +24,8 @@ from __future__ import annotations
 import math
 import re
 from typing import NamedTuple
+
+from jaxaccel.plan import loops
 
 KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 
@@ -39,13 +44,7 @@ _IOTA = re.compile(r"replica_groups=\[([\d,]+)\]<=")
 _MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\(\[[\d,]*\]"
                    r"(?:T\([\d,]*\))?\))? \{([^}]*)\}")
 _FUSED_REDUCE_SCATTER = "all-reduce-scatter"      # libtpu's fused reduce-scatter computations
-# What ties computations together: a computation named by an instruction's attribute runs once
-# per run of that instruction (a while's body once per trip).
-_CALLEE = re.compile(r"\b(calls|body|condition|to_apply)=%([\w.\-]+)")
-_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
-_CONSTANT = re.compile(r"^\s*%([\w.\-]+) = s32\[\]\S* constant\((\d+)\)")
-_LESS_THAN = re.compile(r"^\s*ROOT %[\w.\-]+ = pred\[\]\S* compare\([^)]*%([\w.\-]+)\), "
-                        r"direction=LT")
+_CHANNEL = re.compile(r"\bchannel_id=(\d+)")
 
 
 class Collective(NamedTuple):
@@ -84,41 +83,11 @@ def group_size(attributes: str, devices: int) -> int:
     return devices
 
 
-def runs(hlo: str) -> dict:
-    """How many times each computation runs per run of the module: a loop body as many times
-    as its loop's trips (module docstring) times its caller's; computations never named, the
-    entry among them, once."""
-    caller, trips, bounds, constants, loops, computation = {}, {}, {}, {}, [], ""
-    for line in hlo.splitlines():
-        if c := _COMPUTATION.match(line):
-            computation = c.group(1)
-            continue
-        if c := _CONSTANT.match(line):
-            constants[(computation, c.group(1))] = int(c.group(2))
-        if c := _LESS_THAN.match(line):
-            bounds[computation] = constants.get((computation, c.group(1)))
-        callees = dict(_CALLEE.findall(line))
-        for callee in callees.values():
-            caller[callee] = computation
-        if "body" in callees:
-            known = _TRIP_COUNT.search(line)
-            loops.append((callees["body"], callees.get("condition"),
-                          int(known.group(1)) if known else None))
-    for body, condition, known in loops:
-        trips[body] = known if known is not None else bounds.get(condition) or 1
-
-    def count(name, seen=()):
-        if name not in caller or name in seen:
-            return trips.get(name, 1)
-        return trips.get(name, 1) * count(caller[name], (*seen, name))
-    return {name: count(name) for name in caller}
-
-
 def collectives(hlo: str, devices: int = 1) -> list[Collective]:
     """The collectives of an optimized HLO module, one per execution (module docstring);
     ``devices``: the module's device count, the group of a collective whose groups are
     empty."""
-    out, groups, computation, times = [], {}, "", runs(hlo)
+    out, groups, channels, computation, times = [], {}, set(), "", loops.runs(hlo)
     for line in hlo.splitlines():
         if c := _COMPUTATION.match(line):
             computation = c.group(1)
@@ -129,6 +98,10 @@ def collectives(hlo: str, devices: int = 1) -> list[Collective]:
         if phase == "-start":
             groups[name] = group_size(attributes, devices)
             continue
+        if (channel := _CHANNEL.search(attributes)) and phase is None:
+            if channel.group(1) in channels:
+                continue                # a clone of a channel's collective (docstring)
+            channels.add(channel.group(1))
         n = groups.get(operands.strip().lstrip("%"), devices) if phase == "-done" \
             else group_size(attributes, devices)
         size = _bytes(shape)
