@@ -376,66 +376,11 @@ def cmd_compile(args) -> int:
         raise ValueError(f"--topology {args.topology!r} names no target.")
     if "local" not in names:           # compile-only devices: no accelerator is used
         jax.config.update("jax_platforms", "cpu")
-    from jaxaccel import plan
     from jaxaccel.plan import rank
-    memory = None if args.memory is None else args.memory * 1e9
-    entries = []
-    for name in names:
-        if len(names) > 1:
-            print(f"== {name} ==", flush=True)
-        entry = _plan_one(plan, args, name, memory, many=len(names) > 1)
-        entries.append(entry)
-        if entry.fits and args.out:
-            os.makedirs(args.out, exist_ok=True)
-            p = entry.plan
-            path = os.path.join(args.out, f"plan-{p.cfg.name}-{plan.slug(p.target.name)}.json")
-            with open(path, "w") as f:
-                json.dump(plan.result(p), f, indent=2)
-            print(f"wrote {path}")
-        if len(names) > 1:
-            print()
-    if len(names) > 1:
-        print("targets ranked (estimates):")
-        print(rank.table(entries))
+    entries = rank.plan_targets(args.config, args.set, names,
+                                memory=None if args.memory is None else args.memory * 1e9,
+                                fit=args.fit, out=args.out, error_text=error_message)
     return 0 if any(e.fits for e in entries) else EXIT_DOES_NOT_FIT
-
-
-def _plan_one(plan, args, name: str, memory, many: bool):
-    """One target's plan as a ranking entry; without ``--fit``, a run that does not fit is
-    reported (its error on stderr) and, for a single target, so is a bad input."""
-    from jaxaccel.plan import rank, search
-    if args.fit:
-        found = search.search(args.config, args.set, name, device_memory=memory,
-                              limit=args.fit, progress=lambda line: print(line, file=sys.stderr,
-                                                                           flush=True))
-        if len(found.tried) > 1:
-            print(found.summary())
-        best = found.best
-        if best is None:
-            last = found.tried[-1]
-            if last.plan is not None:
-                print(plan.report(last.plan))
-            why = search.why_none(found)
-            print(f"error: {name}: nothing tried fits: {why}", file=sys.stderr)
-            return rank.Entry(name, last.plan, False, why="nothing tried fits")
-        if best.changes:
-            print(f"\nthe fastest configuration that fits: {best.describe()}\n")
-        print(plan.report(best.plan))
-        return rank.Entry(name, best.plan, True, tuple(best.sets))
-    try:
-        p = plan.make_plan(args.config, args.set, name, device_memory=memory)
-    except plan.DoesNotFit as e:
-        if e.plan is not None:
-            print(plan.report(e.plan))
-        print(f"error: {e}", file=sys.stderr)
-        return rank.Entry(name, e.plan, False, why=f"{e.step} step")
-    except ValueError as e:
-        if not many:
-            raise
-        print(f"error: {name}: {error_message(e)}", file=sys.stderr)
-        return rank.Entry(name, None, False, why=error_message(e).split(";")[0])
-    print(plan.report(p))
-    return rank.Entry(name, p, True)
 
 
 def error_message(e: Exception) -> str:

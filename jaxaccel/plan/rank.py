@@ -1,4 +1,6 @@
-"""Several targets planned for one config, ranked: ``jaxaccel compile --topology a,b,c``.
+"""Several targets planned for one config, ranked: ``jaxaccel compile --topology a,b,c``
+(``plan_targets``: each target planned, or fit-searched, its report printed and its result file
+written, then the ranking).
 
 Each target's row is its plan (made to fit by ``--fit`` where asked): fits or not, the step
 time (the forecast where the plan has one, else the estimate), tokens/s, the time and price of
@@ -8,9 +10,17 @@ ranked by time, then price; the rest follow, with why.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import os
+import sys
+from typing import Callable
 
-from jaxaccel.plan import Plan, duration, usd_text
+from jaxaccel.plan import search as search_lib
+from jaxaccel.plan.compile import make_plan
+from jaxaccel.plan.fit import DoesNotFit
+from jaxaccel.plan.report import duration, report, usd_text
+from jaxaccel.plan.result import Plan, result, slug
 
 
 @dataclasses.dataclass
@@ -72,3 +82,72 @@ def table(entries: list[Entry]) -> str:
             str(i) if e.fits else "-", e.topology, str(p.target.chips) if p else "-", fits, span,
             tps, "-" if secs == math.inf else duration(secs), cost, source]) + " |")
     return "\n".join(out)
+
+
+def plan_targets(config: str | None, sets: list[str], names: list[str], *,
+                 memory: float | None = None, fit: int | None = None, out: str | None = None,
+                 error_text: Callable[[Exception], str] = str) -> list[Entry]:
+    """Each target of ``names`` planned (made to fit by the ``--fit`` search when ``fit`` gives
+    its compile limit), its report printed and, where it fits, its result file written into
+    ``out``; several targets are then ranked (``table``). ``memory``: bytes per device to plan
+    against; ``error_text``: the line an input error prints as."""
+    many = len(names) > 1
+    entries = []
+    for name in names:
+        if many:
+            print(f"== {name} ==", flush=True)
+        entry = _search_one(config, sets, name, memory, fit) if fit else \
+            _plan_one(config, sets, name, memory, many, error_text)
+        entries.append(entry)
+        if entry.fits and out:
+            os.makedirs(out, exist_ok=True)
+            p = entry.plan
+            path = os.path.join(out, f"plan-{p.cfg.name}-{slug(p.target.name)}.json")
+            with open(path, "w") as f:
+                json.dump(result(p), f, indent=2)
+            print(f"wrote {path}")
+        if many:
+            print()
+    if many:
+        print("targets ranked (estimates):")
+        print(table(entries))
+    return entries
+
+
+def _search_one(config, sets, name: str, memory, limit: int) -> Entry:
+    """One target made to fit by the ``--fit`` search, as a ranking entry."""
+    found = search_lib.search(config, sets, name, device_memory=memory, limit=limit,
+                              progress=lambda line: print(line, file=sys.stderr, flush=True))
+    if len(found.tried) > 1:
+        print(found.summary())
+    best = found.best
+    if best is None:
+        last = found.tried[-1]
+        if last.plan is not None:
+            print(report(last.plan))
+        why = search_lib.why_none(found)
+        print(f"error: {name}: nothing tried fits: {why}", file=sys.stderr)
+        return Entry(name, last.plan, False, why="nothing tried fits")
+    if best.changes:
+        print(f"\nthe fastest configuration that fits: {best.describe()}\n")
+    print(report(best.plan))
+    return Entry(name, best.plan, True, tuple(best.sets))
+
+
+def _plan_one(config, sets, name: str, memory, many: bool, error_text) -> Entry:
+    """One target's plan as a ranking entry: a run that does not fit is reported (its error on
+    stderr) and, among several targets, so is a bad input (alone, it is raised)."""
+    try:
+        p = make_plan(config, sets, name, device_memory=memory)
+    except DoesNotFit as e:
+        if e.plan is not None:
+            print(report(e.plan))
+        print(f"error: {e}", file=sys.stderr)
+        return Entry(name, e.plan, False, why=f"{e.step} step")
+    except ValueError as e:
+        if not many:
+            raise
+        print(f"error: {name}: {error_text(e)}", file=sys.stderr)
+        return Entry(name, None, False, why=error_text(e).split(";")[0])
+    print(report(p))
+    return Entry(name, p, True)

@@ -30,8 +30,10 @@ from typing import Callable
 
 from jaxaccel import sharding
 from jaxaccel.models import remat
-from jaxaccel.plan import (DoesNotFit, Plan, StepRefused, load_config, make_plan, plannable,
-                           topology)
+from jaxaccel.plan import topology
+from jaxaccel.plan.compile import load_config, make_plan, plannable
+from jaxaccel.plan.fit import DoesNotFit, StepRefused
+from jaxaccel.plan.result import Plan
 
 LIMIT = 12
 
@@ -146,15 +148,7 @@ def search(config_path: str | None, sets: list[str], topology_name: str, *,
     first = attempt({})
     if first.fits:
         return Search(target.name, tried, first, None)
-    # The config's own split, then all-FSDP (the least state per device), then the splits
-    # between, most FSDP first.
-    meshes = sorted(_divisors(rows), key=lambda f: (f != own_fsdp, -f))
-    own = remat.of(cfg.model.remat).name
-    remats = list(remat.LADDER[remat.LADDER.index(own):]) if own in remat.LADDER \
-        else [own, "full"]
-    # Every split keeps data x fsdp = rows, so the same accumulations are valid on each.
-    accums = [a for a in _divisors(t.batch_size)
-              if a >= t.grad_accum and (t.batch_size // a) % rows == 0]
+    meshes, own, remats, accums = _ladders(cfg, rows, own_fsdp)
     if not accums:
         return Search(target.name, tried, None,
                       f"no gradient accumulation of train.batch_size={t.batch_size} from "
@@ -178,6 +172,22 @@ def search(config_path: str | None, sets: list[str], topology_name: str, *,
     best = min(fitting, key=lambda c: (c.step_s, c.changes.get("train.grad_accum", 0),
                                        len(c.changes))) if fitting else None
     return Search(target.name, tried, best, stopped)
+
+
+def _ladders(cfg, rows: int, own_fsdp: int) -> tuple[list, str, list, list]:
+    """What the search walks: the meshes (fsdp of each), the config's remat policy and those
+    after it, and the gradient accumulations that leave each batch-axis device whole rows."""
+    t = cfg.train
+    # The config's own split, then all-FSDP (the least state per device), then the splits
+    # between, most FSDP first.
+    meshes = sorted(_divisors(rows), key=lambda f: (f != own_fsdp, -f))
+    own = remat.of(cfg.model.remat).name
+    remats = list(remat.LADDER[remat.LADDER.index(own):]) if own in remat.LADDER \
+        else [own, "full"]
+    # Every split keeps data x fsdp = rows, so the same accumulations are valid on each.
+    accums = [a for a in _divisors(t.batch_size)
+              if a >= t.grad_accum and (t.batch_size // a) % rows == 0]
+    return meshes, own, remats, accums
 
 
 def _fewest_accum(attempt, base: dict, accums: list[int], t, rows: int,
