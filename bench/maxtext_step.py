@@ -116,9 +116,9 @@ def maxtext_args(cfg, spec, target, topology: str, scan: bool) -> list[str]:
     """MaxText's ``key=value`` overrides for the step ``cfg`` configures (module docstring)."""
     import jax.numpy as jnp
 
-    from jaxaccel.precision import get_policy
+    from jaxaccel.precision import policy_of
     a, t, m = spec.architecture, cfg.train, cfg.mesh
-    policy = get_policy(cfg.precision.policy)
+    policy = policy_of(cfg.precision)
     if policy.name not in ("bf16", "fp32") or m.tensor != 1 or m.stage != 1:
         raise SystemExit(f"bench/maxtext_step.py compares bf16 or fp32 steps over data x fsdp "
                          f"meshes, not policy {policy.name!r}, mesh {dict(m)}")
@@ -260,7 +260,7 @@ def analyse(side: str, a, target, cfg, spec) -> dict:
     from jaxaccel import plan
     from jaxaccel.plan import collectives as collectives_lib
     from jaxaccel.plan import hlo_cost
-    from jaxaccel.precision import get_policy
+    from jaxaccel.precision import policy_of
     folder = os.path.join(a.work, name(side, a))
     with open(os.path.join(folder, "side.json")) as f:
         kept = json.load(f)
@@ -275,7 +275,7 @@ def analyse(side: str, a, target, cfg, spec) -> dict:
              "attention": flops_lib.attention_flops(shape, batch, seq),
              "recompute": flops_lib.recompute_flops(shape, batch, seq) if cfg.model.remat
              else 0.0}
-    estimate = plan.estimate_step(target, get_policy(cfg.precision.policy),
+    estimate = plan.estimate_step(target, policy_of(cfg.precision),
                                   spec.attention_impl, flops,
                                   {**kept["compiler_cost"], **counted.totals}, batch, seq, sent)
     return {**kept, "name": name(side, a), "counted": counted.as_dict(),

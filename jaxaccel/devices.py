@@ -9,7 +9,8 @@ Peaks are dense (no sparsity) datasheet figures for one chip. ``float32`` is the
 default matmul precision runs fp32 dots at: TF32 tensor cores on NVIDIA Ampere and newer,
 one bf16 pass on TPU. ``float16`` and ``float8`` are given where the chip has matrix units for
 them; elsewhere they run at the bf16 rate (``peak_flops`` says which figure it used), and MFU
-(``jaxaccel.flops.peak_flops``) is left out rather than measured against another dtype's peak.
+(``jaxaccel.flops.peak_flops``: ``own_units``) is left out rather than measured against another
+dtype's peak.
 """
 from __future__ import annotations
 
@@ -63,21 +64,27 @@ def chip(device_kind: str) -> Chip | None:
     return next((c for c in CHIPS if device_kind in c.kinds), None)
 
 
-def peak_flops(device_kind: str, dtype: str = "bfloat16") -> tuple[float, str] | None:
+def peak_flops(device_kind: str, dtype: str = "bfloat16", *,
+               own_units: bool = False) -> tuple[float, str] | None:
     """``(FLOP/s, which figure)`` of one chip for matmuls in ``dtype`` ("bfloat16", "float16",
-    "float32", "float8"); a dtype without its own figure runs at the bf16 rate. None for a device kind not in the table."""
+    "float32", "float8"; a policy's ``matmul_dtype``). A dtype without its own figure runs at
+    the bf16 rate, and the answer says so: the rate a step in it runs at (the planner's bound);
+    with ``own_units``, None instead (MFU, a share of the dtype's own peak). None for a device
+    kind not in the table. The one reading of ``CHIPS``' peaks."""
     c = chip(device_kind)
     if c is None:
         return None
     if dtype in c.flops:
         return c.flops[dtype], f"{dtype} peak"
+    if own_units:
+        return None
     return c.flops["bfloat16"], f"bf16 peak ({device_kind} has no separate {dtype} rate)"
 
 
 def peak_bf16(device_kind: str) -> float | None:
-    """Dense bf16 FLOP/s of one chip (MFU's denominator), None when unknown."""
-    c = chip(device_kind)
-    return c.flops["bfloat16"] if c else None
+    """Dense bf16 FLOP/s of one chip, None when unknown."""
+    peak = peak_flops(device_kind)
+    return peak[0] if peak else None
 
 
 def peak_bandwidth(device_kind: str) -> float | None:

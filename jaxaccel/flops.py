@@ -31,7 +31,7 @@ import dataclasses
 import numpy as np
 
 from jaxaccel import devices
-from jaxaccel.precision import get_policy
+from jaxaccel.precision import Policy, get_policy
 
 RECOMPUTED = ("qkv", "out", "mlp", "core")     # a layer's forward: all of it (full remat)
 
@@ -200,12 +200,13 @@ def model_shape(spec) -> Shape | ViTShape:
     return spec.family.resolve("flops")(spec)
 
 
-def peak_flops(device_kind: str, policy: str) -> float | None:
-    """Peak FLOP/s of one device of ``device_kind`` (jax's) for the matmul dtype of ``policy``
-    (fp32 | bf16 | fp16 | fp8) from the one chip table (``jaxaccel.devices``), or None when the
-    chip is unknown (CPUs) or has no units of that dtype (fp16/fp8 on TPUs, fp8 on A100)."""
-    chip = devices.chip(device_kind)
-    return None if chip is None else chip.flops.get(get_policy(policy).matmul_dtype)
+def peak_flops(device_kind: str, policy: str | Policy) -> float | None:
+    """MFU's denominator: peak FLOP/s of one device of ``device_kind`` (jax's) for the matmul
+    dtype of ``policy`` (a ``Policy``, or its name: fp32 | bf16 | fp16 | fp8) from the one chip
+    table (``jaxaccel.devices.peak_flops``), or None when the chip is unknown (CPUs) or has no
+    units of that dtype (fp16/fp8 on TPUs, fp8 on A100)."""
+    peak = devices.peak_flops(device_kind, get_policy(policy).matmul_dtype, own_units=True)
+    return peak[0] if peak else None
 
 
 def batch_tokens(batch: dict) -> tuple[int, int]:
@@ -222,10 +223,11 @@ class Throughput:
 
     ``add(batch, seconds)`` per step: ``batch`` is this process's rows (scaled by
     ``processes``, as every process holds as many), ``seconds`` the step's wall time. The
-    first step added is ignored: it includes compilation.
+    first step added is ignored: it includes compilation. ``policy``: the run's ``Policy``
+    (``Run.resolved.policy``; a name is looked up), whose matmul dtype's peak MFU is a share of.
     """
 
-    def __init__(self, shape: Shape, policy: str, device_kind: str, devices: int,
+    def __init__(self, shape: Shape, policy: str | Policy, device_kind: str, devices: int,
                  processes: int = 1):
         self.shape, self.devices, self.processes = shape, devices, processes
         self.peak = peak_flops(device_kind, policy)

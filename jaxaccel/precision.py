@@ -96,6 +96,12 @@ POLICIES = {
                   matmul_dtype="float8", compute_activations=True),
 }
 
+# The dtype the dense matmuls of each precision name run in, whose peak FLOP/s bounds them
+# (``jaxaccel.devices``): the policies' own, and "tf32", which published runs name
+# (``jaxaccel/plan/calibration.json``): fp32 matmuls at XLA's default precision, which run on
+# NVIDIA's TF32 tensor cores (the chip table's "float32" figure).
+MATMUL_DTYPES = {**{name: p.matmul_dtype for name, p in POLICIES.items()}, "tf32": "float32"}
+
 
 def get_policy(policy: str | Policy | None) -> Policy:
     """Return a Policy from its name (None means fp32); a Policy passes through."""

@@ -11,11 +11,11 @@ import os
 from jaxaccel import devices as devices_lib
 from jaxaccel import flops as flops_lib
 from jaxaccel.compare import energy
+from jaxaccel.precision import MATMUL_DTYPES
 
 CALIBRATION_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                 "calibration.json")
-DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp8": "float8", "tf32": "float32",
-          "fp32": "float32"}
+DTYPES = MATMUL_DTYPES        # a published run's precision -> its matmul dtype
 CLASSES = {"bfloat16": "bf16", "float16": "bf16", "float8": "fp8", "float32": "fp32"}
 RECOMPUTE_ALL = ("wq", "wk", "wv", "wo", "attention", "w_gate", "w_up", "w_out")
 OPTIMIZER_BYTES_PER_PARAM = 28      # fp32 AdamW: read param, grad, 2 moments; write 3
