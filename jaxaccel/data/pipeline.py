@@ -24,12 +24,7 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-
-def padded_length(longest: int, multiple: int, max_len: int) -> int:
-    """The [b, L] length of a batch whose longest row has ``longest`` tokens: rounded up to a
-    multiple of ``multiple`` (few distinct shapes, few compiles), at most ``max_len``. The one
-    padding rule of training, evaluation, prediction and generation prompts."""
-    return min(-(-max(longest, 1) // multiple) * multiple, max_len)
+from jaxaccel.padding import padded_length
 
 
 @dataclasses.dataclass(frozen=True)

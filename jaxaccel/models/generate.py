@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxaccel.data.pipeline import padded_length
+from jaxaccel.padding import padded_length
 
 
 
@@ -65,7 +65,7 @@ def check_sampling(temperature: float, top_k: int, vocab_size: int) -> None:
 class Sampler:
     """Batched sampling from ``model`` (a model with ``init_cache`` and a ``cache`` argument,
     e.g. ``llama.LlamaForCausalLM``); prompt batches are padded as training batches are
-    (``data.pipeline.padded_length``, to a multiple of ``pad_multiple``: the run's
+    (``jaxaccel.padding.padded_length``, to a multiple of ``pad_multiple``: the run's
     ``data.pad_multiple``), so few prefill lengths are compiled."""
 
     def __init__(self, model, pad_multiple: int = 16):
