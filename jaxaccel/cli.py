@@ -47,6 +47,13 @@ BENCH_SUITES = ("train_step", "attention", "optimizer", "job", "scaling", "hf_fl
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="jaxaccel", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
+    _run_commands(sub)
+    _tool_commands(sub)
+    return p
+
+
+def _run_commands(sub) -> None:
+    """The commands of a run: train, eval, predict, generate, export."""
     t = sub.add_parser("train", help="fine-tune a model as a config file says")
     t.add_argument("--config", help="config file (configs/NAME.py, or NAME; or a .json); "
                    "default: the base config alone")
@@ -87,6 +94,10 @@ def _parser() -> argparse.ArgumentParser:
     x.add_argument("--encoder", action="store_true",
                    help="write a ViT run's encoder alone as transformers' ViTModel (an MAE "
                    "pretraining run's, to fine-tune elsewhere)")
+
+
+def _tool_commands(sub) -> None:
+    """The commands around runs: bench, compare, data, compile."""
     b = sub.add_parser("bench", help="measure this machine's devices: one result file per suite",
                        description="Runs bench/<suite>.py (a source checkout) with the flags "
                        "that follow; `jaxaccel bench SUITE --help` lists them. The result goes "
@@ -137,7 +148,6 @@ def _parser() -> argparse.ArgumentParser:
                    "per device, instead of the target's (a device shared with other work)")
     k.add_argument("--out", metavar="DIR", help="also write the plan as a result file "
                    "DIR/plan-<config name>-<topology>.json (e.g. bench/results)")
-    return p
 
 
 def _run_dir(path: str) -> str:
