@@ -16,9 +16,11 @@ Our side is the trainer's own jitted train step, built abstractly as ``jaxaccel 
 builds it (``jaxaccel.plan.abstract_run``), at ``OURS`` plus ``--ours-set``. MaxText's settings
 are derived from our resolved config (``maxtext_args``): the preset's shapes, the global batch
 over the chips, the sequence length, the mesh axes, the policy's compute and parameter dtypes,
-remat on every layer ("full", or "none"), the attention kernel (Pallas flash on both sides),
-AdamW's b1, b2, eps, weight decay and clipping; the parameter counts of the two sides must be
-equal or the script stops.
+the remat policy (``models/remat.py``: MaxText's names), the attention kernel (Pallas flash on
+both sides), AdamW's b1, b2, eps, weight decay and clipping; the parameter counts of the two
+sides must be equal or the script stops. With ``--reuse`` a side compiled before (its
+``side.json`` in ``--work``) is analysed again, not compiled: its row says so (``reused``), and
+its compile seconds, date and load are the earlier run's.
 
 Each side compiles in a child process of its own (its trace, lowering and compile timed
 there in wall and process CPU seconds, on this machine's CPU: on a shared CPU the CPU seconds
@@ -116,6 +118,7 @@ def maxtext_args(cfg, spec, target, topology: str, scan: bool) -> list[str]:
     """MaxText's ``key=value`` overrides for the step ``cfg`` configures (module docstring)."""
     import jax.numpy as jnp
 
+    from jaxaccel.models import remat
     from jaxaccel.precision import policy_of
     a, t, m = spec.architecture, cfg.train, cfg.mesh
     policy = policy_of(cfg.precision)
@@ -136,7 +139,7 @@ def maxtext_args(cfg, spec, target, topology: str, scan: bool) -> list[str]:
         f"max_target_length={cfg.data.max_len}",
         f"dtype={jnp.dtype(policy.compute_dtype).name}",
         f"weight_dtype={jnp.dtype(policy.param_dtype).name}",
-        f"remat_policy={'full' if cfg.model.remat else 'none'}",
+        f"remat_policy={remat.of(cfg.model.remat).name}",        # MaxText's names
         f"attention={'flash' if cfg.model.attention_impl == 'pallas' else 'dot_product'}",
         f"scan_layers={str(scan).lower()}",
         f"ici_data_parallelism={m.data}", f"ici_fsdp_parallelism={m.fsdp}",
@@ -405,7 +408,8 @@ def _gb(x) -> str:
 
 def table(rows: list[dict]) -> str:
     """Metrics down, sides across (per chip)."""
-    lines = ["| per chip | " + " | ".join(r["name"] for r in rows) + " |",
+    lines = ["| per chip | " + " | ".join(r["name"] + (" (earlier run)" if r.get("reused")
+                                                      else "") for r in rows) + " |",
              "|---|" + "---|" * len(rows)]
     lines += [f"| {label} | " + " | ".join(get(r) for r in rows) + " |" for label, get in ROWS]
     return "\n".join(lines)
@@ -489,21 +493,26 @@ def main(argv: list[str] | None = None) -> None:
         compile_side(a.child, a)
         return
     sides = [s for s in a.sides.split(",") if s]
+    reused = [s for s in sides
+              if a.reuse and os.path.exists(os.path.join(a.work, name(s, a), "side.json"))]
     for side in sides:
-        if not (a.reuse and os.path.exists(os.path.join(a.work, name(side, a), "side.json"))):
+        if side not in reused:
             subprocess.run([sys.executable, os.path.abspath(__file__), *argv, "--child", side],
                            check=True)
-    report(a, argv, sides)
+    report(a, argv, sides, reused)
 
 
-def report(a, argv: list[str], sides: list[str]) -> None:
+def report(a, argv: list[str], sides: list[str], reused: list[str]) -> None:
+    """Analyse the sides, check their parameter counts equal, write the JSON and print the
+    table; a side in ``reused`` (``--reuse``) is marked ``"reused": true``: compiled in an
+    earlier run, its compile seconds, date and load are that run's (``side.json``'s)."""
     import importlib.metadata
 
     import jax
 
     from bench.common import git_sha
     target, cfg, spec = setting(a)
-    rows = [analyse(side, a, target, cfg, spec) for side in sides]
+    rows = [{**analyse(side, a, target, cfg, spec), "reused": side in reused} for side in sides]
     if len({r["parameters"] for r in rows}) > 1:
         raise SystemExit("the sides count different parameters: " + ", ".join(
             f"{r['name']} {r['parameters']:,}" for r in rows))
