@@ -239,6 +239,35 @@ def test_fit_search_says_why_nothing_fits(capsys):
     assert "the least parameter and optimizer state per device seen was" in err
 
 
+def test_fit_search_walks_the_remat_ladder_until_a_policy_fits(monkeypatch):
+    """A batch of one row per device (no accumulation to try) whose step fits only when each
+    layer keeps at most the q/k/v projections: on each mesh split the search tries the
+    policies that keep less, in ``remat.LADDER``'s order, stops at the first that fits (never
+    ``full``, which only adds compute), and the answer changes the policy alone. Plans are
+    faked (``make_plan``): the search's walk, not the compiler, is under test."""
+    from jaxaccel.plan import search as search_lib
+    fitting = {"save_qkv_proj": 1.0, "full": 1.3}       # step seconds of the policies that fit
+
+    def fake_plan(config_path, sets, topology_name, device_memory=None):
+        policy = dict(s.split("=", 1) for s in sets).get("model.remat", "none")
+        p = SimpleNamespace(memory={"params": 1, "opt_state": 1, "temp": 8, "total": 10},
+                            capacity=5 if policy not in fitting else 20,
+                            time_s=fitting.get(policy, 2.0), estimate={"source": "fake"})
+        if policy not in fitting:
+            raise plan.DoesNotFit("does not fit", p, "train")
+        return p
+
+    monkeypatch.setattr(search_lib, "make_plan", fake_plan)
+    devices = len(jax.devices())
+    found = search_lib.search(TINY_CONFIG, [f"train.batch_size={devices}", "mesh.data=-1",
+                                            "model.remat=none"], "local", limit=40)
+    own_mesh = [c.changes.get("model.remat", "none") for c in found.tried
+                if not {"mesh.data", "mesh.fsdp"} & set(c.changes)]
+    assert own_mesh == ["none", "minimal", "save_dot_except_mlp", "save_qkv_proj"]
+    assert all(c.changes.get("model.remat") != "full" for c in found.tried)
+    assert found.best.changes == {"model.remat": "save_qkv_proj"}
+
+
 @pytest.mark.aot_compile
 @needs_libtpu
 @needs_cuda_plugin
