@@ -291,8 +291,9 @@ def analyse(side: str, a, target, cfg, spec) -> dict:
 
 def _dumped(dump: str, kind: str) -> str:
     """The step's ``after_optimizations-<kind>.txt`` in an XLA dump folder (the largest such
-    file, should the process have compiled more than the step)."""
-    return max(glob.glob(os.path.join(dump, f"*after_optimizations-{kind}.txt")),
+    file, should the process have compiled more than the step); the folder's name taken
+    literally (``jaxaccel[train.loss_chunks=8]`` is no glob pattern)."""
+    return max(glob.glob(os.path.join(glob.escape(dump), f"*after_optimizations-{kind}.txt")),
                key=os.path.getsize)
 
 

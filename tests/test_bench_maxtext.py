@@ -40,6 +40,9 @@ def test_maxtext_gets_our_model_batch_mesh_and_dtypes():
 
 
 def test_the_largest_temporaries_come_from_the_memory_usage_report(tmp_path):
+    """Read from a side's dump folder, whose name may hold brackets (``--ours-set``'s)."""
+    tmp_path = tmp_path / "jaxaccel[train.loss_chunks=8]"
+    tmp_path.mkdir()
     (tmp_path / "module_0000.jit_step.cl_1.after_optimizations-memory-usage-report.txt"
      ).write_text("""Memory Space: default (color=0)
 Total bytes: 4604925440 (4.29GiB)
