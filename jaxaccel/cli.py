@@ -201,26 +201,27 @@ def cmd_train(args) -> int:
     return train_outcome(train(cfg))
 
 
-def train_outcome(result: dict) -> int:
-    """Print a training run's result (JSON, then what it means on stderr) and return the
-    command's exit status: 0 completed, ``EXIT_PREEMPTED`` stopped and resumable,
-    ``EXIT_NONFINITE`` diverged."""
-    print(json.dumps(result, indent=2))
-    if result["status"] == "nonfinite":
-        good = result["last_good_checkpoint"]
-        where = (f"Last good checkpoint: step {good} in {result['checkpoint_dir']}."
+def train_outcome(result) -> int:
+    """Print a training run's result (``train.outcome``: its JSON record, then what it means
+    on stderr) and return the command's exit status: 0 completed, ``EXIT_PREEMPTED`` stopped
+    and resumable, ``EXIT_NONFINITE`` diverged."""
+    from jaxaccel.train.outcome import Diverged, Preempted
+    print(json.dumps(result.record(), indent=2))
+    if isinstance(result, Diverged):
+        good = result.last_good_checkpoint
+        where = (f"Last good checkpoint: step {good} in {result.checkpoint_dir}."
                  if good is not None else
                  "No good checkpoint was saved before the stop.")
-        print(f"error: training stopped: {result['error'].rstrip('.')}. {where} "
-              f"{result.get('advice', '')}".rstrip(), file=sys.stderr)
+        print(f"error: training stopped: {result.error.rstrip('.')}. {where} "
+              f"{result.advice or ''}".rstrip(), file=sys.stderr)
         return EXIT_NONFINITE
-    if result["status"] == "preempted":
-        print(f"{result['signal']}: saved step {result['step']} to {result['checkpoint_dir']}; "
+    if isinstance(result, Preempted):
+        print(f"{result.signal}: saved step {result.step} to {result.checkpoint_dir}; "
               f"run the same command again to resume (exit status {EXIT_PREEMPTED}: stopped, "
               "resumable).", file=sys.stderr)
         return EXIT_PREEMPTED
-    print(f"{result['summary']}\n"
-          f"checkpoints: {result['checkpoint_dir']}\nmetrics: {result['metrics_file']}")
+    print(f"{result.summary}\n"
+          f"checkpoints: {result.checkpoint_dir}\nmetrics: {result.metrics_file}")
     return 0
 
 

@@ -2,20 +2,32 @@
 data, with the services it talks to (``Services``: checkpoints, metrics, the stop signal)
 handed in.
 
-``train(cfg)`` fine-tunes and evaluates; it checkpoints every ``train.checkpoint_every`` steps,
-at each epoch end and at the end, resumes from the newest readable checkpoint of its run folder
-(model, optimizer, RNG and data position, so losses equal an uninterrupted run's), saves and
-returns on SIGTERM or a first Ctrl-C (a second Ctrl-C aborts), and stops at the first
-non-finite loss, under every policy, keeping the last good checkpoint (under fp16 a step whose
-gradients are non-finite but whose loss is finite is an overflow: it is skipped, and
-``precision.max_consecutive_skips`` of them in a row stop the run). The
+``train(cfg)`` fine-tunes and evaluates, resuming from the newest readable checkpoint of its run
+folder (model, optimizer, RNG and data position, so losses equal an uninterrupted run's). The
 run folder's rules (one writer, no mixed runs, which config changes a resume allows) are in
-``jaxaccel.train.rundir``.
+``jaxaccel.train.rundir``. ``_loop`` is the loop; after each train step come its events, in
+this order, each a method of ``Events`` and each when its rule (a function here) says:
+
+* **log** every step, one step late (the device runs the next step meanwhile): the metrics are
+  checked (``steplog.check_step``: a non-finite loss under every policy; under fp16 a step
+  whose gradients alone are non-finite is an overflow, skipped, and
+  ``precision.max_consecutive_skips`` of them in a row stop the run) and written every
+  ``train.log_every`` steps (``steplog.StepLog``);
+* **checkpoint** every ``train.checkpoint_every`` steps (``checkpoint_due``);
+* **stop?** asked once after every step (``preemption.Preemption.reached``: SIGTERM, a first
+  Ctrl-C; a second Ctrl-C aborts);
+* **epoch end** (``epoch_ends``, the run's end included): checkpoint, then **evaluate** under
+  ``train.eval_every_epoch`` (``eval_due``);
+* **stop**: if asked, checkpoint and return ``outcome.Preempted``.
+
+The run ends ``outcome.Completed`` (after the final evaluation), ``Preempted`` or
+``Diverged`` (``DIVERGENCE``: a non-finite loss or parameters, too many skipped fp16 steps).
 
 A checkpoint is *good* when its parameters are finite and the loss computed from them (the
-next step's loss) is finite too: non-finite parameters are never saved, and when a loss turns
-non-finite the checkpoint of the step just before it, whose parameters gave that loss, is set
-aside to ``skipped_checkpoints/``.
+next step's loss) is finite too. A step is checkpointed only after its own loss is checked
+(``Events.save``), so nothing is saved after a non-finite loss and non-finite parameters never
+are; a checkpoint is kept as good only once the next step's loss is finite: when that loss
+is not, the checkpoint is set aside to ``skipped_checkpoints/`` (``keep_good``).
 """
 from __future__ import annotations
 
@@ -23,15 +35,14 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import functools
+import itertools
 import logging
-import math
 import os
 import sys
 import time
 from typing import Callable
 
 import jax
-import numpy as np
 from tqdm.auto import tqdm
 
 from jaxaccel import flops
@@ -40,27 +51,13 @@ from jaxaccel.data.prefetch import prefetch
 from jaxaccel.train import rundir
 from jaxaccel.train.checkpoint import Checkpointer, NonFiniteState, on_disk, restore_state
 from jaxaccel.train.metrics import MetricsWriter
+from jaxaccel.train.outcome import Completed, Diverged, Outcome, Preempted
 from jaxaccel.train.preemption import Preemption
 from jaxaccel.train.run import Run, assemble, resolve
 from jaxaccel.train.state import TrainState
-from jaxaccel.train.step import is_state_metric
+from jaxaccel.train.steplog import NonFiniteLoss, StepLog, TooManySkippedSteps
 
 log = logging.getLogger("jaxaccel")
-
-
-class NonFiniteLoss(RuntimeError):
-    """Raised when the training loss of ``step`` (computed from step ``step - 1``'s
-    parameters) is NaN or infinite."""
-
-    def __init__(self, step: int, loss: float):
-        super().__init__(f"loss is {loss} at step {step}")
-        self.step = step
-
-
-class TooManySkippedSteps(RuntimeError):
-    """fp16: ``precision.max_consecutive_skips`` steps in a row had non-finite gradients (and
-    finite losses: a non-finite loss is ``NonFiniteLoss``). Skipped steps never touch the
-    parameters, so every saved checkpoint stays good."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,11 +119,12 @@ def _sync(name: str) -> None:
         multihost_utils.sync_global_devices(name)
 
 
-def train(cfg: Config, services: Services = Services()) -> dict:
-    """Fine-tune as configured; returns the final metrics (and ``status``). Process 0 holds
-    the run folder's lock for the whole run. The run is resolved (and so checked) before its
-    folder is touched."""
-    resolved = resolve(cfg)
+def train(cfg: Config, services: Services = Services(), devices=None) -> Outcome:
+    """Fine-tune as configured over ``devices`` (default all: ``sharding.make_mesh``); returns
+    how the run ended (``outcome``: completed, preempted or diverged). Process 0 holds the run
+    folder's lock for the whole run. The run is resolved (and so checked) before its folder is
+    touched."""
+    resolved = resolve(cfg, devices)
     run_dir = resolved.run_dir
     main = jax.process_index() == 0
     fresh = main and not os.path.exists(run_dir)
@@ -144,6 +142,21 @@ def train(cfg: Config, services: Services = Services()) -> dict:
         if fresh:       # refused (the data, a resume) before the run wrote anything: no folder
             rundir.remove_if_unused(run_dir)
         raise
+
+
+def _resume(run: Run, ckpt: Checkpointer, changes: dict) -> tuple[TrainState, int]:
+    """``(state, step)``: the run's state from the newest readable checkpoint of its folder
+    (under ``train.resume``), else its initial state; refused where the config now ends
+    before that step (``_resume_note``)."""
+    state = run.state
+    if run.cfg.train.resume and ckpt.latest_step() is not None:
+        restored = restore_state(ckpt, state, run.state_shardings)
+        if restored is not None:
+            state = restored[0]
+            log.info("resumed from %s at step %d", ckpt.directory, int(state.step))
+    start = int(jax.device_get(state.step))
+    _resume_note(run, start, changes)
+    return state, start
 
 
 def _resume_note(run: Run, start: int, changes: dict) -> None:
@@ -164,26 +177,6 @@ def _resume_note(run: Run, start: int, changes: dict) -> None:
                  float(run.schedule(start)))
 
 
-def _skips_message(cfg: Config, skips: int, scale: float, step: int) -> str:
-    """Why ``skips`` fp16 steps in a row up to ``step`` had non-finite gradients with finite
-    losses, the last at loss scale ``scale``, and which knob to turn: while the scale is still
-    above fp16's largest value (65504) the scale itself (``precision.loss_scale_init``) is the
-    suspect; below it, gradients that overflow are the run diverging."""
-    p = cfg.precision
-    head = (f"fp16: {skips} steps in a row up to step {step} had non-finite gradients "
-            f"(finite losses; loss scale {scale:g} at the last, started at "
-            f"precision.loss_scale_init={p.loss_scale_init:g})")
-    fp16_max = float(np.finfo(np.float16).max)
-    if scale > fp16_max:
-        return (f"{head}: the scaled gradients overflow fp16 (max {fp16_max:g}) and the scale "
-                f"did not halve below that within precision.max_consecutive_skips="
-                f"{p.max_consecutive_skips} steps. Lower precision.loss_scale_init (default "
-                "32768).")
-    return (f"{head}: the gradients overflow even at a scale fp16 holds, so the run is "
-            "diverging, not overflowing: lower train.learning_rate or use "
-            "precision.policy=bf16.")
-
-
 def _throughput(run: Run) -> flops.Throughput:
     """The tokens/s, TFLOP/s and MFU meter of the run's train steps (``jaxaccel.flops``)."""
     kind, policy = jax.devices()[0].device_kind, run.cfg.precision.policy
@@ -195,129 +188,164 @@ def _throughput(run: Run) -> flops.Throughput:
     return meter
 
 
-def _train(run: Run, changes: dict, services: Services) -> dict:
-    cfg, t = run.cfg, run.cfg.train
-    main = jax.process_index() == 0
-    ckpt = services.checkpointer(os.path.join(run.run_dir, "checkpoints"),
-                                 keep=t.keep_checkpoints)
-    state = run.state
+
+
+def _progress_bar(run: Run, start: int) -> tqdm:
+    shown = run.cfg.train.progress and jax.process_index() == 0
+    return tqdm(total=run.total_steps, initial=start, disable=not shown, unit="step",
+                dynamic_ncols=True, file=sys.stderr)
+
+
+# ---- the rules: when each event comes, and which checkpoints are good ----
+
+def checkpoint_due(t, step: int) -> bool:
+    """Whether step ``step`` is checkpointed besides the epochs' ends: every
+    ``train.checkpoint_every`` steps (0: never)."""
+    return bool(t.checkpoint_every) and step % t.checkpoint_every == 0
+
+
+def epoch_ends(step: int, steps_per_epoch: int, total_steps: int) -> bool:
+    """Whether step ``step`` ends an epoch or the run: it is checkpointed, and may be
+    evaluated."""
+    return step % steps_per_epoch == 0 or step >= total_steps
+
+
+def eval_due(t, step: int, total_steps: int) -> bool:
+    """Whether the epoch ending at step ``step`` is evaluated: under ``train.eval_every_epoch``,
+    except at the run's end, which the final evaluation covers."""
+    return bool(t.eval_every_epoch) and step < total_steps
+
+
+DIVERGENCE = (NonFiniteLoss, NonFiniteState, TooManySkippedSteps)
+"""What stops a run as diverged (``outcome.Diverged``)."""
+
+
+def bad_checkpoint(error: Exception) -> int | None:
+    """The checkpoint ``error`` (one of ``DIVERGENCE``) shows to be bad: the loss of step k is
+    computed from the parameters saved as step k - 1, so a non-finite loss at step k makes
+    checkpoint k - 1 bad. None for the others: non-finite parameters are never saved, and a
+    skipped fp16 step leaves the parameters as they were."""
+    return error.step - 1 if isinstance(error, NonFiniteLoss) else None
+
+
+def keep_good(ckpt: Checkpointer, error: Exception) -> int | None:
+    """After ``error``: set the checkpoint it shows to be bad aside (``skipped_checkpoints/``),
+    if it was saved, and return the newest checkpoint kept as good (None: there is none)."""
+    bad = bad_checkpoint(error)
+    if bad in ckpt.all_steps():
+        ckpt.set_aside(bad, f"its parameters give a non-finite loss ({error})")
+    good = [s for s in ckpt.all_steps() if bad is None or s < bad]
+    return good[-1] if good else None
+
+
+# ---- the events ----
+
+class Events:
+    """What the loop does after its steps: ``log`` (a ``steplog.StepLog``: each step's metrics
+    checked and written, one step late), ``save`` (a checkpoint, by the rule that keeps it
+    good), ``epoch_end`` (save, evaluate) and the three endings (``outcome``)."""
+
+    def __init__(self, run: Run, ckpt: Checkpointer, writer: MetricsWriter, bar: tqdm):
+        self.run, self.ckpt, self.writer, self.bar = run, ckpt, writer, bar
+        self.log = StepLog(run, writer, bar, _throughput(run))
+
+    def save(self, step: int, state: TrainState) -> None:
+        """Checkpoint step ``step`` once its own loss is checked (``StepLog.flush``), so that
+        nothing is saved after a non-finite loss. It is kept as good once the next step's loss,
+        computed from its parameters, is finite too (else ``keep_good`` sets it aside)."""
+        self.log.flush()
+        epoch, in_epoch = divmod(step, self.run.train_data.steps_per_epoch)
+        self.ckpt.save(step, on_disk(state), _record(self.run, epoch, in_epoch))
+
+    def epoch_end(self, step: int, state: TrainState) -> None:
+        self.save(step, state)
+        if eval_due(self.run.cfg.train, step, self.run.total_steps):
+            ev = self.run.evaluate(state)
+            self.writer.write(step, ev, prefix="eval/")
+            if jax.process_index() == 0:
+                epoch = step // self.run.train_data.steps_per_epoch
+                tqdm.write(f"epoch {epoch}: eval " + " ".join(
+                    f"{k} {v:.4f}" for k, v in ev.items()), file=sys.stderr)
+        self.log.restart_clock()        # the next step's time excludes save and eval
+
+    def _paths(self) -> dict:
+        return dict(run_dir=self.run.run_dir, checkpoint_dir=self.ckpt.directory,
+                    metrics_file=self.writer.path)
+
+    def preempted(self, step: int, state: TrainState, signal: str) -> Preempted:
+        self.save(step, state)
+        self.ckpt.wait()
+        return Preempted(**self._paths(), signal=signal, step=step)
+
+    def completed(self, step: int, state: TrainState) -> Completed:
+        self.bar.close()
+        final = self.run.evaluate(state)     # while the last save writes
+        self.ckpt.wait()
+        self.writer.write(step, final, prefix="eval/")
+        return Completed(**self._paths(), step=step, task=self.run.task.name,
+                         summary=self.run.task.summary(final), eval=final)
+
+    def diverged(self, step: int, error: Exception) -> Diverged:
+        advice = None if isinstance(error, TooManySkippedSteps) else (  # names its own fix
+            "The run diverged: lower train.learning_rate (or raise train.warmup_ratio) and "
+            "train again.")
+        return Diverged(**self._paths(), advice=advice, error=str(error), step=step,
+                        last_good_checkpoint=keep_good(self.ckpt, error))
+
+
+# ---- the loop ----
+
+def _steps(run: Run, start: int):
+    """``(step, batch)`` of each step after ``start`` to the run's end, epoch by epoch, the
+    batches made ahead in a thread (``data.prefetch``) that stops with the epoch or the run."""
+    per_epoch, step = run.train_data.steps_per_epoch, start
+    while step < run.total_steps:
+        epoch, at = divmod(step, per_epoch)
+        batches = itertools.islice(run.train_data.batches(epoch, at), run.total_steps - step)
+        with contextlib.closing(prefetch(batches)) as ahead:
+            for batch in ahead:
+                step += 1
+                yield step, batch
+
+
+def _train(run: Run, changes: dict, services: Services) -> Outcome:
+    """Resume, write the run folder's files, then step (``_loop``); the checkpointer, the
+    metrics writer and the progress bar are closed however the run ends."""
+    with contextlib.ExitStack() as stack:
+        ckpt = stack.enter_context(contextlib.closing(services.checkpointer(
+            os.path.join(run.run_dir, "checkpoints"), keep=run.cfg.train.keep_checkpoints)))
+        state, start = _resume(run, ckpt, changes)
+        if jax.process_index() == 0:    # only now: a refused resume leaves the folder as it was
+            rundir.write_files(run.run_dir, run.cfg.to_dict(), run.tokenizer)
+        writer = stack.enter_context(contextlib.closing(services.metrics(run.run_dir)))
+        bar = stack.enter_context(contextlib.closing(_progress_bar(run, start)))
+        return _loop(run, state, start, Events(run, ckpt, writer, bar), services.stop)
+
+
+def _loop(run: Run, state: TrainState, start: int, on: Events, stop_signal) -> Outcome:
+    """Step from ``start`` to the run's end. After each step, its events in this order: log
+    (the step before: one step late), checkpoint (every ``train.checkpoint_every`` steps), ask
+    whether to stop, the epoch's end (save, evaluate); then stop if asked. The run ends
+    completed, preempted (saved) or diverged (at the first of ``DIVERGENCE``)."""
+    t, per_epoch, step = run.cfg.train, run.train_data.steps_per_epoch, start
     try:
-        if t.resume and ckpt.latest_step() is not None:
-            restored = restore_state(ckpt, state, run.state_shardings)
-            if restored is not None:
-                state = restored[0]
-                log.info("resumed from %s at step %d", ckpt.directory, int(state.step))
-        start = int(jax.device_get(state.step))
-        _resume_note(run, start, changes)
-    except BaseException:
-        ckpt.close()
-        raise
-    # Only now: a refused resume leaves the saved config and the metrics as they were.
-    if main:
-        rundir.write_files(run.run_dir, cfg.to_dict(), run.tokenizer)
-    writer = services.metrics(run.run_dir)
-    steps_per_epoch = run.train_data.steps_per_epoch
-
-    def save(step):
-        e, s = divmod(step, steps_per_epoch)
-        ckpt.save(step, on_disk(state), _record(run, e, s))
-
-    result = {"status": "completed", "run_dir": run.run_dir,
-              "checkpoint_dir": ckpt.directory, "metrics_file": writer.path}
-    bar = tqdm(total=run.total_steps, initial=start, disable=not (t.progress and main),
-               unit="step", dynamic_ncols=True, file=sys.stderr)
-    window, pending, step = [], None, start
-    meter = _throughput(run)
-    t_last = time.perf_counter()
-
-    def drain(pending):
-        """Fetch one step's metrics (one step late, so the device stays busy)."""
-        nonlocal t_last
-        step_no, metrics, batch = pending
-        rows = len(next(iter(batch.values()))) * jax.process_count()
-        m = {k: float(v) for k, v in jax.device_get(metrics).items()}
-        # A non-finite loss is divergence under every policy, fp16 included (there a step
-        # whose gradients alone are non-finite is an overflow, and is skipped).
-        if not math.isfinite(m["loss"]):
-            raise NonFiniteLoss(step_no, m["loss"])
-        skips = m.get("consecutive_skips", 0)      # fp16: this step was skipped, not applied
-        if skips >= cfg.precision.max_consecutive_skips:
-            raise TooManySkippedSteps(_skips_message(cfg, int(skips), m["loss_scale"], step_no))
-        now = time.perf_counter()
-        dt, t_last = now - t_last, now
-        window.append(m)
-        meter.add(batch, dt)
-        bar.update(1)
-        bar.set_postfix(loss=f"{m['loss']:.4f}", step_ms=f"{dt * 1e3:.0f}",
-                        ex_s=f"{rows / dt:.0f}")
-        if step_no % t.log_every == 0 or step_no == run.total_steps:
-            mean = {k: window[-1][k] if is_state_metric(k)
-                    else float(np.mean([w[k] for w in window])) for k in window[0]}
-            mean["learning_rate"] = float(run.schedule(step_no - 1))
-            mean["examples_per_s"] = rows / dt
-            mean.update(meter.flush())
-            writer.write(step_no, mean, prefix="train/")
-            window.clear()
-
-    try:
-        with services.stop() as preempt:     # a signal while compiling: saved right after
+        with stop_signal() as stop:     # a signal while compiling: saved after the first step
             t0 = time.perf_counter()
             log.info("compiled %d programs ahead in %.1f s", compile_ahead(run, state, start),
                      time.perf_counter() - t0)
-            epoch = start // steps_per_epoch
-            while step < run.total_steps and not preempt.stop:
-                ahead = prefetch(run.train_data.batches(epoch, step - epoch * steps_per_epoch))
-                with contextlib.closing(ahead) as batches:
-                    for batch in batches:
-                        state, metrics = run.train_step(state, run.put_batch(batch))
-                        step += 1
-                        if pending is not None:
-                            drain(pending)
-                        pending = (step, metrics, batch)
-                        if t.checkpoint_every and step % t.checkpoint_every == 0:
-                            drain(pending)
-                            pending = None
-                            save(step)
-                        if preempt.reached() or step >= run.total_steps:
-                            break
-                if pending is not None:
-                    drain(pending)
-                    pending = None
-                epoch += 1
-                if step % steps_per_epoch == 0 or step >= run.total_steps:
-                    save(step)
-                    if t.eval_every_epoch and step < run.total_steps:
-                        ev = run.evaluate(state)
-                        writer.write(step, ev, prefix="eval/")
-                        if main:
-                            tqdm.write(f"epoch {epoch}: eval " + " ".join(
-                                f"{k} {v:.4f}" for k, v in ev.items()), file=sys.stderr)
-                t_last = time.perf_counter()    # the next step's time excludes save and eval
-            if preempt.stop:
-                save(step)
-                ckpt.wait()
-                result.update(status="preempted", signal=preempt.requested, step=step)
-                return result
-        bar.close()
-        final = run.evaluate(state)     # while the last save writes
-        ckpt.wait()
-        writer.write(step, final, prefix="eval/")
-        result.update(step=step, task=run.task.name, summary=run.task.summary(final),
-                      **{f"eval_{k}": v for k, v in final.items()})
-        return result
-    except (NonFiniteLoss, NonFiniteState, TooManySkippedSteps) as e:
-        # The loss of step k is computed from the parameters saved as step k - 1.
-        bad = e.step - 1 if isinstance(e, NonFiniteLoss) else None
-        if bad in ckpt.all_steps():
-            ckpt.set_aside(bad, f"its parameters give a non-finite loss ({e})")
-        good = [s for s in ckpt.all_steps() if bad is None or s < bad]
-        if not isinstance(e, TooManySkippedSteps):     # whose message names its own fix
-            result["advice"] = ("The run diverged: lower train.learning_rate (or raise "
-                                "train.warmup_ratio) and train again.")
-        result.update(status="nonfinite", error=str(e), step=step,
-                      last_good_checkpoint=good[-1] if good else None)
-        return result
-    finally:
-        bar.close()
-        writer.close()
-        ckpt.close()
+            with contextlib.closing(_steps(run, start)) as steps:
+                for step, batch in steps:
+                    state, metrics = run.train_step(state, run.put_batch(batch))
+                    on.log.add(step, metrics, batch)
+                    if checkpoint_due(t, step):
+                        on.save(step, state)
+                    stopping = stop.reached()       # once after every step, on every process
+                    if epoch_ends(step, per_epoch, run.total_steps):
+                        on.epoch_end(step, state)
+                    if stopping:
+                        break
+            if stop.stop:
+                return on.preempted(step, state, stop.requested)
+        return on.completed(step, state)
+    except DIVERGENCE as e:
+        return on.diverged(step, e)
