@@ -63,10 +63,21 @@ def mesh_shape(sizes: dict[str, int], num_devices: int) -> tuple[int, ...]:
     return tuple(shape)
 
 
+def default_devices() -> list[jax.Device]:
+    """All devices of all processes on the platform arrays go to by default: the default
+    backend's, unless ``jax.default_device`` names a device or platform (e.g. the CPU on a
+    GPU machine)."""
+    default = jax.config.jax_default_device
+    if default is None:
+        return jax.devices()
+    return jax.devices(default if isinstance(default, str) else default.platform)
+
+
 def make_mesh(sizes: dict[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:
     """A ('stage', 'data', 'fsdp', 'tensor') mesh over ``devices`` (default: all devices of
-    all processes)."""
-    devices = list(jax.devices() if devices is None else devices)
+    all processes, of the default device's platform: the default backend's, or the one
+    ``jax.default_device`` names)."""
+    devices = list(default_devices() if devices is None else devices)
     shape = mesh_shape(sizes, len(devices))
     try:
         from jax.experimental import mesh_utils

@@ -128,9 +128,10 @@ def eight_device_placement(n=8):
     * The default backend has ``n`` devices (CPU CI: the fake devices above, or a multi-GPU
       machine): those, nothing else changes.
     * Otherwise (one GPU) the ``n`` fake CPU devices, and everything built inside the block is
-      put on CPU as on CPU CI: the default device (arrays created outside jit; the kernels'
-      ``registry.platform`` falls back to it for unplaced operands) and the default device
-      list of ``sharding.make_mesh`` (``loop.train`` builds its own mesh).
+      put on CPU as on CPU CI by the default device: arrays created outside jit, the kernels'
+      ``registry.platform`` (it falls back to it for unplaced operands) and the meshes built
+      without a device list (``sharding.make_mesh``'s default: a run that ``loop.train``, the
+      CLI or ``inference`` builds over all devices).
     * Neither has ``n`` devices: skip, naming the devices there are.
     """
     if len(jax.devices()) >= n:
@@ -142,11 +143,7 @@ def eight_device_placement(n=8):
                     f"{len(jax.devices())} and the CPU backend {len(cpu)} (XLA_FLAGS="
                     f"{os.environ.get('XLA_FLAGS', '')!r}; conftest forces 8 CPU devices unless "
                     "XLA_FLAGS is set)")
-    from jaxaccel import sharding as shd
-    make_mesh = shd.make_mesh
-    with pytest.MonkeyPatch.context() as mp, jax.default_device(cpu[0]):
-        mp.setattr(shd, "make_mesh", lambda sizes, devices=None: make_mesh(
-            sizes, cpu[:n] if devices is None else devices))
+    with jax.default_device(cpu[0]):
         yield cpu[:n]
 
 
