@@ -14,6 +14,7 @@ from jaxaccel.data import BatchIterator, load_tokenizer, sources, splits, tokeni
 from jaxaccel.data.arrays import ArrayBatches
 from jaxaccel.models import check_vocab, spec as spec_lib
 from jaxaccel.models.generate import Sampler
+from jaxaccel.models.stack import merge
 from jaxaccel.train import rundir
 from jaxaccel.train.run import assemble, resolve
 from jaxaccel.train.saved import load_run
@@ -190,13 +191,17 @@ class Generator:
     token. Every prompt is checked (length, vocabulary) before anything runs."""
 
     def __init__(self, run_dir: str):
-        model, cfg, _ = load_run(run_dir)
+        # Built as eval and predict build theirs (``checkpoint_run``), on one device; the
+        # layers unstacked: decoding with a KV cache runs them one by one.
+        run, _ = checkpoint_run(run_dir, ["model.scan_layers=false"], jax.devices()[:1],
+                                data=False)
+        model, _ = merge(run.graphdef, run.state.params, run.state.fp8)
         if not hasattr(model, "init_cache"):
-            raise ValueError(f"run {run_dir!r} trained a {model.spec.task} model, which does "
+            raise ValueError(f"run {run_dir!r} trained a {run.spec.task} model, which does "
                              "not generate text; use `jaxaccel predict` or `jaxaccel eval`.")
         self.tokenizer = load_tokenizer(tokenizer_dir(run_dir), light=True)
         check_vocab(len(self.tokenizer), model.config, tokenizer_dir(run_dir))
-        self.sampler = Sampler(model, cfg.data.pad_multiple)
+        self.sampler = Sampler(model, run.cfg.data.pad_multiple)
 
     def __call__(self, texts: list[str], max_new_tokens: int = 64, **options) -> list[str]:
         prompts = self.tokenizer(list(texts))["input_ids"]
