@@ -1,8 +1,8 @@
 """What more than one test module uses, defined once: the repository's paths and the
 ``jaxaccel`` command, the tiny in-process run (its ``--set`` strings, its config, its logged
 losses, a SIGTERM at its n-th train batch), the environment of a CPU-only subprocess, the tiny
-run built on a module's 8 devices, the float64 Adan rule and its inputs, packed causal-LM
-batches, what transformers does with a custom-code folder it is not trusted to run, and the
+run built on a module's 8 devices, the tiny decoder's run, the float64 Adan rule and its
+inputs, packed causal-LM batches, what transformers does with a custom-code folder it is not trusted to run, and the
 skip marks of the compile-only TPU / GPU targets.
 
 Test modules import it as ``support`` (``from support import ...``), as they import
@@ -148,14 +148,35 @@ def build(tmp_path, mesh, num_devices=8, *sets):
     return run_lib.build(cfg, DEVICES[:num_devices])
 
 
-def train_steps(run, k=3):
-    """``k`` steps of the trainer's own jitted step (``Run.train_step``) on ``run``'s mesh."""
+def train_steps(run, k=3, batches=None):
+    """``k`` steps of the trainer's own jitted step (``Run.train_step``) on ``run``'s mesh, on
+    its first training batches or on ``batches``."""
     state, losses = run.state, []
+    batches = run.train_data.batches(0) if batches is None else batches
     with jax.set_mesh(run.mesh):
-        for batch in itertools.islice(run.train_data.batches(0), k):
+        for batch in itertools.islice(batches, k):
             state, metrics = run.train_step(state, run.put_batch(batch))
             losses.append(float(metrics["loss"]))
     return losses, state
+
+
+# ---- the tiny decoder's run, on batches the test hands in ----
+
+# The tiny decoder reading packed documents of 16 tokens (``packed``): no corpus is read, the
+# tokenizer is named only so that no corpus BPE is sized.
+TINY_LM = ["model.name=llama-tiny", "data.name=canterbury", "model.tokenizer=unused",
+           "data.max_len=16", "train.batch_size=16", "train.eval_batch_size=16",
+           "train.max_steps=3", "train.learning_rate=3e-3", "train.eps=1e-3",
+           "train.progress=false"]
+
+
+def lm_run(devices, *sets, abstract=False):
+    """The tiny decoder's training run (``TINY_LM`` with ``sets``) over ``devices``, as
+    ``resolve`` and ``assemble`` build it, without data (its steps take the test's batches);
+    ``abstract``: as ``jaxaccel compile`` builds it (shapes, no weights)."""
+    resolved = run_lib.resolve(config.build(sets=[*TINY_LM, *sets]), devices)
+    return run_lib.assemble(resolved, abstract=True) if abstract else \
+        run_lib.assemble(resolved, data=False)
 
 
 # ---- Adan: the official rule in float64, and its inputs ----

@@ -8,20 +8,15 @@ import pytest
 
 from jaxaccel import config, forms
 from jaxaccel.train import run as run_lib
-from support import DEVICES, TINY_SETS, docs, packed
+from support import DEVICES, TINY_LM, TINY_SETS, docs, lm_run, packed
 
 pytestmark = pytest.mark.usefixtures("on_eight_devices")   # DEVICES: the module's 8 devices
 
-LLAMA = ["model.name=llama-tiny", "data.name=canterbury", "model.tokenizer=unused",
-         "data.max_len=16", "train.batch_size=16", "train.eval_batch_size=16",
-         "train.max_steps=3", "train.learning_rate=3e-3", "train.eps=1e-3",
-         "train.progress=false"]
 BATCHES = [packed([docs(8 * i + r, 5, 9, 2) for r in range(16)], 16) for i in range(2)]
 
 
 def _run(tmp_path, *sets, devices=2):
-    cfg = config.build(sets=[*LLAMA, f"workdir={tmp_path}", *sets])
-    return run_lib.assemble(run_lib.resolve(cfg, DEVICES[:devices]), data=False)
+    return lm_run(DEVICES[:devices], f"workdir={tmp_path}", *sets)
 
 
 def _steps(run):
@@ -59,7 +54,7 @@ def test_chunks_keep_the_whole_logits_out_of_the_step(tmp_path):
     sets = ("model.name=llama-cpu", "data.max_len=64")
     whole = _temporaries(_run(tmp_path, *sets, devices=1))
     chunked = _temporaries(_run(tmp_path, *sets, "train.loss_chunks=8", devices=1))
-    vocab = run_lib.resolve(config.build(sets=[*LLAMA, *sets]), DEVICES[:1]).spec.architecture \
+    vocab = run_lib.resolve(config.build(sets=[*TINY_LM, *sets]), DEVICES[:1]).spec.architecture \
         .vocab_size
     logits = 16 * 64 * vocab * 4
     assert whole - chunked > logits, (whole, chunked, logits)
@@ -67,7 +62,7 @@ def test_chunks_keep_the_whole_logits_out_of_the_step(tmp_path):
 
 @pytest.mark.parametrize("sets,message", [
     ([*TINY_SETS, "train.loss_chunks=2"], "only a causal LM's logits"),
-    ([*LLAMA, "train.loss_chunks=3"], "does not divide the rows' length 16"),
+    ([*TINY_LM, "train.loss_chunks=3"], "does not divide the rows' length 16"),
 ])
 def test_chunks_that_cannot_apply_are_refused(sets, message):
     with pytest.raises(ValueError, match=message):
