@@ -202,9 +202,8 @@ def cmd_train(args) -> int:
 
 
 def train_outcome(result) -> int:
-    """Print a training run's result (``train.outcome``: its JSON record, then what it means
-    on stderr) and return the command's exit status: 0 completed, ``EXIT_PREEMPTED`` stopped
-    and resumable, ``EXIT_NONFINITE`` diverged."""
+    """Print how a run ended (``train.outcome``: its JSON record, then on stderr what it means)
+    and return the exit status: 0 completed, ``EXIT_PREEMPTED`` resumable, ``EXIT_NONFINITE``."""
     from jaxaccel.train.outcome import Diverged, Preempted
     print(json.dumps(result.record(), indent=2))
     if isinstance(result, Diverged):

@@ -2,8 +2,8 @@
 ``jaxaccel`` command, the tiny in-process run (its ``--set`` strings, its config, its logged
 losses, a SIGTERM at its n-th train batch), the environment of a CPU-only subprocess, the tiny
 run built on a module's 8 devices, the tiny decoder's run, the float64 Adan rule and its
-inputs, packed causal-LM batches, what transformers does with a custom-code folder it is not trusted to run, and the
-skip marks of the compile-only TPU / GPU targets.
+inputs, packed causal-LM batches, what transformers does with a custom-code folder it is not
+trusted to run, and the skip marks of the compile-only TPU / GPU targets.
 
 Test modules import it as ``support`` (``from support import ...``), as they import
 ``compile_only``: pytest puts this folder on ``sys.path`` (rootdir-relative "prepend" import
