@@ -118,11 +118,11 @@ def test_a_step_is_checkpointed_only_after_its_own_loss_is_checked():
     on.log.add(1, {"loss": np.float32(0.7)}, BATCH)
     on.log.add(2, {"loss": np.float32(0.6)}, BATCH)
     assert written == [(1, "train/")]
-    on.save(2, STATE)
+    on.checkpoint(2, STATE)
     assert written == [(1, "train/"), (2, "train/")] and ckpt.steps == [2]
     on.log.add(3, {"loss": np.float32(np.nan)}, BATCH)
     with pytest.raises(NonFiniteLoss, match="at step 3"):
-        on.save(3, STATE)
+        on.checkpoint(3, STATE)
     assert ckpt.steps == [2]
     # Checkpoint 2's parameters gave that loss: it is set aside, and no good one is left.
     ended = on.diverged(3, NonFiniteLoss(3, math.nan))

@@ -25,9 +25,10 @@ The run ends ``outcome.Completed`` (after the final evaluation), ``Preempted`` o
 
 A checkpoint is *good* when its parameters are finite and the loss computed from them (the
 next step's loss) is finite too. A step is checkpointed only after its own loss is checked
-(``Events.save``), so nothing is saved after a non-finite loss and non-finite parameters never
-are; a checkpoint is kept as good only once the next step's loss is finite: when that loss
-is not, the checkpoint is set aside to ``skipped_checkpoints/`` (``keep_good``).
+(``Events.checkpoint``), so nothing is saved after a non-finite loss, and non-finite
+parameters never are; a checkpoint is kept as good only once the next step's loss is finite:
+when that loss is not, the checkpoint is set aside to ``skipped_checkpoints/``
+(``keep_good``).
 """
 from __future__ import annotations
 
@@ -77,6 +78,186 @@ class Services:
     stop: Callable[[], Preemption] = Preemption
 
 
+def train(cfg: Config, services: Services = Services(), devices=None) -> Outcome:
+    """Fine-tune as configured over ``devices`` (default all: ``sharding.make_mesh``); returns
+    how the run ended (``outcome``: completed, preempted or diverged). Process 0 holds the run
+    folder's lock for the whole run. The run is resolved (and so checked) before its folder is
+    touched."""
+    resolved = resolve(cfg, devices)
+    run_dir = resolved.run_dir
+    main = jax.process_index() == 0
+    fresh = main and not os.path.exists(run_dir)
+    if main:
+        rundir.make_run_dir(run_dir)
+    try:
+        with rundir.RunLock(run_dir) if main else contextlib.nullcontext(), \
+                rundir.library_log(run_dir) if main else contextlib.nullcontext():
+            changes = rundir.prepare(run_dir, cfg.to_dict()) if main else {}
+            _sync("jaxaccel_run_dir_ready")
+            run = assemble(resolved)
+            with jax.set_mesh(run.mesh):      # the one mesh of every step and evaluation
+                return _train(run, changes, services)
+    except BaseException:
+        if fresh:       # refused (the data, a resume) before the run wrote anything: no folder
+            rundir.remove_if_unused(run_dir)
+        raise
+
+
+def _train(run: Run, changes: dict, services: Services) -> Outcome:
+    """Resume, write the run folder's files, then step (``_loop``); the checkpointer, the
+    metrics writer and the progress bar are closed however the run ends."""
+    with contextlib.ExitStack() as stack:
+        ckpt = stack.enter_context(contextlib.closing(services.checkpointer(
+            os.path.join(run.run_dir, "checkpoints"), keep=run.cfg.train.keep_checkpoints)))
+        state, start = _resume(run, ckpt, changes)
+        if jax.process_index() == 0:    # only now: a refused resume leaves the folder as it was
+            rundir.write_files(run.run_dir, run.cfg.to_dict(), run.tokenizer)
+        writer = stack.enter_context(contextlib.closing(services.metrics(run.run_dir)))
+        bar = stack.enter_context(contextlib.closing(_progress_bar(run, start)))
+        return _loop(run, state, start, Events(run, ckpt, writer, bar), services.stop)
+
+
+def _loop(run: Run, state: TrainState, start: int, on: Events, stop_signal) -> Outcome:
+    """Step from ``start`` to the run's end. After each step, its events in this order: log
+    (the step before: one step late), checkpoint (every ``train.checkpoint_every`` steps), ask
+    whether to stop, the epoch's end (checkpoint, evaluate); then stop if asked. The run ends
+    completed, preempted (saved) or diverged (at the first of ``DIVERGENCE``)."""
+    t, per_epoch, step = run.cfg.train, run.train_data.steps_per_epoch, start
+    try:
+        with stop_signal() as stop:     # a signal while compiling: saved after the first step
+            t0 = time.perf_counter()
+            log.info("compiled %d programs ahead in %.1f s", compile_ahead(run, state, start),
+                     time.perf_counter() - t0)
+            with contextlib.closing(_steps(run, start)) as steps:
+                for step, batch in steps:
+                    state, metrics = run.train_step(state, run.put_batch(batch))
+                    on.log.add(step, metrics, batch)    # the step before's, one step late
+                    if checkpoint_due(t, step):
+                        on.checkpoint(step, state)
+                    stopping = stop.reached()       # once after every step, on every process
+                    if epoch_ends(step, per_epoch, run.total_steps):
+                        on.epoch_end(step, state)   # checkpoint, evaluate
+                    if stopping:
+                        break
+            if stop.stop:
+                return on.preempted(step, state, stop.requested)
+        return on.completed(step, state)
+    except DIVERGENCE as e:
+        return on.diverged(step, e)
+
+
+def _steps(run: Run, start: int):
+    """``(step, batch)`` of each step after ``start`` to the run's end, epoch by epoch, the
+    batches made ahead in a thread (``data.prefetch``) that stops with the epoch or the run."""
+    per_epoch, step = run.train_data.steps_per_epoch, start
+    while step < run.total_steps:
+        epoch, at = divmod(step, per_epoch)
+        batches = itertools.islice(run.train_data.batches(epoch, at), run.total_steps - step)
+        with contextlib.closing(prefetch(batches)) as ahead:
+            for batch in ahead:
+                step += 1
+                yield step, batch
+
+
+# ---- the events ----
+
+class Events:
+    """What the loop does after its steps: ``log`` (a ``steplog.StepLog``: each step's metrics
+    checked and written, one step late), ``checkpoint`` (by the rule that keeps it good),
+    ``epoch_end`` (checkpoint, evaluate) and the three endings (``outcome``)."""
+
+    def __init__(self, run: Run, ckpt: Checkpointer, writer: MetricsWriter, bar: tqdm):
+        self.run, self.ckpt, self.writer, self.bar = run, ckpt, writer, bar
+        self.log = StepLog(run, writer, bar, _throughput(run))
+
+    def checkpoint(self, step: int, state: TrainState) -> None:
+        """Checkpoint step ``step`` once its own loss is checked (``StepLog.flush``), so that
+        nothing is saved after a non-finite loss. It is kept as good once the next step's loss,
+        computed from its parameters, is finite too (else ``keep_good`` sets it aside)."""
+        self.log.flush()
+        epoch, in_epoch = divmod(step, self.run.train_data.steps_per_epoch)
+        self.ckpt.save(step, on_disk(state), _record(self.run, epoch, in_epoch))
+
+    def epoch_end(self, step: int, state: TrainState) -> None:
+        self.checkpoint(step, state)
+        if eval_due(self.run.cfg.train, step, self.run.total_steps):
+            ev = self.run.evaluate(state)
+            self.writer.write(step, ev, prefix="eval/")
+            if jax.process_index() == 0:
+                epoch = step // self.run.train_data.steps_per_epoch
+                tqdm.write(f"epoch {epoch}: eval " + " ".join(
+                    f"{k} {v:.4f}" for k, v in ev.items()), file=sys.stderr)
+        self.log.restart_clock()        # the next step's time excludes save and eval
+
+    def _paths(self) -> dict:
+        return dict(run_dir=self.run.run_dir, checkpoint_dir=self.ckpt.directory,
+                    metrics_file=self.writer.path)
+
+    def preempted(self, step: int, state: TrainState, signal: str) -> Preempted:
+        self.checkpoint(step, state)
+        self.ckpt.wait()
+        return Preempted(**self._paths(), signal=signal, step=step)
+
+    def completed(self, step: int, state: TrainState) -> Completed:
+        self.bar.close()
+        final = self.run.evaluate(state)     # while the last save writes
+        self.ckpt.wait()
+        self.writer.write(step, final, prefix="eval/")
+        return Completed(**self._paths(), step=step, task=self.run.task.name,
+                         summary=self.run.task.summary(final), eval=final)
+
+    def diverged(self, step: int, error: Exception) -> Diverged:
+        advice = None if isinstance(error, TooManySkippedSteps) else (  # names its own fix
+            "The run diverged: lower train.learning_rate (or raise train.warmup_ratio) and "
+            "train again.")
+        return Diverged(**self._paths(), advice=advice, error=str(error), step=step,
+                        last_good_checkpoint=keep_good(self.ckpt, error))
+
+
+# ---- the rules: when each event comes, and which checkpoints are good ----
+
+def checkpoint_due(t, step: int) -> bool:
+    """Whether step ``step`` is checkpointed besides the epochs' ends: every
+    ``train.checkpoint_every`` steps (0: never)."""
+    return bool(t.checkpoint_every) and step % t.checkpoint_every == 0
+
+
+def epoch_ends(step: int, steps_per_epoch: int, total_steps: int) -> bool:
+    """Whether step ``step`` ends an epoch or the run: it is checkpointed, and may be
+    evaluated."""
+    return step % steps_per_epoch == 0 or step >= total_steps
+
+
+def eval_due(t, step: int, total_steps: int) -> bool:
+    """Whether the epoch ending at step ``step`` is evaluated: under ``train.eval_every_epoch``,
+    except at the run's end, which the final evaluation covers."""
+    return bool(t.eval_every_epoch) and step < total_steps
+
+
+DIVERGENCE = (NonFiniteLoss, NonFiniteState, TooManySkippedSteps)
+"""What stops a run as diverged (``outcome.Diverged``)."""
+
+
+def bad_checkpoint(error: Exception) -> int | None:
+    """The checkpoint ``error`` (one of ``DIVERGENCE``) shows to be bad: the loss of step k is
+    computed from the parameters saved as step k - 1, so a non-finite loss at step k makes
+    checkpoint k - 1 bad. None for the others: non-finite parameters are never saved, and a
+    skipped fp16 step leaves the parameters as they were."""
+    return error.step - 1 if isinstance(error, NonFiniteLoss) else None
+
+
+def keep_good(ckpt: Checkpointer, error: Exception) -> int | None:
+    """After ``error``: set the checkpoint it shows to be bad aside (``skipped_checkpoints/``),
+    if it was saved, and return the newest checkpoint kept as good (None: there is none)."""
+    bad = bad_checkpoint(error)
+    if bad in ckpt.all_steps():
+        ckpt.set_aside(bad, f"its parameters give a non-finite loss ({error})")
+    good = [s for s in ckpt.all_steps() if bad is None or s < bad]
+    return good[-1] if good else None
+
+
+# ---- the helpers ----
+
 def _in_mesh(mesh, fn):
     with jax.set_mesh(mesh):          # the ambient mesh is per thread and part of jit's key
         return fn()
@@ -117,31 +298,6 @@ def _sync(name: str) -> None:
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
         multihost_utils.sync_global_devices(name)
-
-
-def train(cfg: Config, services: Services = Services(), devices=None) -> Outcome:
-    """Fine-tune as configured over ``devices`` (default all: ``sharding.make_mesh``); returns
-    how the run ended (``outcome``: completed, preempted or diverged). Process 0 holds the run
-    folder's lock for the whole run. The run is resolved (and so checked) before its folder is
-    touched."""
-    resolved = resolve(cfg, devices)
-    run_dir = resolved.run_dir
-    main = jax.process_index() == 0
-    fresh = main and not os.path.exists(run_dir)
-    if main:
-        rundir.make_run_dir(run_dir)
-    try:
-        with rundir.RunLock(run_dir) if main else contextlib.nullcontext(), \
-                rundir.library_log(run_dir) if main else contextlib.nullcontext():
-            changes = rundir.prepare(run_dir, cfg.to_dict()) if main else {}
-            _sync("jaxaccel_run_dir_ready")
-            run = assemble(resolved)
-            with jax.set_mesh(run.mesh):      # the one mesh of every step and evaluation
-                return _train(run, changes, services)
-    except BaseException:
-        if fresh:       # refused (the data, a resume) before the run wrote anything: no folder
-            rundir.remove_if_unused(run_dir)
-        raise
 
 
 def _resume(run: Run, ckpt: Checkpointer, changes: dict) -> tuple[TrainState, int]:
@@ -188,164 +344,7 @@ def _throughput(run: Run) -> flops.Throughput:
     return meter
 
 
-
-
 def _progress_bar(run: Run, start: int) -> tqdm:
     shown = run.cfg.train.progress and jax.process_index() == 0
     return tqdm(total=run.total_steps, initial=start, disable=not shown, unit="step",
                 dynamic_ncols=True, file=sys.stderr)
-
-
-# ---- the rules: when each event comes, and which checkpoints are good ----
-
-def checkpoint_due(t, step: int) -> bool:
-    """Whether step ``step`` is checkpointed besides the epochs' ends: every
-    ``train.checkpoint_every`` steps (0: never)."""
-    return bool(t.checkpoint_every) and step % t.checkpoint_every == 0
-
-
-def epoch_ends(step: int, steps_per_epoch: int, total_steps: int) -> bool:
-    """Whether step ``step`` ends an epoch or the run: it is checkpointed, and may be
-    evaluated."""
-    return step % steps_per_epoch == 0 or step >= total_steps
-
-
-def eval_due(t, step: int, total_steps: int) -> bool:
-    """Whether the epoch ending at step ``step`` is evaluated: under ``train.eval_every_epoch``,
-    except at the run's end, which the final evaluation covers."""
-    return bool(t.eval_every_epoch) and step < total_steps
-
-
-DIVERGENCE = (NonFiniteLoss, NonFiniteState, TooManySkippedSteps)
-"""What stops a run as diverged (``outcome.Diverged``)."""
-
-
-def bad_checkpoint(error: Exception) -> int | None:
-    """The checkpoint ``error`` (one of ``DIVERGENCE``) shows to be bad: the loss of step k is
-    computed from the parameters saved as step k - 1, so a non-finite loss at step k makes
-    checkpoint k - 1 bad. None for the others: non-finite parameters are never saved, and a
-    skipped fp16 step leaves the parameters as they were."""
-    return error.step - 1 if isinstance(error, NonFiniteLoss) else None
-
-
-def keep_good(ckpt: Checkpointer, error: Exception) -> int | None:
-    """After ``error``: set the checkpoint it shows to be bad aside (``skipped_checkpoints/``),
-    if it was saved, and return the newest checkpoint kept as good (None: there is none)."""
-    bad = bad_checkpoint(error)
-    if bad in ckpt.all_steps():
-        ckpt.set_aside(bad, f"its parameters give a non-finite loss ({error})")
-    good = [s for s in ckpt.all_steps() if bad is None or s < bad]
-    return good[-1] if good else None
-
-
-# ---- the events ----
-
-class Events:
-    """What the loop does after its steps: ``log`` (a ``steplog.StepLog``: each step's metrics
-    checked and written, one step late), ``save`` (a checkpoint, by the rule that keeps it
-    good), ``epoch_end`` (save, evaluate) and the three endings (``outcome``)."""
-
-    def __init__(self, run: Run, ckpt: Checkpointer, writer: MetricsWriter, bar: tqdm):
-        self.run, self.ckpt, self.writer, self.bar = run, ckpt, writer, bar
-        self.log = StepLog(run, writer, bar, _throughput(run))
-
-    def save(self, step: int, state: TrainState) -> None:
-        """Checkpoint step ``step`` once its own loss is checked (``StepLog.flush``), so that
-        nothing is saved after a non-finite loss. It is kept as good once the next step's loss,
-        computed from its parameters, is finite too (else ``keep_good`` sets it aside)."""
-        self.log.flush()
-        epoch, in_epoch = divmod(step, self.run.train_data.steps_per_epoch)
-        self.ckpt.save(step, on_disk(state), _record(self.run, epoch, in_epoch))
-
-    def epoch_end(self, step: int, state: TrainState) -> None:
-        self.save(step, state)
-        if eval_due(self.run.cfg.train, step, self.run.total_steps):
-            ev = self.run.evaluate(state)
-            self.writer.write(step, ev, prefix="eval/")
-            if jax.process_index() == 0:
-                epoch = step // self.run.train_data.steps_per_epoch
-                tqdm.write(f"epoch {epoch}: eval " + " ".join(
-                    f"{k} {v:.4f}" for k, v in ev.items()), file=sys.stderr)
-        self.log.restart_clock()        # the next step's time excludes save and eval
-
-    def _paths(self) -> dict:
-        return dict(run_dir=self.run.run_dir, checkpoint_dir=self.ckpt.directory,
-                    metrics_file=self.writer.path)
-
-    def preempted(self, step: int, state: TrainState, signal: str) -> Preempted:
-        self.save(step, state)
-        self.ckpt.wait()
-        return Preempted(**self._paths(), signal=signal, step=step)
-
-    def completed(self, step: int, state: TrainState) -> Completed:
-        self.bar.close()
-        final = self.run.evaluate(state)     # while the last save writes
-        self.ckpt.wait()
-        self.writer.write(step, final, prefix="eval/")
-        return Completed(**self._paths(), step=step, task=self.run.task.name,
-                         summary=self.run.task.summary(final), eval=final)
-
-    def diverged(self, step: int, error: Exception) -> Diverged:
-        advice = None if isinstance(error, TooManySkippedSteps) else (  # names its own fix
-            "The run diverged: lower train.learning_rate (or raise train.warmup_ratio) and "
-            "train again.")
-        return Diverged(**self._paths(), advice=advice, error=str(error), step=step,
-                        last_good_checkpoint=keep_good(self.ckpt, error))
-
-
-# ---- the loop ----
-
-def _steps(run: Run, start: int):
-    """``(step, batch)`` of each step after ``start`` to the run's end, epoch by epoch, the
-    batches made ahead in a thread (``data.prefetch``) that stops with the epoch or the run."""
-    per_epoch, step = run.train_data.steps_per_epoch, start
-    while step < run.total_steps:
-        epoch, at = divmod(step, per_epoch)
-        batches = itertools.islice(run.train_data.batches(epoch, at), run.total_steps - step)
-        with contextlib.closing(prefetch(batches)) as ahead:
-            for batch in ahead:
-                step += 1
-                yield step, batch
-
-
-def _train(run: Run, changes: dict, services: Services) -> Outcome:
-    """Resume, write the run folder's files, then step (``_loop``); the checkpointer, the
-    metrics writer and the progress bar are closed however the run ends."""
-    with contextlib.ExitStack() as stack:
-        ckpt = stack.enter_context(contextlib.closing(services.checkpointer(
-            os.path.join(run.run_dir, "checkpoints"), keep=run.cfg.train.keep_checkpoints)))
-        state, start = _resume(run, ckpt, changes)
-        if jax.process_index() == 0:    # only now: a refused resume leaves the folder as it was
-            rundir.write_files(run.run_dir, run.cfg.to_dict(), run.tokenizer)
-        writer = stack.enter_context(contextlib.closing(services.metrics(run.run_dir)))
-        bar = stack.enter_context(contextlib.closing(_progress_bar(run, start)))
-        return _loop(run, state, start, Events(run, ckpt, writer, bar), services.stop)
-
-
-def _loop(run: Run, state: TrainState, start: int, on: Events, stop_signal) -> Outcome:
-    """Step from ``start`` to the run's end. After each step, its events in this order: log
-    (the step before: one step late), checkpoint (every ``train.checkpoint_every`` steps), ask
-    whether to stop, the epoch's end (save, evaluate); then stop if asked. The run ends
-    completed, preempted (saved) or diverged (at the first of ``DIVERGENCE``)."""
-    t, per_epoch, step = run.cfg.train, run.train_data.steps_per_epoch, start
-    try:
-        with stop_signal() as stop:     # a signal while compiling: saved after the first step
-            t0 = time.perf_counter()
-            log.info("compiled %d programs ahead in %.1f s", compile_ahead(run, state, start),
-                     time.perf_counter() - t0)
-            with contextlib.closing(_steps(run, start)) as steps:
-                for step, batch in steps:
-                    state, metrics = run.train_step(state, run.put_batch(batch))
-                    on.log.add(step, metrics, batch)
-                    if checkpoint_due(t, step):
-                        on.save(step, state)
-                    stopping = stop.reached()       # once after every step, on every process
-                    if epoch_ends(step, per_epoch, run.total_steps):
-                        on.epoch_end(step, state)
-                    if stopping:
-                        break
-            if stop.stop:
-                return on.preempted(step, state, stop.requested)
-        return on.completed(step, state)
-    except DIVERGENCE as e:
-        return on.diverged(step, e)
