@@ -6,7 +6,8 @@ handed in.
 folder (model, optimizer, RNG and data position, so losses equal an uninterrupted run's). The
 run folder's rules (one writer, no mixed runs, which config changes a resume allows) are in
 ``jaxaccel.train.rundir``. ``_loop`` is the loop; after each train step come its events, in
-this order, each a method of ``Events`` and each when its rule (a function here) says:
+this order, each done by ``Events`` (the stop question by the stop signal) when its rule (a
+function here, or in ``steplog``) says:
 
 * **log** every step, one step late (the device runs the next step meanwhile): the metrics are
   checked (``steplog.check_step``: a non-finite loss under every policy; under fp16 a step
