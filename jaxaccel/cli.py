@@ -16,7 +16,10 @@
 predict prints one JSON object a line, in input order: {"index", "text", "label",
 "probability"} (probability null if not finite), or {"index", "error"} for an input that is not
 valid UTF-8, or is empty or only whitespace; the others are still classified, and the exit
-status is then 2. generate prints
+status is then 2. For an audio run each input is a file: {"index", "file", "label",
+"probability", "seconds", "seconds_classified", "channels"} (what was read of it), or
+{"index", "error"} for a file its dataset cannot make an input of (the README's audio rules:
+not a WAV, truncated, no samples, NaN samples, another sample rate). generate prints
 {"index", "prompt", "text"} a line (text: the continuation), or one error line and nothing
 else when a prompt cannot be generated from (too long for the model, ...).
 
@@ -287,15 +290,23 @@ def cmd_predict(args) -> int:
         predictor = Predictor(run_dir, batch_size=args.batch_size)
     good = [i for i, t in enumerate(texts) if isinstance(t, str)]
     results = dict(zip(good, predictor([texts[i] for i in good]))) if good else {}
+    key = "file" if predictor.arrays else "text"
+    refused = 0
     for i, text in enumerate(texts):
-        if i in results:
-            record = {"index": i, **prediction_record(text, *results[i],
-                                                      key="file" if predictor.arrays else "text")}
-        else:
-            record = {"index": i, "error": f"{text}; not classified"}
+        result = results.get(i, text)
+        if isinstance(result, ValueError):
+            refused += 1
+            record = {"index": i, "error": f"{result}; not classified"}
             print(f"error: input {i}: {record['error']}", file=sys.stderr)
+        else:
+            label, probability, facts = result
+            record = {"index": i, **prediction_record(text, label, probability, key=key), **facts}
+            if facts.get("seconds", 0) > facts.get("seconds_classified", 0):
+                print(f"warning: input {i}: {text!r} is {facts['seconds']:.3f} s long; its label "
+                      f"is that of its first {facts['seconds_classified']:.3f} s, all the model's "
+                      "input holds (the record's seconds_classified).", file=sys.stderr)
         print(json.dumps(record, ensure_ascii=False))
-    return 0 if len(good) == len(texts) else EXIT_ERROR
+    return EXIT_ERROR if refused else 0
 
 
 def cmd_generate(args) -> int:

@@ -168,9 +168,10 @@ class ArrayReader(Protocol):
     def examples(self, split: str):
         """``(x float32 [n, *shape], labels int32 [n])``, or ``Tokenized`` for ``tokens``."""
 
-    def features(self, paths: list[str]) -> np.ndarray:
-        """The model's inputs made from files (``jaxaccel predict``), as ``examples`` makes
-        them."""
+    def features(self, paths: list[str]) -> list:
+        """Per path, the model's input made from the file (``jaxaccel predict``) as
+        ``examples`` makes them, with what was read of it: ``(x float32 [*shape], facts)``, or
+        the ``DataError`` refusing that file (``wav.per_file``)."""
 
 
 @dataclasses.dataclass(frozen=True)

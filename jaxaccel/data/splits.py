@@ -413,9 +413,10 @@ def prepared(data: DataSpec, load_tokenizer) -> DataSpec:
     return dataclasses.replace(data, rows=n, count_source=f"the prepared cache {found.folder}")
 
 
-def input_features(data: DataSpec, paths: list[str]) -> np.ndarray:
-    """float32 [len(paths), *input shape]: the model's inputs made from files (recordings) as
-    the array data makes its examples (``ArrayReader.features``), for ``jaxaccel predict``."""
+def input_features(data: DataSpec, paths: list[str]) -> list:
+    """Per path, ``(x float32 [*input shape], facts)`` or the ``DataError`` refusing that file:
+    the model's inputs made from files (recordings) as the array data makes its examples
+    (``ArrayReader.features``), for ``jaxaccel predict``."""
     if data.holds != "arrays":
         raise ValueError(f"data.name={data.name!r} makes no inputs from files; predict takes "
                          "files for array data that reads them (e.g. bfsong, audio: WAV "

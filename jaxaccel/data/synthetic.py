@@ -80,7 +80,7 @@ class SyntheticExamples:
         return synthetic_arrays(shape=self.shape, num_examples=self.num_examples, seed=seed,
                                 num_classes=self.num_classes)
 
-    def features(self, paths: list[str]) -> np.ndarray:
+    def features(self, paths: list[str]) -> list:
         raise DataError("data.name=synthetic makes no inputs from files; predict takes files "
                         "for array data that reads them (e.g. bfsong, audio: WAV recordings).")
 
