@@ -1,0 +1,45 @@
+"""The fourth fault probe of the command line (issue 49), each item driven the way the probe's
+user drove it: ``jaxaccel.cli.main([...])`` (or the public function the case named) on tiny
+models and runs written here. The audio inputs of ``predict`` (items 2-4, 12, 13) are in
+test_predict_audio.py, the pipeline's preemption and compositions in test_pipeline_cli.py."""
+import logging
+
+import pytest
+
+from jaxaccel import cli, config
+from jaxaccel.train import run as run_lib
+from support import TINY, TINY_CONFIG, run_cli
+
+
+def train_cli(capsys, workdir, *sets):
+    """``jaxaccel train`` on the tiny config: (exit status, stdout, stderr)."""
+    return run_cli(capsys, "train", "--config", TINY_CONFIG, "--set", f"workdir={workdir}",
+                   "--set", "train.progress=false", *(a for s in sets for a in ("--set", s)))
+
+
+# ---- item 1: a mesh axis of -1 is the devices the others leave, for every axis ----
+
+def test_a_pipeline_of_minus_one_stages_takes_the_devices_left(tmp_path, caplog, eight_devices):
+    """``mesh.stage=-1 mesh.data=1`` made a stage axis of every device and no pipeline (the
+    pipeline read -1 as "no stages"): each device computed the whole batch."""
+    cfg = config.build(sets=TINY + [f"workdir={tmp_path}", "mesh.stage=-1", "mesh.data=4"])
+    with caplog.at_level(logging.INFO, "jaxaccel"):
+        r = run_lib.resolve(cfg, eight_devices)
+    assert r.stages is not None and r.stages.stages == 2 and r.cfg.mesh.stage == 2
+    assert "mesh stage=2, data=4, fsdp=1, tensor=1 over 8 devices (mesh.stage=-1 is 2: the " \
+        "devices the other axes leave)" in caplog.text
+
+
+def test_minus_one_stages_that_the_model_cannot_fill_are_refused(tmp_path, capsys,
+                                                                 eight_devices):
+    """Through the command: 8 stages for the tiny model's 2 layers (it trained, unpipelined)."""
+    code, out, err = train_cli(capsys, tmp_path, "mesh.stage=-1", "mesh.data=1")
+    assert code == cli.EXIT_ERROR and out == ""
+    assert "the model's 2 layers do not fill mesh.stage=8 stages" in err, err
+
+
+@pytest.mark.parametrize("axis,size", [("stage", 0), ("data", -2), ("tensor", 0)])
+def test_zero_and_negative_mesh_sizes_are_refused(tmp_path, capsys, axis, size):
+    code, _, err = train_cli(capsys, tmp_path, f"mesh.{axis}={size}")
+    assert code == cli.EXIT_ERROR
+    assert f"mesh.{axis}={size}: use a positive size or -1 (fill)." in err
