@@ -190,6 +190,18 @@ def test_generate_refuses_a_non_finite_temperature(lm_run, capsys, temperature):
     assert f"temperature={float(temperature)} must be a finite number >= 0" in out.err
 
 
+@pytest.mark.parametrize("seed", [2 ** 32, 99999999999999999999999, -1])
+def test_generate_refuses_a_seed_outside_32_bits(lm_run, capsys, seed):
+    """Issue 49 item 5: 2**32 printed seed 0's text (kept modulo 2**32), a larger seed was an
+    OverflowError traceback."""
+    assert cli.main(["generate", "--checkpoint", lm_run, f"--seed={seed}", "Alice was"]) == \
+        cli.EXIT_ERROR
+    out = capsys.readouterr()
+    assert out.out == "" and out.err == f"error: seed={seed} is outside [0, 2**32) = [0, " \
+        "4294967295] (a seed is 32 bits: 2**32 would draw seed 0's sample); give a seed in " \
+        "that range.\n", out
+
+
 # ---- item 6: a damaged checkpoint folder is one error naming the file ----
 
 @pytest.fixture

@@ -43,3 +43,13 @@ def test_zero_and_negative_mesh_sizes_are_refused(tmp_path, capsys, axis, size):
     code, _, err = train_cli(capsys, tmp_path, f"mesh.{axis}={size}")
     assert code == cli.EXIT_ERROR
     assert f"mesh.{axis}={size}: use a positive size or -1 (fill)." in err
+
+
+# ---- item 5 (the training side): a seed is 32 bits ----
+
+def test_a_training_seed_outside_32_bits_is_refused(tmp_path, capsys):
+    """generate's seeds: test_probe.py (its LM run); a run's seed 2**32 initialised the model
+    as seed 0 does, while its data order differed."""
+    code, _, err = train_cli(capsys, tmp_path, f"seed={2 ** 32}")
+    assert code == cli.EXIT_ERROR
+    assert "seed=4294967296 is outside [0, 2**32) = [0, 4294967295]" in err, err
