@@ -53,3 +53,40 @@ def test_a_training_seed_outside_32_bits_is_refused(tmp_path, capsys):
     code, _, err = train_cli(capsys, tmp_path, f"seed={2 ** 32}")
     assert code == cli.EXIT_ERROR
     assert "seed=4294967296 is outside [0, 2**32) = [0, 4294967295]" in err, err
+
+
+# ---- item 8: a pipeline batch that does not split names each number ----
+
+@pytest.mark.parametrize("sets,says", [
+    (["train.batch_size=32", "train.grad_accum=2", "train.microbatches=3"],
+     "train.batch_size=32 / train.grad_accum=2: a train step of 16 rows does not split into "
+     "train.microbatches=3 micro-batches; use a multiple of 3 rows, or a number of "
+     "micro-batches that divides 16."),
+    (["train.batch_size=48", "train.eval_batch_size=40", "train.microbatches=3"],
+     "train.eval_batch_size=40: an eval step of 40 rows does not split into "
+     "train.microbatches=3 micro-batches"),
+    (["train.batch_size=15", "mesh.tensor=4", "mesh.data=1"],
+     "train.batch_size=15: a train step of 15 rows does not split into 2 "
+     "(train.microbatches=0: one per stage of mesh.stage=2) micro-batches"),
+])
+def test_a_pipeline_batch_that_does_not_split_names_each_number(tmp_path, capsys,
+                                                               eight_devices, sets, says):
+    """It said `train.batch_size / train.grad_accum=16`, as if grad_accum were 16."""
+    code, _, err = train_cli(capsys, tmp_path, "mesh.stage=2", *sets)
+    assert code == cli.EXIT_ERROR and says in err, err
+
+
+# ---- item 9: pipeline settings without a pipeline are not ignored silently ----
+
+def test_pipeline_settings_without_a_pipeline_are_warned_of(tmp_path, capsys, caplog):
+    """train.microbatches, model.pipeline_repeats and sharding.pipeline_gather_once were
+    ignored without a word with mesh.stage=1. (The batch larger than the data stops the run
+    after resolve has warned, so nothing trains.)"""
+    with caplog.at_level(logging.WARNING, "jaxaccel"):
+        code, _, err = train_cli(capsys, tmp_path, "train.microbatches=4",
+                                 "model.pipeline_repeats=2", "sharding.pipeline_gather_once=true",
+                                 "train.batch_size=4096")
+    assert code == cli.EXIT_ERROR and "train.batch_size=4096" in err
+    assert "train.microbatches=4, model.pipeline_repeats=2, sharding.pipeline_gather_once=True: " \
+        "pipeline settings, ignored with mesh.stage=1 (no pipeline); set mesh.stage > 1 to " \
+        "pipeline, or drop them." in caplog.messages
