@@ -154,13 +154,8 @@ def _tool_commands(sub) -> None:
 
 
 def _run_dir(path: str) -> str:
-    path = os.path.abspath(path)
-    if os.path.basename(path) == "checkpoints":
-        path = os.path.dirname(path)
-    if not os.path.isdir(os.path.join(path, "checkpoints")):
-        raise FileNotFoundError(f"{path!r} is not a run folder: it has no checkpoints/ "
-                                "folder. Pass the folder `jaxaccel train` printed.")
-    return path
+    from jaxaccel.train import rundir
+    return rundir.run_folder(path)
 
 
 def compilation_cache_dir(setting: str, environ=os.environ) -> str | None:

@@ -11,6 +11,16 @@ from jaxaccel.train import run as run_lib
 from support import TINY, TINY_CONFIG, run_cli
 
 
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """A finished run folder of the tiny classifier on synthetic tokens (the probe's
+    ``runs/r9``): one epoch, 4 steps."""
+    workdir = tmp_path_factory.mktemp("r9")
+    sets = [*TINY, f"workdir={workdir}", "name=r9", "train.epochs=1"]
+    assert cli.main(["train", *(a for s in sets for a in ("--set", s))]) == 0
+    return str(workdir / "r9")
+
+
 def train_cli(capsys, workdir, *sets):
     """``jaxaccel train`` on the tiny config: (exit status, stdout, stderr)."""
     return run_cli(capsys, "train", "--config", TINY_CONFIG, "--set", f"workdir={workdir}",
@@ -90,3 +100,38 @@ def test_pipeline_settings_without_a_pipeline_are_warned_of(tmp_path, capsys, ca
     assert "train.microbatches=4, model.pipeline_repeats=2, sharding.pipeline_gather_once=True: " \
         "pipeline settings, ignored with mesh.stage=1 (no pipeline); set mesh.stage > 1 to " \
         "pipeline, or drop them." in caplog.messages
+
+
+# ---- item 10: model.init_from problems name the key, and take a checkpoints folder ----
+
+def test_init_from_a_run_never_trained_names_the_key(tmp_path, capsys):
+    """It said `no checkpoint folder .../runs/bfsong_mae/checkpoints.`, naming no key."""
+    missing = str(tmp_path / "bfsong_mae")
+    code, _, err = train_cli(capsys, tmp_path, f"model.init_from={missing}")
+    assert code == cli.EXIT_ERROR
+    assert err == f"error: model.init_from={missing!r}: {missing!r} is not a run folder: it " \
+        "has no checkpoints/ folder. Pass the folder `jaxaccel train` printed.\n"
+
+
+def test_init_from_takes_a_runs_checkpoints_folder(tiny_run, tmp_path, capsys, caplog):
+    """``runs/r9/checkpoints`` became ``.../checkpoints/checkpoints``, though eval, predict and
+    generate take that form."""
+    with caplog.at_level(logging.INFO, "jaxaccel"):
+        code, _, err = train_cli(capsys, tmp_path, *TINY, "train.max_steps=1",
+                                 f"model.init_from={tiny_run}/checkpoints")
+    assert code == 0, err
+    assert any(m.startswith(f"model.init_from={tiny_run}/checkpoints: ") and "parameters from "
+               "the run" in m for m in caplog.messages), caplog.messages
+
+
+# ---- item 11: eval on data the model cannot read names texts and arrays ----
+
+def test_eval_on_arrays_of_a_text_model_names_texts_and_arrays(tiny_run, capsys):
+    """It said a "classification model" does not fit "mae/classification batches"."""
+    code, out, err = run_cli(capsys, "eval", "--checkpoint", tiny_run, "--set",
+                             "data.name=bfsong")
+    assert code == cli.EXIT_ERROR and out == ""
+    assert err == f"error: eval --set data.name=bfsong: the run {tiny_run!r} trained " \
+        "model.name='tiny', which reads texts (token ids), but 'bfsong' holds arrays " \
+        "(spectrograms or images); evaluate it on a text dataset (e.g. data.name=rt_snippets), " \
+        "or synthetic data.\n"
