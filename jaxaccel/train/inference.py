@@ -120,8 +120,8 @@ def tokenizer_dir(run_dir: str) -> str:
 
 class Predictor:
     """``Predictor(run_dir)(inputs) -> [(label_name, probability, facts) or ValueError,
-    ...]`` (``__call__``), at most ``batch_size`` inputs per forward pass, classified by the task's forward pass (``step.forward``); a
-    non-finite probability comes back as ``nan``. A text model's inputs are texts, batched as
+    ...]`` (``__call__``), at most ``batch_size`` inputs per forward pass, classified by the
+    task's forward pass (``step.forward``); a non-finite probability comes back as ``nan``. A text model's inputs are texts, batched as
     evaluation batches are (``BatchIterator``: sorted by length, each batch padded by the run's
     ``data.pad_multiple``, the last one completed with filler rows); an array model's are files
     (e.g. WAV recordings), made into its inputs as its dataset makes its examples
