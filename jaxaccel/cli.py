@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import sys
 import traceback
@@ -369,9 +370,10 @@ def cmd_compare(args) -> int:
     return 0
 
 
-def _check_out_dir(path: str) -> None:
+def check_out_dir(path: str) -> None:
     """Refuse an output folder that cannot be made or written, before any work: a file of that
-    name (or above it), or a folder without write permission."""
+    name (or above it), or a folder without write permission (``compile --out``, and every
+    ``bench`` suite's ``--out``)."""
     here = os.path.abspath(path)
     while not os.path.exists(here):
         here = os.path.dirname(here)
@@ -386,7 +388,10 @@ def _check_out_dir(path: str) -> None:
 def cmd_compile(args) -> int:
     import jax
     if args.out:
-        _check_out_dir(args.out)
+        check_out_dir(args.out)
+    if args.memory is not None and not (math.isfinite(args.memory) and args.memory > 0):
+        raise ValueError(f"--memory {args.memory}: the memory per device to plan against, in GB, "
+                         "must be a finite number > 0 (e.g. --memory 16).")
     names = [n.strip() for n in args.topology.split(",") if n.strip()]
     if not names:
         raise ValueError(f"--topology {args.topology!r} names no target.")
@@ -396,7 +401,9 @@ def cmd_compile(args) -> int:
     entries = rank.plan_targets(args.config, args.set, names,
                                 memory=None if args.memory is None else args.memory * 1e9,
                                 fit=args.fit, out=args.out, error_text=error_message)
-    return 0 if any(e.fits for e in entries) else EXIT_DOES_NOT_FIT
+    if any(e.fits for e in entries):
+        return 0
+    return EXIT_ERROR if all(e.refused for e in entries) else EXIT_DOES_NOT_FIT
 
 
 def error_message(e: Exception) -> str:
