@@ -419,12 +419,20 @@ def error_message(e: Exception) -> str:
             "please report it with the command line.")
 
 
+def _not_the_torch_notice(record: logging.LogRecord) -> bool:
+    """False for transformers' "PyTorch was not found. Models won't be available ..." (logged
+    when it is imported without torch): jaxaccel takes only tokenizers and configuration from
+    transformers, so a user without torch needs no such line."""
+    return not record.getMessage().startswith("PyTorch was not found.")
+
+
 def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     # The console carries jaxaccel's own lines; the kernel registry's "impl='auto' runs ..."
     # (INFO, for library users) stays out of it, its warnings do not.
     for noisy in ("absl", "orbax", "jax._src", "tensorflow_datasets", "kernels_pallas"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    logging.getLogger("transformers").addFilter(_not_the_torch_notice)
     args = _parser().parse_args(argv)
     try:
         from jaxaccel import distributed

@@ -3,12 +3,13 @@ user drove it: ``jaxaccel.cli.main([...])`` (or the public function the case nam
 models and runs written here. The audio inputs of ``predict`` (items 2-4, 12, 13) are in
 test_predict_audio.py, the pipeline's preemption and compositions in test_pipeline_cli.py."""
 import logging
+import re
 
 import pytest
 
 from jaxaccel import cli, config
 from jaxaccel.train import run as run_lib
-from support import TINY, TINY_CONFIG, run_cli
+from support import TINY, TINY_CONFIG, needs_libtpu, run_cli
 
 
 @pytest.fixture(scope="module")
@@ -135,3 +136,132 @@ def test_eval_on_arrays_of_a_text_model_names_texts_and_arrays(tiny_run, capsys)
         "model.name='tiny', which reads texts (token ids), but 'bfsong' holds arrays " \
         "(spectrograms or images); evaluate it on a text dataset (e.g. data.name=rt_snippets), " \
         "or synthetic data.\n"
+
+
+# ---- items 14-18: compile checks its arguments before compiling, and says what it did ----
+
+def compile_cli(capsys, *argv):
+    return run_cli(capsys, "compile", "--config", TINY_CONFIG, *argv)
+
+
+@pytest.mark.parametrize("topology", ["v9,foo", "v9", "v9,local"])
+def test_a_bad_topology_name_refuses_the_command_however_many_are_given(capsys, topology):
+    """Item 14: `v9,foo` exited 4 (does not fit) while `v9` exited 2; `v9,local` compiled
+    local before saying v9 is unknown."""
+    code, out, err = compile_cli(capsys, "--topology", topology)
+    assert code == cli.EXIT_ERROR and out == ""
+    assert err.startswith("error: unknown topology 'v9' (no target 'v9'); known: "), err
+
+
+def test_a_config_every_target_refuses_exits_as_for_one_target(capsys, eight_devices):
+    """Item 14: one target refusing the config exits 2; several each refusing it exited 4."""
+    code, out, err = compile_cli(capsys, "--topology", "local", "--set", "mesh.tensor=3")
+    assert code == cli.EXIT_ERROR and "does not divide the 8 devices" in err
+    code, out, err = compile_cli(capsys, "--topology", "local,local", "--set", "mesh.tensor=3")
+    assert code == cli.EXIT_ERROR, (out, err)
+    assert err.count("error: local: ") == 2 and "does not divide the 8 devices" in err
+
+
+@pytest.mark.parametrize("memory", ["0", "-1", "nan", "inf"])
+@pytest.mark.parametrize("fit", [(), ("--fit",)])
+def test_memory_is_checked_before_compiling(capsys, memory, fit):
+    """Item 15: 0 compiled, then a ZeroDivisionError traceback (with --fit too); -1 and nan
+    compiled and then did not fit, with advice that cannot help; inf printed `headroom inf GB
+    (nan%)`."""
+    code, out, err = compile_cli(capsys, "--topology", "local", "--memory", memory, *fit)
+    assert code == cli.EXIT_ERROR and out == ""
+    assert err == f"error: --memory {float(memory)}: the memory per device to plan against, " \
+        "in GB, must be a finite number > 0 (e.g. --memory 16).\n"
+
+
+def test_fit_on_a_config_that_is_no_valid_run_exits_with_the_reason(capsys, eight_devices):
+    """Item 16: `--fit 2` said "nothing tried fits" and "2 configurations compiled" (none
+    was) and exited 4; without --fit the same config exits 2 with the reason."""
+    sets = ("--set", "mesh.stage=2", "--set", "train.microbatches=1")
+    plain = compile_cli(capsys, "--topology", "local", *sets)
+    fit = compile_cli(capsys, "--topology", "local", *sets, "--fit", "2")
+    assert plain == fit
+    assert fit[0] == cli.EXIT_ERROR and fit[1] == ""
+    assert fit[2].startswith("error: train.microbatches=1 is fewer than mesh.stage=2")
+
+
+def test_the_fit_summary_counts_what_was_compiled():
+    """Item 16: refused candidates (not valid runs, steps that cannot be built) were counted
+    as compiled."""
+    from jaxaccel.plan import search
+    tried = [search.Candidate({}, None, "the TPU compiler refuses it", "train"),
+             search.Candidate({"train.grad_accum": 2}, None, "not a valid run: ...",
+                              compiled=False)]
+    summary = search.Search("v5e:1x1", tried, None, None).summary()
+    assert summary.startswith("fit search on v5e:1x1: 2 configurations tried, 1 compiled\n")
+    assert search.Search("v5e:1x1", tried[:1], None, None).summary().startswith(
+        "fit search on v5e:1x1: 1 configurations compiled\n")
+
+
+@pytest.mark.parametrize("suite", ["backtest", "pipeline"])
+def test_bench_checks_its_output_folder_before_any_work(tmp_path, capsys, suite):
+    """Item 17: `bench backtest --out afile` did all the work, then failed with a raw errno.
+    (The suites that write a result file take --out through bench.common, checked when the
+    flags are read: argparse's usage error, exit 2.)"""
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    try:
+        code, out, err = run_cli(capsys, "bench", suite, "--out", str(afile))
+    except SystemExit as e:
+        code, (out, err) = e.code, capsys.readouterr()
+    assert code == cli.EXIT_ERROR and out == "", out
+    assert f"--out {str(afile)!r}: {str(afile)!r} is a file, not a folder" in err, err
+
+
+@needs_libtpu
+@pytest.mark.aot_compile
+def test_the_epoch_line_shows_the_step_time_it_multiplies(capsys):
+    """Item 18: `epoch (estimate): 14 steps x step time = 0.0 s` (one decimal) beside a step
+    of 1.085 ms; the epoch now reads as the step line and the forecast do."""
+    code, out, err = compile_cli(capsys, "--topology", "v5e-1")
+    assert code == 0, err
+    step = re.search(r"^step time \(estimate:roofline\): ([\d.]+) ms;", out, re.M)
+    epoch = re.search(r"^epoch \(estimate\): (\d+) steps x step time ([\d.]+) ms = ([\d.e+-]+) "
+                      r"s, ", out, re.M)
+    assert step and epoch, out
+    assert epoch[2] == step[1]
+    assert float(epoch[3]) == pytest.approx(int(epoch[1]) * float(step[1]) / 1e3, rel=2e-3)
+
+
+# ---- item 19: what is left of the last round ----
+
+@pytest.fixture
+def r9_copy(tiny_run, tmp_path):
+    import shutil
+    shutil.copytree(tiny_run, tmp_path / "r9")
+    return str(tmp_path / "r9")
+
+
+def test_a_refused_resume_does_not_say_it_resumed(r9_copy, capsys, caplog):
+    """`INFO resumed from ... at step 40` was printed just before the resume was refused."""
+    sets = [*TINY, f"workdir={r9_copy[:-3]}", "name=r9"]
+    with caplog.at_level(logging.INFO, "jaxaccel"):
+        code, _, err = train_cli(capsys, r9_copy[:-3], *sets, "train.max_steps=2")
+    assert code == cli.EXIT_ERROR and "ends at step 2" in err
+    assert not [m for m in caplog.messages if m.startswith("resumed from")], caplog.messages
+    with caplog.at_level(logging.INFO, "jaxaccel"):
+        code, _, err = train_cli(capsys, r9_copy[:-3], *sets, "train.max_steps=5")
+    assert code == 0, err
+    assert f"resumed from {r9_copy}/checkpoints at step 4" in caplog.messages
+
+
+def test_a_user_without_torch_sees_no_notice_about_it(tiny_run):
+    """`[transformers] PyTorch was not found. Models won't be available ...` was printed by
+    most commands (transformers says it when imported without torch); torch is hidden from a
+    fresh process here, as if not installed."""
+    import subprocess
+    import sys
+
+    from support import cpu_env
+    script = ("import sys; sys.modules['torch'] = None\n"
+              "from jaxaccel import cli; sys.exit(cli.main(sys.argv[1:]))")
+    done = subprocess.run([sys.executable, "-c", script, "predict", "--checkpoint", tiny_run,
+                           "3 5 7"], env=cpu_env(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith('{"index": 0, "text": "3 5 7", "label": ')
+    assert "torch" not in done.stderr.lower(), done.stderr

@@ -206,9 +206,10 @@ def _train(run: Run, changes: dict, services: Services) -> dict:
             restored = restore_state(ckpt, state, run.state_shardings)
             if restored is not None:
                 state = restored[0]
-                log.info("resumed from %s at step %d", ckpt.directory, int(state.step))
         start = int(jax.device_get(state.step))
-        _resume_note(run, start, changes)
+        _resume_note(run, start, changes)       # may refuse: then nothing says "resumed"
+        if start:
+            log.info("resumed from %s at step %d", ckpt.directory, start)
     except BaseException:
         ckpt.close()
         raise

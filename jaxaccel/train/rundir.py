@@ -319,8 +319,8 @@ def library_log(run_dir: str):
             lg.setLevel(level)
         handler.close()
         if count[0]:
-            log.info("the details of the problem(s) above (%d error(s) or traceback(s) of "
-                     "Orbax/absl/TensorStore) are in %s", count[0], path)
+            log.info("Orbax/absl/TensorStore logged %d error(s) or traceback(s), kept off the "
+                     "console: they are in %s", count[0], path)
 
 
 def _alive(pid: int) -> bool:
