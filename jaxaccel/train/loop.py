@@ -116,10 +116,19 @@ def _record(run: Run, epoch: int, step_in_epoch: int) -> dict:
             "architecture": run.spec.to_dict(), "label_names": list(run.label_names)}
 
 
+BARRIER_TIMEOUT_S = 3600
+"""How long a process waits at ``_sync`` for the others: as long as one may compile longer than
+another (a process that died is reported sooner, by the heartbeats it no longer sends)."""
+
+
 def _sync(name: str) -> None:
+    """Wait until every process reaches ``name``: the coordination service's barrier, not a
+    collective (on CPUs, gloo gives a collective's first meeting of the processes 30 s, and a
+    process that compiled slower under load arrived later than that: "Gloo context
+    initialization failed: DEADLINE_EXCEEDED")."""
     if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-        multihost_utils.sync_global_devices(name)
+        from orbax.checkpoint import multihost
+        multihost.get_barrier_sync_fn()(key=name, timeout_ms=BARRIER_TIMEOUT_S * 1000)
 
 
 def train(cfg: Config, services: Services = Services()) -> dict:
@@ -265,6 +274,7 @@ def _train(run: Run, changes: dict, services: Services) -> dict:
             t0 = time.perf_counter()
             log.info("compiled %d programs ahead in %.1f s", compile_ahead(run, state, start),
                      time.perf_counter() - t0)
+            _sync("jaxaccel_compiled")      # the first step's collectives meet within gloo's 30 s
             epoch = start // steps_per_epoch
             while step < run.total_steps and not preempt.stop:
                 ahead = prefetch(run.train_data.batches(epoch, step - epoch * steps_per_epoch))
