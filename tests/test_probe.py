@@ -448,11 +448,11 @@ def jaxaccel_process(*argv, **env):
     """``jaxaccel *argv`` in a fresh process (start-up is the point): the CompletedProcess."""
     import subprocess
 
-    from support import CLI, cpu_env
+    from support import CLI, LONG_WAIT_S, cpu_env
     environ = {k: v for k, v in cpu_env().items() if k not in env}
     environ.update({k: v for k, v in env.items() if v is not None})
     return subprocess.run([*CLI, *argv], env=environ, capture_output=True, text=True,
-                          timeout=600)
+                          timeout=LONG_WAIT_S)
 
 
 @needs_libtpu
@@ -662,8 +662,9 @@ def test_results_reaching_a_closed_orbax_loop_print_nothing():
     own and report into this test's hook."""
     import subprocess
     import sys
+    from support import LONG_WAIT_S
     out = subprocess.run([sys.executable, "-c", _CLOSED_LOOP], capture_output=True, text=True,
-                         timeout=120)
+                         timeout=LONG_WAIT_S)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split()[-2:] == ["[]", "0"], out.stdout + out.stderr[-3000:]
 

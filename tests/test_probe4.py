@@ -257,11 +257,12 @@ def test_a_user_without_torch_sees_no_notice_about_it(tiny_run):
     import subprocess
     import sys
 
-    from support import cpu_env
+    from support import LONG_WAIT_S, cpu_env
     script = ("import sys; sys.modules['torch'] = None\n"
               "from jaxaccel import cli; sys.exit(cli.main(sys.argv[1:]))")
     done = subprocess.run([sys.executable, "-c", script, "predict", "--checkpoint", tiny_run,
-                           "3 5 7"], env=cpu_env(), capture_output=True, text=True, timeout=600)
+                           "3 5 7"], env=cpu_env(), capture_output=True, text=True,
+                          timeout=LONG_WAIT_S)
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith('{"index": 0, "text": "3 5 7", "label": ')
     assert "torch" not in done.stderr.lower(), done.stderr
