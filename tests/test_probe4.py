@@ -132,10 +132,8 @@ def test_eval_on_arrays_of_a_text_model_names_texts_and_arrays(tiny_run, capsys)
     code, out, err = run_cli(capsys, "eval", "--checkpoint", tiny_run, "--set",
                              "data.name=bfsong")
     assert code == cli.EXIT_ERROR and out == ""
-    assert err == f"error: eval --set data.name=bfsong: the run {tiny_run!r} trained " \
-        "model.name='tiny', which reads texts (token ids), but 'bfsong' holds arrays " \
-        "(spectrograms or images); evaluate it on a text dataset (e.g. data.name=rt_snippets), " \
-        "or synthetic data.\n"
+    assert err == "error: data.name='bfsong' holds arrays but the model (model.name='tiny') " \
+        "reads tokens: it takes a model of the vit family.\n"
 
 
 # ---- items 14-18: compile checks its arguments before compiling, and says what it did ----

@@ -137,8 +137,9 @@ def resolve(cfg: Config, devices=None, *, training: bool = True,
     remat.check(spec.remat, list(mesh.devices.flat))
     described = describe_data(cfg, spec, mesh.size, tokenizer, label_names,
                               absent_ok) if data else None
-    if training and described is not None:
+    if described is not None:
         data_sources.check_task(described)
+    if training and described is not None:
         splits.check_tokenizer_vocab(described)
         described = splits.prepared(described, load_tokenizer)
     splits.check_batch_fits(cfg.train, {a: mesh.shape[a] for a in shd.BATCH_AXES},
