@@ -4,13 +4,16 @@ training step: what it predicts does not matter, only that the same input gives 
 record and each refused file an error record while the rest are classified)."""
 import json
 
+import jax
 import numpy as np
 import pytest
 from scipy.io import wavfile
 
-from jaxaccel import cli
+from jaxaccel import cli, config
 from jaxaccel.data import bfsong
+from jaxaccel.data.spec import DataError
 from jaxaccel.train.inference import Predictor
+from jaxaccel.train.run import resolve
 from support import run_cli
 
 RATE = bfsong.SAMPLE_RATE
@@ -148,3 +151,29 @@ def test_a_batch_is_never_larger_than_the_inputs(bf_run, tmp_path):
                                                                                        batch)
     paths = [wav(tmp_path, "a.wav", clip), wav(tmp_path, "b.wav", clip[:1000])]
     assert [r[0] for r in predictor(paths)] and rows == [2]
+
+
+def test_the_audio_source_reads_files_by_the_same_rules(tmp_path):
+    """data.name=audio read a file's first channel, and one file it could not read stopped
+    all of predict's: its clips and predict's files are read as bfsong's are (resampled to
+    data.sample_rate instead of refused), each file's result its own."""
+    rate, t = 8000, np.arange(4800) / 8000            # 0.6 s: longer than the input
+    for i, freq in enumerate((300, 310, 2000, 2010)):
+        folder = tmp_path / "birds" / ("low" if freq < 1000 else "high")
+        folder.mkdir(parents=True, exist_ok=True)
+        wav(folder, f"{i}.wav", (0.5 * np.sin(2 * np.pi * freq * t)).astype(np.float32), rate)
+    sets = [f"workdir={tmp_path}", "data.name=audio", f"data.train_files={tmp_path / 'birds'}",
+            "data.holdout=0.25", "model.name=vit-tiny", "model.task=classification",
+            "train.batch_size=2", "train.eval_batch_size=2"]
+    reader = resolve(config.build(sets=sets), jax.devices()[:1]).data.reader
+    tone = (0.5 * np.sin(2 * np.pi * 300 * t)).astype(np.float32)
+    (tmp_path / "text.wav").write_text("hello, this is not audio\n")
+    right = wav(tmp_path, "right.wav", np.stack([np.zeros_like(tone), tone], 1), rate)
+    (x_right, right_), (x_half, half_), refused = reader.features(
+        [right, wav(tmp_path, "half.wav", tone / 2, rate), str(tmp_path / "text.wav")])
+    np.testing.assert_array_equal(x_right, x_half)
+    span = (39 * 0.010 + 0.025)                      # vit-tiny's 40 frames, 10 ms apart
+    assert right_ == {"seconds": pytest.approx(0.6), "seconds_classified": pytest.approx(span),
+                      "channels": 2} and half_["channels"] == 1
+    assert isinstance(refused, DataError) and str(refused).startswith(
+        f"{str(tmp_path / 'text.wav')!r} is not a WAV file that can be read")
