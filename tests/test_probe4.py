@@ -2,24 +2,33 @@
 user drove it: ``jaxaccel.cli.main([...])`` (or the public function the case named) on tiny
 models and runs written here. The audio inputs of ``predict`` (items 2-4, 12, 13) are in
 test_predict_audio.py, the pipeline's preemption and compositions in test_pipeline_cli.py."""
+import dataclasses
+import json
 import logging
 import re
 
 import pytest
 
 from jaxaccel import cli, config
-from jaxaccel.train import run as run_lib
+from jaxaccel.train import loop, run as run_lib
 from support import TINY, TINY_CONFIG, needs_libtpu, run_cli
 
 
 @pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory):
-    """A finished run folder of the tiny classifier on synthetic tokens (the probe's
-    ``runs/r9``): one epoch, 4 steps."""
+def tiny_result(tmp_path_factory):
+    """What ``jaxaccel train`` printed of the tiny classifier on synthetic tokens (the
+    probe's ``runs/r9``): one epoch, 4 steps."""
     workdir = tmp_path_factory.mktemp("r9")
-    sets = [*TINY, f"workdir={workdir}", "name=r9", "train.epochs=1"]
-    assert cli.main(["train", *(a for s in sets for a in ("--set", s))]) == 0
-    return str(workdir / "r9")
+    result = loop.train(config.build(sets=[*TINY, f"workdir={workdir}", "name=r9",
+                                           "train.epochs=1"]))
+    assert cli.train_outcome(result) == 0
+    return result
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tiny_result):
+    """The run folder of ``tiny_result``."""
+    return tiny_result["run_dir"]
 
 
 def train_cli(capsys, workdir, *sets):
@@ -134,6 +143,62 @@ def test_eval_on_arrays_of_a_text_model_names_texts_and_arrays(tiny_run, capsys)
     assert code == cli.EXIT_ERROR and out == ""
     assert err == "error: data.name='bfsong' holds arrays but the model (model.name='tiny') " \
         "reads tokens: it takes a model of the vit family.\n"
+
+
+# ---- items 6, 7: eval names the split it scored, and never scores training examples ----
+
+def test_an_eval_split_holding_training_examples_is_refused(tiny_run, capsys):
+    """Item 6: validation_size=10 held out of the training split of a run trained with
+    validation_size=0 was scored without a word: all 10 were trained on."""
+    code, out, err = run_cli(capsys, "eval", "--checkpoint", tiny_run, "--set",
+                             "data.eval_split=validation", "--set", "data.validation_size=10")
+    assert code == cli.EXIT_ERROR and out == ""
+    assert err.startswith("error: the eval split 'validation' (data.eval_split='validation', "
+                          "data.holdout=0.0, data.validation_size=10) holds 10 of the 10 "
+                          "examples it would score from the training split the model trained "
+                          "on (data.eval_split='test', data.holdout=0.0, "
+                          "data.validation_size=0): a held-out split holds none of them"), err
+
+
+@pytest.mark.parametrize("trained,asked,overlap", [
+    (("data.validation_size=10",), ("data.validation_size=6", "data.eval_split=validation"), 0),
+    (("data.validation_size=10",), ("data.validation_size=14", "data.eval_split=validation"),
+     4),
+    (("data.holdout=0.25", "data.eval_split=dev"), ("data.holdout=0.1",
+                                                   "data.eval_split=dev"), 0),
+    (("data.holdout=0.1", "data.eval_split=dev"), ("data.holdout=0.25",
+                                                  "data.eval_split=dev"), 10),
+    ((), ("data.eval_split=train",), None)])
+def test_a_held_out_split_up_to_the_runs_own_is_scored(trained, asked, overlap):
+    """The rows a validation_size or holdout cuts are the first of a fixed permutation: a
+    smaller cut is some of the run's held-out rows, a larger one holds the difference of
+    training rows (the training split itself, asked by name, is scored)."""
+    from jaxaccel.data import splits
+    from jaxaccel.data.spec import DataError, Settings
+    data = run_lib.resolve(config.build(sets=[*TINY, *asked]), training=False).data
+    data = dataclasses.replace(data, splits=("train", "test"),  # a source without a "dev"
+                               trained=Settings(config.build(sets=[*TINY, *trained]).data))
+    if overlap:
+        with pytest.raises(DataError, match=f"holds {overlap} of the"):
+            splits.split_rows(data, data.eval_split, 64)
+    else:
+        splits.split_rows(data, data.eval_split, 64)
+
+
+def test_every_eval_report_names_the_split_it_scored(tiny_result, tiny_run, capsys):
+    """Item 7: on synthetic data eval_split=validation gave the test split's numbers, and the
+    JSON named no split (nor did train's, whose last line said "test" whatever it scored)."""
+    reports = {}
+    for split in ("test", "validation"):
+        code, out, err = run_cli(capsys, "eval", "--checkpoint", tiny_run, "--set",
+                                 f"data.eval_split={split}")
+        assert code == 0, err
+        reports[split] = json.loads(out)
+        assert reports[split]["split"] == split
+    assert reports["test"]["loss"] != reports["validation"]["loss"]
+    assert tiny_result["eval_split"] == "test"
+    assert tiny_result["eval_loss"] == pytest.approx(reports["test"]["loss"], rel=1e-5)
+    assert tiny_result["summary"].startswith("final test accuracy: ")
 
 
 # ---- items 14-18: compile checks its arguments before compiling, and says what it did ----

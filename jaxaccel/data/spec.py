@@ -198,6 +198,9 @@ class DataSpec:
       up to ``max_len`` tokens.
     absent: why the data could not be described from its source (not on this machine: a
       plan goes on without it; ``reader`` is then None); "" where it was.
+    trained: the ``data`` section a trained model was trained with, where this data is its
+      evaluation's (``inference.checkpoint_run``): an eval split cut from the training split
+      must hold none of the examples it trained on (``splits.split_rows``); None otherwise.
     """
 
     name: str
@@ -214,6 +217,7 @@ class DataSpec:
     row_length: int | None = None
     rows: int | None = None
     absent: str = ""
+    trained: Settings | None = None
 
     @property
     def tasks(self) -> tuple[str, ...]:

@@ -3,6 +3,7 @@ checkpoint, the config and model spec saved with it, and its tokenizer/ folder).
 are opened read-only, so these run safely beside the trainer writing the folder."""
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 
@@ -12,6 +13,7 @@ import numpy as np
 from jaxaccel import config as config_lib
 from jaxaccel.data import BatchIterator, load_tokenizer, sources, splits, tokenize
 from jaxaccel.data.arrays import ArrayBatches
+from jaxaccel.data.spec import Settings
 from jaxaccel.models import check_vocab, spec as spec_lib
 from jaxaccel.models.generate import Sampler
 from jaxaccel.train import rundir
@@ -82,7 +84,7 @@ def evaluate_run(run_dir: str, sets: list[str] | None = None, devices=None) -> d
     # Records before the step was saved with them give the data position (epoch, step in it).
     step = meta["step"] if "step" in meta else \
         meta["epoch"] * run.resolved.data.steps_per_epoch + meta["step_in_epoch"]
-    result.update(step=step, run_dir=run_dir)
+    result.update(step=step, split=run.resolved.data.eval_split, run_dir=run_dir)
     if run.label_names:
         result["label_names"] = list(run.label_names)    # the classes, as the run named them
     return result
@@ -95,12 +97,14 @@ def checkpoint_run(run_dir: str, sets=(), devices=None, *, data: bool = True):
     split batched unless ``data`` is False (predict brings its own inputs: the data is then
     described, from the config alone where it is not on this machine, and not read). The
     checkpoint holds the per-parameter form whatever the trainer's layout or pipeline was."""
-    model, cfg, meta = load_run(run_dir)
-    cfg = config_lib.build(cfg.to_dict(), ["mesh.data=-1", "mesh.fsdp=1", "mesh.tensor=1",
+    model, trained, meta = load_run(run_dir)
+    cfg = config_lib.build(trained.to_dict(), ["mesh.data=-1", "mesh.fsdp=1", "mesh.tensor=1",
                                            "mesh.stage=1", *sets])
     folder = None if reads_arrays(model.spec) else tokenizer_dir(run_dir)
     resolved = resolve(cfg, devices, training=False, spec=model.spec, tokenizer=folder,
                        label_names=meta.get("label_names") or None, absent_ok=not data)
+    resolved = dataclasses.replace(resolved, data=dataclasses.replace(
+        resolved.data, trained=Settings(trained.data)))
     return assemble(resolved, model=model, tokenizer_dir=folder, data=data), meta
 
 

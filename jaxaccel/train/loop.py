@@ -313,8 +313,9 @@ def _train(run: Run, changes: dict, services: Services) -> dict:
         final = run.evaluate(state)     # while the last save writes
         ckpt.wait()
         writer.write(step, final, prefix="eval/")
-        result.update(step=step, task=run.task.name, summary=run.task.summary(final),
-                      **{f"eval_{k}": v for k, v in final.items()})
+        split = run.resolved.data.eval_split
+        result.update(step=step, task=run.task.name, summary=run.task.summary(final, split),
+                      eval_split=split, **{f"eval_{k}": v for k, v in final.items()})
         return result
     except (NonFiniteLoss, NonFiniteState, TooManySkippedSteps) as e:
         # The loss of step k is computed from the parameters saved as step k - 1.
