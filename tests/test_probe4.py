@@ -11,7 +11,7 @@ import pytest
 
 from jaxaccel import cli, config
 from jaxaccel.train import loop, run as run_lib
-from support import TINY, TINY_CONFIG, needs_libtpu, run_cli
+from support import TINY, TINY_CONFIG, run_cli
 
 
 @pytest.fixture(scope="module")
@@ -274,21 +274,6 @@ def test_bench_checks_its_output_folder_before_any_work(tmp_path, capsys, suite)
         code, (out, err) = e.code, capsys.readouterr()
     assert code == cli.EXIT_ERROR and out == "", out
     assert f"--out {str(afile)!r}: {str(afile)!r} is a file, not a folder" in err, err
-
-
-@needs_libtpu
-@pytest.mark.aot_compile
-def test_the_epoch_line_shows_the_step_time_it_multiplies(capsys):
-    """Item 18: `epoch (estimate): 14 steps x step time = 0.0 s` (one decimal) beside a step
-    of 1.085 ms; the epoch now reads as the step line and the forecast do."""
-    code, out, err = compile_cli(capsys, "--topology", "v5e-1")
-    assert code == 0, err
-    step = re.search(r"^step time \(estimate:roofline\): ([\d.]+) ms;", out, re.M)
-    epoch = re.search(r"^epoch \(estimate\): (\d+) steps x step time ([\d.]+) ms = ([\d.e+-]+) "
-                      r"s, ", out, re.M)
-    assert step and epoch, out
-    assert epoch[2] == step[1]
-    assert float(epoch[3]) == pytest.approx(int(epoch[1]) * float(step[1]) / 1e3, rel=2e-3)
 
 
 # ---- item 19: what is left of the last round ----
