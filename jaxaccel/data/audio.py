@@ -6,9 +6,9 @@ shape.
     data.name=audio data.train_files="clips/*.wav" data.holdout=0.1           # MAE, unlabelled
 
 * Files: WAV (integer PCM or float; channels mixed down; ``wav`` says what is refused), found
-  as ``data.name=files`` finds them (globs, or folders searched recursively); a clip's label is its folder's name, the classes
-  the training files' folders, sorted. Without ``data.eval_files`` the eval split is
-  ``data.holdout`` of the training clips.
+  as ``data.name=files`` finds them (globs, or folders searched recursively); a clip's label
+  is its folder's name, the classes the training files' folders, sorted. Without
+  ``data.eval_files`` the eval split is ``data.holdout`` of the training clips.
 * Spectrograms (``bfsong.log_mel``): clips resampled to ``data.sample_rate``, 25 ms Hann
   windows every 10 ms (the Kaldi filterbank framing AST and Audio-MAE use), as many mel bands
   over 0 to half the sample rate as the model's input has, padded with silence or cut to its

@@ -125,11 +125,12 @@ def tokenizer_dir(run_dir: str) -> str:
 class Predictor:
     """``Predictor(run_dir)(inputs) -> [(label_name, probability, facts) or ValueError,
     ...]`` (``__call__``), at most ``batch_size`` inputs per forward pass, classified by the
-    task's forward pass (``step.forward``); a non-finite probability comes back as ``nan``. A text model's inputs are texts, batched as
-    evaluation batches are (``BatchIterator``: sorted by length, each batch padded by the run's
-    ``data.pad_multiple``, the last one completed with filler rows); an array model's are files
-    (e.g. WAV recordings), made into its inputs as its dataset makes its examples
-    (``splits.input_features``, which reads the training data's normalisation)."""
+    task's forward pass (``step.forward``); a non-finite probability comes back as ``nan``. A
+    text model's inputs are texts, batched as evaluation batches are (``BatchIterator``:
+    sorted by length, each batch padded by the run's ``data.pad_multiple``, the last one
+    completed with filler rows); an array model's are files (e.g. WAV recordings), made into
+    its inputs as its data makes its examples (``splits.input_features``, which reads the
+    training data's normalisation)."""
 
     def __init__(self, run_dir: str, batch_size: int = 64):
         if batch_size < 1:
