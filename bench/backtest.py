@@ -141,6 +141,9 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", metavar="DIR", help="write DIR/backtest-calibration.json")
     args = p.parse_args(argv)
+    if args.out:
+        from jaxaccel.cli import check_out_dir
+        check_out_dir(args.out)
     res = result()
     print(report(res))
     if args.out:

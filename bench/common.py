@@ -7,6 +7,7 @@ estimate (utilisation = the row's MFU when known, else 1).
 """
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import os
@@ -169,9 +170,20 @@ DEFAULT_OUT = os.path.join("runs", "bench")
 on purpose (``--out bench/results``)."""
 
 
+def out_dir(path: str) -> str:
+    """``--out``'s type: a folder that can be made and written (``jaxaccel.cli.check_out_dir``),
+    checked when the flags are read, before any measurement."""
+    from jaxaccel.cli import check_out_dir
+    try:
+        check_out_dir(path)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return path
+
+
 def add_out_argument(parser) -> None:
     """Every suite's ``--out DIR``."""
-    parser.add_argument("--out", default=DEFAULT_OUT, metavar="DIR",
+    parser.add_argument("--out", default=DEFAULT_OUT, metavar="DIR", type=out_dir,
                         help=f"folder for the result JSON (default: {DEFAULT_OUT}/ under the "
                         "current folder; bench/results only to update the committed results "
                         "on purpose)")

@@ -16,7 +16,10 @@
 predict prints one JSON object a line, in input order: {"index", "text", "label",
 "probability"} (probability null if not finite), or {"index", "error"} for an input that is not
 valid UTF-8, or is empty or only whitespace; the others are still classified, and the exit
-status is then 2. generate prints
+status is then 2. For an audio run each input is a file: {"index", "file", "label",
+"probability", "seconds", "seconds_classified", "channels"} (what was read of it), or
+{"index", "error"} for a file its dataset cannot make an input of (the README's audio rules:
+not a WAV, truncated, no samples, NaN samples, another sample rate). generate prints
 {"index", "prompt", "text"} a line (text: the continuation), or one error line and nothing
 else when a prompt cannot be generated from (too long for the model, ...).
 
@@ -31,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import sys
 import traceback
@@ -151,13 +155,8 @@ def _tool_commands(sub) -> None:
 
 
 def _run_dir(path: str) -> str:
-    path = os.path.abspath(path)
-    if os.path.basename(path) == "checkpoints":
-        path = os.path.dirname(path)
-    if not os.path.isdir(os.path.join(path, "checkpoints")):
-        raise FileNotFoundError(f"{path!r} is not a run folder: it has no checkpoints/ "
-                                "folder. Pass the folder `jaxaccel train` printed.")
-    return path
+    from jaxaccel.train import rundir
+    return rundir.run_folder(path)
 
 
 def compilation_cache_dir(setting: str, environ=os.environ) -> str | None:
@@ -287,15 +286,23 @@ def cmd_predict(args) -> int:
         predictor = Predictor(run_dir, batch_size=args.batch_size)
     good = [i for i, t in enumerate(texts) if isinstance(t, str)]
     results = dict(zip(good, predictor([texts[i] for i in good]))) if good else {}
+    key = "file" if predictor.arrays else "text"
+    refused = 0
     for i, text in enumerate(texts):
-        if i in results:
-            record = {"index": i, **prediction_record(text, *results[i],
-                                                      key="file" if predictor.arrays else "text")}
-        else:
-            record = {"index": i, "error": f"{text}; not classified"}
+        result = results.get(i, text)
+        if isinstance(result, ValueError):
+            refused += 1
+            record = {"index": i, "error": f"{result}; not classified"}
             print(f"error: input {i}: {record['error']}", file=sys.stderr)
+        else:
+            label, probability, facts = result
+            record = {"index": i, **prediction_record(text, label, probability, key=key), **facts}
+            if facts.get("seconds", 0) > facts.get("seconds_classified", 0):
+                print(f"warning: input {i}: {text!r} is {facts['seconds']:.3f} s long; its label "
+                      f"is that of its first {facts['seconds_classified']:.3f} s, all the model's "
+                      "input holds (the record's seconds_classified).", file=sys.stderr)
         print(json.dumps(record, ensure_ascii=False))
-    return 0 if len(good) == len(texts) else EXIT_ERROR
+    return EXIT_ERROR if refused else 0
 
 
 def cmd_generate(args) -> int:
@@ -363,9 +370,10 @@ def cmd_compare(args) -> int:
     return 0
 
 
-def _check_out_dir(path: str) -> None:
+def check_out_dir(path: str) -> None:
     """Refuse an output folder that cannot be made or written, before any work: a file of that
-    name (or above it), or a folder without write permission."""
+    name (or above it), or a folder without write permission (``compile --out``, and every
+    ``bench`` suite's ``--out``)."""
     here = os.path.abspath(path)
     while not os.path.exists(here):
         here = os.path.dirname(here)
@@ -380,7 +388,10 @@ def _check_out_dir(path: str) -> None:
 def cmd_compile(args) -> int:
     import jax
     if args.out:
-        _check_out_dir(args.out)
+        check_out_dir(args.out)
+    if args.memory is not None and not (math.isfinite(args.memory) and args.memory > 0):
+        raise ValueError(f"--memory {args.memory}: the memory per device to plan against, in GB, "
+                         "must be a finite number > 0 (e.g. --memory 16).")
     names = [n.strip() for n in args.topology.split(",") if n.strip()]
     if not names:
         raise ValueError(f"--topology {args.topology!r} names no target.")
@@ -390,7 +401,9 @@ def cmd_compile(args) -> int:
     entries = rank.plan_targets(args.config, args.set, names,
                                 memory=None if args.memory is None else args.memory * 1e9,
                                 fit=args.fit, out=args.out, error_text=error_message)
-    return 0 if any(e.fits for e in entries) else EXIT_DOES_NOT_FIT
+    if any(e.fits for e in entries):
+        return 0
+    return EXIT_ERROR if all(e.refused for e in entries) else EXIT_DOES_NOT_FIT
 
 
 def error_message(e: Exception) -> str:
@@ -406,12 +419,20 @@ def error_message(e: Exception) -> str:
             "please report it with the command line.")
 
 
+def _not_the_torch_notice(record: logging.LogRecord) -> bool:
+    """False for transformers' "PyTorch was not found. Models won't be available ..." (logged
+    when it is imported without torch): jaxaccel takes only tokenizers and configuration from
+    transformers, so a user without torch needs no such line."""
+    return not record.getMessage().startswith("PyTorch was not found.")
+
+
 def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     # The console carries jaxaccel's own lines; the kernel registry's "impl='auto' runs ..."
     # (INFO, for library users) stays out of it, its warnings do not.
     for noisy in ("absl", "orbax", "jax._src", "tensorflow_datasets", "kernels_pallas"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    logging.getLogger("transformers").addFilter(_not_the_torch_notice)
     args = _parser().parse_args(argv)
     try:
         from jaxaccel import distributed

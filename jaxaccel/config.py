@@ -438,6 +438,10 @@ def validate(cfg: Config) -> None:
     for key, (value, meaning) in non_negative.items():
         if value < 0:
             raise ValueError(f"{key}={value} must be >= 0 ({meaning}).")
+    if cfg.seed >= 2 ** 32:
+        raise ValueError(f"seed={cfg.seed} is outside [0, 2**32) = [0, {2 ** 32 - 1}] (a seed is "
+                         "32 bits: 2**32 would initialise the model as seed 0 does); give a seed "
+                         "in that range.")
     if t.keep_checkpoints < 1:
         raise ValueError(f"train.keep_checkpoints={t.keep_checkpoints} must be >= 1: a run "
                          "keeps at least its latest checkpoint.")

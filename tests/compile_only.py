@@ -52,13 +52,14 @@ def replicated(m: Mesh, *xs):
 def compile_timed(fn, *args, mesh: Mesh, **jit_kwargs):
     """``(compiled, seconds)``: ``jax.jit(fn, **jit_kwargs)`` traced, lowered and compiled for
     ``args`` (placed on ``mesh``) under ``jax.set_mesh(mesh)``, as the trainer runs its steps
-    (on jax 0.12 Pallas Triton reads its GPU from the ambient mesh when lowering); seconds of
-    the compile alone (not the trace or lowering)."""
+    (on jax 0.12 Pallas Triton reads its GPU from the ambient mesh when lowering); the CPU
+    seconds this process spent in the compile alone (not the trace or lowering): not wall
+    time, which on a machine loaded by other work counts the others' time too."""
     with jax.set_mesh(mesh):
         lowered = jax.jit(fn, **jit_kwargs).trace(*args).lower()
-        start = time.perf_counter()
+        start = time.process_time()
         compiled = lowered.compile()
-    return compiled, time.perf_counter() - start
+    return compiled, time.process_time() - start
 
 
 def move_run(run, m: Mesh):

@@ -44,6 +44,10 @@ CONFIGS = os.path.join(ROOT, "configs")
 TINY_CONFIG = os.path.join(CONFIGS, "tiny_synthetic.py")     # the run folder is "tiny_synthetic"
 # The ``jaxaccel`` command in a subprocess: [*CLI, "train", "--config", ...].
 CLI = (sys.executable, "-m", "jaxaccel.cli")
+# How long a test waits for a subprocess: far beyond any real run of the tiny model, however
+# loaded the machine, so that only a run that hangs times out (tests wait on events, not on
+# time: a step logged, a file written, the process's exit).
+LONG_WAIT_S = 1800
 
 
 def run_cli(capsys, *argv):

@@ -20,7 +20,7 @@ from jaxaccel import cli
 from jaxaccel.distributed import initialize_from_env, multi_process_env
 from jaxaccel.train.inference import evaluate_run
 from jaxaccel.train.metrics import read_metrics
-from support import ADAN, CLI, TINY_CONFIG, cpu_env
+from support import ADAN, CLI, LONG_WAIT_S, TINY_CONFIG, cpu_env
 
 
 @pytest.mark.parametrize("env,kind", [
@@ -73,21 +73,25 @@ def test_two_processes_stop_together_on_sigterm_to_one_and_resume_like_one_proce
     break.
 
     SIGTERM to process 1 alone, once process 0 has logged a step: both stop after the same step
-    (JAX's preemption sync point), save it together and exit 0; started again, they resume and
+    (JAX's preemption sync point), save it together and exit 75; started again, they resume and
     finish. Their losses equal the one-process run's at every step (metrics written once, by
     process 0), and the checkpoint they wrote evaluates on one device to the accuracy the
-    one-process run reached."""
-    steps = 6
-    sets = (f"train.max_steps={steps}", "train.log_every=1", "train.progress=false",
-            "mesh.fsdp=2", *ADAN)
+    one-process run reached.
 
-    def cmd(workdir):
+    The stop waits on events, not on time: JAX's notifier looks for the signal once a second,
+    so the run is long enough never to end first (it ended first, exit 0, when its 6 steps
+    outran the signal), and the learning rate constant, so that the resumed run, ended two
+    steps after the stop, and the reference of that length take the same steps."""
+    sets = ("train.max_steps=1000", "train.schedule=constant", "train.warmup_ratio=0.0",
+            "train.log_every=1", "train.progress=false", "mesh.fsdp=2", *ADAN)
+
+    def cmd(workdir, *extra):
         return [*CLI, "train", "--config", TINY_CONFIG, f"--set=workdir={workdir}",
-                *(f"--set={x}" for x in sets)]
+                *(f"--set={x}" for x in (*sets, *extra))]
 
-    def start_two():
+    def start_two(*extra):
         port = _port()
-        return [subprocess.Popen(cmd(tmp_path / "two"), stdout=subprocess.PIPE,
+        return [subprocess.Popen(cmd(tmp_path / "two", *extra), stdout=subprocess.PIPE,
                                  stderr=subprocess.PIPE, text=True,
                                  env=cpu_env(2, JAXACCEL_COORDINATOR=f"localhost:{port}",
                                              JAXACCEL_NUM_PROCESSES="2",
@@ -97,23 +101,25 @@ def test_two_processes_stop_together_on_sigterm_to_one_and_resume_like_one_proce
     def finish(procs, status=0):
         outs = []
         for p in procs:
-            out, err = p.communicate(timeout=300)
+            out, err = p.communicate(timeout=LONG_WAIT_S)
             assert p.returncode == status, err[-3000:]
             outs.append(json.JSONDecoder().raw_decode(out[out.index("{"):])[0])
         return outs
 
     two = tmp_path / "two" / "tiny_synthetic"
     procs = start_two()
-    one = subprocess.Popen(cmd(tmp_path / "one"), env=cpu_env(4), stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, text=True)
     while not ((two / "metrics.jsonl").exists() and (two / "metrics.jsonl").read_text()):
         assert all(p.poll() is None for p in procs), [p.communicate() for p in procs]
         time.sleep(0.05)
     procs[1].send_signal(signal.SIGTERM)
     stopped = finish(procs, cli.EXIT_PREEMPTED)      # stopped, resumable
     assert [r["status"] for r in stopped] == ["preempted"] * 2, stopped
-    assert stopped[0]["step"] == stopped[1]["step"] < steps, stopped
-    resumed = finish(start_two())
+    step = stopped[0]["step"]
+    assert stopped[1]["step"] == step < 1000, stopped
+    steps = step + 2
+    one = subprocess.Popen(cmd(tmp_path / "one", f"train.max_steps={steps}"), env=cpu_env(4),
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    resumed = finish(start_two(f"train.max_steps={steps}"))
     assert [r["status"] for r in resumed] == ["completed"] * 2, resumed
     assert finish([one])[0]["status"] == "completed"
 
@@ -153,7 +159,7 @@ def test_a_pipeline_whose_stages_are_two_processes_trains_like_one_process(tmp_p
              for i in range(2)]
     procs.append(start(tmp_path / "one", cpu_env(4)))
     for p in procs:
-        _, err = p.communicate(timeout=300)
+        _, err = p.communicate(timeout=LONG_WAIT_S)
         assert p.returncode == 0, err[-3000:]
     losses = {name: [r["train/loss"] for r in read_metrics(str(tmp_path / name / "tiny_synthetic"))
                      if "train/loss" in r] for name in ("one", "two")}

@@ -20,7 +20,7 @@ import time
 import pytest
 
 from jaxaccel import cli
-from support import CLI, ROOT, TINY_CONFIG, cpu_env
+from support import CLI, LONG_WAIT_S, ROOT, TINY_CONFIG, cpu_env
 
 ENV = cpu_env(PYTHONPATH=ROOT, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
               TOKENIZERS_PARALLELISM="false", SLURM_NTASKS="4")   # stray: a single-process run must ignore it (item 8)
@@ -30,7 +30,7 @@ State = collections.namedtuple("State", "params")
 
 def jaxaccel(*args, stdin=None, env=None):
     return subprocess.run([*CLI, *args], input=stdin, capture_output=True, env=env or ENV,
-                          timeout=300)
+                          timeout=LONG_WAIT_S)
 
 
 def start(*args):
@@ -356,7 +356,7 @@ def test_ctrl_c_saves_and_exits_cleanly(tmp_path):
         assert proc.poll() is None, proc.communicate()
         time.sleep(0.2)
     proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=120)
+    out, err = proc.communicate(timeout=LONG_WAIT_S)
     assert proc.returncode == cli.EXIT_PREEMPTED == 75, (out + err).decode()
     saved = json.loads(out)["step"]
     assert b"SIGINT: saved step" in err and b"Traceback" not in err
@@ -626,7 +626,7 @@ sys.exit(cli.main(sys.argv[1:]))
 """
     proc = subprocess.run([sys.executable, "-c", inject,
                            *train_args(os.path.dirname(run_copy), "train.epochs=3")],
-                          capture_output=True, env=ENV, timeout=300)
+                          capture_output=True, env=ENV, timeout=LONG_WAIT_S)
     assert proc.returncode == cli.EXIT_ERROR, text(proc)
     err = proc.stderr.decode()
     errors = [line for line in err.splitlines() if line.startswith("error:")]

@@ -134,9 +134,10 @@ def test_a_step_is_checkpointed_only_after_its_own_loss_is_checked():
 def test_the_result_is_typed_and_reads_as_its_json_record():
     paths = dict(run_dir="r", checkpoint_dir="r/checkpoints", metrics_file="r/metrics.jsonl")
     done = Completed(**paths, step=8, task="classification", summary="final accuracy: 0.5",
-                     eval={"accuracy": 0.5, "examples": 64})
+                     eval_split="test", eval={"accuracy": 0.5, "examples": 64})
     assert dict(done) == {"status": "completed", **paths, "step": 8, "task": "classification",
-                          "summary": "final accuracy: 0.5", "eval_accuracy": 0.5,
+                          "summary": "final accuracy: 0.5", "eval_split": "test",
+                          "eval_accuracy": 0.5,
                           "eval_examples": 64}
     assert list(done) == list(done.record())      # the record's order: what train prints
     assert done["status"] == done.status == "completed" and done["eval_accuracy"] == 0.5

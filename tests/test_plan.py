@@ -5,6 +5,7 @@ The local tests compile the tiny model on this machine's devices; the TPU and GP
 libtpu / the CUDA plugin (the ``aot`` extra) and skip without them."""
 import json
 import os
+import re
 from types import SimpleNamespace
 
 import jax
@@ -195,11 +196,20 @@ def test_every_config_is_assembled_for_the_target_as_the_trainer_would(name):
 def test_a_decoder_run_plans_for_tpu_and_gpu(name):
     """The decoder job as committed (its small llama-cpu; its corpus never read: packed rows
     of data.max_len tokens), compiled for a TPU slice and a GPU host; its length is in steps,
-    so the cost is the run's."""
+    so the cost is the run's. Its line shows the step time it multiplies, in the duration
+    format of the forecast (issue 49 item 18: `14 steps x step time = 0.0 s` beside a step of
+    1.085 ms)."""
     p = plan.make_plan(os.path.join(CONFIGS, "canterbury_lm.py"), [], name)
     assert p.fits and p.seq == 128 and p.batch == 16
     assert p.cost["unit"] == "run" and p.cost["steps"] == 2000
-    assert "run (estimate): 2000 steps" in plan.report(p)
+    text = plan.report(p)
+    step = re.search(r"^step time \([^)]*\): ([\d.]+) ms", text, re.M)
+    run = re.search(r"^run \(estimate\): 2000 steps x step time ([\d.]+) ms = ([\d.]+) "
+                    r"(s|min|h), ", text, re.M)
+    assert step and run, text
+    assert run[1] == step[1]
+    seconds = float(run[2]) * {"s": 1, "min": 60, "h": 3600}[run[3]]
+    assert seconds == pytest.approx(2000 * float(step[1]) / 1e3, rel=6e-3)   # 3 digits
     row = plan.result(p)["rows"][0]
     assert row["run_steps"] == 2000 and "epoch_steps" not in row
 

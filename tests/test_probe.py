@@ -1,6 +1,7 @@
 """The third fault probe of the command line (issue 32), each item driven the way the probe's
 user drove it: ``jaxaccel.cli.main([...])`` (or the public function the case named) on tiny
-models and checkpoints written here."""
+models and checkpoints written here; and the fourth probe's (issue 49) cases that need this
+module's checkpoints and runs (the others: test_probe4.py)."""
 import json
 import os
 
@@ -190,6 +191,18 @@ def test_generate_refuses_a_non_finite_temperature(lm_run, capsys, temperature):
     assert f"temperature={float(temperature)} must be a finite number >= 0" in out.err
 
 
+@pytest.mark.parametrize("seed", [2 ** 32, 99999999999999999999999, -1])
+def test_generate_refuses_a_seed_outside_32_bits(lm_run, capsys, seed):
+    """Issue 49 item 5: 2**32 printed seed 0's text (kept modulo 2**32), a larger seed was an
+    OverflowError traceback."""
+    assert cli.main(["generate", "--checkpoint", lm_run, f"--seed={seed}", "Alice was"]) == \
+        cli.EXIT_ERROR
+    out = capsys.readouterr()
+    assert out.out == "" and out.err == f"error: seed={seed} is outside [0, 2**32) = [0, " \
+        "4294967295] (a seed is 32 bits: 2**32 would draw seed 0's sample); give a seed in " \
+        "that range.\n", out
+
+
 # ---- item 6: a damaged checkpoint folder is one error naming the file ----
 
 @pytest.fixture
@@ -248,6 +261,30 @@ def test_train_from_a_damaged_checkpoint_is_one_error_line(bert_copy, tmp_path, 
         f.write("{")
     assert cli.main(train) == cli.EXIT_ERROR
     assert f"error: {config_json} is not valid JSON" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("setting,says", [
+    ({"hidden_act": "gelu"}, "hidden_act='gelu' is not supported"),
+    ({"head_dim": 15}, "head_dim=15 must be even"),
+    ({"num_key_value_heads": 3}, "num_attention_heads=8 is not a multiple of "
+                                 "num_key_value_heads=3"),
+])
+def test_a_checkpoint_config_refused_by_the_architecture_names_its_file(llama_copy, bert_copy,
+                                                                        tmp_path, capsys,
+                                                                        setting, says):
+    """Issue 49 item 19: the checks of the architecture itself (``__post_init__``) named no
+    file, where the loader's own checks did."""
+    edit_config(llama_copy, **setting)
+    assert cli.main(["train", "--config", FINETUNE, "--set", f"model.checkpoint={llama_copy}",
+                     "--set", f"workdir={tmp_path / 'runs'}"]) == cli.EXIT_ERROR
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {os.path.join(llama_copy, 'config.json')}: {says}"), err
+    if "hidden_act" in setting:
+        from jaxaccel.models import from_pretrained as bert_from_pretrained
+        edit_config(bert_copy, hidden_act="swish")
+        with pytest.raises(ValueError, match=f"^{os.path.join(bert_copy, 'config.json')}: "
+                                             "hidden_act='swish' is not supported"):
+            bert_from_pretrained(bert_copy)
 
 
 # ---- item 5: eval refuses data.tokenizer_vocab, which it cannot honour ----
@@ -411,11 +448,11 @@ def jaxaccel_process(*argv, **env):
     """``jaxaccel *argv`` in a fresh process (start-up is the point): the CompletedProcess."""
     import subprocess
 
-    from support import CLI, cpu_env
+    from support import CLI, LONG_WAIT_S, cpu_env
     environ = {k: v for k, v in cpu_env().items() if k not in env}
     environ.update({k: v for k, v in env.items() if v is not None})
     return subprocess.run([*CLI, *argv], env=environ, capture_output=True, text=True,
-                          timeout=600)
+                          timeout=LONG_WAIT_S)
 
 
 @needs_libtpu
@@ -555,12 +592,18 @@ def test_a_full_disk_leaves_no_unfinished_save(cls_copy, capsys, caplog, monkeyp
         m.setattr(ocp.StandardCheckpointHandler, "async_save", full)
         code, out, err = run_cli(capsys, "train", *cls_sets(cls_copy, "train.epochs=2"))
     assert code == cli.EXIT_ERROR
+    # Issue 49 item 19: the size is step 4's on disk (it said 23.3 MiB, the state's arrays in
+    # memory, where a checkpoint took 8.9 MB).
+    on_disk = sum(os.path.getsize(os.path.join(d, f))
+                  for d, _, files in os.walk(os.path.join(folder, "4")) for f in files)
+    assert on_disk < 20 * 2 ** 20
     assert [line for line in err.splitlines() if line.startswith("error:")] == [
         f"error: [Errno 28] no space left on the device of {folder} to save checkpoint step 8 "
         "(its unfinished folder 8.orbax-checkpoint-tmp was removed): one checkpoint needs "
-        "about 23.3 MiB free; the earlier step(s) [4] are intact (resume continues from step "
-        "4). Free that much space (or give workdir=... on a disk with room, copying the run "
-        "folder there) and run the same command again."], err
+        f"about {on_disk / 2 ** 20:.1f} MiB free (step 4's size on disk); the earlier step(s) "
+        "[4] are intact (resume continues from step 4). Free that much space (or give "
+        "workdir=... on a disk with room, copying the run folder there) and run the same "
+        "command again."], err
     assert os.listdir(folder) == ["4"]
     os.makedirs(os.path.join(folder, "8.orbax-checkpoint-tmp", "state"))     # killed saving
     with caplog.at_level(logging.INFO, logger="jaxaccel"):
@@ -619,8 +662,9 @@ def test_results_reaching_a_closed_orbax_loop_print_nothing():
     own and report into this test's hook."""
     import subprocess
     import sys
+    from support import LONG_WAIT_S
     out = subprocess.run([sys.executable, "-c", _CLOSED_LOOP], capture_output=True, text=True,
-                         timeout=120)
+                         timeout=LONG_WAIT_S)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split()[-2:] == ["[]", "0"], out.stdout + out.stderr[-3000:]
 
@@ -677,8 +721,9 @@ def test_a_truncated_only_checkpoint_is_one_error_line(truncated_lm, command):
         assert noise not in done.stderr, done.stderr
     log = os.path.join(truncated_lm, "library.log")
     details, error = done.stderr.splitlines()
-    assert details.startswith("INFO jaxaccel: the details of the problem(s) above (")
-    assert details.endswith(f"of Orbax/absl/TensorStore) are in {log}"), details
+    assert details.startswith("INFO jaxaccel: Orbax/absl/TensorStore logged ")
+    assert details.endswith(f"error(s) or traceback(s), kept off the console: they are in "
+                            f"{log}"), details
     assert error.startswith(f"error: no checkpoint in {truncated_lm}/checkpoints can be read: "
                             "step 2: "), error
 
@@ -722,7 +767,7 @@ def test_eval_of_a_read_only_run_folder_logs_elsewhere_and_says_where(cls_copy, 
     assert console[0] == (f"the run folder {cls_copy} is not writable: what "
                           f"Orbax/absl/TensorStore log goes to {log} instead of its library.log")
     assert "checkpoint step 8 in" in console[1] and "skipped (using step 4)" in console[1]
-    assert console[2].endswith(f"of Orbax/absl/TensorStore) are in {log}"), console
+    assert console[2].endswith(f"kept off the console: they are in {log}"), console
     assert len(console) == 3, console
     assert "library.log" not in os.listdir(cls_copy)
     with open(log) as f:

@@ -355,8 +355,9 @@ def test_each_source_trains_end_to_end(tmp_path, source):
     assert result["status"] == "completed", result
     assert np.isfinite(result["eval_loss"])
     if source == "audio":
-        (label, _), = Predictor(result["run_dir"])([str(tmp_path / "birds" / "low" / "0.wav")])
-        assert label in ("high", "low")
+        (label, _, facts), = Predictor(result["run_dir"])(
+            [str(tmp_path / "birds" / "low" / "0.wav")])
+        assert label in ("high", "low") and facts["channels"] == 1
 
 
 def test_a_plan_on_data_not_on_this_machine_says_where_the_epoch_comes_from(tmp_path):

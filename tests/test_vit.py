@@ -322,10 +322,13 @@ def test_a_recording_file_becomes_the_datasets_example(bf_dir, tmp_path):
     path = str(tmp_path / "syllable.wav")
     wavfile.write(path, bfsong.SAMPLE_RATE, clips[5])
     x, _ = bfsong.arrays(bf_dir, None, "test", (64, 64))
-    np.testing.assert_allclose(bfsong.features(bf_dir, [path], (64, 64))[0], x[5], atol=1e-5)
+    (made, facts), = bfsong.features(bf_dir, [path], (64, 64))
+    np.testing.assert_allclose(made, x[5], atol=1e-5)
+    assert facts == {"seconds": len(clips[5]) / bfsong.SAMPLE_RATE,
+                     "seconds_classified": len(clips[5]) / bfsong.SAMPLE_RATE, "channels": 1}
     wavfile.write(path, 16_000, clips[5])
-    with pytest.raises(ValueError, match="sampled at 16000 Hz"):
-        bfsong.features(bf_dir, [path], (64, 64))
+    refused, = bfsong.features(bf_dir, [path], (64, 64))
+    assert isinstance(refused, ValueError) and "sampled at 16000 Hz" in str(refused)
 
 
 def test_a_birdsong_classifier_trains_evaluates_and_predicts_recordings(bf_dir, tmp_path,
@@ -347,7 +350,7 @@ def test_a_birdsong_classifier_trains_evaluates_and_predicts_recordings(bf_dir, 
         "pixels": x[[0, 50, 100]], "labels": np.zeros(3, np.int32),
         "weights": np.ones(3, np.float32)}))
     want = [bfsong.LABEL_NAMES[k] for k in probs.argmax(-1)]
-    assert [label for label, _ in predictor(paths)] == want
+    assert [label for label, _, _ in predictor(paths)] == want
     code, out, _ = run_cli(capsys, "predict", "--checkpoint", result["run_dir"],
                            "--batch-size", "3", *paths)
     records = [json.loads(line) for line in out.splitlines()]

@@ -5,10 +5,10 @@ shape.
     data.name=audio data.train_files=birds/train data.eval_files=birds/test   # birds/*/x.wav
     data.name=audio data.train_files="clips/*.wav" data.holdout=0.1           # MAE, unlabelled
 
-* Files: WAV (16-bit PCM or float; the first channel), found as ``data.name=files`` finds them
-  (globs, or folders searched recursively); a clip's label is its folder's name, the classes
-  the training files' folders, sorted. Without ``data.eval_files`` the eval split is
-  ``data.holdout`` of the training clips.
+* Files: WAV (integer PCM or float; channels mixed down; ``wav`` says what is refused), found
+  as ``data.name=files`` finds them (globs, or folders searched recursively); a clip's label
+  is its folder's name, the classes the training files' folders, sorted. Without
+  ``data.eval_files`` the eval split is ``data.holdout`` of the training clips.
 * Spectrograms (``bfsong.log_mel``): clips resampled to ``data.sample_rate``, 25 ms Hann
   windows every 10 ms (the Kaldi filterbank framing AST and Audio-MAE use), as many mel bands
   over 0 to half the sample rate as the model's input has, padded with silence or cut to its
@@ -23,6 +23,7 @@ import os
 
 import numpy as np
 
+from jaxaccel.data import wav
 from jaxaccel.data.bfsong import log_mel
 from jaxaccel.data.files import expand
 from jaxaccel.data.spec import DataError, DataMissing, DataSpec
@@ -30,33 +31,34 @@ from jaxaccel.data.spec import DataError, DataMissing, DataSpec
 WINDOW_S, HOP_S = 0.025, 0.010
 
 
-def read_wav(path: str, rate: int) -> np.ndarray:
-    """A WAV file's first channel as float samples in [-1, 1), resampled to ``rate``."""
-    from scipy.io import wavfile
+def read_wav(path: str, rate: int) -> tuple[np.ndarray, int]:
+    """``(samples, channels)``: a WAV file as ``wav.read`` reads it (mono float samples in
+    [-1, 1), and the channels it had), resampled to ``rate``."""
     from scipy.signal import resample_poly
-    try:
-        have, samples = wavfile.read(path)
-    except (ValueError, OSError) as e:
-        raise DataError(f"{path}: not a readable WAV file ({e}); convert it to 16-bit PCM WAV "
-                        "(e.g. sox in.flac -b 16 out.wav).") from None
-    samples = samples[:, 0] if samples.ndim == 2 else samples
-    if samples.dtype.kind in "iu":
-        x = samples.astype(np.float64) / float(np.iinfo(samples.dtype).max + 1)
-    else:
-        x = samples.astype(np.float64)
-    if not len(x):
-        raise DataError(f"{path}: an empty recording (0 samples).")
+    have, x, channels = wav.read(path)
     if have != rate:
         g = math.gcd(rate, have)
         x = resample_poly(x, rate // g, have // g)
-    return x
+    return x, channels
+
+
+def _framing(rate: int) -> tuple[int, int]:
+    """``(n_fft, hop)``: 25 ms windows every 10 ms at ``rate``."""
+    return round(WINDOW_S * rate), round(HOP_S * rate)
+
+
+def _spectrogram(path: str, rate: int, shape: tuple[int, ...]) -> tuple[np.ndarray, dict]:
+    frames, bands = shape
+    samples, channels = read_wav(path, rate)
+    n_fft, hop = _framing(rate)
+    x = log_mel(samples, rate, n_fft=n_fft, hop=hop, n_mels=bands, frames=frames,
+                fmax=rate / 2)
+    return x, wav.facts(samples, rate, channels, wav.span(frames, hop, n_fft, rate))
 
 
 def spectrogram(path: str, rate: int, shape: tuple[int, ...]) -> np.ndarray:
     """float32 [frames, mel bands] of one clip (module doc), before normalisation."""
-    frames, bands = shape
-    return log_mel(read_wav(path, rate), rate, n_fft=round(WINDOW_S * rate),
-                   hop=round(HOP_S * rate), n_mels=bands, frames=frames, fmax=rate / 2)
+    return _spectrogram(path, rate, shape)[0]
 
 
 _FEATURES: dict[tuple, np.ndarray] = {}
@@ -93,9 +95,9 @@ class AudioArrays:
             labels.append(self.names.index(name))
         return self._normalised(self._raw(paths)), np.asarray(labels, np.int32)
 
-    def features(self, paths: list[str]) -> np.ndarray:
-        return self._normalised(np.stack([spectrogram(p, self.rate, self.shape)
-                                          for p in paths]))
+    def features(self, paths: list[str]) -> list:
+        return wav.per_file(paths, lambda p: _spectrogram(p, self.rate, self.shape),
+                            self._normalised)
 
 
 def _clips(globs: str, key: str) -> tuple[str, ...]:

@@ -59,7 +59,8 @@ from scipy.io import loadmat
 
 from jaxaccel.data import sdist
 from jaxaccel.data.sdist import pip_download
-from jaxaccel.data.spec import DataSpec
+from jaxaccel.data import wav
+from jaxaccel.data.spec import DataError, DataSpec
 
 SOURCE_ENV = "JAXACCEL_BFSONG_SOURCE"
 SDIST_REQUIREMENT = "evfuncs==0.3.3"
@@ -344,30 +345,37 @@ def _normalised(x: np.ndarray, train: np.ndarray) -> np.ndarray:
     return ((x - train.mean()) / train.std()).astype(np.float32)
 
 
-def read_wav(path: str) -> np.ndarray:
-    """A WAV recording at ``SAMPLE_RATE`` as float samples in [-1, 1) (its first channel)."""
-    from scipy.io import wavfile
-    rate, samples = wavfile.read(path)
+def read_wav(path: str) -> tuple[np.ndarray, int]:
+    """``(samples, channels)``: a WAV recording at ``SAMPLE_RATE`` as ``wav.read`` reads it
+    (mono float samples in [-1, 1), and the channels it had); ``DataError`` naming the file and
+    the rule for a file ``wav.read`` refuses or of another sample rate (not resampled:
+    transformers' audio feature extractors refuse a rate that is not their model's too)."""
+    rate, samples, channels = wav.read(path)
     if rate != SAMPLE_RATE:
-        raise ValueError(f"{path}: sampled at {rate} Hz; bfsong's spectrograms are made from "
-                         f"{SAMPLE_RATE} Hz recordings (resample it first, e.g. with sox).")
-    samples = samples[:, MIC_CHANNEL] if samples.ndim == 2 else samples
-    if samples.dtype == np.int16:
-        return samples / 32768.0
-    if samples.dtype.kind == "f":
-        return samples.astype(np.float64)
-    raise ValueError(f"{path}: {samples.dtype} samples; expected 16-bit PCM or float WAV.")
+        raise DataError(f"{path!r}: sampled at {rate} Hz; bfsong's spectrograms are made from "
+                        f"{SAMPLE_RATE} Hz recordings (resample it first, e.g. sox in.wav -r "
+                        f"{SAMPLE_RATE} out.wav)")
+    return samples, channels
 
 
-def features(data_dir: str | None, paths: list[str], shape: tuple[int, ...]) -> np.ndarray:
-    """float32 [len(paths), frames, n_mels]: each WAV recording (one syllable, at
-    ``SAMPLE_RATE``) as ``arrays`` makes the dataset's examples (log-mel, then the train split's
-    normalisation, which reads the built dataset): ``BfsongArrays.features``."""
+def _spectrogram(path: str, shape: tuple[int, ...]) -> tuple[np.ndarray, dict]:
     frames, n_mels = shape
-    x = np.stack([log_mel(read_wav(p), SAMPLE_RATE, n_fft=N_FFT, hop=HOP, n_mels=n_mels,
-                          frames=frames, fmin=FMIN, fmax=FMAX) for p in paths])
-    return _normalised(x, load(data_dir, None, ("train",), frames=frames,
-                               n_mels=n_mels)["train"][0])
+    samples, channels = read_wav(path)
+    x = log_mel(samples, SAMPLE_RATE, n_fft=N_FFT, hop=HOP, n_mels=n_mels, frames=frames,
+                fmin=FMIN, fmax=FMAX)
+    return x, wav.facts(samples, SAMPLE_RATE, channels,
+                        wav.span(frames, HOP, N_FFT, SAMPLE_RATE))
+
+
+def features(data_dir: str | None, paths: list[str], shape: tuple[int, ...]) -> list:
+    """Per path, ``(x float32 [frames, n_mels], facts)`` or the ``DataError`` refusing the file
+    (``wav.per_file``): each WAV recording (one syllable, at ``SAMPLE_RATE``) as ``arrays``
+    makes the dataset's examples (log-mel of its first ``wav.span`` seconds, padded with
+    silence if shorter, then the train split's normalisation, which reads the built dataset):
+    ``BfsongArrays.features``."""
+    frames, n_mels = shape
+    return wav.per_file(paths, lambda p: _spectrogram(p, shape), lambda x: _normalised(
+        x, load(data_dir, None, ("train",), frames=frames, n_mels=n_mels)["train"][0]))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -380,7 +388,7 @@ class BfsongArrays:
     def examples(self, split: str) -> tuple[np.ndarray, np.ndarray]:
         return arrays(self.data_dir or None, None, split, self.shape)
 
-    def features(self, paths: list[str]) -> np.ndarray:
+    def features(self, paths: list[str]) -> list:
         return features(self.data_dir or None, paths, self.shape)
 
 

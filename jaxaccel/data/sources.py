@@ -121,15 +121,15 @@ def counted(spec: DataSpec) -> DataSpec:
 
 def check_task(spec: DataSpec) -> None:
     """The model must read what the data holds (tokens or arrays) and train a task the data
-    gives batches for."""
+    gives batches for (a run that trains, or evaluates a trained model on other data)."""
     d, model = spec.settings, spec.model
     holds = spec.holds
     reads = "arrays" if model.reads == "pixels" else "text"
     if holds != reads:
         family = "vit" if holds == "arrays" else "bert or llama"
         raise ValueError(f"data.name={d.name!r} holds {holds} but the model (model.name="
-                         f"{model.name!r}) reads {'arrays' if reads == 'arrays' else 'tokens'};"
-                         f" pick a model of the {family} family for it.")
+                         f"{model.name!r}) reads {'arrays' if reads == 'arrays' else 'tokens'}:"
+                         f" it takes a model of the {family} family.")
     if model.task not in spec.tasks:
         others = ", ".join(f"data.name={n}" for n in serving(model.task))
         raise ValueError(f"data.name={d.name!r} gives {'/'.join(spec.tasks)} batches but the "

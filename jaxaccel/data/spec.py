@@ -168,9 +168,10 @@ class ArrayReader(Protocol):
     def examples(self, split: str):
         """``(x float32 [n, *shape], labels int32 [n])``, or ``Tokenized`` for ``tokens``."""
 
-    def features(self, paths: list[str]) -> np.ndarray:
-        """The model's inputs made from files (``jaxaccel predict``), as ``examples`` makes
-        them."""
+    def features(self, paths: list[str]) -> list:
+        """Per path, the model's input made from the file (``jaxaccel predict``) as
+        ``examples`` makes them, with what was read of it: ``(x float32 [*shape], facts)``, or
+        the ``DataError`` refusing that file (``wav.per_file``)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,6 +198,9 @@ class DataSpec:
       up to ``max_len`` tokens.
     absent: why the data could not be described from its source (not on this machine: a
       plan goes on without it; ``reader`` is then None); "" where it was.
+    trained: the ``data`` section a trained model was trained with, where this data is its
+      evaluation's (``inference.checkpoint_run``): an eval split cut from the training split
+      must hold none of the examples it trained on (``splits.split_rows``); None otherwise.
     """
 
     name: str
@@ -213,6 +217,7 @@ class DataSpec:
     row_length: int | None = None
     rows: int | None = None
     absent: str = ""
+    trained: Settings | None = None
 
     @property
     def tasks(self) -> tuple[str, ...]:

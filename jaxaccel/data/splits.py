@@ -73,7 +73,44 @@ def source_split(data: DataSpec, split: str) -> str:
 
 
 def split_rows(data: DataSpec, split: str, n: int) -> np.ndarray | None:
-    """The indices (into its source split of ``n`` examples) of ``split``; None: all."""
+    """The indices (into its source split of ``n`` examples) of ``split``; None: all. The
+    eval split of a trained model's evaluation must hold none of the examples it trained on
+    (``DataSpec.trained``): ``DataError`` otherwise."""
+    rows = _rows(data, split, n)
+    if data.trained is not None and split == data.eval_split != "train":
+        _check_unseen(data, split, n, rows)
+    return rows
+
+
+SOURCE_KEYS = ("name", "data_dir", "train_files", "dataset")
+"""The ``data`` keys that say which examples a source's training split holds."""
+
+CUT_KEYS = ("eval_split", "holdout", "validation_size")
+"""The ``data`` keys that cut a held-out split out of the training split."""
+
+
+def _check_unseen(data: DataSpec, split: str, n: int, rows: np.ndarray | None) -> None:
+    """``DataError`` where ``split``, cut from the training split (``data.holdout``,
+    ``data.validation_size``), holds examples the model of ``data.trained`` trained on (a
+    score on them would not be a held-out score)."""
+    d, t = data.settings, data.trained
+    if source_split(data, split) != "train" or any(t.get(k) != d.get(k) for k in SOURCE_KEYS):
+        return
+    seen = _rows(dataclasses.replace(data, settings=t, trained=None), "train", n)
+    scored = np.arange(n) if rows is None else rows
+    both = np.intersect1d(scored, np.arange(n) if seen is None else seen).size
+    if both:
+        was = ", ".join(f"data.{k}={t.get(k)!r}" for k in CUT_KEYS)
+        now = ", ".join(f"data.{k}={d.get(k)!r}" for k in CUT_KEYS)
+        raise DataError(f"the eval split {split!r} ({now}) holds {both} of the {len(scored)} "
+                        f"examples it would score from the training split the model trained "
+                        f"on ({was}): a held-out split holds none of them (README, Held-out "
+                        "splits). Evaluate on a split the run held out (its own data.eval_split, "
+                        "or data.validation_size up to the run's), or train a run that holds "
+                        "these examples out.")
+
+
+def _rows(data: DataSpec, split: str, n: int) -> np.ndarray | None:
     d = data.settings
     if source_split(data, split) != "train" or split not in ("train", "validation",
                                                              data.eval_split):
@@ -413,9 +450,10 @@ def prepared(data: DataSpec, load_tokenizer) -> DataSpec:
     return dataclasses.replace(data, rows=n, count_source=f"the prepared cache {found.folder}")
 
 
-def input_features(data: DataSpec, paths: list[str]) -> np.ndarray:
-    """float32 [len(paths), *input shape]: the model's inputs made from files (recordings) as
-    the array data makes its examples (``ArrayReader.features``), for ``jaxaccel predict``."""
+def input_features(data: DataSpec, paths: list[str]) -> list:
+    """Per path, ``(x float32 [*input shape], facts)`` or the ``DataError`` refusing that file:
+    the model's inputs made from files (recordings) as the array data makes its examples
+    (``ArrayReader.features``), for ``jaxaccel predict``."""
     if data.holds != "arrays":
         raise ValueError(f"data.name={data.name!r} makes no inputs from files; predict takes "
                          "files for array data that reads them (e.g. bfsong, audio: WAV "

@@ -2,7 +2,8 @@
 
 ``data.name=synthetic`` gives token ids to a model that reads tokens and arrays of its input
 shape to one that reads arrays (a ViT): ``data.synthetic_examples`` examples a split, the
-training split drawn from the run's seed and every other split from seed + 1.
+training split drawn from the run's seed, the validation split from seed + 2 and every other
+split (test, ...) from seed + 1 (``SPLIT_SEEDS``): validation and test are different examples.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from jaxaccel.data.pipeline import Tokenized
 from jaxaccel.data.spec import DataError, DataSpec
 
 VOCAB = 30522      # BERT's uncased vocabulary: synthetic ids lie in [0, 30522)
+SPLIT_SEEDS = {"train": 0, "validation": 2}    # the run's seed + this; other splits + 1
 
 
 def synthetic(
@@ -72,7 +74,7 @@ class SyntheticExamples:
     seed: int
 
     def examples(self, split: str):
-        seed = self.seed if split == "train" else self.seed + 1
+        seed = self.seed + SPLIT_SEEDS.get(split, 1)
         if self.shape is None:
             return synthetic(vocab_size=VOCAB, seq_len=self.seq_len, min_len=self.min_len,
                              num_examples=self.num_examples, seed=seed,
@@ -80,7 +82,7 @@ class SyntheticExamples:
         return synthetic_arrays(shape=self.shape, num_examples=self.num_examples, seed=seed,
                                 num_classes=self.num_classes)
 
-    def features(self, paths: list[str]) -> np.ndarray:
+    def features(self, paths: list[str]) -> list:
         raise DataError("data.name=synthetic makes no inputs from files; predict takes files "
                         "for array data that reads them (e.g. bfsong, audio: WAV recordings).")
 

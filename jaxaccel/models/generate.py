@@ -48,11 +48,17 @@ def _sample(logits, key, temperature: float, top_k: int):
     return jax.random.categorical(key, logits).astype(jnp.int32)
 
 
-def check_sampling(temperature: float, top_k: int, vocab_size: int) -> None:
+SEEDS = 2 ** 32
+"""Seeds are in [0, SEEDS): ``jax.random.PRNGKey`` keeps a seed's low 32 bits (with 64-bit
+types off), so 2**32 draws what 0 draws and -1 what 2**32 - 1 does."""
+
+
+def check_sampling(temperature: float, top_k: int, vocab_size: int, seed: int = 0) -> None:
     """Refuse sampling settings that sample something else than asked: a temperature that is
     not a finite number >= 0 (nan turns every logit into nan, and what is drawn from those is
-    no distribution: the probe got empty texts; inf flattens the distribution to uniform), or
-    a top_k outside 0 .. ``vocab_size`` (beyond it JAX's top_k fails with its own words)."""
+    no distribution: the probe got empty texts; inf flattens the distribution to uniform), a
+    top_k outside 0 .. ``vocab_size`` (beyond it JAX's top_k fails with its own words), or a
+    seed outside [0, ``SEEDS``) (another seed's sample, or an ``OverflowError``)."""
     if not math.isfinite(temperature) or temperature < 0:
         raise ValueError(f"temperature={temperature} must be a finite number >= 0 (0: greedy; "
                          "around 0.7-1.0 for sampling); inf would sample uniformly and nan "
@@ -60,6 +66,10 @@ def check_sampling(temperature: float, top_k: int, vocab_size: int) -> None:
     if not 0 <= top_k <= vocab_size:
         raise ValueError(f"top_k={top_k} must be between 0 (no top-k cut) and the model's "
                          f"vocabulary of {vocab_size} tokens; give at most {vocab_size}.")
+    if not 0 <= seed < SEEDS:
+        raise ValueError(f"seed={seed} is outside [0, 2**32) = [0, {SEEDS - 1}] (a seed is "
+                         "32 bits: 2**32 would draw seed 0's sample); give a seed in that "
+                         "range.")
 
 
 class Sampler:
@@ -105,7 +115,7 @@ class Sampler:
                  return_logits: bool = False):
         """The new token ids of each prompt (lists of ids), and with ``return_logits`` the
         float32 logits each sampled token was drawn from ([batch, steps, vocab])."""
-        check_sampling(temperature, top_k, self.config.vocab_size)
+        check_sampling(temperature, top_k, self.config.vocab_size, seed)
         self.check(prompts, max_new_tokens)
         b = len(prompts)
         length = padded_length(max(len(p) for p in prompts), self.pad_multiple,

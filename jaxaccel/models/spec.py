@@ -81,7 +81,16 @@ class BertConfig:
             raise ValueError(f"{source}: position_embedding_type="
                              f"{d['position_embedding_type']!r} is not supported (only 'absolute').")
         names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
+        return _from_fields(cls, {k: v for k, v in d.items() if k in names}, source)
+
+
+def _from_fields(cls, values: dict[str, Any], source: str):
+    """``cls(**values)`` of a ``from_dict``, a refusal naming ``source`` (the config.json the
+    values were read from) as its other refusals do."""
+    try:
+        return cls(**values)
+    except ValueError as e:
+        raise ValueError(f"{source}: {e}") from None
 
 
 PRESETS = {
@@ -174,7 +183,7 @@ class LlamaConfig:
         values["rope_theta"], values["rope_scaling"] = hf_rope(d, source)
         values.setdefault("num_key_value_heads", d.get("num_attention_heads",
                                                         cls.num_attention_heads))
-        return cls(**values)
+        return _from_fields(cls, values, source)
 
     def to_hf(self) -> dict[str, Any]:
         """The config.json of this architecture for transformers' ``LlamaForCausalLM``."""
@@ -354,7 +363,7 @@ class ViTConfig:
         values = {k: v for k, v in d.items() if k in names}
         values.setdefault("position_embedding_type",
                           "sincos" if model_type == "vit_mae" else "learned")
-        return cls(**values)
+        return _from_fields(cls, values, source)
 
 
 VIT_PRESETS = {

@@ -17,6 +17,7 @@ import sys
 from typing import Callable
 
 from jaxaccel.plan import search as search_lib
+from jaxaccel.plan import topology
 from jaxaccel.plan.compile import make_plan
 from jaxaccel.plan.fit import DoesNotFit
 from jaxaccel.plan.report import duration, report, usd_text
@@ -30,6 +31,7 @@ class Entry:
     fits: bool
     changes: tuple = ()         # --set KEY=VALUE the fit search added
     why: str = ""               # why it does not fit, or the error
+    refused: bool = False       # the target refused the config: nothing was compiled
 
     def seconds(self) -> float:
         """The epoch's (or run's) time: forecast where the plan has one, else the bound."""
@@ -91,13 +93,14 @@ def plan_targets(config: str | None, sets: list[str], names: list[str], *,
     its compile limit), its report printed and, where it fits, its result file written into
     ``out``; several targets are then ranked (``table``). ``memory``: bytes per device to plan
     against; ``error_text``: the line an input error prints as."""
+    for name in names:      # before anything compiles: a bad name refuses the command
+        topology.resolve(name)
     many = len(names) > 1
     entries = []
     for name in names:
         if many:
             print(f"== {name} ==", flush=True)
-        entry = _search_one(config, sets, name, memory, fit) if fit else \
-            _plan_one(config, sets, name, memory, many, error_text)
+        entry = _entry(config, sets, name, memory, fit, many, error_text)
         entries.append(entry)
         if entry.fits and out:
             os.makedirs(out, exist_ok=True)
@@ -112,6 +115,19 @@ def plan_targets(config: str | None, sets: list[str], names: list[str], *,
         print("targets ranked (estimates):")
         print(table(entries))
     return entries
+
+
+def _entry(config, sets, name: str, memory, fit: int | None, many: bool, error_text) -> Entry:
+    """One target's ranking entry, as given or searched (``fit``); among several targets a
+    config the target refuses is reported, nothing compiled (alone, it is raised)."""
+    try:
+        return _search_one(config, sets, name, memory, fit) if fit else \
+            _plan_one(config, sets, name, memory)
+    except ValueError as e:
+        if not many:
+            raise
+        print(f"error: {name}: {error_text(e)}", file=sys.stderr)
+        return Entry(name, None, False, why=error_text(e).split(";")[0], refused=True)
 
 
 def _search_one(config, sets, name: str, memory, limit: int) -> Entry:
@@ -134,9 +150,9 @@ def _search_one(config, sets, name: str, memory, limit: int) -> Entry:
     return Entry(name, best.plan, True, tuple(best.sets))
 
 
-def _plan_one(config, sets, name: str, memory, many: bool, error_text) -> Entry:
+def _plan_one(config, sets, name: str, memory) -> Entry:
     """One target's plan as a ranking entry: a run that does not fit is reported (its error on
-    stderr) and, among several targets, so is a bad input (alone, it is raised)."""
+    stderr)."""
     try:
         p = make_plan(config, sets, name, device_memory=memory)
     except DoesNotFit as e:
@@ -144,10 +160,5 @@ def _plan_one(config, sets, name: str, memory, many: bool, error_text) -> Entry:
             print(report(e.plan))
         print(f"error: {e}", file=sys.stderr)
         return Entry(name, e.plan, False, why=f"{e.step} step")
-    except ValueError as e:
-        if not many:
-            raise
-        print(f"error: {name}: {error_text(e)}", file=sys.stderr)
-        return Entry(name, None, False, why=error_text(e).split(";")[0])
     print(report(p))
     return Entry(name, p, True)

@@ -147,8 +147,9 @@ def _cost(plan: Plan) -> list[str]:
             "prepare builds its cache, whose index then gives it; or set train.max_steps, "
             "data.train_examples or data.train_tokens)"]
     usd = usd_text(c["usd"]) if c["usd"] is not None else "no price"
-    lines = [f"{c['unit']} (estimate): {c['steps']} steps x step time = "
-             f"{c['seconds']:.1f} s, {usd} ({c['price']})",
+    lines = [f"{c['unit']} (estimate): {c['steps']} steps x step time "
+             f"{plan.estimate['step_s'] * 1e3:.4g} ms = {duration(c['seconds'])}, {usd} "
+             f"({c['price']})",
              f"  the {c['unit']}'s steps: from {c['steps_from']}"]
     if "forecast_seconds" in c:
         usd = "" if c["usd"] is None else (

@@ -44,6 +44,7 @@ class Candidate:
     plan: Plan | None           # None: the compiler refused it, or it is not a valid run
     error: str | None = None    # why it does not fit or is not valid; None: it fits
     step: str | None = None     # the step that did not fit ("train" / "eval")
+    compiled: bool = True       # False: refused before compiling (not a valid run, not built)
 
     @property
     def fits(self) -> bool:
@@ -82,7 +83,10 @@ class Search:
     stopped: str | None         # why the search ended before trying everything, or None
 
     def summary(self) -> str:
-        lines = [f"fit search on {self.target}: {len(self.tried)} configurations compiled"]
+        compiled = sum(c.compiled for c in self.tried)
+        count = f"{compiled} configurations compiled" if compiled == len(self.tried) else \
+            f"{len(self.tried)} configurations tried, {compiled} compiled"
+        lines = [f"fit search on {self.target}: {count}"]
         for c in self.tried:
             lines.append(f"  {c.describe()}: {c.outcome()}")
         if self.best:
@@ -138,9 +142,11 @@ def search(config_path: str | None, sets: list[str], topology_name: str, *,
         except DoesNotFit as e:
             c.plan, c.error, c.step = e.plan, str(e), e.step
         except StepRefused as e:                # a smaller micro-batch may build
-            c.error, c.step = f"cannot be built: {e}", e.step
+            c.error, c.step, c.compiled = f"cannot be built: {e}", e.step, False
         except ValueError as e:                 # a combination the run refuses
-            c.error = f"not a valid run: {e}"
+            if not changes:     # the config as given: no change searched makes it valid
+                raise
+            c.error, c.compiled = f"not a valid run: {e}", False
         tried.append(c)
         progress(f"fit search [{len(tried)}/{limit}] {c.describe()}: {c.outcome()}")
         return c

@@ -86,6 +86,12 @@ def _mib(nbytes: int) -> str:
     return f"{nbytes / 2 ** 20:.1f} MiB"
 
 
+def _bytes_on_disk(folder: str) -> int:
+    """The size of the files under ``folder``."""
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(folder)
+               for f in files)
+
+
 @jax.jit
 def all_finite(tree) -> jax.Array:
     """True iff every element of every leaf of ``tree`` is finite (one fused reduction)."""
@@ -290,10 +296,13 @@ class Checkpointer:
                         if n.isdigit() and int(n) != step)
         kept = (f"the earlier step(s) {intact} are intact (resume continues from step "
                 f"{intact[-1]})" if intact else "no earlier step was saved")
+        need = (f"about {_mib(_bytes_on_disk(os.path.join(self.directory, str(intact[-1]))))} "
+                f"free (step {intact[-1]}'s size on disk)" if intact else
+                f"up to {_mib(nbytes)} free (its arrays' size in memory)")
         raise DiskFull(
             errno.ENOSPC,
             f"no space left on the device of {self.directory} to save checkpoint step {step} "
-            f"({unfinished}): one checkpoint needs about {_mib(nbytes)} free; {kept}. Free "
+            f"({unfinished}): one checkpoint needs {need}; {kept}. Free "
             "that much space (or give workdir=... on a disk with room, copying the run folder "
             "there) and run the same command again.") from None
 

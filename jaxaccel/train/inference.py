@@ -3,6 +3,7 @@ checkpoint, the config and model spec saved with it, and its tokenizer/ folder).
 are opened read-only, so these run safely beside the trainer writing the folder."""
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 
@@ -12,6 +13,7 @@ import numpy as np
 from jaxaccel import config as config_lib
 from jaxaccel.data import BatchIterator, load_tokenizer, sources, splits, tokenize
 from jaxaccel.data.arrays import ArrayBatches
+from jaxaccel.data.spec import Settings
 from jaxaccel.models import check_vocab, spec as spec_lib
 from jaxaccel.models.generate import Sampler
 from jaxaccel.models.stack import merge
@@ -83,7 +85,7 @@ def evaluate_run(run_dir: str, sets: list[str] | None = None, devices=None) -> d
     # Records before the step was saved with them give the data position (epoch, step in it).
     step = meta["step"] if "step" in meta else \
         meta["epoch"] * run.resolved.data.steps_per_epoch + meta["step_in_epoch"]
-    result.update(step=step, run_dir=run_dir)
+    result.update(step=step, split=run.resolved.data.eval_split, run_dir=run_dir)
     if run.label_names:
         result["label_names"] = list(run.label_names)    # the classes, as the run named them
     return result
@@ -96,12 +98,14 @@ def checkpoint_run(run_dir: str, sets=(), devices=None, *, data: bool = True):
     split batched unless ``data`` is False (predict brings its own inputs: the data is then
     described, from the config alone where it is not on this machine, and not read). The
     checkpoint holds the per-parameter form whatever the trainer's layout or pipeline was."""
-    model, cfg, meta = load_run(run_dir)
-    cfg = config_lib.build(cfg.to_dict(), ["mesh.data=-1", "mesh.fsdp=1", "mesh.tensor=1",
+    model, trained, meta = load_run(run_dir)
+    cfg = config_lib.build(trained.to_dict(), ["mesh.data=-1", "mesh.fsdp=1", "mesh.tensor=1",
                                            "mesh.stage=1", *sets])
     folder = None if reads_arrays(model.spec) else tokenizer_dir(run_dir)
     resolved = resolve(cfg, devices, training=False, spec=model.spec, tokenizer=folder,
                        label_names=meta.get("label_names") or None, absent_ok=not data)
+    resolved = dataclasses.replace(resolved, data=dataclasses.replace(
+        resolved.data, trained=Settings(trained.data)))
     return assemble(resolved, model=model, tokenizer_dir=folder, data=data), meta
 
 
@@ -120,13 +124,14 @@ def tokenizer_dir(run_dir: str) -> str:
 
 
 class Predictor:
-    """``Predictor(run_dir)(inputs) -> [(label_name, probability), ...]``, ``batch_size``
-    inputs per forward pass, classified by the task's forward pass (``step.forward``); a
-    non-finite probability comes back as ``nan``. A text model's inputs are texts, batched as
-    evaluation batches are (``BatchIterator``: sorted by length, each batch padded by the run's
-    ``data.pad_multiple``, the last one completed with filler rows); an array model's are files
-    (e.g. WAV recordings), made into its inputs as its dataset makes its examples
-    (``splits.input_features``, which reads the training data's normalisation)."""
+    """``Predictor(run_dir)(inputs) -> [(label_name, probability, facts) or ValueError,
+    ...]`` (``__call__``), at most ``batch_size`` inputs per forward pass, classified by the
+    task's forward pass (``step.forward``); a non-finite probability comes back as ``nan``. A
+    text model's inputs are texts, batched as evaluation batches are (``BatchIterator``:
+    sorted by length, each batch padded by the run's ``data.pad_multiple``, the last one
+    completed with filler rows); an array model's are files (e.g. WAV recordings), made into
+    its inputs as its data makes its examples (``splits.input_features``, which reads the
+    training data's normalisation)."""
 
     def __init__(self, run_dir: str, batch_size: int = 64):
         if batch_size < 1:
@@ -156,31 +161,39 @@ class Predictor:
             return jax.nn.softmax(logits, axis=-1)
         self._probs = probs
 
-    def _batches(self, inputs: list[str]):
-        """``(rows of inputs, batch)`` pairs covering every input once."""
+    def _batches(self, inputs: list, size: int):
+        """``(rows of inputs, batch)`` pairs covering every input once, ``size`` rows a batch:
+        ``inputs`` are texts, or an array model's inputs (float32 arrays)."""
         zeros = np.zeros(len(inputs), np.int32)
         if self.arrays:
-            data = ArrayBatches(self._features(inputs), zeros, self.batch_size, shuffle=False,
+            data = ArrayBatches(np.stack(inputs), zeros, size, shuffle=False,
                                 drop_remainder=False)
             rows = np.arange(len(inputs))
-            return ((rows[i * self.batch_size:(i + 1) * self.batch_size], batch)
+            return ((rows[i * size:(i + 1) * size], batch)
                     for i, batch in enumerate(data.batches(0)))
         examples = tokenize(self.tokenizer, inputs, zeros, max_len=self.max_len)
-        batches = BatchIterator(examples, self.batch_size, shuffle=False, drop_remainder=False,
+        batches = BatchIterator(examples, size, shuffle=False, drop_remainder=False,
                                 pad_multiple=self.pad_multiple,
-                                bucket_window=len(inputs) // self.batch_size + 1)
+                                bucket_window=len(inputs) // size + 1)
         return zip(batches.plan(0), batches.batches(0))
 
-    def __call__(self, inputs: list[str]) -> list[tuple[str, float]]:
+    def __call__(self, inputs: list[str]) -> list:
+        """Per input, ``(label, probability, facts)`` or the ``ValueError`` refusing it (an
+        array model's file that its dataset cannot make an input of: ``splits.input_features``;
+        ``facts`` says what was read of it, ``{}`` for a text). A batch holds at most
+        ``batch_size`` inputs, and no more than there are."""
         inputs = list(inputs)
-        if not inputs:
-            return []
-        out: list[tuple[str, float]] = [None] * len(inputs)
-        for rows, batch in self._batches(inputs):
+        made = self._features(inputs) if self.arrays and inputs else [(t, {}) for t in inputs]
+        out = list(made)
+        good = [i for i, m in enumerate(made) if not isinstance(m, ValueError)]
+        if not good:
+            return out
+        size = min(self.batch_size, len(good))
+        for rows, batch in self._batches([made[i][0] for i in good], size):
             p = np.asarray(self._probs(self._state, batch))
-            for r, i in enumerate(rows):
+            for r, k in enumerate(rows):
                 best = int(np.nan_to_num(p[r], nan=-1.0).argmax())
-                out[i] = (self.label_names[best], float(p[r, best]))
+                out[good[k]] = (self.label_names[best], float(p[r, best]), made[good[k]][1])
         return out
 
 

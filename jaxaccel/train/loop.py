@@ -129,6 +129,7 @@ def _loop(run: Run, state: TrainState, start: int, on: Events, stop_signal) -> O
             t0 = time.perf_counter()
             log.info("compiled %d programs ahead in %.1f s", compile_ahead(run, state, start),
                      time.perf_counter() - t0)
+            _sync("jaxaccel_compiled")      # the first step's collectives meet within gloo's 30 s
             with contextlib.closing(_steps(run, start)) as steps:
                 for step, batch in steps:
                     state, metrics = run.train_step(state, run.put_batch(batch))
@@ -204,8 +205,10 @@ class Events:
         final = self.run.evaluate(state)     # while the last save writes
         self.ckpt.wait()
         self.writer.write(step, final, prefix="eval/")
+        split = self.run.resolved.data.eval_split
         return Completed(**self._paths(), step=step, task=self.run.task.name,
-                         summary=self.run.task.summary(final), eval=final)
+                         summary=self.run.task.summary(final, split), eval_split=split,
+                         eval=final)
 
     def diverged(self, step: int, error: Exception) -> Diverged:
         advice = None if isinstance(error, TooManySkippedSteps) else (  # names its own fix
@@ -295,10 +298,19 @@ def _record(run: Run, epoch: int, step_in_epoch: int) -> dict:
             "architecture": run.spec.to_dict(), "label_names": list(run.label_names)}
 
 
+BARRIER_TIMEOUT_S = 3600
+"""How long a process waits at ``_sync`` for the others: as long as one may compile longer than
+another (a process that died is reported sooner, by the heartbeats it no longer sends)."""
+
+
 def _sync(name: str) -> None:
+    """Wait until every process reaches ``name``: the coordination service's barrier, not a
+    collective (on CPUs, gloo gives a collective's first meeting of the processes 30 s, and a
+    process that compiled slower under load arrived later than that: "Gloo context
+    initialization failed: DEADLINE_EXCEEDED")."""
     if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-        multihost_utils.sync_global_devices(name)
+        from orbax.checkpoint import multihost
+        multihost.get_barrier_sync_fn()(key=name, timeout_ms=BARRIER_TIMEOUT_S * 1000)
 
 
 def _resume(run: Run, ckpt: Checkpointer, changes: dict) -> tuple[TrainState, int]:
@@ -310,9 +322,10 @@ def _resume(run: Run, ckpt: Checkpointer, changes: dict) -> tuple[TrainState, in
         restored = restore_state(ckpt, state, run.state_shardings)
         if restored is not None:
             state = restored[0]
-            log.info("resumed from %s at step %d", ckpt.directory, int(state.step))
     start = int(jax.device_get(state.step))
-    _resume_note(run, start, changes)
+    _resume_note(run, start, changes)       # may refuse: then nothing says "resumed"
+    if start:
+        log.info("resumed from %s at step %d", ckpt.directory, start)
     return state, start
 
 

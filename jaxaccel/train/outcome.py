@@ -54,6 +54,7 @@ class Completed(Outcome):
     step: int
     task: str
     summary: str
+    eval_split: str
     eval: dict
 
 

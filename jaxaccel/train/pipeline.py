@@ -46,16 +46,20 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jaxaccel import config as config_lib
 from jaxaccel import sharding as shd
 from jaxaccel.forms.stacked import Stacking
 from jaxaccel.models.stack import layer_fn, scan_layers
 from kernels_pallas import registry
+
+log = logging.getLogger("jaxaccel")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,23 +137,43 @@ class Stages(Stacking):
 
 def of(cfg, num_layers: int) -> Stages | None:
     """The pipeline of a config (``mesh.stage`` > 1), checked against the model's
-    ``num_layers`` and the batch sizes its micro-batches split; None without one.
-    ``train.microbatches`` 0 is one per stage."""
+    ``num_layers`` and the batch sizes its micro-batches split; None without one (pipeline
+    settings given then are warned of). ``train.microbatches`` 0 is one per stage."""
     s = int(cfg.mesh.get("stage", 1))
     if s <= 1:
+        _warn_ignored_keys(cfg)
         return None
     t = cfg.train
     m = t.microbatches or s
     stages = Stages(s, int(cfg.model.pipeline_repeats), int(m), int(num_layers),
                     bool(cfg.sharding.get("pipeline_gather_once", False)))
     stages.check()
-    sizes = {"train.batch_size / train.grad_accum": t.batch_size // t.grad_accum,
-             "train.eval_batch_size": t.eval_batch_size}
-    for key, size in sizes.items():
+    accum = f" / train.grad_accum={t.grad_accum}" if t.grad_accum > 1 else ""
+    micro = f"train.microbatches={m}" if t.microbatches else \
+        f"{m} (train.microbatches=0: one per stage of mesh.stage={s})"
+    sizes = {(f"train.batch_size={t.batch_size}{accum}", "a train step"):
+             t.batch_size // t.grad_accum,
+             (f"train.eval_batch_size={t.eval_batch_size}", "an eval step"): t.eval_batch_size}
+    for (keys, step), size in sizes.items():
         if size % m:
-            raise ValueError(f"{key}={size} does not split into train.microbatches={m} "
-                             f"micro-batches; use a multiple of {m}.")
+            raise ValueError(f"{keys}: {step} of {size} rows does not split into {micro} "
+                             f"micro-batches; use a multiple of {m} rows, or a number of "
+                             f"micro-batches that divides {size}.")
     return stages
+
+
+def _warn_ignored_keys(cfg) -> None:
+    """Warn of pipeline settings given to a run without a pipeline (``mesh.stage`` 1)."""
+    keys = ("train.microbatches", "model.pipeline_repeats", "sharding.pipeline_gather_once")
+    given = {}
+    for key in keys:
+        section, name = key.split(".")
+        if cfg[section].get(name) != config_lib.BASE[section].get(name):
+            given[key] = cfg[section][name]
+    if given:
+        log.warning("%s: pipeline settings, ignored with mesh.stage=%d (no pipeline); set "
+                    "mesh.stage > 1 to pipeline, or drop them.",
+                    ", ".join(f"{k}={v}" for k, v in given.items()), cfg.mesh.get("stage", 1))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))

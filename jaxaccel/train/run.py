@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import os
 
 import jax
 from flax import nnx
 
+from jaxaccel import config as config_lib
 from jaxaccel import optim
 from jaxaccel import sharding as shd
 from jaxaccel.config import Config
@@ -46,13 +48,15 @@ from jaxaccel.train.state import TrainState
 from jaxaccel.train.step import make_eval_step, make_train_step
 from jaxaccel.train.tasks import TASKS, Task, with_loss_chunks
 
+log = logging.getLogger("jaxaccel")
+
 
 @dataclasses.dataclass(frozen=True)
 class Resolved:
     """A run as its config and target make it, fully derived before anything is built.
 
     Attributes:
-      cfg: the validated config.
+      cfg: the validated config, its mesh sizes as the mesh has them (a -1 filled in).
       mesh: the device mesh (``mesh`` section) over the target's devices.
       policy: the precision policy (``precision.policy_of``), the one of the run.
       spec: the model's ``ModelSpec`` (its family, architecture, task and options).
@@ -127,11 +131,15 @@ def resolve(cfg: Config, devices=None, *, training: bool = True,
     attention.check_config(cfg.model.attention_impl, policy)
     spec = model_spec(cfg.model) if spec is None else spec
     mesh = shd.make_mesh(dict(cfg.mesh), devices)
+    filled = _filled_mesh(cfg, mesh)
+    cfg = config_lib.build(cfg.to_dict(), [f"mesh.{a}={n}" for a, n in filled.items()]) \
+        if filled else cfg
     remat.check(spec.remat, list(mesh.devices.flat))
     described = describe_data(cfg, spec, mesh.size, tokenizer, label_names,
                               absent_ok) if data else None
-    if training and described is not None:
+    if described is not None:
         data_sources.check_task(described)
+    if training and described is not None:
         splits.check_tokenizer_vocab(described)
         described = splits.prepared(described, load_tokenizer)
     splits.check_batch_fits(cfg.train, {a: mesh.shape[a] for a in shd.BATCH_AXES},
@@ -143,8 +151,19 @@ def resolve(cfg: Config, devices=None, *, training: bool = True,
                                  mesh.devices.flat[0].platform)
     per_epoch = described.steps_per_epoch if training and described is not None else None
     task = with_loss_chunks(TASKS[spec.task], cfg.train.loss_chunks, cfg.data.max_len)
+    if training and filled:
+        log.info("mesh %s over %d devices (%s: the devices the other axes leave)",
+                 ", ".join(f"{a}={n}" for a, n in mesh.shape.items()), mesh.size,
+                 ", ".join(f"mesh.{a}=-1 is {n}" for a, n in filled.items()))
     return Resolved(cfg, mesh, policy, spec, task, layout, training, described,
                     per_epoch, _length(cfg.train, per_epoch), stages, stacking)
+
+
+def _filled_mesh(cfg: Config, mesh) -> dict:
+    """``{axis: size}`` of the config's -1 mesh axes: the devices the other axes leave
+    (``sharding.mesh_shape``), as every axis reads them from here on (a pipeline's
+    ``mesh.stage=-1`` is its stage count)."""
+    return {a: mesh.shape[a] for a, size in cfg.mesh.items() if size == -1}
 
 
 def model_input(cfg: Config, spec: ModelSpec, tokenizer: str | None = None) -> ModelInput:

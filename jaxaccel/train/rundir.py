@@ -162,6 +162,19 @@ def saved_config(run_dir: str) -> tuple[dict, str] | None:
     return None
 
 
+def run_folder(path: str) -> str:
+    """The absolute run folder ``path`` names (the folder itself, or its checkpoints/ folder),
+    or ``FileNotFoundError`` if it has no checkpoints/ folder: the form every command that
+    reads a run (eval, predict, generate, ``model.init_from``) takes."""
+    path = os.path.abspath(path)
+    if os.path.basename(path) == "checkpoints":
+        path = os.path.dirname(path)
+    if not os.path.isdir(os.path.join(path, "checkpoints")):
+        raise FileNotFoundError(f"{path!r} is not a run folder: it has no checkpoints/ "
+                                "folder. Pass the folder `jaxaccel train` printed.")
+    return path
+
+
 def make_run_dir(run_dir: str) -> None:
     """Create ``run_dir``, or raise ``RunFolderError`` saying why it cannot be written."""
     try:
@@ -306,8 +319,8 @@ def library_log(run_dir: str):
             lg.setLevel(level)
         handler.close()
         if count[0]:
-            log.info("the details of the problem(s) above (%d error(s) or traceback(s) of "
-                     "Orbax/absl/TensorStore) are in %s", count[0], path)
+            log.info("Orbax/absl/TensorStore logged %d error(s) or traceback(s), kept off the "
+                     "console: they are in %s", count[0], path)
 
 
 def _alive(pid: int) -> bool:

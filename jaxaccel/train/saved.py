@@ -15,6 +15,7 @@ from jaxaccel import config as config_lib
 from jaxaccel.models import build_model, spec
 from jaxaccel.models.fp8 import Fp8Meta
 from jaxaccel.precision import policy_of
+from jaxaccel.train import rundir
 from jaxaccel.train.checkpoint import Checkpointer, like
 
 log = logging.getLogger("jaxaccel")
@@ -52,8 +53,12 @@ def init_from(model, run_dir: str) -> None:
     and shape agree (``model.init_from``): the embeddings and every layer must (else
     ``ValueError``: another architecture); what the run does not have, or has in another
     shape (a new head, e.g. a classifier on an MAE encoder), keeps its fresh initialisation
-    and is logged. The run's task-specific parts (an MAE decoder) are left out."""
-    source, _, _ = load_run(run_dir)
+    and is logged. The run's task-specific parts (an MAE decoder) are left out. ``run_dir``
+    is the folder or its checkpoints/ folder; every refusal names the key."""
+    try:
+        source, _, _ = load_run(rundir.run_folder(run_dir))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"model.init_from={run_dir!r}: {e}") from e
     have = flatten_dict(nnx.to_pure_dict(nnx.state(source, nnx.Param)))
     state = nnx.state(model, nnx.Param)
     values = flatten_dict(nnx.to_pure_dict(state))

@@ -62,7 +62,8 @@ class Task:
       unpads: whether the task's rows are padded and ``logits`` takes ``unpad``.
       sums: ``sums(logits, batch)`` -> (loss_sum, correct, count), float32 scalars.
       report: eval totals {"loss_sum", "correct", "count"} -> what eval reports.
-      summary: a report -> the one line ``jaxaccel train`` ends with.
+      summary: ``(report, split)`` -> the one line ``jaxaccel train`` ends with (``split``:
+        the eval split it scored, named).
       row_keys: the batch keys with one value per row rather than per token.
       counts_correct: whether ``correct`` counts anything (the train step's ``accuracy``
         metric); MAE predicts pixels, nothing is right or wrong.
@@ -234,20 +235,21 @@ TASKS = {
         weights="weights", logits=_classification_logits,
         sums=lambda logits, b: _weighted_sums(logits, b["labels"], b["weights"]),
         report=_classification_report,
-        summary=lambda r: f"final test accuracy: {r['accuracy']:.4f} ({r['examples']} examples)",
+        summary=lambda r, split: f"final {split} accuracy: {r['accuracy']:.4f} ({r['examples']} "
+                                 f"examples)",
         unpads=True, row_keys=("labels", "weights")),
     "causal_lm": Task(
         "causal_lm", targets=("targets", "target_weights"),
         weights="target_weights", logits=_lm_logits,
         sums=lambda logits, b: _weighted_sums(logits, b["targets"], b["target_weights"]),
         report=_lm_report,
-        summary=lambda r: f"final eval loss {r['loss']:.4f}, perplexity {r['perplexity']:.2f} "
-                          f"({r['tokens']} tokens)"),
+        summary=lambda r, split: f"final {split} loss {r['loss']:.4f}, perplexity "
+                                 f"{r['perplexity']:.2f} ({r['tokens']} tokens)"),
     "mae": Task(
         "mae", targets=("weights",), weights="weights", logits=_mae_logits, sums=_mae_sums,
         report=_mae_report,
-        summary=lambda r: f"final eval loss {r['loss']:.4f} (masked patches' mean squared "
-                          f"error, {r['examples']} examples)",
+        summary=lambda r, split: f"final {split} loss {r['loss']:.4f} (masked patches' mean "
+                                 f"squared error, {r['examples']} examples)",
         row_keys=("weights",), counts_correct=False),
 }
 
