@@ -11,6 +11,7 @@ from tqdm.auto import tqdm
 
 from jaxaccel import config
 from jaxaccel.models import model_spec
+from jaxaccel.precision import policy_of
 from jaxaccel.train import loop
 from jaxaccel.train.checkpoint import NonFiniteState
 from jaxaccel.train.outcome import Completed, Diverged, Preempted
@@ -98,7 +99,8 @@ def events(ckpt):
     cfg = config.build(sets=TINY)
     run = T(cfg=cfg, spec=model_spec(cfg.model), total_steps=8, schedule=lambda s: 1e-3,
             train_data=T(steps_per_epoch=4), run_dir="run", label_names=(),
-            task=T(name="classification", summary=lambda ev: "done"),
+            resolved=T(policy=policy_of(cfg.precision), data=T(eval_split="test")),
+            task=T(name="classification", summary=lambda ev, split: "done"),
             evaluate=lambda state: {"accuracy": 0.5})
     written = []
     writer = T(path="metrics.jsonl", write=lambda step, m, prefix: written.append((step, prefix)))

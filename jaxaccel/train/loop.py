@@ -349,12 +349,13 @@ def _resume_note(run: Run, start: int, changes: dict) -> None:
 
 def _throughput(run: Run) -> flops.Throughput:
     """The tokens/s, TFLOP/s and MFU meter of the run's train steps (``jaxaccel.flops``)."""
-    kind, policy = jax.devices()[0].device_kind, run.cfg.precision.policy
+    kind, policy = jax.devices()[0].device_kind, run.resolved.policy
     meter = flops.Throughput(flops.model_shape(run.spec), policy, kind, jax.device_count(),
                              jax.process_count())
     if meter.peak is None:
         log.info("MFU: no peak FLOP/s known for device %r under policy %s (jaxaccel.flops."
-                 "peak_flops, jaxaccel/devices.py); metrics carry tokens/s and model TFLOP/s only", kind, policy)
+                 "peak_flops, jaxaccel/devices.py); metrics carry tokens/s and model TFLOP/s "
+                 "only", kind, policy.name)
     return meter
 
 
