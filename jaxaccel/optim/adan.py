@@ -136,6 +136,55 @@ class _Rule:
                                        count=count, clip=clip) for d in (False, True)])
 
 
+def _update_per_leaf(leaves, treedef, state, p_leaves, decay, scalars, no_prox):
+    """The single-tensor update: the kernel's reference on each float leaf, in the tree form."""
+    states = [treedef.flatten_up_to(x) for x in (state.m, state.v, state.n, state.prev)]
+    outs = []
+    for i, g in enumerate(leaves):
+        if not is_float(g) or g.size == 0:
+            outs.append((jnp.zeros_like(g),) + tuple(s[i] for s in states))
+            continue
+        p = p_leaves[i] if (p_leaves is not None and decay[i]) else None
+        outs.append(adan_reference(scalars[int(bool(decay[i]))], g,
+                                   *(s[i] for s in states), p, no_prox=no_prox))
+    cols = list(zip(*outs))
+    return tuple(treedef.unflatten(c) for c in cols)
+
+
+def _update_flat(packing, leaves, state, p_leaves, scalars, no_prox, impl):
+    """The multi-tensor update, per device when the packing is sharded: pack the local
+    gradient (and parameter) shards, update this device's rows, unpack local updates."""
+    grad_idx = packing.packed
+    param_idx = [i for g in packing.groups if g.decay for i in g.leaves] \
+        if p_leaves is not None else []
+
+    def local(scalars, g, p, m, v, n, prev):
+        u_leaves, new = {}, ([], [], [], [])
+        for k, group in enumerate(packing.groups):
+            dtype = _common_dtype(g, group)
+            gk = packing.own_rows(pack(g, group, dtype))
+            pk = packing.own_rows(pack(p, group, dtype)) if p and group.decay else None
+            u, *st = adan_update(scalars[int(group.decay)], gk, m[k], v[k], n[k], prev[k],
+                                 pk, no_prox=no_prox, impl=impl)
+            for buf, s in zip(new, st):
+                buf.append(s)
+            for i, x in unpack(packing.all_rows(u), group, packing).items():
+                u_leaves[i] = x.astype(g[i].dtype)
+        return u_leaves, tuple(tuple(b) for b in new)
+
+    bufs = packing.buffer_specs
+    local = packing.per_device(
+        local, in_specs=(P(), packing.leaf_specs(grad_idx), packing.leaf_specs(param_idx),
+                         bufs, bufs, bufs, bufs),
+        out_specs=(packing.leaf_specs(grad_idx), (bufs,) * 4))
+    u, new_state = local(scalars, {i: leaves[i] for i in grad_idx},
+                         {i: p_leaves[i] for i in param_idx},
+                         *(x.buffers for x in (state.m, state.v, state.n, state.prev)))
+    new_leaves = [u[i] if i in u else jnp.zeros_like(x) for i, x in enumerate(leaves)]
+    return (packing.treedef.unflatten(new_leaves),
+            *(Packed(b, packing) for b in new_state))
+
+
 def adan(learning_rate: float | Callable = 1e-3, b1: float = 0.98, b2: float = 0.92,
          b3: float = 0.99, eps: float = 1e-8, weight_decay: float = 0.0, no_prox: bool = False,
          max_grad_norm: float = 0.0, mask: Any = None, state_dtype: Any = None,
@@ -183,60 +232,14 @@ def adan(learning_rate: float | Callable = 1e-3, b1: float = 0.98, b2: float = 0
         p_leaves = treedef.flatten_up_to(params) if rule.needs_params else None
         if not isinstance(state.m, Packed):
             decay = rule.decay_flags(params, treedef, len(leaves))
-            out = _update_per_leaf(leaves, treedef, state, p_leaves, decay, scalars)
+            out = _update_per_leaf(leaves, treedef, state, p_leaves, decay, scalars, no_prox)
         else:
             if state.m.packing.treedef != treedef:
                 raise ValueError("adan: the state was initialised for another parameter tree "
                                  f"({state.m.packing.treedef}); the updates are {treedef}.")
-            out = _update_flat(state.m.packing, leaves, state, p_leaves, scalars)
+            out = _update_flat(state.m.packing, leaves, state, p_leaves, scalars, no_prox, impl)
         new_updates, m, v, n, prev = out
         return new_updates, AdanState(state.count + 1, m, v, n, prev)
-
-    def _update_per_leaf(leaves, treedef, state, p_leaves, decay, scalars):
-        states = [treedef.flatten_up_to(x) for x in (state.m, state.v, state.n, state.prev)]
-        outs = []
-        for i, g in enumerate(leaves):
-            if not is_float(g) or g.size == 0:
-                outs.append((jnp.zeros_like(g),) + tuple(s[i] for s in states))
-                continue
-            p = p_leaves[i] if (p_leaves is not None and decay[i]) else None
-            outs.append(adan_reference(scalars[int(bool(decay[i]))], g,
-                                       *(s[i] for s in states), p, no_prox=no_prox))
-        cols = list(zip(*outs))
-        return tuple(treedef.unflatten(c) for c in cols)
-
-    def _update_flat(packing, leaves, state, p_leaves, scalars):
-        """The multi-tensor update, per device when the packing is sharded: pack the local
-        gradient (and parameter) shards, update this device's rows, unpack local updates."""
-        grad_idx = packing.packed
-        param_idx = [i for g in packing.groups if g.decay for i in g.leaves] \
-            if p_leaves is not None else []
-
-        def local(scalars, g, p, m, v, n, prev):
-            u_leaves, new = {}, ([], [], [], [])
-            for k, group in enumerate(packing.groups):
-                dtype = _common_dtype(g, group)
-                gk = packing.own_rows(pack(g, group, dtype))
-                pk = packing.own_rows(pack(p, group, dtype)) if p and group.decay else None
-                u, *st = adan_update(scalars[int(group.decay)], gk, m[k], v[k], n[k], prev[k],
-                                     pk, no_prox=no_prox, impl=impl)
-                for buf, s in zip(new, st):
-                    buf.append(s)
-                for i, x in unpack(packing.all_rows(u), group, packing).items():
-                    u_leaves[i] = x.astype(g[i].dtype)
-            return u_leaves, tuple(tuple(b) for b in new)
-
-        bufs = packing.buffer_specs
-        local = packing.per_device(
-            local, in_specs=(P(), packing.leaf_specs(grad_idx), packing.leaf_specs(param_idx),
-                             bufs, bufs, bufs, bufs),
-            out_specs=(packing.leaf_specs(grad_idx), (bufs,) * 4))
-        u, new_state = local(scalars, {i: leaves[i] for i in grad_idx},
-                             {i: p_leaves[i] for i in param_idx},
-                             *(x.buffers for x in (state.m, state.v, state.n, state.prev)))
-        new_leaves = [u[i] if i in u else jnp.zeros_like(x) for i, x in enumerate(leaves)]
-        return (packing.treedef.unflatten(new_leaves),
-                *(Packed(b, packing) for b in new_state))
 
     return optax.GradientTransformation(init_fn, update_fn)
 
