@@ -256,7 +256,27 @@ def load_checkpoint(path, spec: ModelSpec, policy: str | Policy | None = None,
     cfg = spec.architecture
     if not isinstance(cfg, ViTConfig):
         raise TypeError(f"load_checkpoint takes a ModelSpec of a ViTConfig, got {spec!r}.")
-    found = architecture_of(path)
+    _check_architecture(spec, architecture_of(path), source)
+    tensors = _read_tensors(path)
+    mapping = key_map(cfg, spec.task, spec.num_labels)
+    _check_coverage(tensors, mapping, spec, path)
+    for name, (ours, transform) in mapping.items():
+        if transform == SINCOS:
+            _check_positions(name, tensors[name], _sincos_table(name, cfg), path,
+                             zero_positions)
+    model = ViTModel(spec, policy, nnx.Rngs(params=seed))
+    converted = {name: _to_ours(tensors[name], transform, cfg)
+                 for name, (ours, transform) in mapping.items()
+                 if ours is not None and name in tensors}
+    hf.assign(model, converted, {name: (mapping[name][0], False) for name in converted},
+              f"{path}: ", f" (num_labels={spec.num_labels})" if spec.num_labels else "")
+    return model
+
+
+def _check_architecture(spec: ModelSpec, found: ViTConfig, source: str) -> None:
+    """Refuse a checkpoint whose config.json (``found``) describes another architecture than
+    ``spec`` (the fields ``load_checkpoint`` names aside)."""
+    cfg = spec.architecture
     ignore = _NOT_ARCHITECTURE + (MAE_ONLY if spec.task == "classification" else ())
     differ = {f.name: (getattr(cfg, f.name), getattr(found, f.name))
               for f in dataclasses.fields(ViTConfig) if f.name not in ignore
@@ -266,6 +286,9 @@ def load_checkpoint(path, spec: ModelSpec, policy: str | Policy | None = None,
                          + ", ".join(f"{k}={c!r} (spec: {s!r})" for k, (s, c) in differ.items())
                          + ". Build the spec's architecture with architecture_of(path).")
 
+
+def _read_tensors(path: str) -> dict:
+    """The checkpoint's tensors by normalised name; a name spelled twice is refused."""
     tensors = {}
     for name, value in hf.read_tensors(path).items():
         key = _normalise(name)
@@ -273,7 +296,12 @@ def load_checkpoint(path, spec: ModelSpec, policy: str | Policy | None = None,
             raise ValueError(f"{path}: the checkpoint holds tensor {key!r} twice (once as "
                              f"{name!r}); keep one spelling.")
         tensors[key] = value
-    mapping = key_map(cfg, spec.task, spec.num_labels)
+    return tensors
+
+
+def _check_coverage(tensors: dict, mapping: dict, spec: ModelSpec, path: str) -> None:
+    """Refuse tensors the model does not have and missing tensors it needs; log the ones
+    ignored (pooler, an MAE decoder read into a classifier) and a fresh classifier."""
     ignored = sorted(k for k in tensors if k not in mapping and (
         _POOLER.match(k) or (spec.task == "classification" and k.startswith("decoder."))))
     if ignored:
@@ -296,18 +324,6 @@ def load_checkpoint(path, spec: ModelSpec, policy: str | Policy | None = None,
                          f"{required[:10]}{' ...' if len(required) > 10 else ''}{hint}")
     if fresh:
         log.info("newly initialised (absent from %s): %s", path, fresh)
-
-    for name, (ours, transform) in mapping.items():
-        if transform == SINCOS:
-            _check_positions(name, tensors[name], _sincos_table(name, cfg), path,
-                             zero_positions)
-    model = ViTModel(spec, policy, nnx.Rngs(params=seed))
-    converted = {name: _to_ours(tensors[name], transform, cfg)
-                 for name, (ours, transform) in mapping.items()
-                 if ours is not None and name in tensors}
-    hf.assign(model, converted, {name: (mapping[name][0], False) for name in converted},
-              f"{path}: ", f" (num_labels={spec.num_labels})" if spec.num_labels else "")
-    return model
 
 
 def _check_positions(name: str, table: np.ndarray, expected: np.ndarray, path: str,
