@@ -82,7 +82,7 @@ from bench.common import (add_out_argument, device_kind, markdown, time_fn,  # n
                           write_results)
 from jaxaccel.flops import model_shape, peak_flops, train_flops  # noqa: E402
 from jaxaccel.models import LLAMA_PRESETS, PRESETS, BertConfig, LlamaConfig, ModelSpec  # noqa
-from jaxaccel.models.spec import VIT_PRESETS, ViTConfig  # noqa: E402
+from jaxaccel.models.architectures import VIT_PRESETS, ViTConfig  # noqa: E402
 from bench.torch_worker import TorchWorker  # noqa: E402
 from jaxaccel.precision import get_policy  # noqa: E402
 

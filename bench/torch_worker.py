@@ -27,7 +27,7 @@ WARMUP = 3
 
 def _build(spec: dict):
     from bench import train_step
-    from jaxaccel.models.spec import BertConfig, LlamaConfig
+    from jaxaccel.models.architectures import BertConfig, LlamaConfig
     if spec["kind"] == "bert":
         return train_step.torch_bert_step(BertConfig(**spec["config"]), spec["batch"],
                                           spec["seq"], spec["mode"], spec["attention_dropout"])

@@ -34,7 +34,7 @@ from flax import nnx
 from jaxaccel import config
 from jaxaccel.data import load_tokenizer
 from jaxaccel.models import ModelSpec, build_model, hf, load_checkpoint, model_spec
-from jaxaccel.models.spec import VIT_PRESETS, ViTConfig
+from jaxaccel.models.architectures import VIT_PRESETS, ViTConfig
 from jaxaccel.train import loop, rundir
 from jaxaccel.train import run as run_lib
 from jaxaccel.train.checkpoint import Checkpointer, on_disk

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from jaxaccel import config
-from jaxaccel.models.spec import LLAMA_PRESETS, PRESETS, VIT_PRESETS, ModelSpec
+from jaxaccel.models.architectures import LLAMA_PRESETS, PRESETS, VIT_PRESETS
+from jaxaccel.models.spec import ModelSpec
 from jaxaccel.data import bpe, canterbury, load_corpus, load_text_dataset, load_tokenizer, splits
 from jaxaccel.data.packing import KEYS, PackedBatches, pack, tokenize_documents
 from jaxaccel.data.sources import check_task

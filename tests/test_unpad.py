@@ -12,8 +12,9 @@ import pytest
 
 from jaxaccel import config
 from jaxaccel.data.pipeline import BatchIterator, Tokenized
+from jaxaccel.models.architectures import PRESETS
 from jaxaccel.models.bert import BertModel
-from jaxaccel.models.spec import PRESETS, ModelSpec
+from jaxaccel.models.spec import ModelSpec
 from jaxaccel.models.unpad import MAX_SHARE, Capacity, Unpadded
 from jaxaccel.train import run as run_lib
 from support import TINY_SETS

@@ -19,7 +19,7 @@ import compile_only
 from jaxaccel import config, plan
 from jaxaccel.data import bfsong
 from jaxaccel.models import ModelSpec, build_model, vit
-from jaxaccel.models.spec import VIT_PRESETS
+from jaxaccel.models.architectures import VIT_PRESETS
 from jaxaccel.train import loop
 from jaxaccel.train import run as run_lib
 from jaxaccel.train.inference import Predictor, evaluate_run

@@ -21,7 +21,8 @@ import pytest
 from flax import nnx
 
 from jaxaccel.models import hf, hf_vit, vit
-from jaxaccel.models.spec import ModelSpec, ViTConfig
+from jaxaccel.models.architectures import ViTConfig
+from jaxaccel.models.spec import ModelSpec
 from support import assert_custom_code_not_loaded_silently
 
 TOL = 1e-4

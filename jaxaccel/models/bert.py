@@ -10,7 +10,7 @@ float32. Under the fp8 policy the encoder's Dense layers (QKV, attention output,
 are ``fp8.Fp8Linear`` (same parameters plus non-trainable ``Fp8Meta`` scales); attention,
 pooler and heads stay bf16.
 
-    model = BertModel(ModelSpec(spec.PRESETS["tiny"], num_labels=2), policy="bf16")
+    model = BertModel(ModelSpec(architectures.PRESETS["tiny"], num_labels=2), policy="bf16")
     out = model(input_ids, attention_mask=mask)      # out.last_hidden_state, .pooler_output, .logits
 
 What the model is comes from a ``spec.ModelSpec``; ``hf.from_pretrained`` loads a Hugging Face
@@ -23,17 +23,18 @@ import jax.numpy as jnp
 from flax import nnx
 from flax import struct
 
+from jaxaccel.models.architectures import BertConfig
 from jaxaccel.models.attention import ATTENTION_IMPLS, attention, check_impl
 from jaxaccel.models.dropout import Dropout
 from jaxaccel.models.fp8 import Fp8Linear
 from jaxaccel.models.remat import tag
-from jaxaccel.models.spec import BertConfig, ModelSpec
+from jaxaccel.models.spec import ModelSpec
 from jaxaccel.models.stack import layers_key, sequential, token_rows
 from jaxaccel.models.unpad import Unpadded
 from jaxaccel.precision import Policy, get_policy
 from jaxaccel.sharding import by_batch
 
-_ACTIVATIONS = {                   # one for each of spec.HIDDEN_ACTS
+_ACTIVATIONS = {                   # one for each of architectures.HIDDEN_ACTS
     "gelu": lambda x: jax.nn.gelu(x, approximate=False),
     "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
     "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),

@@ -36,8 +36,9 @@ import numpy as np
 from flax import nnx
 
 from jaxaccel.models import remote_code
+from jaxaccel.models.architectures import DROPOUTS, BertConfig
 from jaxaccel.models.bert import BertModel
-from jaxaccel.models.spec import DROPOUTS, BertConfig, ModelSpec
+from jaxaccel.models.spec import ModelSpec
 from jaxaccel.precision import Policy
 
 log = logging.getLogger(__name__)

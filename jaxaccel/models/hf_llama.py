@@ -23,8 +23,9 @@ import numpy as np
 from flax import nnx
 
 from jaxaccel.models import hf
+from jaxaccel.models.architectures import LlamaConfig
 from jaxaccel.models.llama import LlamaForCausalLM
-from jaxaccel.models.spec import LlamaConfig, ModelSpec
+from jaxaccel.models.spec import ModelSpec
 from jaxaccel.precision import Policy
 
 # Buffers older checkpoints carry that are no parameters (RoPE frequencies are computed).

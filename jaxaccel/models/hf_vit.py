@@ -81,7 +81,8 @@ import numpy as np
 from flax import nnx
 
 from jaxaccel.models import hf, remote_code
-from jaxaccel.models.spec import DROPOUTS, ModelSpec, ViTConfig
+from jaxaccel.models.architectures import DROPOUTS, ViTConfig
+from jaxaccel.models.spec import ModelSpec
 from jaxaccel.models.vit import ViTModel, sincos_positions
 from jaxaccel.precision import Policy
 

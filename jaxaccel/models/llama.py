@@ -44,10 +44,11 @@ import jax.numpy as jnp
 from flax import nnx
 from flax import struct
 
+from jaxaccel.models.architectures import LlamaConfig
 from jaxaccel.models.attention import attention, check_impl
 from jaxaccel.models.fp8 import block_dense
 from jaxaccel.models.remat import tag
-from jaxaccel.models.spec import LlamaConfig, ModelSpec
+from jaxaccel.models.spec import ModelSpec
 from jaxaccel.models.stack import layer_rngs, layers_key, sequential
 from jaxaccel.precision import Policy, get_policy
 from jaxaccel.sharding import by_batch

@@ -47,12 +47,13 @@ import numpy as np
 from flax import nnx
 from flax import struct
 
+from jaxaccel.models.architectures import ViTConfig
 from jaxaccel.models.attention import attention, check_impl
 from jaxaccel.models.dropout import Dropout
 from jaxaccel.models import remat as remat_lib
 from jaxaccel.models.remat import tag
 from jaxaccel.models.fp8 import block_dense
-from jaxaccel.models.spec import ModelSpec, ViTConfig
+from jaxaccel.models.spec import ModelSpec
 from jaxaccel.models.stack import layer_rngs, layers_key, sequential, token_rows
 from jaxaccel.precision import Policy, get_policy
 from jaxaccel.sharding import by_batch

@@ -40,7 +40,7 @@ import shutil
 import tempfile
 
 from jaxaccel.models import hf, hf_vit, save_checkpoint
-from jaxaccel.models.spec import ViTConfig
+from jaxaccel.models.architectures import ViTConfig
 from jaxaccel.train.inference import tokenizer_dir
 from jaxaccel.train.saved import load_run
 
