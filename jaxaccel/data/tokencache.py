@@ -10,7 +10,7 @@ A cache is a folder ``<cache dir>/<source>-<split>-<slot>-<key>/`` (nanoGPT's an
 layout: flat binary token shards and an offsets index) holding
 
 * ``tokens-00000.bin`` ...: every document's ids laid end to end (uint16 where the vocabulary
-  fits, else uint32), at most ``SHARD_TOKENS`` a shard;
+  fits, else uint32), at most ``tokenwriter.SHARD_TOKENS`` a shard;
 * ``offsets.npy``: int64 [documents + 1], where each document starts in that stream;
 * ``labels.npy`` (labelled texts): int32, each example's index into ``labels.json``'s
   ``values`` (the labels as the source gave them, first seen first, with counts and the file
@@ -36,7 +36,6 @@ import dataclasses
 import hashlib
 import json
 import logging
-import multiprocessing
 import os
 import shutil
 import sys
@@ -46,10 +45,10 @@ import time
 import numpy as np
 
 from jaxaccel.data import encode
-from jaxaccel.data.spec import DataError, DataSpec, Records
+from jaxaccel.data.spec import DataError, DataSpec
+from jaxaccel.data.tokenwriter import Writer, encoded
 
 FORMAT = 1
-SHARD_TOKENS = 1 << 28          # 512 MiB of uint16 ids a shard, 1 GiB of uint32
 SMALL_SOURCE = 8 << 20          # bytes (or records x 256) below which one process tokenizes
 CACHE_ENV = "JAXACCEL_DATA_CACHE"
 
@@ -290,134 +289,6 @@ def tokens(spec: DataSpec, split: str, tokenizer, *, workers: int | None = None,
 # ----------------------------------------------------------------------------- building
 
 
-@dataclasses.dataclass
-class _Encoded:
-    ids: np.ndarray
-    lengths: np.ndarray
-    labels: list | None
-    firsts: dict            # label -> place of its first example in the chunk
-    size: int
-
-
-def _encode(reader, enc: encode.Encoder, chunk) -> _Encoded:
-    records: Records = reader.read(chunk)
-    what = "document" if enc.kind == "corpus" else "text"
-    for i, text in enumerate(records.texts):
-        if not text.strip():
-            raise DataError(f"{records.place(i)}: empty {what}; remove the record or give it "
-                            "text.")
-    ids, lengths = enc(records.texts)
-    labels, firsts = None, {}
-    if enc.kind == "text":
-        labels = [_label(v, records, i) for i, v in enumerate(records.labels)]
-        for i, v in enumerate(labels):
-            firsts.setdefault(v, records.place(i))
-    return _Encoded(ids, lengths, labels, firsts, reader.size(chunk))
-
-
-def _label(value, records: Records, i: int):
-    """A label as an int (integers, and strings of one) or a str."""
-    if isinstance(value, bytes):
-        value = value.decode("utf-8", "replace")
-    if isinstance(value, (bool, float)) or not isinstance(value, (int, np.integer, str)):
-        raise DataError(f"{records.place(i)}: label {value!r} is a {type(value).__name__}; "
-                        "labels are class names (strings) or integers.")
-    if isinstance(value, str):
-        value = value.strip()
-        if not value:
-            raise DataError(f"{records.place(i)}: empty label; give every example its class.")
-        if value.lstrip("-").isdigit():
-            return int(value)
-        return value
-    return int(value)
-
-
-_WORKER: dict = {}
-
-
-def _start_worker(enc: encode.Encoder) -> None:
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"     # the processes are the parallelism
-    _WORKER["enc"] = enc
-
-
-def _work(task) -> _Encoded:
-    reader, chunk = task
-    return _encode(reader, _WORKER["enc"], chunk)
-
-
-def _encoded(reader, enc, chunks, workers: int):
-    """Each chunk's ``_Encoded``, in order: in ``workers`` spawned processes (none before the
-    first result is asked for), or here where the source is small."""
-    if workers <= 1:
-        for chunk in chunks:
-            yield _encode(reader, enc, chunk)
-        return
-    ctx = multiprocessing.get_context("spawn")   # never fork a process that runs JAX threads
-    with ctx.Pool(workers, initializer=_start_worker, initargs=(enc,)) as pool:
-        yield from pool.imap(_work, [(reader, c) for c in chunks])
-
-
-class _Writer:
-    """Appends encoded chunks to shards in a folder; ``finish`` writes the index and meta."""
-
-    def __init__(self, folder: str, dtype):
-        self.folder, self.dtype = folder, np.dtype(dtype)
-        self.shards: list[list] = []
-        self.file, self.in_shard = None, SHARD_TOKENS
-        self.lengths: list[np.ndarray] = []
-        self.label_ids: list[np.ndarray] = []
-        self.values: dict = {}          # label -> [index, count, first place]
-
-    def add(self, part: _Encoded) -> None:
-        ids = part.ids
-        while len(ids):
-            if self.in_shard >= SHARD_TOKENS:
-                self._next_shard()
-            take = ids[:SHARD_TOKENS - self.in_shard]
-            self.file.write(np.ascontiguousarray(take, self.dtype).tobytes())
-            self.in_shard += len(take)
-            self.shards[-1][1] += len(take) * self.dtype.itemsize
-            ids = ids[len(take):]
-        self.lengths.append(part.lengths)
-        if part.labels is not None:
-            ids = np.empty(len(part.labels), np.int32)
-            for i, v in enumerate(part.labels):
-                entry = self.values.get(v)
-                if entry is None:
-                    entry = self.values[v] = [len(self.values), 0, part.firsts[v]]
-                entry[1] += 1
-                ids[i] = entry[0]
-            self.label_ids.append(ids)
-
-    def _next_shard(self) -> None:
-        if self.file is not None:
-            self.file.close()
-        name = f"tokens-{len(self.shards):05d}.bin"
-        self.file = open(os.path.join(self.folder, name), "wb")
-        self.shards.append([name, 0])
-        self.in_shard = 0
-
-    def finish(self, meta: dict) -> dict:
-        if self.file is None:
-            self._next_shard()
-        self.file.close()
-        lengths = np.concatenate(self.lengths) if self.lengths else np.zeros(0, np.int64)
-        offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-        np.save(os.path.join(self.folder, "offsets.npy"), offsets)
-        files = {name: size for name, size in self.shards}
-        if self.label_ids:
-            np.save(os.path.join(self.folder, "labels.npy"), np.concatenate(self.label_ids))
-            meta["labels"] = [{"value": v, "count": c, "first": where}
-                              for v, (_, c, where) in self.values.items()]
-            files["labels.npy"] = os.path.getsize(os.path.join(self.folder, "labels.npy"))
-        files["offsets.npy"] = os.path.getsize(os.path.join(self.folder, "offsets.npy"))
-        meta.update(documents=len(lengths), tokens=int(offsets[-1]), dtype=self.dtype.name,
-                    shards=self.shards, files=files)
-        with open(os.path.join(self.folder, "meta.json"), "w") as f:
-            json.dump(meta, f, indent=1)
-        return meta
-
-
 def _workers(total: int, unit: str, asked: int | None) -> int:
     """Processes to tokenize with: ``asked`` (None: one a CPU), one for a small source."""
     small = total < (SMALL_SOURCE if unit == "B" else SMALL_SOURCE // 256)
@@ -447,9 +318,9 @@ def _build(spec: DataSpec, split: str, enc: encode.Encoder, plan_: Plan, workers
              "" if workers == 1 else "es")
     t0, docs, toks = time.perf_counter(), 0, 0
     try:
-        writer = _Writer(tmp, enc.dtype)
+        writer = Writer(tmp, enc.dtype)
         with _progress(total, unit, what, progress) as bar:
-            for part in _encoded(reader, enc, chunks, workers):
+            for part in encoded(reader, enc, chunks, workers):
                 writer.add(part)
                 docs, toks = docs + len(part.lengths), toks + len(part.ids)
                 bar.update(part.size)
