@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxaccel.models import hf, hf_vit, vit
+from jaxaccel.models import hf, hf_vit, hf_vit_names, vit
 from jaxaccel.models.architectures import ViTConfig
 from jaxaccel.models.spec import ModelSpec
 from support import assert_custom_code_not_loaded_silently
@@ -156,10 +156,10 @@ def test_key_map_covers_transformers_names(tmp_path):
     arch = hf_vit.architecture_of(tmp_path)
     expected = set(hf_vit.key_map(arch, "mae"))
     for names in (memory, saved):
-        assert {hf_vit._normalise(n) for n in names} == expected
+        assert {hf_vit_names.normalise(n) for n in names} == expected
     vit_ref = _hf_vit(3)
     clf = hf_vit.key_map(ViTConfig.from_dict(vit_ref.config.to_dict()), "classification", 3)
-    assert {hf_vit._normalise(n) for n in vit_ref.state_dict()} == set(clf)
+    assert {hf_vit_names.normalise(n) for n in vit_ref.state_dict()} == set(clf)
     assert "classifier.weight" in clf and "decoder.mask_token" not in clf
 
 

@@ -73,7 +73,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import re
 
 import jax
 import jax.numpy as jnp
@@ -82,14 +81,13 @@ from flax import nnx
 
 from jaxaccel.models import hf, remote_code
 from jaxaccel.models.architectures import DROPOUTS, ViTConfig
+from jaxaccel.models.hf_vit_names import POOLER, SINCOS, key_map, normalise, to_hf, to_ours
 from jaxaccel.models.spec import ModelSpec
 from jaxaccel.models.vit import ViTModel, sincos_positions
 from jaxaccel.precision import Policy
 
 log = logging.getLogger(__name__)
 
-# Transforms of key_map: HF layout -> ours.
-COPY, LINEAR, CONV, SINCOS = "copy", "linear", "conv", "sincos"
 # Architecture fields a classifier does not have (its decoder and MAE's training settings).
 MAE_ONLY = ("decoder_num_attention_heads", "decoder_hidden_size", "decoder_num_hidden_layers",
             "decoder_intermediate_size", "mask_ratio", "norm_pix_loss", "decoder_window")
@@ -99,112 +97,11 @@ _NOT_ARCHITECTURE = (*DROPOUTS.values(), "mask_ratio", "norm_pix_loss",
                      "position_embedding_type")
 ZERO_POSITIONS = ("refuse", "sincos")
 
-# Other spellings of a tensor name -> the hub's (module doc), applied in order.
-_RENAMES = [
-    (re.compile(r"^(embeddings|encoder|layernorm|layers|pooler)\."), r"vit.\1."),   # ViTModel
-    (re.compile(r"^vit\.layers\.(\d+)\."), r"vit.encoder.layer.\1."),
-    (re.compile(r"^decoder\.decoder_encoder\.layer\.(\d+)\."), r"decoder.decoder_layers.\1."),
-]
-_BLOCK = r"^((?:vit\.encoder\.layer|decoder\.decoder_layers)\.\d+)\."
-_BLOCK_RENAMES = [(re.compile(_BLOCK + old), new) for old, new in (
-    (r"attention\.q_proj\.", r"\1.attention.attention.query."),
-    (r"attention\.k_proj\.", r"\1.attention.attention.key."),
-    (r"attention\.v_proj\.", r"\1.attention.attention.value."),
-    (r"attention\.o_proj\.", r"\1.attention.output.dense."),
-    (r"mlp\.fc1\.", r"\1.intermediate.dense."),
-    (r"mlp\.fc2\.", r"\1.output.dense."))]
-_POOLER = re.compile(r"^vit\.pooler\.")
-
-
-def _linear(hf_name: str, ours: str, bias: bool = True) -> dict[str, tuple[str, str]]:
-    m = {f"{hf_name}.weight": (f"{ours}/kernel", LINEAR)}
-    if bias:
-        m[f"{hf_name}.bias"] = (f"{ours}/bias", COPY)
-    return m
-
-
-def _norm(hf_name: str, ours: str) -> dict[str, tuple[str, str]]:
-    return {f"{hf_name}.weight": (f"{ours}/scale", COPY), f"{hf_name}.bias": (f"{ours}/bias", COPY)}
-
-
-def _block(hf_name: str, ours: str, qkv_bias: bool) -> dict[str, tuple[str, str]]:
-    m = {}
-    for n in ("query", "key", "value"):
-        m.update(_linear(f"{hf_name}.attention.attention.{n}", f"{ours}/attention/{n}", qkv_bias))
-    m.update(_linear(f"{hf_name}.attention.output.dense", f"{ours}/attention/output"))
-    m.update(_norm(f"{hf_name}.layernorm_before", f"{ours}/layernorm_before"))
-    m.update(_norm(f"{hf_name}.layernorm_after", f"{ours}/layernorm_after"))
-    m.update(_linear(f"{hf_name}.intermediate.dense", f"{ours}/intermediate"))
-    m.update(_linear(f"{hf_name}.output.dense", f"{ours}/output"))
-    return m
-
-
-def key_map(config: ViTConfig, task: str, num_labels: int | None = None
-            ) -> dict[str, tuple[str | None, str]]:
-    """HF tensor name (the hub's spelling) -> (our '/'-joined parameter path, transform):
-    ``"copy"``, ``"linear"`` (transposed), ``"conv"`` (Conv2d weight [out, C, p, p] <-> Dense
-    kernel [p*p*C, out]) or ``"sincos"`` (path None: no parameter, the computed sin-cos
-    table). ``task`` "mae" maps the decoder, "classification" the classifier (``num_labels``
-    None: none)."""
-    if task not in ("mae", "classification"):
-        raise ValueError(f"task={task!r}: a ViT checkpoint holds an 'mae' or a "
-                         "'classification' model.")
-    m = {"vit.embeddings.cls_token": ("embeddings/cls_token", COPY),
-         "vit.embeddings.position_embeddings":
-             ("embeddings/position_embeddings", COPY)
-             if config.position_embedding_type == "learned" else (None, SINCOS),
-         "vit.embeddings.patch_embeddings.projection.weight":
-             ("embeddings/patch_embeddings/projection/kernel", CONV),
-         "vit.embeddings.patch_embeddings.projection.bias":
-             ("embeddings/patch_embeddings/projection/bias", COPY)}
-    for i in range(config.num_hidden_layers):
-        m.update(_block(f"vit.encoder.layer.{i}", f"layers/{i}", config.qkv_bias))
-    m.update(_norm("vit.layernorm", "layernorm"))
-    if task == "mae":
-        m["decoder.mask_token"] = ("decoder/mask_token", COPY)
-        m["decoder.decoder_pos_embed"] = (None, SINCOS)
-        m.update(_linear("decoder.decoder_embed", "decoder/decoder_embed"))
-        for i in range(config.decoder_num_hidden_layers):
-            m.update(_block(f"decoder.decoder_layers.{i}", f"decoder/decoder_layers/{i}",
-                            config.qkv_bias))
-        m.update(_norm("decoder.decoder_norm", "decoder/decoder_norm"))
-        m.update(_linear("decoder.decoder_pred", "decoder/decoder_pred"))
-    elif num_labels is not None:
-        m.update(_linear("classifier", "classifier"))
-    return m
-
-
-def _normalise(name: str) -> str:
-    """The hub's spelling of a checkpoint tensor name (module doc)."""
-    name = remote_code.standard_name(name)
-    for pattern, new in _RENAMES + _BLOCK_RENAMES:
-        name = pattern.sub(new, name)
-    return name
-
 
 def _sincos_table(hf_name: str, config: ViTConfig) -> np.ndarray:
     """float32 [1, 1 + N, D]: the computed table stored as ``hf_name``."""
     dim = config.decoder_hidden_size if hf_name.startswith("decoder.") else config.hidden_size
     return sincos_positions(dim, *config.grid)[None]
-
-
-def _to_ours(value: np.ndarray, transform: str, config: ViTConfig) -> np.ndarray:
-    if transform == LINEAR:
-        return value.T
-    if transform == CONV:
-        if value.ndim != 4:
-            return value            # a wrong shape: assign() names it
-        return value.transpose(2, 3, 1, 0).reshape(-1, value.shape[0])
-    return value
-
-
-def _to_hf(value: np.ndarray, transform: str, config: ViTConfig) -> np.ndarray:
-    if transform == LINEAR:
-        return value.T
-    if transform == CONV:
-        p, c = config.patch_size, config.num_channels
-        return value.reshape(p, p, c, -1).transpose(3, 2, 0, 1)
-    return value
 
 
 def architecture_of(path) -> ViTConfig:
@@ -266,7 +163,7 @@ def load_checkpoint(path, spec: ModelSpec, policy: str | Policy | None = None,
             _check_positions(name, tensors[name], _sincos_table(name, cfg), path,
                              zero_positions)
     model = ViTModel(spec, policy, nnx.Rngs(params=seed))
-    converted = {name: _to_ours(tensors[name], transform, cfg)
+    converted = {name: to_ours(tensors[name], transform, cfg)
                  for name, (ours, transform) in mapping.items()
                  if ours is not None and name in tensors}
     hf.assign(model, converted, {name: (mapping[name][0], False) for name in converted},
@@ -292,7 +189,7 @@ def _read_tensors(path: str) -> dict:
     """The checkpoint's tensors by normalised name; a name spelled twice is refused."""
     tensors = {}
     for name, value in hf.read_tensors(path).items():
-        key = _normalise(name)
+        key = normalise(name)
         if key in tensors:
             raise ValueError(f"{path}: the checkpoint holds tensor {key!r} twice (once as "
                              f"{name!r}); keep one spelling.")
@@ -304,7 +201,7 @@ def _check_coverage(tensors: dict, mapping: dict, spec: ModelSpec, path: str) ->
     """Refuse tensors the model does not have and missing tensors it needs; log the ones
     ignored (pooler, an MAE decoder read into a classifier) and a fresh classifier."""
     ignored = sorted(k for k in tensors if k not in mapping and (
-        _POOLER.match(k) or (spec.task == "classification" and k.startswith("decoder."))))
+        POOLER.match(k) or (spec.task == "classification" and k.startswith("decoder."))))
     if ignored:
         log.info("%s: tensors the %s model does not use, ignored: %s", path, spec.task,
                  ignored[:10])
@@ -366,7 +263,7 @@ def _hf_tensors(model: ViTModel, mapping) -> dict[str, np.ndarray]:
     cfg, flat = model.config, hf.flat_params(model)
     dtype = np.asarray(jax.device_get(flat["embeddings/cls_token"])).dtype
     return {name: _sincos_table(name, cfg).astype(dtype) if transform == SINCOS
-            else _to_hf(np.asarray(jax.device_get(flat[ours])), transform, cfg)
+            else to_hf(np.asarray(jax.device_get(flat[ours])), transform, cfg)
             for name, (ours, transform) in mapping.items()}
 
 
@@ -458,4 +355,4 @@ def _config_fields(cfg: ViTConfig) -> dict:
 
 
 __all__ = ["architecture_of", "config_json", "differences", "encoder_config_json",
-           "from_pretrained", "key_map", "load_checkpoint", "save_checkpoint", "save_encoder"]
+           "from_pretrained", "load_checkpoint", "save_checkpoint", "save_encoder"]
