@@ -27,9 +27,9 @@ import difflib
 import importlib
 from typing import Any, Mapping
 
-from .architectures import (BERT_MODEL_TYPES, BERT_PRESETS, DROPOUTS, LLAMA_MODEL_TYPES,
-                            LLAMA_PRESETS, VIT_MODEL_TYPES, VIT_PRESETS, BertConfig, LlamaConfig,
-                            ViTConfig)
+from jaxaccel.models.architectures import (BERT_MODEL_TYPES, BERT_PRESETS, DROPOUTS,
+                                           LLAMA_MODEL_TYPES, LLAMA_PRESETS, VIT_MODEL_TYPES,
+                                           VIT_PRESETS, BertConfig, LlamaConfig, ViTConfig)
 
 POOLINGS = ("cls", "mean")
 # Rematerialisation policies (models/remat.py), and what the config's true/false/None name.
