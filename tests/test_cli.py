@@ -73,6 +73,7 @@ def test_train_eval_predict_round_trip(capsys, tmp_path, monkeypatch):
     assert records[0]["text"] == "a gripping, beautifully shot film"
 
 
+@pytest.mark.slow   # 25-35 s of training; Adan's rule and kernels: test_adan, test_flat
 def test_training_with_adan_through_the_cli_lowers_the_loss(capsys, tmp_path):
     """3 epochs (48 steps) at a 3e-3 learning rate: the loss falls by 0.18 (6 epochs at the
     config's 1e-3 took twice as long for 0.15)."""

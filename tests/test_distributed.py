@@ -136,6 +136,7 @@ def test_two_processes_stop_together_on_sigterm_to_one_and_resume_like_one_proce
     assert ev["accuracy"] == pytest.approx(final, abs=1e-6)
 
 
+@pytest.mark.slow   # 60-95 s; tests/test_pipeline_cli.py's killed two-process run is slow too
 def test_a_pipeline_whose_stages_are_two_processes_trains_like_one_process(tmp_path):
     """``mesh.stage=2`` over two processes of 2 CPU devices each (the stage axis is outermost:
     process 0 holds stage 0, process 1 stage 1; the stage-to-stage permutes cross processes)

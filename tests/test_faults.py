@@ -135,6 +135,7 @@ def test_resume_false_on_a_used_folder_is_refused_or_overwritten(run_copy, capsy
         assert max(json.loads(line)["step"] for line in f) == 2
 
 
+@pytest.mark.slow   # 35-50 s; the rule itself: test_loop_events' keep_good cases, without training
 def test_nonfinite_stop_keeps_a_checkpoint_that_evaluates(tmp_path):
     """Item 3: with warm-up, step 1 is still at the initial parameters and step 2 has
     diverged (~3e29, finite, but step 3's loss is NaN): the last good checkpoint is step 1,

@@ -96,7 +96,7 @@ CASES = {"bert": [("stage2_fsdp2_data2", 4, 1, 2),
                   pytest.param("stage4_tensor2", 1, 2, 8, marks=pytest.mark.slow),
                   pytest.param("stage8", 2, 1, 8, marks=pytest.mark.slow)],
          "llama": [("stage2_fsdp2_data2", 1, 2, 4), ("stage4_tensor2", 2, 1, 4),
-                   ("stage8", 1, 1, 8)]}
+                   pytest.param("stage8", 1, 1, 8, marks=pytest.mark.slow)]}
 
 
 def _case(family, case):
@@ -141,7 +141,8 @@ def test_remat_gradient_accumulation_and_fp16_compose_with_the_pipeline(tmp_path
 
 
 @pytest.mark.parametrize("family,layers,micro,repeats", [
-    ("llama", 7, 2, 2), pytest.param("bert", 2, 4, 1, marks=pytest.mark.slow)])
+    pytest.param("llama", 7, 2, 2, marks=pytest.mark.slow),
+    pytest.param("bert", 2, 4, 1, marks=pytest.mark.slow)])
 def test_fp8_composes_with_the_pipeline(tmp_path, family, layers, micro, repeats):
     """fp8 with delayed scaling on 2 stages: each layer is used by every micro-batch (and
     idle in the bubble) and its scaling state comes out as the plain step's, the newest amax
@@ -175,9 +176,10 @@ def test_fp8_composes_with_the_pipeline(tmp_path, family, layers, micro, repeats
     ({"stage": 2, "data": 4}, ("train.layer_decay=0.5",)),
     # FSDP keeps some leaves whole and every stage holds the embeddings and the head: the flat
     # layout's clipping norm must count each once (clipping binds at 0.05)
-    ({"stage": 2, "fsdp": 2, "data": 2},
-     ("train.optimizer=adan", "train.optimizer_impl=xla", "train.flat_params=true",
-      "train.weight_decay=0.01", "train.max_grad_norm=0.05"))], ids=["layer_decay", "flat"])
+    pytest.param({"stage": 2, "fsdp": 2, "data": 2},
+                 ("train.optimizer=adan", "train.optimizer_impl=xla", "train.flat_params=true",
+                  "train.weight_decay=0.01", "train.max_grad_norm=0.05"),
+                 marks=pytest.mark.slow)], ids=["layer_decay", "flat"])
 def test_layer_decay_and_the_flat_layout_compose_with_the_pipeline(plain, tmp_path, mesh, extra):
     """Layer-wise decay scales the stacked layers by their own layers' factors; the flat
     one-pass Adan keeps the staged parameters in its buffers: the plain run's losses and
@@ -265,7 +267,7 @@ PLANNED = ["model.name=llama-tiny", "model.tokenizer=unused", "data.max_len=64",
 @pytest.mark.aot_compile
 @needs_libtpu
 @needs_cuda_plugin
-@pytest.mark.parametrize("name", ["v5e-8", "h100:1x8"])
+@pytest.mark.parametrize("name", [pytest.param("v5e-8", marks=pytest.mark.slow), "h100:1x8"])
 def test_a_pipelined_decoder_plans_for_tpu_and_gpu(name):
     """The TPU and GPU compilers take the pipelined step (its loops scanned there, not
     unrolled): the stage-to-stage collective permutes are in the compiled program, the plan

@@ -313,6 +313,7 @@ def test_checkpoint_restores_onto_another_mesh(tmp_path, sets, source):
         assert int(restored.step) == 2 and meta["epoch"] == 0
 
 
+@pytest.mark.slow   # 50-75 s; test_checkpoint_restores_onto_another_mesh keeps the restore's rule
 def test_resume_on_another_mesh_continues_the_run(tmp_path):
     """Fused-Adan training stopped after 2 steps on 8 FSDP devices and resumed on a 2x2x2 mesh
     gives the losses of the uninterrupted run."""

@@ -271,7 +271,7 @@ def test_a_pipelined_mae_step_equals_the_plain_one(tmp_path):
     np.testing.assert_allclose(train_steps(staged)[0], train_steps(plain)[0], rtol=1e-5)
 
 
-@pytest.mark.parametrize("task", ["classification", "mae"])
+@pytest.mark.parametrize("task", ["classification", pytest.param("mae", marks=pytest.mark.slow)])
 def test_fp8_vit_step_feeds_fp8_operands_to_the_h100_gemms(tmp_path, compile_target, task):
     """The step under fp8 on a 2x2x2 mesh of 8 x H100, compiled by XLA's GPU pipeline (no GPU
     used): E4M3 x E4M3 forward GEMMs and E5M2-gradient backward GEMMs for every block Dense
@@ -294,6 +294,7 @@ def test_fp8_vit_step_feeds_fp8_operands_to_the_h100_gemms(tmp_path, compile_tar
     compile_only.assert_gemm_dtypes(text, "fp8", blocks)
 
 
+@pytest.mark.slow   # a whole fp8 MAE plan for 8 x H100: 60-90 s of compiling on the 2-core CPU
 def test_the_fp8_mae_step_is_planned_for_h100(compile_target):
     """Planned for one H100 whatever the XLA: where it finds no Triton tiling for the MAE
     step's GEMMs (jaxlib 0.10, above), the planner compiles with cuBLAS GEMMs and says so."""
@@ -331,6 +332,7 @@ def test_a_recording_file_becomes_the_datasets_example(bf_dir, tmp_path):
     assert isinstance(refused, ValueError) and "sampled at 16000 Hz" in str(refused)
 
 
+@pytest.mark.slow   # 45-70 s; test_predict_audio trains a birdsong classifier and predicts with it
 def test_a_birdsong_classifier_trains_evaluates_and_predicts_recordings(bf_dir, tmp_path,
                                                                         capsys):
     result = loop.train(config.build(sets=[
