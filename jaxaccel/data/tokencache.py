@@ -44,6 +44,7 @@ import time
 
 import numpy as np
 
+from jaxaccel import processes
 from jaxaccel.data import encode
 from jaxaccel.data.spec import DataError, DataSpec
 from jaxaccel.data.tokenwriter import Writer, encoded
@@ -372,21 +373,12 @@ def _remove_partials(plan_: Plan) -> None:
         if not name.startswith(prefix):
             continue
         pid = int(name[len(prefix):].split("-")[0])
-        if pid != os.getpid() and _alive(pid):
+        if pid != os.getpid() and processes.alive(pid):
             continue
         log.warning("removing %s, left half-written by a build that did not finish",
                     os.path.join(plan_.root, name))
         shutil.rmtree(os.path.join(plan_.root, name), ignore_errors=True)
 
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 __all__ = ["FORMAT", "Plan", "TokenCache", "cache_root", "digest", "lookup", "plan",

@@ -52,6 +52,7 @@ import socket
 import sys
 import time
 
+from jaxaccel import processes
 from jaxaccel.config import BASE
 
 log = logging.getLogger("jaxaccel")
@@ -323,15 +324,6 @@ def library_log(run_dir: str):
                      "console: they are in %s", count[0], path)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
 
 @dataclasses.dataclass
 class RunLock:
@@ -362,7 +354,7 @@ class RunLock:
                 if holder is None:
                     continue                    # released meanwhile: try again
                 stale = (holder.get("host") == me["host"] and isinstance(holder.get("pid"), int)
-                         and not _alive(holder["pid"]))
+                         and not processes.alive(holder["pid"]))
                 if not stale:
                     raise RunFolderError(
                         f"run folder {self.run_dir!r} is in use by another trainer (pid "
