@@ -335,7 +335,8 @@ def lm_run(tmp_path_factory, model):
     tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", eos_token="</s>") \
         .save_pretrained(str(run_dir / "tokenizer"))
-    cfg = config.build(sets=["model.name=llama-tiny", f"workdir={run_dir.parent}", "name=run"])
+    cfg = config.build(sets=["model.name=llama-tiny", "data.name=canterbury",
+                             f"workdir={run_dir.parent}", "name=run"])
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     ckpt = Checkpointer(str(run_dir / "checkpoints"))
     ckpt.save(3, on_disk(TrainState.create(params, optax.sgd(0.1), 0)),

@@ -223,7 +223,7 @@ def test_files_train_eval_and_predict_name_the_labels(tmp_path, capsys):
     run_dir = result["run_dir"]
     ev = evaluate_run(run_dir)
     assert ev["accuracy"] == result["eval_accuracy"] and ev["label_names"] == ["neg", "pos"]
-    labels = {label for label, _ in Predictor(run_dir)(["a film", "a waste"])}
+    labels = {label for label, _, _ in Predictor(run_dir)(["a film", "a waste"])}
     assert labels <= {"neg", "pos"}
     code, out, err = run_cli(capsys, "data", "show", "-n", "2", *[f"--set={s}" for s in sets])
     assert code == 0, err
