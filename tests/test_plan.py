@@ -282,10 +282,11 @@ def test_fit_search_walks_the_remat_ladder_until_a_policy_fits(monkeypatch):
 @needs_libtpu
 @needs_cuda_plugin
 def test_several_targets_are_planned_and_ranked_by_time_and_cost(capsys, tmp_path):
-    """A 4-chip v5e slice, a 4-GPU host and a name that is no target, in one command, with
-    FSDP-4: both targets' plans written, ranked with their epoch's time and price; the bad
-    name listed, unranked. The plans' own numbers are checked from the files written."""
-    code, out, err = compile_cli(capsys, "--topology", "v5e:2x2,h100:1x4,v9:2x2", "--set",
+    """A 4-chip v5e slice and a 4-GPU host in one command, with FSDP-4: both targets' plans
+    written, ranked with their epoch's time and price (a name that is no target is refused
+    before anything compiles: test_probe4). The plans' own numbers are checked from the
+    files written."""
+    code, out, err = compile_cli(capsys, "--topology", "v5e:2x2,h100:1x4", "--set",
                                  "mesh.data=1", "--set", "mesh.fsdp=4", "--out", str(tmp_path))
     assert code == 0, err
     assert sorted(os.listdir(tmp_path)) == ["plan-tiny_synthetic-h100_1x4.json",
@@ -293,10 +294,8 @@ def test_several_targets_are_planned_and_ranked_by_time_and_cost(capsys, tmp_pat
     table = out[out.index("targets ranked"):].splitlines()
     rows = [r for r in table if r.startswith("| ")][1:]
     assert sorted(r.split(" | ")[1] for r in rows[:2]) == ["h100:1x4", "v5e:2x2"]
-    assert rows[0].startswith("| 1 |") and rows[1].startswith("| 2 |")
-    assert rows[2].startswith("| - | v9:2x2 |") and "unknown topology" in rows[2]
+    assert rows[0].startswith("| 1 |") and rows[1].startswith("| 2 |") and len(rows) == 2
     assert all("$" in r for r in rows[:2]) and "(cheapest)" in out
-    assert "unknown topology 'v9:2x2'" in err
     assert "sent per device at least" in out and "  forecast " in out
     plans = {}
     for name in ("v5e_2x2", "h100_1x4"):
