@@ -135,6 +135,16 @@ def _ids():
     return tuple(lax.axis_index(n) for n in ("batch", "heads", "tile", "wg"))
 
 
+def _stream_kv(plan, refs, smems, bars, free, bi, hi, lb, ub, bk):
+    """The memory warpgroup of the forward and dQ kernels: key blocks ``lb``..``ub`` (of
+    ``bk`` rows: each kernel's own block size) of the query head ``hi``'s K/V head streamed
+    into the ``stages`` shared-memory slots."""
+    hk = lax.div(hi, jnp.int32(plan.groups))
+    blocks = lambda ref: lambda i: ref.at[bi, pl.ds(i * bk, bk), hk]
+    mgpu.produce([(blocks(ref), smem) for ref, smem in zip(refs, smems)], bars, free, lb, ub,
+                 plan.blocks.stages)
+
+
 # ----------------------------------------------------------------------------- kernels
 
 
@@ -151,12 +161,8 @@ def _forward(plan, q, k, v, kv_len, q_seg, kv_seg):
         kv_len = len_ref[bi]
         lb, ub = _key_blocks(plan, kv_len, ti, WGS * bq, bk)
 
-        @pl.when(wg == WGS)
-        def _memory():
-            hk = lax.div(hi, jnp.int32(plan.groups))
-            blocks = lambda ref: lambda i: ref.at[bi, pl.ds(i * bk, bk), hk]
-            mgpu.produce([(blocks(k_ref), k_smem), (blocks(v_ref), v_smem)], (k_bar, v_bar),
-                         free, lb, ub, stages)
+        pl.when(wg == WGS)(lambda: _stream_kv(plan, (k_ref, v_ref), (k_smem, v_smem),
+                                              (k_bar, v_bar), free, bi, hi, lb, ub, bk))
 
         @pl.when(wg < WGS)
         def _compute():
@@ -216,12 +222,8 @@ def _dq(plan, q, k, v, do, lse, delta, kv_len, q_seg, kv_seg):
         kv_len = len_ref[bi]
         lb, ub = _key_blocks(plan, kv_len, ti, WGS * bq, bk)
 
-        @pl.when(wg == WGS)
-        def _memory():
-            hk = lax.div(hi, jnp.int32(plan.groups))
-            blocks = lambda ref: lambda i: ref.at[bi, pl.ds(i * bk, bk), hk]
-            mgpu.produce([(blocks(k_ref), k_smem), (blocks(v_ref), v_smem)], (k_bar, v_bar),
-                         free, lb, ub, stages)
+        pl.when(wg == WGS)(lambda: _stream_kv(plan, (k_ref, v_ref), (k_smem, v_smem),
+                                              (k_bar, v_bar), free, bi, hi, lb, ub, bk))
 
         @pl.when(wg < WGS)
         def _compute():
