@@ -36,6 +36,11 @@ KEYS = {"flops": "flops", "transcendentals": "transcendentals",
         "bytes_accessed": "bytes accessed"}
 _HEADER = re.compile(r"^(ENTRY )?%([\w.\-]+) ")
 _NAME = re.compile(r"%([\w.\-]+)")
+# An attribute the GPU compiler prints on async collectives (jax >= 0.12: all-reduce-start's
+# buffer aliasing) that jaxlib's HLO parser takes only on custom calls and fusions; it has no
+# bearing on FLOPs or bytes, so it is dropped from other instructions before parsing.
+_ALIASING = re.compile(r", output_to_operand_aliasing=\{(?:[^{}]|\{(?:[^{}]|\{[^{}]*\})*\})*\}")
+_OPCODE = re.compile(r"^\s*(?:ROOT )?%[\w.\-]+ = .*? ([\w\-]+)\(")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +85,9 @@ def _analysis():
 def _blocks(hlo: str) -> tuple[str, dict]:
     """``(preamble, {computation: its text})``: the module's text cut at computation headers
     (the preamble holds the stack-frame tables that instructions' metadata refer to)."""
-    lines = hlo.splitlines()
+    lines = [_ALIASING.sub("", line) if (m := _OPCODE.match(line))
+             and m.group(1) not in ("custom-call", "fusion") else line
+             for line in hlo.splitlines()]
     starts = [i for i, line in enumerate(lines) if _HEADER.match(line)]
     preamble = "\n".join(lines[1:starts[0]]) if starts else ""
     blocks = {}
