@@ -6,7 +6,8 @@ returning a dict of overrides of ``BASE``, nested (``{"train": {"epochs": 3}}``)
 file holding such a dict is a config file too (a run folder's ``config.json`` is one). On the
 command line, ``--set key=value`` overrides anything (values parsed as Python literals, else
 taken as strings). Unknown keys fail loudly and list close matches; values are type-checked
-against the base.
+against the base, and values are checked against the rules no run can break
+(``config_checks.validate``).
 """
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ import json
 import os
 import sys
 from typing import Any
+
+from jaxaccel.config_checks import validate
 
 
 BASE: dict[str, Any] = {
@@ -383,95 +386,3 @@ def load(path: str | None, sets: list[str] | None = None, *,
         return build(load_file(path) if path else None, sets)
     finally:
         _DEVICE_COUNT.reset(token)
-
-
-def validate(cfg: Config) -> None:
-    """Check values that are wrong whatever they configure (ranges, divisibility), before
-    anything is built. Which names a choice takes (optimizer, policy, attention kernel) is
-    checked by the part that owns the choice, when a run is resolved
-    (``jaxaccel.train.run.resolve``): the schema does not import what it configures."""
-    t = cfg.train
-    if not cfg.name or os.sep in cfg.name or cfg.name in (".", ".."):
-        raise ValueError(f"name={cfg.name!r} must be a folder name (outputs go to "
-                         "{workdir}/{name}), e.g. name=my_run.")
-    positive = {"train.batch_size": t.batch_size, "train.eval_batch_size": t.eval_batch_size,
-                "data.synthetic_examples": cfg.data.synthetic_examples,
-                "data.synthetic_seq_len": cfg.data.synthetic_seq_len,
-                "train.grad_accum": t.grad_accum, "train.log_every": t.log_every,
-                "train.loss_chunks": t.loss_chunks,
-                "data.max_len": cfg.data.max_len, "data.pad_multiple": cfg.data.pad_multiple,
-                "data.tokenizer_vocab": cfg.data.tokenizer_vocab,
-                "model.num_labels": cfg.model.num_labels,
-                "model.pipeline_repeats": cfg.model.pipeline_repeats}
-    if cfg.model.scan_layers not in (None, True, False):
-        raise ValueError(f"model.scan_layers={cfg.model.scan_layers!r} must be true, false or "
-                         "None (scanned on TPUs and GPUs, not on the CPU).")
-    if t.microbatches < 0:
-        raise ValueError(f"train.microbatches={t.microbatches} must be >= 0 (0: one per "
-                         "pipeline stage).")
-    d = cfg.data
-    for key in ("validation_size", "workers", "train_examples", "train_tokens"):
-        if d[key] < 0:
-            raise ValueError(f"data.{key}={d[key]} must be >= 0.")
-    if not 0 <= d.holdout < 1:
-        raise ValueError(f"data.holdout={d.holdout} must be in [0, 1): the fraction of the "
-                         "training split held out as the eval split (0: none).")
-    if d.sample_rate < 1:
-        raise ValueError(f"data.sample_rate={d.sample_rate} must be >= 1 (Hz).")
-    if not 0 <= cfg.data.synthetic_min_len <= cfg.data.synthetic_seq_len:
-        raise ValueError(f"data.synthetic_min_len={cfg.data.synthetic_min_len} must be 0 "
-                         f"(fixed length) to data.synthetic_seq_len="
-                         f"{cfg.data.synthetic_seq_len}.")
-    for key, value in positive.items():
-        if value < 1:
-            raise ValueError(f"{key}={value} must be >= 1.")
-    if t.epochs < 1 and t.max_steps < 1:
-        raise ValueError(f"train.epochs={t.epochs} and train.max_steps={t.max_steps}: set one "
-                         "of them >= 1.")
-    non_negative = {"seed": (cfg.seed, "the seed of initialisation, dropout and data order"),
-                    "train.epochs": (t.epochs, "0 when train.max_steps > 0 sets the length"),
-                    "train.max_steps": (t.max_steps, "0: train.epochs decides"),
-                    "train.checkpoint_every": (t.checkpoint_every,
-                                               "0: epoch ends and the end only"),
-                    "train.weight_decay": (t.weight_decay, "0: no weight decay"),
-                    "train.max_grad_norm": (t.max_grad_norm, "0: no clipping")}
-    for key, (value, meaning) in non_negative.items():
-        if value < 0:
-            raise ValueError(f"{key}={value} must be >= 0 ({meaning}).")
-    if cfg.seed >= 2 ** 32:
-        raise ValueError(f"seed={cfg.seed} is outside [0, 2**32) = [0, {2 ** 32 - 1}] (a seed is "
-                         "32 bits: 2**32 would initialise the model as seed 0 does); give a seed "
-                         "in that range.")
-    if t.keep_checkpoints < 1:
-        raise ValueError(f"train.keep_checkpoints={t.keep_checkpoints} must be >= 1: a run "
-                         "keeps at least its latest checkpoint.")
-    unit = {"train.b1": t.b1, "train.b2": t.b2, "train.b3": t.b3,
-            "model.hidden_dropout": cfg.model.hidden_dropout,
-            "model.attention_dropout": cfg.model.attention_dropout}
-    for key, value in unit.items():
-        if value is not None and not 0 <= value < 1:
-            raise ValueError(f"{key}={value} must be in [0, 1) (or None for the default).")
-    if t.eps is not None and not t.eps > 0:
-        raise ValueError(f"train.eps={t.eps} must be > 0 (or None for the default).")
-    if not 0 <= t.warmup_ratio < 1:
-        raise ValueError(f"train.warmup_ratio={t.warmup_ratio} must be in [0, 1).")
-    if not t.learning_rate > 0:
-        raise ValueError(f"train.learning_rate={t.learning_rate} must be > 0.")
-    if not 0 < t.layer_decay <= 1:
-        raise ValueError(f"train.layer_decay={t.layer_decay} must be in (0, 1]; 1 is no "
-                         "layer-wise decay.")
-    if t.batch_size % t.grad_accum:
-        raise ValueError(f"train.batch_size={t.batch_size} is not divisible by "
-                         f"train.grad_accum={t.grad_accum}.")
-    p = cfg.precision
-    for key in ("loss_scale_growth_interval", "max_consecutive_skips", "fp8_amax_history"):
-        if p[key] < 1:
-            raise ValueError(f"precision.{key}={p[key]} must be >= 1.")
-    if p.loss_scale_init <= 0:
-        raise ValueError(f"precision.loss_scale_init={p.loss_scale_init} must be > 0 "
-                         "(e.g. 32768.0).")
-    for axis, size in cfg.mesh.items():
-        if size == 0 or size < -1:
-            raise ValueError(f"mesh.{axis}={size}: use a positive size or -1 (fill).")
-    if sum(1 for s in cfg.mesh.values() if s == -1) > 1:
-        raise ValueError(f"mesh {dict(cfg.mesh)}: at most one axis may be -1.")

@@ -1,0 +1,112 @@
+"""The config's value rules: what is wrong whatever it configures (ranges, divisibility),
+checked on every config built (``config.build``) before anything is built from it.
+
+Which names a choice takes (optimizer, policy, attention kernel) is checked by the part that
+owns the choice, when a run is resolved (``jaxaccel.train.run.resolve``): the schema does not
+import what it configures. Each section has its function; ``validate`` runs them all.
+"""
+from __future__ import annotations
+
+import os
+
+
+def validate(cfg) -> None:
+    """Raise ValueError naming the first key whose value no run can take, and what it takes."""
+    _check_run(cfg)
+    _check_data(cfg.data)
+    _check_train(cfg.train, cfg.model)
+    _check_precision(cfg.precision)
+    _check_mesh(cfg.mesh)
+
+
+def _at_least(values: dict, low, meaning: dict | None = None) -> None:
+    """Each ``{key: value}`` >= ``low`` (None: not set, the default applies)."""
+    for key, value in values.items():
+        if value is not None and value < low:
+            said = f" ({meaning[key]})" if meaning and key in meaning else ""
+            raise ValueError(f"{key}={value} must be >= {low}{said}.")
+
+
+def _check_run(cfg) -> None:
+    if not cfg.name or os.sep in cfg.name or cfg.name in (".", ".."):
+        raise ValueError(f"name={cfg.name!r} must be a folder name (outputs go to "
+                         "{workdir}/{name}), e.g. name=my_run.")
+    _at_least({"seed": cfg.seed}, 0,
+              {"seed": "the seed of initialisation, dropout and data order"})
+    if cfg.seed >= 2 ** 32:
+        raise ValueError(f"seed={cfg.seed} is outside [0, 2**32) = [0, {2 ** 32 - 1}] (a seed is "
+                         "32 bits: 2**32 would initialise the model as seed 0 does); give a seed "
+                         "in that range.")
+
+
+def _check_data(d) -> None:
+    _at_least({f"data.{key}": d[key] for key in ("synthetic_examples", "synthetic_seq_len",
+                                                 "max_len", "pad_multiple", "tokenizer_vocab")}, 1)
+    _at_least({f"data.{key}": d[key] for key in ("validation_size", "workers",
+                                                 "train_examples", "train_tokens")}, 0)
+    if not 0 <= d.holdout < 1:
+        raise ValueError(f"data.holdout={d.holdout} must be in [0, 1): the fraction of the "
+                         "training split held out as the eval split (0: none).")
+    if d.sample_rate < 1:
+        raise ValueError(f"data.sample_rate={d.sample_rate} must be >= 1 (Hz).")
+    if not 0 <= d.synthetic_min_len <= d.synthetic_seq_len:
+        raise ValueError(f"data.synthetic_min_len={d.synthetic_min_len} must be 0 "
+                         f"(fixed length) to data.synthetic_seq_len={d.synthetic_seq_len}.")
+
+
+def _check_train(t, model) -> None:
+    _at_least({"train.batch_size": t.batch_size, "train.eval_batch_size": t.eval_batch_size,
+               "train.grad_accum": t.grad_accum, "train.log_every": t.log_every,
+               "train.loss_chunks": t.loss_chunks, "train.keep_checkpoints": t.keep_checkpoints,
+               "model.num_labels": model.num_labels,
+               "model.pipeline_repeats": model.pipeline_repeats}, 1,
+              {"train.keep_checkpoints": "a run keeps at least its latest checkpoint"})
+    _at_least({"train.microbatches": t.microbatches, "train.epochs": t.epochs,
+               "train.max_steps": t.max_steps, "train.checkpoint_every": t.checkpoint_every,
+               "train.weight_decay": t.weight_decay, "train.max_grad_norm": t.max_grad_norm}, 0,
+              {"train.microbatches": "0: one per pipeline stage",
+               "train.epochs": "0 when train.max_steps > 0 sets the length",
+               "train.max_steps": "0: train.epochs decides",
+               "train.checkpoint_every": "0: epoch ends and the end only",
+               "train.weight_decay": "0: no weight decay",
+               "train.max_grad_norm": "0: no clipping"})
+    if t.epochs < 1 and t.max_steps < 1:
+        raise ValueError(f"train.epochs={t.epochs} and train.max_steps={t.max_steps}: set one "
+                         "of them >= 1.")
+    if model.scan_layers not in (None, True, False):
+        raise ValueError(f"model.scan_layers={model.scan_layers!r} must be true, false or "
+                         "None (scanned on TPUs and GPUs, not on the CPU).")
+    unit = {"train.b1": t.b1, "train.b2": t.b2, "train.b3": t.b3,
+            "model.hidden_dropout": model.hidden_dropout,
+            "model.attention_dropout": model.attention_dropout}
+    for key, value in unit.items():
+        if value is not None and not 0 <= value < 1:
+            raise ValueError(f"{key}={value} must be in [0, 1) (or None for the default).")
+    if t.eps is not None and not t.eps > 0:
+        raise ValueError(f"train.eps={t.eps} must be > 0 (or None for the default).")
+    if not 0 <= t.warmup_ratio < 1:
+        raise ValueError(f"train.warmup_ratio={t.warmup_ratio} must be in [0, 1).")
+    if not t.learning_rate > 0:
+        raise ValueError(f"train.learning_rate={t.learning_rate} must be > 0.")
+    if not 0 < t.layer_decay <= 1:
+        raise ValueError(f"train.layer_decay={t.layer_decay} must be in (0, 1]; 1 is no "
+                         "layer-wise decay.")
+    if t.batch_size % t.grad_accum:
+        raise ValueError(f"train.batch_size={t.batch_size} is not divisible by "
+                         f"train.grad_accum={t.grad_accum}.")
+
+
+def _check_precision(p) -> None:
+    _at_least({f"precision.{key}": p[key] for key in (
+        "loss_scale_growth_interval", "max_consecutive_skips", "fp8_amax_history")}, 1)
+    if p.loss_scale_init <= 0:
+        raise ValueError(f"precision.loss_scale_init={p.loss_scale_init} must be > 0 "
+                         "(e.g. 32768.0).")
+
+
+def _check_mesh(mesh) -> None:
+    for axis, size in mesh.items():
+        if size == 0 or size < -1:
+            raise ValueError(f"mesh.{axis}={size}: use a positive size or -1 (fill).")
+    if sum(1 for s in mesh.values() if s == -1) > 1:
+        raise ValueError(f"mesh {dict(mesh)}: at most one axis may be -1.")
