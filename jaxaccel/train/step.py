@@ -85,27 +85,8 @@ def make_train_step(graphdef, tx, layout: Layout, *, task: Task, fp8_group,
         denom = weight_sum(task, batch)
         scale = 1.0 if state.loss_scale is None else state.loss_scale.scale
         x = layout.differentiated(state.params)
-        if grad_accum == 1:
-            (grads, fp8), (loss, correct) = grad_fn(x, state.fp8, state.params, batch, rng,
-                                                   denom, scale)
-        else:
-            # Strided micro-batches (rows i, i + k, i + 2k, ...): every device's contiguous
-            # block of the batch holds rows of each, so the split moves no data between them.
-            micro = jax.tree_util.tree_map(
-                lambda a: a.reshape(a.shape[0] // grad_accum, grad_accum, *a.shape[1:])
-                .swapaxes(0, 1), batch)
-
-            def body(carry, xs):
-                i, mb = xs
-                acc_g, fp8, acc_l, acc_c = carry
-                (g, fp8), (l, c) = grad_fn(x, fp8, state.params, mb,
-                                           jax.random.fold_in(rng, i), denom, scale)
-                return (jax.tree_util.tree_map(jnp.add, acc_g, g), fp8, acc_l + l,
-                        acc_c + c), None
-
-            zeros = jax.tree_util.tree_map(jnp.zeros_like, x)
-            (grads, fp8, loss, correct), _ = jax.lax.scan(
-                body, (zeros, state.fp8, 0.0, 0.0), (jnp.arange(grad_accum), micro))
+        (grads, fp8), (loss, correct) = _accumulated(grad_fn, grad_accum, x, state.fp8,
+                                                     state.params, batch, rng, denom, scale)
         metrics = {}
         if state.loss_scale is not None:
             grads = jax.tree_util.tree_map(lambda g: g / scale, grads)
@@ -130,6 +111,30 @@ def make_train_step(graphdef, tx, layout: Layout, *, task: Task, fp8_group,
         return new_state, metrics
 
     return step
+
+
+def _accumulated(grad_fn, grad_accum: int, x, fp8, params, batch, rng, denom, scale):
+    """``grad_fn``'s ``((grads, fp8), (loss, correct))`` of the whole batch, summed over
+    ``grad_accum`` micro-batches run one after another (a scan: one micro-batch's activations
+    live at a time). Strided micro-batches (rows i, i + k, i + 2k, ...): every device's
+    contiguous block of the batch holds rows of each, so the split moves no data between them;
+    each micro-batch's dropout key is ``rng`` folded with its index."""
+    if grad_accum == 1:
+        return grad_fn(x, fp8, params, batch, rng, denom, scale)
+    micro = jax.tree_util.tree_map(
+        lambda a: a.reshape(a.shape[0] // grad_accum, grad_accum, *a.shape[1:]).swapaxes(0, 1),
+        batch)
+
+    def body(carry, xs):
+        i, mb = xs
+        acc_g, fp8, acc_l, acc_c = carry
+        (g, fp8), (l, c) = grad_fn(x, fp8, params, mb, jax.random.fold_in(rng, i), denom, scale)
+        return (jax.tree_util.tree_map(jnp.add, acc_g, g), fp8, acc_l + l, acc_c + c), None
+
+    zeros = jax.tree_util.tree_map(jnp.zeros_like, x)
+    (grads, fp8, loss, correct), _ = jax.lax.scan(
+        body, (zeros, fp8, 0.0, 0.0), (jnp.arange(grad_accum), micro))
+    return (grads, fp8), (loss, correct)
 
 
 def make_eval_step(graphdef, layout: Layout, *, task: Task, unpad=None):
