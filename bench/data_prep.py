@@ -164,10 +164,10 @@ def _child(kind: str, work: str, corpus: str, tokenizer: str) -> tuple[float, fl
 def _tokenizer() -> str:
     """The Canterbury LM job's BPE (trained once on the corpus's training split)."""
     from jaxaccel import config
-    from jaxaccel.data import splits
+    from jaxaccel.data import run_tokenizer
     from jaxaccel.train.run import resolve
     cfg = config.load(os.path.join(ROOT, "configs", "canterbury_lm.py"), [])
-    return splits.tokenizer_dir(resolve(cfg).data, None)
+    return run_tokenizer.tokenizer_dir(resolve(cfg).data, None)
 
 
 def main(argv=None) -> None:

@@ -142,8 +142,8 @@ def lr_factor(step: int, recipe: dict) -> float:
 def packed_batches(resolved, n: int) -> list[dict]:
     """The first ``n`` training batches the resolved run's loop would step on (packed rows of
     the corpus, numpy), across epochs if one has fewer."""
-    from jaxaccel.data import load_tokenizer, splits
-    tokenizer = load_tokenizer(splits.tokenizer_dir(resolved.data, None))
+    from jaxaccel.data import load_tokenizer, run_tokenizer, splits
+    tokenizer = load_tokenizer(run_tokenizer.tokenizer_dir(resolved.data, None))
     data, _ = splits.train_batches(resolved.data, tokenizer)
     epochs = (data.batches(e) for e in itertools.count())
     return list(itertools.islice(itertools.chain.from_iterable(epochs), n))
@@ -553,7 +553,7 @@ def jobs(config: str, sets: list[str], seeds: str | None, sides: list[str], adam
     ``torch_eager``, ``torch_compile``) at our config's batch, row length and steps;
     ``extra["job_speedup"][side]`` for the first seed where ours and the side ran."""
     from jaxaccel import config as config_lib
-    from jaxaccel.data import splits
+    from jaxaccel.data import run_tokenizer
     from jaxaccel.models import model_spec
     from jaxaccel.train.run import resolve
     base = config_lib.load(config, sets)
@@ -565,7 +565,7 @@ def jobs(config: str, sets: list[str], seeds: str | None, sides: list[str], adam
             "max_len": d.max_len, "batch": t.batch_size, "eval_batch": t.eval_batch_size}
     arch = model_spec(base.model).architecture
     recipe = recipe_of(base, t.max_steps)
-    tokenizer_dir = splits.tokenizer_dir(resolve(base).data, None)   # the BPE, built once,
+    tokenizer_dir = run_tokenizer.tokenizer_dir(resolve(base).data, None)   # the BPE, built once,
     # outside timing
     rows, speedups = [], extra.setdefault("job_speedup", {})
     for seed in ([base.seed] if seeds is None else [int(s) for s in seeds.split(",")]):

@@ -4,7 +4,7 @@ next-token targets the trainer's evaluation scores.
     python bench/ngram.py --config configs/canterbury_lm.py [--set data.tokenizer_vocab=4096]
 
 The documents of the config's train and eval splits are tokenized as the trainer tokenizes
-them (``splits.tokenizer_dir``: the corpus's BPE of ``data.tokenizer_vocab`` tokens, or the
+them (``run_tokenizer.tokenizer_dir``: the corpus's BPE of ``data.tokenizer_vocab`` tokens, or the
 model's tokenizer; each document ends with EOS). A target is every token whose predecessor is
 in the same document, exactly the ``target_weights`` of ``packing.pack``: (tokens - documents)
 targets, whatever the row length. Models, all counted on the train split:
@@ -42,7 +42,7 @@ def documents(cfg) -> tuple[list[np.ndarray], list[np.ndarray], np.ndarray]:
     from jaxaccel.data import load_corpus
     from jaxaccel.data.packing import tokenize_documents
     from jaxaccel.data.pipeline import load_tokenizer
-    from jaxaccel.data.splits import tokenizer_dir
+    from jaxaccel.data.run_tokenizer import tokenizer_dir
     from jaxaccel.train.run import resolve
 
     d = cfg.data

@@ -14,10 +14,12 @@ import pytest
 from jaxaccel import config
 from jaxaccel.models.architectures import LLAMA_PRESETS, PRESETS, VIT_PRESETS
 from jaxaccel.models.spec import ModelSpec
-from jaxaccel.data import bpe, canterbury, load_corpus, load_text_dataset, load_tokenizer, splits
+from jaxaccel.data import (bpe, canterbury, load_corpus, load_text_dataset, load_tokenizer,
+                           run_tokenizer, splits)
 from jaxaccel.data.packing import KEYS, PackedBatches, pack, tokenize_documents
 from jaxaccel.data.sources import check_task
-from jaxaccel.train.run import describe_data, resolve
+from jaxaccel.train.run import resolve
+from jaxaccel.train.run_data import describe_data
 from support import CLI, CONFIGS, ROOT, cpu_env
 
 NUM_DOCS, NUM_TRAIN = 2678, 2678 - canterbury.NUM_VALIDATION
@@ -46,7 +48,7 @@ def lm_data(*sets):
 @pytest.fixture(scope="session")
 def bpe_dir(corpus_dir):
     data = lm_data(f"data.data_dir={corpus_dir}", "data.tokenizer_vocab=1024")
-    return splits.tokenizer_dir(data, "unused: the corpus's BPE is chosen")
+    return run_tokenizer.tokenizer_dir(data, "unused: the corpus's BPE is chosen")
 
 
 def test_corpus_texts_and_documents(brotli_sdist):
@@ -121,10 +123,10 @@ def test_bpe_is_deterministic_cached_and_round_trips(bpe_dir, corpus_dir):
     assert tok.decode(tok(text)["input_ids"]) == text
     mtime = os.path.getmtime(os.path.join(bpe_dir, "tokenizer.json"))
     data = lm_data(f"data.data_dir={corpus_dir}", "data.tokenizer_vocab=1024")
-    assert splits.tokenizer_dir(data, "") == bpe_dir            # trained once
+    assert run_tokenizer.tokenizer_dir(data, "") == bpe_dir            # trained once
     assert os.path.getmtime(os.path.join(bpe_dir, "tokenizer.json")) == mtime
     named = lm_data("model.tokenizer=/my/llama")
-    assert splits.tokenizer_dir(named, "/my/llama") == "/my/llama"
+    assert run_tokenizer.tokenizer_dir(named, "/my/llama") == "/my/llama"
 
 
 def test_tokenize_documents_adds_eos(bpe_dir):
@@ -222,7 +224,7 @@ def test_config_picks_packed_lm_batches(corpus_dir, bpe_dir):
     data = lm_data(f"data.data_dir={corpus_dir}", "data.tokenizer_vocab=1024",
                    "data.max_len=64", "data.eval_split=validation", "train.batch_size=8",
                    "train.eval_batch_size=16")
-    tok = load_tokenizer(splits.tokenizer_dir(data, ""), light=True)
+    tok = load_tokenizer(run_tokenizer.tokenizer_dir(data, ""), light=True)
     train, labels = splits.train_batches(data, tok)
     ev, _ = splits.eval_batches(data, tok)
     assert labels == ()

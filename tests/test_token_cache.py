@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from jaxaccel import config
-from jaxaccel.data import bpe, encode, load_tokenizer, splits, tokencache, tokenize
+from jaxaccel.data import bpe, encode, load_tokenizer, run_tokenizer, splits, tokencache, tokenize
 from jaxaccel.data.packing import KEYS, PackedBatches, tokenize_documents
 from jaxaccel.data.prefetch import prefetch
 from jaxaccel.data.spec import DataError
@@ -85,7 +85,7 @@ def lm_sets(tmp_path, *extra):
 def lm_data(tmp_path, *extra):
     """The resolved data of the corpus run and its tokenizer (the corpus's BPE)."""
     data = resolve(config.build(sets=lm_sets(tmp_path, *extra))).data
-    return data, load_tokenizer(splits.tokenizer_dir(data, None))
+    return data, load_tokenizer(run_tokenizer.tokenizer_dir(data, None))
 
 
 def test_a_cache_is_built_once_and_rebuilt_when_its_source_or_tokenizer_changes(
@@ -172,7 +172,7 @@ def test_a_read_only_cache_folder_is_named(tmp_path):
     with pytest.raises(DataError, match="data.cache_dir '/proc/jaxaccel-cache' is not "
                                         "writable, and the BPE of data.name='files'"):
         datacmd.prepare(cfg)
-    bpe_dir = splits.tokenizer_dir(lm_data(tmp_path)[0], None)     # a BPE, then no cache
+    bpe_dir = run_tokenizer.tokenizer_dir(lm_data(tmp_path)[0], None)     # a BPE, then no cache
     cfg = config.build(sets=lm_sets(tmp_path, "data.cache_dir=/proc/jaxaccel-cache",
                                     f"model.tokenizer={bpe_dir}"))
     with pytest.raises(DataError, match="data.cache_dir '/proc/jaxaccel-cache' is not "

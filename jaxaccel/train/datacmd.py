@@ -10,7 +10,7 @@ import os
 
 import numpy as np
 
-from jaxaccel.data import load_tokenizer, splits, tokencache
+from jaxaccel.data import load_tokenizer, run_tokenizer, splits, tokencache
 from jaxaccel.data.packing import PackedBatches
 from jaxaccel.data.spec import DataSpec
 from jaxaccel.models import check_vocab, packaged_minilm_dir
@@ -22,7 +22,7 @@ def _tokenizer(data: DataSpec, architecture):
     if data.holds != "text":
         return None
     default = None if data.model.tokenizer else packaged_minilm_dir()
-    folder = splits.tokenizer_dir(data, default)
+    folder = run_tokenizer.tokenizer_dir(data, default)
     tokenizer = load_tokenizer(folder)
     check_vocab(len(tokenizer), architecture, folder)
     return tokenizer
