@@ -121,9 +121,9 @@ def job(args: argparse.Namespace, workdir: str) -> None:
     if os.path.exists(os.path.join(workdir, cfg.name)):
         raise FileExistsError(f"{os.path.join(workdir, cfg.name)!r} exists and would be "
                               "resumed; pass an empty --workdir.")
-    from jaxaccel.cli import enable_compilation_cache
+    from jaxaccel import compilation_cache
     from jaxaccel.train.loop import train
-    enable_compilation_cache(cfg.compilation_cache)
+    compilation_cache.enable(cfg.compilation_cache)
     clock = CompileClock()
     if args.compile_only:
         from jaxaccel.train.loop import compile_ahead

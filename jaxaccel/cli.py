@@ -159,36 +159,8 @@ def _run_dir(path: str) -> str:
     return rundir.run_folder(path)
 
 
-def compilation_cache_dir(setting: str, environ=os.environ) -> str | None:
-    """The folder config ``compilation_cache`` names: ``"auto"`` is an already set
-    ``$JAX_COMPILATION_CACHE_DIR``, else ``$XDG_CACHE_HOME/jaxaccel/jax`` (``~/.cache/...``);
-    ``"off"`` is None; anything else is the folder itself."""
-    if setting == "off":
-        return None
-    if setting != "auto":
-        return os.path.abspath(os.path.expanduser(setting))
-    if environ.get("JAX_COMPILATION_CACHE_DIR"):
-        return environ["JAX_COMPILATION_CACHE_DIR"]
-    base = environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "jaxaccel", "jax")
-
-
-def enable_compilation_cache(setting: str) -> str | None:
-    """Point JAX's persistent compilation cache at ``compilation_cache_dir(setting)`` (every
-    program cached, however fast it compiled, unless $JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS
-    says otherwise); ``"off"`` leaves JAX's own settings as they are. Call before anything is
-    compiled: JAX reads the setting at its first compilation."""
-    import jax
-    path = compilation_cache_dir(setting)
-    if path is not None:
-        jax.config.update("jax_compilation_cache_dir", path)
-        if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
-            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    return path
-
-
 def cmd_train(args) -> int:
-    from jaxaccel import config
+    from jaxaccel import compilation_cache, config
     from jaxaccel.train.loop import train
     cfg = config.load(args.config, args.set)
     if args.config is None:
@@ -196,7 +168,7 @@ def cmd_train(args) -> int:
             "no --config: training the base config (jaxaccel/config.py BASE: model %s on %s, "
             "run folder %s) with the --set overrides; pass --config configs/NAME.py (or NAME) "
             "for another.", cfg.model.name, cfg.data.name, os.path.join(cfg.workdir, cfg.name))
-    enable_compilation_cache(cfg.compilation_cache)
+    compilation_cache.enable(cfg.compilation_cache)
     return train_outcome(train(cfg))
 
 

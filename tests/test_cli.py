@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from jaxaccel import cli
+from jaxaccel import cli, compilation_cache
 from jaxaccel.data import tokencache
 from support import CONFIGS, TINY_CONFIG, run_cli
 
@@ -104,20 +104,20 @@ def test_compilation_cache_is_on_by_default_in_a_per_user_folder(tmp_path):
     from jaxaccel import config
     assert config.BASE["compilation_cache"] == "auto"
     env = {"XDG_CACHE_HOME": str(tmp_path)}
-    assert cli.compilation_cache_dir("auto", env) == os.path.join(tmp_path, "jaxaccel", "jax")
+    assert compilation_cache.folder("auto", env) == os.path.join(tmp_path, "jaxaccel", "jax")
     # a cache folder already set (tests/conftest.py sets one) is kept
-    assert cli.compilation_cache_dir("auto", {**env, "JAX_COMPILATION_CACHE_DIR": "/c"}) == "/c"
-    assert cli.compilation_cache_dir("off", env) is None
-    assert cli.compilation_cache_dir(str(tmp_path / "mine"), env) == str(tmp_path / "mine")
+    assert compilation_cache.folder("auto", {**env, "JAX_COMPILATION_CACHE_DIR": "/c"}) == "/c"
+    assert compilation_cache.folder("off", env) is None
+    assert compilation_cache.folder(str(tmp_path / "mine"), env) == str(tmp_path / "mine")
 
 
 def test_enable_compilation_cache_sets_jax_and_off_leaves_it(tmp_path):
     import jax
     before = jax.config.jax_compilation_cache_dir
     try:
-        assert cli.enable_compilation_cache("off") is None
+        assert compilation_cache.enable("off") is None
         assert jax.config.jax_compilation_cache_dir == before
-        assert cli.enable_compilation_cache(str(tmp_path)) == str(tmp_path)
+        assert compilation_cache.enable(str(tmp_path)) == str(tmp_path)
         assert jax.config.jax_compilation_cache_dir == str(tmp_path)
     finally:
         jax.config.update("jax_compilation_cache_dir", before)
