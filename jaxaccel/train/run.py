@@ -27,20 +27,19 @@ from jaxaccel import config as config_lib
 from jaxaccel import optim
 from jaxaccel import sharding as shd
 from jaxaccel.config import Config
-from jaxaccel.data import BatchIterator, load_tokenizer, splits
+from jaxaccel.data import BatchIterator, load_tokenizer, run_tokenizer, splits
 from jaxaccel.data import sources as data_sources
 from jaxaccel.data.packing import PackedBatches
-from jaxaccel.data.spec import Batching, DataSpec, ModelInput
+from jaxaccel.data.spec import DataSpec
 from jaxaccel.forms.packing import Packer
 from jaxaccel.forms.stacked import Stacked, Stacking, stacked_shardings
-from jaxaccel.models import (ModelSpec, attention, check_vocab, checkpoint_of, create_model,
-                             model_spec, remat)
+from jaxaccel.models import ModelSpec, attention, create_model, model_spec, remat
 from jaxaccel.models.fp8 import Fp8Meta
 from jaxaccel.models.stack import Scan
 from jaxaccel.models.unpad import Capacity
 from jaxaccel.precision import LossScale, Policy, policy_of
 from jaxaccel.train import layout as layout_lib
-from jaxaccel.train import pipeline
+from jaxaccel.train import pipeline, run_data
 from jaxaccel.train.checkpoint import abstract_like
 from jaxaccel.train.saved import init_from
 from jaxaccel.train.layout import Layout
@@ -135,12 +134,12 @@ def resolve(cfg: Config, devices=None, *, training: bool = True,
     cfg = config_lib.build(cfg.to_dict(), [f"mesh.{a}={n}" for a, n in filled.items()]) \
         if filled else cfg
     remat.check(spec.remat, list(mesh.devices.flat))
-    described = describe_data(cfg, spec, mesh.size, tokenizer, label_names,
+    described = run_data.describe_data(cfg, spec, mesh.size, tokenizer, label_names,
                               absent_ok) if data else None
     if described is not None:
         data_sources.check_task(described)
     if training and described is not None:
-        splits.check_tokenizer_vocab(described)
+        run_tokenizer.check_tokenizer_vocab(described)
         described = splits.prepared(described, load_tokenizer)
     splits.check_batch_fits(cfg.train, {a: mesh.shape[a] for a in shd.BATCH_AXES},
                             training=training)
@@ -164,36 +163,6 @@ def _filled_mesh(cfg: Config, mesh) -> dict:
     (``sharding.mesh_shape``), as every axis reads them from here on (a pipeline's
     ``mesh.stage=-1`` is its stage count)."""
     return {a: mesh.shape[a] for a, size in cfg.mesh.items() if size == -1}
-
-
-def model_input(cfg: Config, spec: ModelSpec, tokenizer: str | None = None) -> ModelInput:
-    """What the model of ``spec`` reads, as its data is told (``data.spec.ModelInput``): its
-    inputs, task and classes, and the tokenizer folder it names (``tokenizer``, a trained
-    run's; else ``model.tokenizer`` or the checkpoint's; None: the model's default, or a
-    corpus's own BPE)."""
-    model_cls = spec.family.resolve("model")
-    arch = spec.architecture
-    if "pixels" in model_cls.input_keys:
-        shape = tuple(model_cls.input_shapes(arch, None)["pixels"][0])
-        return ModelInput(cfg.model.name, spec.task, "pixels", shape,
-                          num_labels=cfg.model.num_labels, vocab_size=None)
-    named = tokenizer or cfg.model.tokenizer or checkpoint_of(cfg.model) or None
-    return ModelInput(cfg.model.name, spec.task, "tokens", None, arch.max_position_embeddings,
-                      cfg.model.num_labels, named, arch.vocab_size)
-
-
-def describe_data(cfg: Config, spec: ModelSpec, devices: int, tokenizer: str | None = None,
-                  label_names: tuple[str, ...] | None = None,
-                  absent_ok: bool = False) -> DataSpec:
-    """The run's data (``data.sources.describe``): the config's ``data`` section for the model
-    of ``spec``, batched as the ``train`` section says over ``devices`` devices."""
-    t = cfg.train
-    batching = Batching(t.batch_size, t.eval_batch_size, cfg.seed, devices)
-    described = data_sources.describe(cfg.data, batching, model_input(cfg, spec, tokenizer),
-                                      absent_ok=absent_ok)
-    if label_names:
-        described = dataclasses.replace(described, label_names=tuple(label_names))
-    return described
 
 
 @dataclasses.dataclass
@@ -410,7 +379,7 @@ def _training(r: Resolved, model, tokenizer_dir: str | None, data: bool) -> Run:
             init_from(model, cfg.model.init_from)
     graphdef, params, fp8, param_shardings = split_model(model, r.mesh)
     fp8 = fp8 if r.policy.fp8 else None
-    sources = _data(r, tokenizer_dir) if data else {}
+    sources = run_data.batches(r, tokenizer_dir) if data else {}
     total = r.total_steps if r.total_steps is not None else \
         r.length(sources["train_data"].steps_per_epoch)
     tx, schedule, create, shardings = optimizer_state(r, params, fp8, param_shardings, total)
@@ -420,27 +389,6 @@ def _training(r: Resolved, model, tokenizer_dir: str | None, data: bool) -> Run:
         else None
     return Run(r, graphdef, state, shardings, **sources, tx=tx, schedule=schedule,
                total_steps=total, unpad=unpad)
-
-
-def _tokenizer(r: Resolved, model_tokenizer_dir: str | None, light: bool = False):
-    """The run's tokenizer (``splits.tokenizer_dir``: the model's, or a corpus's own BPE),
-    checked against the model's vocabulary; None for data that is not text."""
-    folder = splits.tokenizer_dir(r.data, model_tokenizer_dir)
-    if folder is None:
-        return None
-    tokenizer = load_tokenizer(folder, light=light)
-    check_vocab(len(tokenizer), r.spec.architecture, folder)
-    return tokenizer
-
-
-def _data(r: Resolved, tokenizer_dir: str) -> dict:
-    """A training run's tokenizer and both splits' batches (``Run`` fields)."""
-    tokenizer = _tokenizer(r, tokenizer_dir)
-    share = shd.batch_share(r.mesh)
-    train_data, label_names = splits.train_batches(r.data, tokenizer, share)
-    eval_data, _ = splits.eval_batches(r.data, tokenizer, share, label_names)
-    return dict(eval_data=eval_data, tokenizer=tokenizer, label_names=label_names,
-                train_data=train_data)
 
 
 def _eval_only(r: Resolved, model, tokenizer_dir: str | None, data: bool) -> Run:
@@ -458,7 +406,7 @@ def _eval_only(r: Resolved, model, tokenizer_dir: str | None, data: bool) -> Run
                                       fp8=fp8), shardings)
     if not data:
         return Run(r, graphdef, state, shardings)
-    tokenizer = _tokenizer(r, tokenizer_dir, light=True) if r.data.tokenized else None
+    tokenizer = run_data.tokenizer_of(r, tokenizer_dir, light=True) if r.data.tokenized else None
     eval_data, label_names = splits.eval_batches(r.data, tokenizer, shd.batch_share(r.mesh),
                                                  r.data.label_names)
     return Run(r, graphdef, state, shardings, eval_data, tokenizer, label_names,
