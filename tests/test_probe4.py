@@ -5,7 +5,6 @@ test_predict_audio.py, the pipeline's preemption and compositions in test_pipeli
 import dataclasses
 import json
 import logging
-import re
 
 import pytest
 

@@ -98,7 +98,7 @@ def _work(plan: Plan) -> list[str]:
         lines.append(f"HBM bytes per step: {gb(h['bytes accessed'])} per device, counted with "
                      f"loop trips ({h['source']}; {h['loops']} loops"
                      + (f", {len(h['uncounted'])} of unreadable trips counted once"
-                        if h["uncounted"] else "") + f"); the compiler's own count "
+                        if h["uncounted"] else "") + "); the compiler's own count "
                      + (f"{gb(own)} (loop bodies once)" if own else "not given"))
     return lines
 
