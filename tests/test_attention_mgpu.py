@@ -85,7 +85,8 @@ def check(b=1, sq=77, sk=None, hq=1, hkv=None, d=64, dtype=jnp.bfloat16, causal=
 # on both; the code that differs by version (plain dots for the MMAs, no layout hints) runs in
 # the light cases.
 HEAVY_FOR_JAX_0_10 = ("decoder_multi_tile_gqa_segments", "gqa_cross_d128_fp16",
-                      "lengths_0_partial_full_causal", "segment_pair_key_lengths_d96")
+                      "lengths_0_partial_full_causal", "more_queries_than_keys_causal",
+                      "segment_pair_key_lengths_d96")
 
 
 @pytest.mark.parametrize("case", [

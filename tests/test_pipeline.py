@@ -243,9 +243,13 @@ def test_pipelines_it_cannot_run_are_refused_before_anything_is_built(tmp_path, 
         run_lib.resolve(cfg, DEVICES)
 
 
-# The issue's 20-step comparison runs under -m slow: 60 steps of the unrolled 8-device schedule
-# instead of 18 took the test from 38 to 106 s of the suite's 15 minutes.
-@pytest.mark.parametrize("steps", [6, pytest.param(20, marks=pytest.mark.slow)])
+# Under -m slow (56 s of the default suite): by default a checkpoint moving between stacked and
+# per-layer forms both ways is tests/test_scan.py's (multi-tensor Adan packed over the stacked
+# layers), the flat layout's across paths and meshes tests/test_flat.py's, and a pipelined flat
+# run read back per layer tests/test_export.py's. The issue's 20-step comparison: 60 steps of
+# the unrolled 8-device schedule instead of 18 took the test from 38 to 106 s.
+@pytest.mark.slow
+@pytest.mark.parametrize("steps", [6, 20])
 def test_checkpoints_move_between_pipelined_and_plain_runs(tmp_path, steps):
     """Runs stopped after step 3 on one layout, resumed on the other, both ways: the losses of
     the unpipelined run that never stopped (dropout on), its final eval, and the eval of the

@@ -271,7 +271,10 @@ def test_a_pipelined_mae_step_equals_the_plain_one(tmp_path):
     np.testing.assert_allclose(train_steps(staged)[0], train_steps(plain)[0], rtol=1e-5)
 
 
-@pytest.mark.parametrize("task", ["classification", pytest.param("mae", marks=pytest.mark.slow)])
+# Under -m slow (16 s of the default suite): the fp8 Dense is the families' one, and
+# tests/test_precision.py checks its E4M3/E5M2 GEMMs in the H100 compile of the tiny BERT.
+@pytest.mark.slow
+@pytest.mark.parametrize("task", ["classification", "mae"])
 def test_fp8_vit_step_feeds_fp8_operands_to_the_h100_gemms(tmp_path, compile_target, task):
     """The step under fp8 on a 2x2x2 mesh of 8 x H100, compiled by XLA's GPU pipeline (no GPU
     used): E4M3 x E4M3 forward GEMMs and E5M2-gradient backward GEMMs for every block Dense
