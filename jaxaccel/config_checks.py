@@ -20,9 +20,9 @@ def validate(cfg) -> None:
 
 
 def _at_least(values: dict, low, meaning: dict | None = None) -> None:
-    """Each ``{key: value}`` >= ``low`` (None: not set, the default applies)."""
+    """Each ``{key: value}`` >= ``low``; ``meaning``: what a key's value means, said with it."""
     for key, value in values.items():
-        if value is not None and value < low:
+        if value < low:
             said = f" ({meaning[key]})" if meaning and key in meaning else ""
             raise ValueError(f"{key}={value} must be >= {low}{said}.")
 

@@ -380,6 +380,5 @@ def _remove_partials(plan_: Plan) -> None:
         shutil.rmtree(os.path.join(plan_.root, name), ignore_errors=True)
 
 
-
 __all__ = ["FORMAT", "Plan", "TokenCache", "cache_root", "digest", "lookup", "plan",
            "require_writable", "tokens", "writable"]

@@ -324,7 +324,6 @@ def library_log(run_dir: str):
                      "console: they are in %s", count[0], path)
 
 
-
 @dataclasses.dataclass
 class RunLock:
     """``with RunLock(run_dir):`` -- the one writer of ``run_dir`` (see the module doc)."""
