@@ -59,11 +59,11 @@ def test_the_model_gives_the_padded_numbers(pooling):
         out = m(ids, mask, types, deterministic=False, rngs=nnx.Rngs(dropout=3), tokens=tokens)
         return jnp.sum(out.logits * jnp.array([1.0, -2.0])), out.logits
 
+    grads = jax.jit(jax.value_and_grad(loss, has_aux=True))
     with jax.default_matmul_precision("highest"):
-        (_, want), g_want = jax.value_and_grad(loss, has_aux=True)(params, None)
+        (_, want), g_want = grads(params, None)
         for groups, slots in ((1, 72), (4, 24)):
-            (_, got), g_got = jax.value_and_grad(loss, has_aux=True)(
-                params, Unpadded.of(mask, groups, slots))
+            (_, got), g_got = grads(params, Unpadded.of(mask, groups, slots))
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
             for a, b in zip(jax.tree_util.tree_leaves(g_got), jax.tree_util.tree_leaves(g_want)):
                 np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
