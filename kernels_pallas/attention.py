@@ -25,12 +25,16 @@ memory and slices blocks from it, so the same kernel body runs on every target; 
 differ only in array layout and block specs (``_Layout``):
 
 * GPU (Triton) and interpret: [B, S, H, D] as given; per-row statistics as [rows, 1];
-* TPU (Mosaic): [B, H, S, D] (the last two block dims must tile (8, 128)); per-row statistics
-  and query segment ids replicated over 128 lanes, key segment ids over 8 sublanes, as in
+* TPU (Mosaic): [B, H, S, D] (the last two block dims must tile (8, 128)); query blocks of at
+  least 128 rows; per-row statistics lane-major in HBM ([B, H, 1, S], as splash attention's
+  backward reads them; lane-replicated in the kernels' registers), query segment ids
+  replicated over 128 lanes, key segment ids over 8 sublanes, as in
   ``jax.experimental.pallas.ops.tpu.flash_attention``.
 
-Grouped-query attention (Hq = G * Hkv): query head h reads key/value head h // G; dK/dV are
-computed per query head and summed over each group in XLA.
+Grouped-query attention (Hq = G * Hkv): query head h reads key/value head h // G. On TPU a
+dK/dV program runs the G query heads of its key/value head one after another (the grid's last
+axis) and sums their gradients in float32 scratch; elsewhere dK/dV are computed per query head
+and summed over each group in XLA.
 
 Implementations (``REGISTRY``, see ``kernels_pallas.registry``), all with the semantics above;
 ``attention(..., impl=...)`` dispatches:
@@ -94,7 +98,7 @@ class BlockSizes:
                 raise ValueError(f"BlockSizes.{f}={b} must be a power of two >= 8.")
 
 
-# Per target. TPU: 128-multiples for the MXU and lane-replicated statistics (not tuned: no
+# Per target. TPU: 128-multiples for the MXU and the lane-major statistics (not tuned: no
 # TPU was available). GPU: picked on an H100 from a sweep over BERT-base and the long causal
 # shape (bench/attention.py shapes; 3 pipeline stages gave BERT-base fwd 147 vs 107 TFLOP/s,
 # fwd+bwd 173 vs 158; 8 warps or 128-row backward blocks were slower). Interpret: large
@@ -121,7 +125,9 @@ def default_block_sizes(target: str, dtype) -> BlockSizes:
     return BLOCK_SIZES[target]
 
 
-_MIN_BLOCK = {"tpu": (8, TPU_LANES), "gpu": (16, 16), "interpret": (8, 8)}  # (q rows, k rows)
+# (q rows, k rows); TPU query blocks are lane-wide: the backward reads the statistics
+# lane-major in blocks of query rows.
+_MIN_BLOCK = {"tpu": (TPU_LANES, TPU_LANES), "gpu": (16, 16), "interpret": (8, 8)}
 
 
 # ----------------------------------------------------------------------------- reference
@@ -253,8 +259,8 @@ class _Plan:
 
 
 def _widen(x, n):
-    """Per-row statistics [rows, W] (W = 1, or 128 lane-replicated on TPU) -> broadcastable
-    against [rows, n]."""
+    """Per-row statistics [rows, W] (W = 1, or 128 lane-replicated in a TPU kernel) ->
+    broadcastable against [rows, n]."""
     w = x.shape[1]
     if w == 1:
         return x
@@ -320,7 +326,7 @@ def _fwd_kernel(kv_len_ref, q_ref, k_ref, v_ref, *refs, plan):
     kv_len = _kv_len(kv_len_ref, plan)
     q = q_ref[...]
     q_seg = _q_seg(q_seg_ref, slice(None)) if plan.has_seg else None
-    w = lse_ref.shape[-1]
+    w = TPU_LANES if plan.target == "tpu" else 1     # m, l lane-replicated on TPU
 
     def body(j, carry):
         acc, m, l = carry
@@ -342,7 +348,8 @@ def _fwd_kernel(kv_len_ref, q_ref, k_ref, v_ref, *refs, plan):
     l_safe = jnp.where(alive, l, 1.0)
     o_ref[...] = (acc * _widen(jnp.where(alive, 1.0 / l_safe, 0.0), acc.shape[1])
                   ).astype(o_ref.dtype)
-    lse_ref[...] = jnp.where(alive, m + jnp.log(l_safe) * LOG2E, jnp.inf)
+    lse = jnp.where(alive, m + jnp.log(l_safe) * LOG2E, jnp.inf)
+    lse_ref[...] = lse.T[:1] if plan.target == "tpu" else lse     # TPU: lane-major
 
 
 def _dq_kernel(kv_len_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, plan):
@@ -351,7 +358,7 @@ def _dq_kernel(kv_len_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *ref
     i = pl.program_id(2)
     kv_len = _kv_len(kv_len_ref, plan)
     q, do = q_ref[...], do_ref[...]
-    lse, delta = _widen(lse_ref[...], bk), _widen(delta_ref[...], bk)
+    lse, delta = (_widen(_column(ref, plan), bk) for ref in (lse_ref, delta_ref))
     q_seg = _q_seg(q_seg_ref, slice(None)) if plan.has_seg else None
 
     def body(j, dq):
@@ -367,8 +374,25 @@ def _dq_kernel(kv_len_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *ref
     dq_ref[...] = (dq * plan.scale).astype(dq_ref.dtype)
 
 
+def _column(ref, plan, index=None):
+    """Per-row statistics as a [rows, 1] (GPU, interpreter: [rows, W]) column: on TPU from a
+    lane-major block (rows along the lanes; ``index`` picks the block's row of them),
+    elsewhere ``ref[index]`` (default all) of a [rows, W] block."""
+    if plan.target == "tpu":
+        return jnp.expand_dims(ref[0 if index is None else index], -1)
+    return ref[...] if index is None else ref[index, :]
+
+
 def _dkv_kernel(kv_len_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, plan):
-    (q_seg_ref, kv_seg_ref), (dk_ref, dv_ref) = _split(refs, plan, 2)
+    """dK, dV of one key block for one query head. On TPU the grid's last axis runs over the
+    key/value head's group of query heads (statistics [Sq / bq, bq] lane-major), whose
+    gradients are summed in float32 scratch and written after the last; elsewhere a program
+    per query head writes its own (summed over the group outside)."""
+    tpu = plan.target == "tpu"
+    if tpu:
+        (q_seg_ref, kv_seg_ref), (dk_ref, dv_ref, dk_sum, dv_sum) = _split(refs, plan, 4)
+    else:
+        (q_seg_ref, kv_seg_ref), (dk_ref, dv_ref) = _split(refs, plan, 2)
     bq, bk = plan.blocks.block_q_dkv, plan.blocks.block_k_dkv
     j = pl.program_id(2)
     kv_len = _kv_len(kv_len_ref, plan)
@@ -379,11 +403,12 @@ def _dkv_kernel(kv_len_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *re
         dk, dv = carry
         rows = pl.ds(pl.multiple_of(i * bq, bq), bq)
         q, do = q_ref[rows, :], do_ref[rows, :]
+        lse, delta = (_column(r, plan, i if tpu else rows) for r in (lse_ref, delta_ref))
         q_seg = _q_seg(q_seg_ref, rows) if plan.has_seg else None
         s = _logits(q, k, i * bq, j * bk, kv_len, q_seg, kv_seg, plan)
-        p = jnp.exp2(s - _widen(lse_ref[rows, :], bk))
+        p = jnp.exp2(s - _widen(lse, bk))
         dv = dv + _dot(p.astype(do.dtype).T, do, plan)
-        ds = p * (_dot(do, v, plan, _NT) - _widen(delta_ref[rows, :], bk))
+        ds = p * (_dot(do, v, plan, _NT) - _widen(delta, bk))
         dk = dk + _dot(ds.astype(q.dtype).T, q, plan)
         return dk, dv
 
@@ -394,8 +419,23 @@ def _dkv_kernel(kv_len_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *re
     last = first + active * (plan.sq // bq - first)
     zeros = jnp.zeros(k.shape, jnp.float32)
     dk, dv = lax.fori_loop(first, last, body, (zeros, zeros))
-    dk_ref[...] = (dk * plan.scale).astype(dk_ref.dtype)
-    dv_ref[...] = dv.astype(dv_ref.dtype)
+    if not tpu:
+        dk_ref[...] = (dk * plan.scale).astype(dk_ref.dtype)
+        dv_ref[...] = dv.astype(dv_ref.dtype)
+        return
+    g = pl.program_id(3)
+
+    @pl.when(g == 0)
+    def _():
+        dk_sum[...], dv_sum[...] = zeros, zeros
+
+    dk_sum[...] += dk
+    dv_sum[...] += dv
+
+    @pl.when(g == plan.groups - 1)
+    def _():
+        dk_ref[...] = (dk_sum[...] * plan.scale).astype(dk_ref.dtype)
+        dv_ref[...] = dv_sum[...].astype(dv_ref.dtype)
 
 
 # ----------------------------------------------------------------------------- layouts
@@ -407,7 +447,6 @@ class _Layout:
     def __init__(self, plan: _Plan, head_dim: int):
         self.plan, self.d = plan, head_dim
         self.tpu = plan.target == "tpu"
-        self.stat_width = TPU_LANES if self.tpu else 1
 
     def seq(self, rows, block_index, kv=False):
         """A [rows, D] window of a [B, S, H, D] (or TPU [B, H, S, D]) tensor."""
@@ -420,8 +459,15 @@ class _Layout:
                             lambda b, h, n: (b, block_index(n), head(h), 0))
 
     def stats(self, rows, block_index):
-        return pl.BlockSpec((None, None, rows, self.stat_width),
-                            lambda b, h, n: (b, h, block_index(n), 0))
+        """A block of ``rows`` per-row statistics (lse, delta) of a ``stats_shape`` array:
+        on TPU lane-major [1, rows] (the rows along the lanes), elsewhere [rows, 1]."""
+        if self.tpu:
+            return pl.BlockSpec((None, None, 1, rows), lambda b, h, n: (b, h, 0, block_index(n)))
+        return pl.BlockSpec((None, None, rows, 1), lambda b, h, n: (b, h, block_index(n), 0))
+
+    def stats_shape(self, b, h, s):
+        """The shape the kernels hold [B, H, S] statistics in (a free reshape)."""
+        return (b, h, 1, s) if self.tpu else (b, h, s, 1)
 
     def q_seg(self, rows, block_index):
         if self.tpu:
@@ -449,10 +495,12 @@ class _Layout:
         return (jnp.broadcast_to(q_seg[:, :, None], (b, sq, TPU_LANES)),
                 jnp.broadcast_to(kv_seg[:, None, :], (b, TPU_SUBLANES, sk)))
 
-    def compiler_params(self):
+    def compiler_params(self, axes: int = 3):
+        """A TPU grid's axes past the third accumulate (``_dkv_kernel``'s query-head group)."""
         if self.plan.target == "tpu":
             from jax.experimental.pallas import tpu as pltpu
-            return pltpu.CompilerParams(dimension_semantics=("parallel",) * 3)
+            return pltpu.CompilerParams(
+                dimension_semantics=("parallel",) * 3 + ("arbitrary",) * (axes - 3))
         if self.plan.target == "gpu":
             from jax.experimental.pallas import triton as plgpu
             return plgpu.CompilerParams(num_warps=self.plan.blocks.num_warps,
@@ -466,10 +514,17 @@ def _seg_inputs(plan, lay, segs, q_spec, kv_spec):
     return list(lay.segments(*segs)), [q_spec, kv_spec]
 
 
-def _call(kernel, plan, lay, grid, in_specs, out_specs, out_shape, args, name):
+def _vmem_f32(shape):
+    """A float32 TPU scratch buffer of ``shape``."""
+    from jax.experimental.pallas import tpu as pltpu
+    return pltpu.VMEM(shape, jnp.float32)
+
+
+def _call(kernel, plan, lay, grid, in_specs, out_specs, out_shape, args, name, scratch=()):
     return pl.pallas_call(
         functools.partial(kernel, plan=plan), grid=grid, in_specs=in_specs,
-        out_specs=out_specs, out_shape=out_shape, compiler_params=lay.compiler_params(),
+        out_specs=out_specs, out_shape=out_shape, scratch_shapes=scratch,
+        compiler_params=lay.compiler_params(len(grid)),
         interpret=registry.interpret(plan.target), name=name)(*args)
 
 
@@ -491,51 +546,67 @@ def _forward(plan, q, k, v, kv_len, segs):
          lay.seq(plan.sk, lambda n: 0, kv=True)] + seg_specs,
         [lay.seq(bq, lambda n: n), lay.stats(bq, lambda n: n)],
         [jax.ShapeDtypeStruct(q.shape, q.dtype),
-         jax.ShapeDtypeStruct((b, hq, sq, lay.stat_width), jnp.float32)],
+         jax.ShapeDtypeStruct(lay.stats_shape(b, hq, sq), jnp.float32)],
         [kv_len, q, k, v] + seg_args, "flash_attention_fwd")
-    return o, lse[..., 0]
+    return o, lse.reshape(b, hq, sq)
 
 
 def _backward(plan, q, k, v, kv_len, segs, o, lse, do):
+    """dq by query blocks, then dk, dv by key blocks. The statistics (lse, delta: [B, H, Sq])
+    go to the kernels in free reshapes (``_Layout.stats``): on TPU lane-major, as splash
+    attention's backward takes them (lane-replicated copies cost a float32 [B, H, Sq, 128]
+    write and two reads each); a TPU dk/dv program sums its key/value head's group of query
+    heads itself, elsewhere per-query-head dk/dv are summed after."""
     lay = _Layout(plan, q.shape[-1])
     b, hq, sq = _heads_seq(plan, q)
     _, hkv, sk = _heads_seq(plan, k)
+    tpu, g = plan.target == "tpu", plan.groups
     delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)
-    if plan.target != "tpu":
+    if not tpu:
         delta = delta.transpose(0, 2, 1)                       # [B, H, Sq]
-    shape = (b, hq, sq, lay.stat_width)
-    lse, delta = (jnp.broadcast_to(x[..., None], shape) for x in (lse, delta))
-    common = [kv_len, q, k, v, do, lse, delta]
-
     bs = plan.blocks
+
     bq = bs.block_q_dq
     seg_args, seg_specs = _seg_inputs(plan, lay, segs, lay.q_seg(bq, lambda n: n),
                                       lay.kv_seg(plan.sk, lambda n: 0))
+    stats = lay.stats(bq, lambda n: n)
     dq = _call(
         _dq_kernel, plan, lay, (b, hq, sq // bq),
         [lay.kv_len(), lay.seq(bq, lambda n: n), lay.seq(sk, lambda n: 0, kv=True),
-         lay.seq(sk, lambda n: 0, kv=True), lay.seq(bq, lambda n: n),
-         lay.stats(bq, lambda n: n), lay.stats(bq, lambda n: n)] + seg_specs,
+         lay.seq(sk, lambda n: 0, kv=True), lay.seq(bq, lambda n: n), stats, stats] + seg_specs,
         lay.seq(bq, lambda n: n), jax.ShapeDtypeStruct(q.shape, q.dtype),
-        common + seg_args, "flash_attention_dq")
+        [kv_len, q, k, v, do] + [x.reshape(lay.stats_shape(b, hq, sq)) for x in (lse, delta)]
+        + seg_args, "flash_attention_dq")
 
     bq, bk = bs.block_q_dkv, bs.block_k_dkv
     seg_args, seg_specs = _seg_inputs(plan, lay, segs, lay.q_seg(sq, lambda n: 0),
                                       lay.kv_seg(bk, lambda n: n))
-    # Per query head; a group of G query heads shares one key/value head (summed below).
-    kv_shape = (b, hq, sk, q.shape[-1]) if plan.target == "tpu" else (b, sk, hq, q.shape[-1])
-    kv_dtype = k.dtype if plan.groups == 1 else jnp.float32
+    if tpu:       # grid (batch, key/value head, key block, query head of its group)
+        d = q.shape[-1]
+        head = lambda spec, h_of: pl.BlockSpec(
+            spec.block_shape, lambda b, h, n, i: spec.index_map(b, h_of(h, i), n))
+        in_q = lambda h, i: h * g + i
+        rows = head(lay.seq(sq, lambda n: 0), in_q)
+        stats = pl.BlockSpec((None, None, sq // bq, bq), lambda b, h, n, i: (b, in_q(h, i), 0, 0))
+        kv_spec = head(lay.seq(bk, lambda n: n), lambda h, i: h)
+        seg_specs = [head(x, lambda h, i: h) for x in seg_specs]
+        lse, delta = (x.reshape(b, hq, sq // bq, bq) for x in (lse, delta))
+        grid, kv_shape, kv_dtype = (b, hkv, sk // bk, g), k.shape, k.dtype
+        out_spec, scratch = kv_spec, [_vmem_f32((bk, d))] * 2
+    else:         # grid over query heads; a group's dk/dv summed below
+        kv_shape, kv_dtype = (b, sk, hq, q.shape[-1]), (k.dtype if g == 1 else jnp.float32)
+        rows, stats = lay.seq(sq, lambda n: 0), lay.stats(sq, lambda n: 0)
+        lse, delta = (x.reshape(lay.stats_shape(b, hq, sq)) for x in (lse, delta))
+        kv_spec, out_spec = lay.seq(bk, lambda n: n, kv=True), lay.seq(bk, lambda n: n)
+        grid, scratch = (b, hq, sk // bk), ()
     dk, dv = _call(
-        _dkv_kernel, plan, lay, (b, hq, sk // bk),
-        [lay.kv_len(), lay.seq(sq, lambda n: 0), lay.seq(bk, lambda n: n, kv=True),
-         lay.seq(bk, lambda n: n, kv=True), lay.seq(sq, lambda n: 0),
-         lay.stats(sq, lambda n: 0), lay.stats(sq, lambda n: 0)] + seg_specs,
-        [lay.seq(bk, lambda n: n)] * 2, [jax.ShapeDtypeStruct(kv_shape, kv_dtype)] * 2,
-        common + seg_args, "flash_attention_dkv")
-    if plan.groups > 1:
-        axis = 1 if plan.target == "tpu" else 2
-        split = kv_shape[:axis] + (hkv, plan.groups) + kv_shape[axis + 1:]
-        dk, dv = (x.reshape(split).sum(axis + 1).astype(k.dtype) for x in (dk, dv))
+        _dkv_kernel, plan, lay, grid,
+        [lay.kv_len(), rows, kv_spec, kv_spec, rows, stats, stats] + seg_specs,
+        [out_spec] * 2, [jax.ShapeDtypeStruct(kv_shape, kv_dtype)] * 2,
+        [kv_len, q, k, v, do, lse, delta] + seg_args, "flash_attention_dkv", scratch)
+    if not tpu and g > 1:
+        split = kv_shape[:2] + (hkv, g) + kv_shape[3:]
+        dk, dv = (x.reshape(split).sum(3).astype(k.dtype) for x in (dk, dv))
     return dq, dk, dv
 
 
@@ -624,6 +695,10 @@ def flash_attention(q, k, v, *, key_lengths=None, segment_ids=None, causal: bool
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     bs = block_sizes or default_block_sizes(target, q.dtype)
     min_q, min_k = _MIN_BLOCK[target]
+    small = [f for f in ("block_q", "block_q_dkv", "block_q_dq") if getattr(bs, f) < min_q]
+    if small:
+        raise ValueError(f"block sizes {small} are below {min_q} query rows, the least the "
+                         f"{target} kernels take.")
     fit_q = lambda x: _fit(x, sq, min_q)
     fit_k = lambda x: _fit(x, sk, min_k)
     bs = dataclasses.replace(bs, block_q=fit_q(bs.block_q), block_k=fit_k(bs.block_k),

@@ -342,14 +342,15 @@ def test_scale_argument():
 
 
 @pytest.mark.parametrize("case", [
-    dict(b=2, sq=200, sk=300, hq=4, hkv=2, d=64, causal=True, key_lengths=jnp.array([0, 295])),
+    dict(b=2, sq=200, sk=300, hq=4, hkv=1, d=64, causal=True, key_lengths=jnp.array([0, 295])),
     dict(b=2, sq=130, hq=2, hkv=1, d=192, causal=True, key_lengths=jnp.array([100, 130]),
          segment_ids=jnp.tile(jnp.arange(130) // 70, (2, 1))),
 ])
 def test_tpu_layout_in_tpu_interpreter(case, monkeypatch):
-    """The TPU variant (transposed layout, lane-replicated statistics and segment ids, key
-    lengths in SMEM, head_dim padded to 256) run by the Pallas TPU interpreter, which
-    simulates Mosaic's memory semantics on the host: on CPU whatever the default backend."""
+    """The TPU variant (transposed layout, lane-major statistics, lane-replicated segment ids,
+    key lengths in SMEM, head_dim padded to 256, dK/dV summed over groups of 4 and 2 query
+    heads in the kernel) run by the Pallas TPU interpreter, which simulates Mosaic's memory
+    semantics on the host: on CPU whatever the default backend."""
     from jax.experimental.pallas import tpu as pltpu
     plain = registry.interpret
     monkeypatch.setattr(registry, "interpret",
@@ -366,6 +367,8 @@ def test_tpu_layout_in_tpu_interpreter(case, monkeypatch):
     ({"key_lengths": jnp.array([1, 2])}, ((1, 8, 2, 32), (1, 8, 2, 32)), "key_lengths"),
     ({"segment_ids": jnp.zeros((1, 8), jnp.int32)}, ((1, 8, 2, 32), (1, 9, 2, 32)), "Sq == Sk"),
     ({"target": "cuda"}, ((1, 8, 2, 32), (1, 8, 2, 32)), "Pallas target='cuda'"),
+    ({"target": "tpu", "block_sizes": BlockSizes(64, 128, 128, 128, 128, 128)},
+     ((1, 8, 2, 32), (1, 8, 2, 32)), r"\['block_q'\] are below 128 query rows"),
 ])
 def test_rejects_bad_inputs(kwargs, shapes, match):
     q, k = jnp.zeros(shapes[0]), jnp.zeros(shapes[1])
