@@ -16,7 +16,7 @@ from jaxaccel import config
 from jaxaccel.models import (LLAMA_PRESETS, PRESETS, ModelSpec, architecture_of, build_model,
                              load_checkpoint, save_checkpoint, spec)
 from jaxaccel.models.generate import Sampler, prompts_of
-from jaxaccel.models.llama import rope_frequencies
+from jaxaccel.models.llama import rope, rope_frequencies
 from jaxaccel.train.state import TrainState
 from support import LM, docs, lm_loss, logits, packed
 
@@ -69,6 +69,34 @@ def test_grouped_query_attention_equals_repeated_key_value_heads(model):
     nnx.update(mha, target)
     batch = packed([docs(2, 5, 11), docs(3, 16)], 16)
     np.testing.assert_allclose(logits(mha, batch), logits(model, batch), atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_rope_is_the_pairwise_rotation_bit_for_bit(dtype):
+    """``rope`` (whole-head x cos + rotate_half(x) sin) equals the pairwise rotation of its
+    docstring, (x_i cos a - x_{i+d/2} sin a, x_{i+d/2} cos a + x_i sin a) in float32, exactly."""
+    x = jax.random.normal(jax.random.key(0), (2, 9, 4, TINY.head_dim)).astype(dtype)
+    positions = jnp.asarray(np.random.default_rng(0).integers(0, 500, (2, 9)), jnp.int32)
+    freq = rope_frequencies(TINY)
+    a = positions.astype(jnp.float32)[..., None, None] * freq
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    want = jnp.concatenate([x1 * jnp.cos(a) - x2 * jnp.sin(a),
+                            x2 * jnp.cos(a) + x1 * jnp.sin(a)], -1).astype(dtype)
+    np.testing.assert_array_equal(np.asarray(rope(x, positions, freq), np.float32),
+                                  np.asarray(want, np.float32))
+
+
+def test_batched_token_matmuls_compute_the_flat_ones(model):
+    """``flat_tokens=False`` (the TPU layout: Dense layers on [batch, seq, features]) gives the
+    flat layout's logits and gradients: the same matmuls, another shape."""
+    batched = build_model(ModelSpec(TINY, flat_tokens=False), None, 0)
+    assert not batched.layers[0].mlp.flat and model.layers[0].mlp.flat
+    batch = packed([docs(4, 6, 10), docs(5, 16)], 16)
+    np.testing.assert_allclose(logits(batched, batch), logits(model, batch), atol=1e-5)
+    grad = lambda m: nnx.grad(lambda m: jnp.mean(m(batch["input_ids"], positions=batch[
+        "positions"], segment_ids=batch["segment_ids"]).logits ** 2))(m)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
+                 nnx.to_pure_dict(grad(batched)), nnx.to_pure_dict(grad(model)))
 
 
 def test_pallas_attention_gives_the_reference_logits_and_decoding(model):
@@ -297,6 +325,20 @@ def test_llama_presets_build_specs_and_round_trip_as_json():
         ModelSpec(TINY, num_labels=2)
     with pytest.raises(ValueError, match="heads for \\('classification',\\) only"):
         ModelSpec(PRESETS["tiny"], task="causal_lm")
+
+
+def test_the_token_layout_is_chosen_per_platform_and_not_saved():
+    """``flat_tokens``: batched on TPUs, flat elsewhere, only for the families that take it
+    (the BERT spec is returned as it is), a given choice kept; ``to_dict`` leaves it out, so
+    a TPU run's checkpoint restores anywhere."""
+    s = ModelSpec(TINY)
+    assert s.for_platform("tpu").flat_tokens is False
+    assert s.for_platform("cpu").flat_tokens is s.for_platform("gpu").flat_tokens is True
+    assert ModelSpec(TINY, flat_tokens=True).for_platform("tpu").flat_tokens is True
+    bert = ModelSpec(PRESETS["tiny"], num_labels=2)
+    assert bert.for_platform("tpu") is bert
+    assert "flat_tokens" not in s.for_platform("tpu").to_dict()
+    assert ModelSpec.from_dict(s.for_platform("tpu").to_dict()) == s
 
 
 def test_bert_specs_saved_before_families_still_load():

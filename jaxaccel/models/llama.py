@@ -89,12 +89,16 @@ def _dense(din, dout, axes, cfg: LlamaConfig, policy: Policy, rngs, bias: bool =
                        block=block)
 
 
-def _per_token(dense, x):
-    """``dense`` (a layer or a block of them) applied to ``x`` [..., features] as one
-    [tokens, features] matrix (a free reshape): autodiff then contracts the weight gradient
-    over one token axis. Over the [batch, seq] pair XLA:CPU first copied a transposed
+def _per_token(dense, x, flat: bool):
+    """``dense`` (a layer or a block of them) applied to ``x`` [..., features]; ``flat``: as
+    one [tokens, features] matrix (a free reshape), so that autodiff contracts the weight
+    gradient over one token axis. Over the [batch, seq] pair XLA:CPU first copied a transposed
     activation or gradient per matmul (bench/README.md, "The decoder step against the stock
-    Hugging Face loops")."""
+    Hugging Face loops"); the TPU compiler does the reverse: on the flat matrix its FSDP
+    matmul loops copy the activations in [seq, features] slices first (``ModelSpec.flat_tokens``:
+    flat but on TPUs)."""
+    if not flat:
+        return dense(x)
     return dense(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], -1)
 
 
@@ -131,19 +135,27 @@ def rope_frequencies(cfg: LlamaConfig):
 def rope(x, positions, inv_freq):
     """Rotary position embedding of x [batch, seq, heads, d] at ``positions`` [batch, seq]:
     (x_i, x_{i+d/2}) -> (x_i cos a - x_{i+d/2} sin a, x_{i+d/2} cos a + x_i sin a),
-    a = p * inv_freq_i (``rope_frequencies``); float32, returned in x's dtype."""
+    a = p * inv_freq_i (``rope_frequencies``); float32, returned in x's dtype.
+
+    Computed over the whole head as ``x cos + rotate_half(x) sin`` (rotate_half(x) = (-x2, x1),
+    transformers' form): the same float32 operations as the pairs above, bit for bit, in one
+    elementwise expression the compiler writes in one pass. (Computing the two halves and
+    concatenating them made the TPU compiler write a float32 copy of x and two half-width
+    results: 9 GB more HBM traffic per step of ``llama-1b`` on a v5e-8, bench/maxtext_step.py.)"""
     angles = positions.astype(jnp.float32)[..., None, None] * inv_freq      # [b, s, 1, d/2]
-    cos, sin = jnp.cos(angles), jnp.sin(angles)
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x.dtype)
+    angles = jnp.concatenate([angles, angles], axis=-1)                     # [b, s, 1, d]
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    rotated = jnp.concatenate([-x2, x1], axis=-1).astype(jnp.float32)
+    return (x.astype(jnp.float32) * jnp.cos(angles) + rotated * jnp.sin(angles)).astype(x.dtype)
 
 
 class LlamaAttention(nnx.Module):
-    def __init__(self, cfg: LlamaConfig, policy: Policy, attention_impl: str, rngs: nnx.Rngs):
+    def __init__(self, cfg: LlamaConfig, policy: Policy, spec: ModelSpec, rngs: nnx.Rngs):
         h, d = cfg.hidden_size, cfg.head_dim
         q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
         b = cfg.attention_bias
-        self.cfg, self.attention_impl = cfg, attention_impl
+        self.cfg, self.attention_impl = cfg, spec.attention_impl
+        self.flat = spec.flat_tokens is not False
         self.q_proj = _dense(h, q, ("embed", "heads"), cfg, policy, rngs, b)
         self.k_proj = _dense(h, kv, ("embed", "kv_heads"), cfg, policy, rngs, b)
         self.v_proj = _dense(h, kv, ("embed", "kv_heads"), cfg, policy, rngs, b)
@@ -157,11 +169,11 @@ class LlamaAttention(nnx.Module):
         b, s, _ = x.shape
         heads = lambda t, n: t.reshape(b, s, n, cfg.head_dim)
         freq = rope_frequencies(cfg)
-        q = rope(heads(tag(_per_token(self.q_proj, x), "query_proj"), cfg.num_attention_heads),
+        q = rope(heads(tag(_per_token(self.q_proj, x, self.flat), "query_proj"), cfg.num_attention_heads),
                  positions, freq)
-        k = rope(heads(tag(_per_token(self.k_proj, x), "key_proj"), cfg.num_key_value_heads),
+        k = rope(heads(tag(_per_token(self.k_proj, x, self.flat), "key_proj"), cfg.num_key_value_heads),
                  positions, freq)
-        v = heads(tag(_per_token(self.v_proj, x), "value_proj"), cfg.num_key_value_heads)
+        v = heads(tag(_per_token(self.v_proj, x, self.flat), "value_proj"), cfg.num_key_value_heads)
         kv = (k, v)
         segments, causal = segment_ids, True
         if cache is not None:
@@ -178,29 +190,30 @@ class LlamaAttention(nnx.Module):
         ctx = attention(q, k, v, segment_ids=segments, causal=causal, impl=self.attention_impl,
                         dropout_rate=cfg.attention_dropout, deterministic=deterministic,
                         dropout_rng=dropout_rng, dropout_rows=rows)
-        return tag(_per_token(self.o_proj, ctx.reshape(b, s, -1)), "out_proj"), kv
+        return tag(_per_token(self.o_proj, ctx.reshape(b, s, -1), self.flat), "out_proj"), kv
 
 
 class LlamaMLP(nnx.Module):
     """SwiGLU: down_proj(silu(gate_proj(x)) * up_proj(x))."""
 
-    def __init__(self, cfg: LlamaConfig, policy: Policy, rngs: nnx.Rngs):
+    def __init__(self, cfg: LlamaConfig, policy: Policy, spec: ModelSpec, rngs: nnx.Rngs):
         h, f, b = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
+        self.flat = spec.flat_tokens is not False
         self.gate_proj = _dense(h, f, ("embed", "mlp"), cfg, policy, rngs, b)
         self.up_proj = _dense(h, f, ("embed", "mlp"), cfg, policy, rngs, b)
         self.down_proj = _dense(f, h, ("mlp", "embed"), cfg, policy, rngs, b)
 
     def __call__(self, x):
         return _per_token(lambda t: self.down_proj(jax.nn.silu(self.gate_proj(t))
-                                                   * self.up_proj(t)), x)
+                                                   * self.up_proj(t)), x, self.flat)
 
 
 class LlamaDecoderLayer(nnx.Module):
-    def __init__(self, cfg: LlamaConfig, policy: Policy, attention_impl: str, rngs: nnx.Rngs):
+    def __init__(self, cfg: LlamaConfig, policy: Policy, spec: ModelSpec, rngs: nnx.Rngs):
         self.input_layernorm = _rms_norm(cfg, policy, rngs)
-        self.self_attn = LlamaAttention(cfg, policy, attention_impl, rngs)
+        self.self_attn = LlamaAttention(cfg, policy, spec, rngs)
         self.post_attention_layernorm = _rms_norm(cfg, policy, rngs)
-        self.mlp = LlamaMLP(cfg, policy, rngs)
+        self.mlp = LlamaMLP(cfg, policy, spec, rngs)
 
     def __call__(self, x, positions, segment_ids, deterministic, rngs, cache=None, rows=None):
         y, kv = self.self_attn(self.input_layernorm(x), positions, segment_ids, deterministic,
@@ -234,7 +247,7 @@ class LlamaForCausalLM(nnx.Module):
             param_dtype=policy.param_dtype,
             embedding_init=_partitioned(nnx.initializers.normal(cfg.initializer_range),
                                         ("vocab", "embed")), rngs=rngs)
-        self.layers = nnx.List([LlamaDecoderLayer(cfg, policy, spec.attention_impl, rngs)
+        self.layers = nnx.List([LlamaDecoderLayer(cfg, policy, spec, rngs)
                                 for _ in range(cfg.num_hidden_layers)])
         self.norm = _rms_norm(cfg, policy, rngs)
         self.lm_head = nnx.data(None if cfg.tie_word_embeddings else _dense(

@@ -131,6 +131,7 @@ def resolve(cfg: Config, devices=None, *, training: bool = True,
     attention.check_config(cfg.model.attention_impl, policy)
     spec = model_spec(cfg.model) if spec is None else spec
     mesh = shd.make_mesh(dict(cfg.mesh), devices)
+    spec = spec.for_platform(mesh.devices.flat[0].platform)
     filled = _filled_mesh(cfg, mesh)
     cfg = config_lib.build(cfg.to_dict(), [f"mesh.{a}={n}" for a, n in filled.items()]) \
         if filled else cfg
