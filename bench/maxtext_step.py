@@ -28,7 +28,9 @@ are the steadier measure), with XLA's dumps written beside its optimized HLO (``
 default the cache folder): the memory-usage report and live ranges are read from them. Per
 chip, each row has: compile seconds, memory (arguments, outputs, temporaries, total; ``memory_analysis()``), HBM bytes and
 FLOPs counted with loop trips (``jaxaccel.plan.hlo_cost``) beside the compiler's own figures
-(loop bodies once), the bytes each kind of collective writes and the least a chip sends
+(loop bodies once) and those of them that move to or from HBM (each instruction costed alone,
+``hlo_cost.by_instruction``, its accesses to buffers the TPU compiler placed in VMEM left out:
+``hlo_cost.on_chip``), the bytes each kind of collective writes and the least a chip sends
 (``jaxaccel.plan.collectives``), and the planner's estimate of the step
 (``jaxaccel.plan.estimate_step``) from those numbers; what is live at the step's peak (XLA's
 live-range dump), by origin and in its largest groups of one shape; with ``--by-op``, the HBM
@@ -286,6 +288,8 @@ def analyse(side: str, a, target, cfg, spec) -> dict:
             "analytic_flops": flops, "estimate": estimate,
             "largest_allocations": largest_temporaries(os.path.join(folder, "dump")),
             "peak": peak_groups(at_peak(os.path.join(folder, "dump"), hlo)),
+            "hbm_bytes": sum(runs * cost["hbm bytes"]
+                             for _, _, runs, cost in hlo_cost.by_instruction(hlo)),
             "by_op": by_op(hlo) if a.by_op else None}
 
 
@@ -389,6 +393,7 @@ ROWS = (("parameters", lambda r: f"{r['parameters']:,}"),
         ("  buffers allocated ahead (AllocateBuffer)",
          lambda r: _gb(r["peak"]["by_origin"].get("AllocateBuffer", 0))),
         ("HBM bytes, loop trips counted (GB)", lambda r: _gb(r["counted"]["bytes accessed"])),
+        ("  of them in HBM: VMEM accesses left out (GB)", lambda r: _gb(r.get("hbm_bytes"))),
         ("HBM bytes, compiler's count: loop bodies once (GB)",
          lambda r: _gb(r["compiler_cost"].get("bytes accessed"))),
         ("FLOPs, loop trips counted (TFLOP)", lambda r: f"{r['counted']['flops'] / 1e12:.2f}"),

@@ -56,6 +56,31 @@ def test_instruction_by_instruction_adds_up_to_the_count():
         counted.bytes_accessed, rel=0.01)
 
 
+# A TPU program's values in VMEM (memory space 1, "S(1)"): a prefetch into it, an add of an
+# HBM and a VMEM operand written to VMEM, and a multiply back to HBM.
+ON_CHIP = """HloModule m
+
+ENTRY %main (p: f32[1024], q: f32[1024]) -> f32[1024] {
+  %p = f32[1024]{0} parameter(0)
+  %q = f32[1024]{0} parameter(1)
+  %cs = (f32[1024]{0:S(1)}, f32[1024]{0}, u32[]) copy-start(%q)
+  %cd = f32[1024]{0:S(1)} copy-done(%cs)
+  %a = f32[1024]{0:S(1)} add(%p, %cd)
+  ROOT %m = f32[1024]{0} multiply(%a, %p)
+}
+"""
+
+
+def test_bytes_in_on_chip_memory_are_not_hbm_bytes():
+    """HBM bytes leave out what an instruction reads from or writes to VMEM: the prefetch
+    reads q from HBM (4 KiB; its VMEM copy is on chip), the add reads p (4 KiB), the multiply
+    reads p and writes its result (8 KiB); every access counts in the bytes accessed."""
+    parts = {i.name: cost for i, _, _, cost in hlo_cost.by_instruction(ON_CHIP)}
+    assert {name: cost["hbm bytes"] for name, cost in parts.items()} == {
+        "cs": 4096, "a": 4096, "m": 8192}
+    assert parts["a"]["bytes accessed"] == parts["m"]["bytes accessed"] == 3 * 4096
+
+
 ASYNC_ALL_REDUCE = """HloModule m, entry_computation_layout={(f32[8]{0})->f32[8]{0}}
 
 %add (a: f32[], b: f32[]) -> f32[] {

@@ -157,7 +157,8 @@ def by_instruction(hlo: str):
     module of just it, its operands as parameters): where a program's bytes and FLOPs go.
     The ``-done`` half of an async pair is left out (its cost is its ``-start``'s), and so is
     an instruction the parser cannot take alone (e.g. an operand of a kind only its producer
-    may feed); ``count`` stays the total."""
+    may feed); ``count`` stays the total. ``cost["hbm bytes"]`` is its bytes accessed less
+    those of operands and results the TPU compiler placed in on-chip memory (``on_chip``)."""
     tools = _analysis()
     if tools is None:
         return
@@ -186,7 +187,48 @@ def by_instruction(hlo: str):
                 cost = analyse(client, parse(f"HloModule e\n{preamble}\n\n{text}\n}}\n"))
             except jax.errors.JaxRuntimeError:
                 continue
-            yield i, name, times[name], {key: float(cost.get(key, 0.0)) for key in KEYS.values()}
+            hbm = sum(v for k, v in cost.items() if (part := _PART.fullmatch(k)) and not on_chip(
+                _element(i.shape if part.group(1) == "out" else _shape_of(
+                    instructions, i.operands, int(part.group(1))), part.group(2))))
+            yield i, name, times[name], {**{key: float(cost.get(key, 0.0))
+                                            for key in KEYS.values()}, "hbm bytes": hbm}
+
+
+# HloCostAnalysis's bytes of one operand or of the result, at a shape index:
+# "bytes accessed0{}", "bytes accessedout{1}".
+_PART = re.compile(r"bytes accessed(\d+|out)\{([\d,]*)\}")
+
+
+def on_chip(shape: str) -> bool:
+    """Whether a value of this (optimized HLO, laid out) shape lives in on-chip memory: the
+    TPU compiler's memory-space assignment marks VMEM buffers memory space 1 (``S(1)``), e.g.
+    ``bf16[2048,5632]{1,0:T(8,128)(2,1)S(1)}``; their reads and writes move no HBM bytes
+    (the copies that fill them read HBM, and count)."""
+    return "S(1)" in shape
+
+
+def _shape_of(instructions: dict, operands: tuple, k: int) -> str:
+    """The shape of an instruction's k-th operand ("" where it is not an instruction: a
+    fusion's constants are numbered as operands by the cost analysis)."""
+    return instructions[operands[k]].shape if k < len(operands) and \
+        operands[k] in instructions else ""
+
+
+def _element(shape: str, index: str) -> str:
+    """The part of a (tuple) shape at a shape index such as "1" or "0,2"."""
+    for k in (int(x) for x in index.split(",") if x):
+        if not shape.startswith("("):
+            return shape
+        depth, start, parts = 0, 1, []
+        for at, ch in enumerate(shape[1:-1], 1):
+            depth += ch in "([{"
+            depth -= ch in ")]}"
+            if ch == "," and depth == 0:
+                parts.append(shape[start:at].strip())
+                start = at + 1
+        parts.append(shape[start:-1].strip())
+        shape = parts[k] if k < len(parts) else ""
+    return shape
 
 
 def _owners(hlo: str, steps: set) -> dict:
