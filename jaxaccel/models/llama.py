@@ -137,16 +137,18 @@ def rope(x, positions, inv_freq):
     (x_i, x_{i+d/2}) -> (x_i cos a - x_{i+d/2} sin a, x_{i+d/2} cos a + x_i sin a),
     a = p * inv_freq_i (``rope_frequencies``); float32, returned in x's dtype.
 
-    Computed over the whole head as ``x cos + rotate_half(x) sin`` (rotate_half(x) = (-x2, x1),
-    transformers' form): the same float32 operations as the pairs above, bit for bit, in one
-    elementwise expression the compiler writes in one pass. (Computing the two halves and
-    concatenating them made the TPU compiler write a float32 copy of x and two half-width
-    results: 9 GB more HBM traffic per step of ``llama-1b`` on a v5e-8, bench/maxtext_step.py.)"""
+    Computed over the whole head as ``x (cos, cos) + (x2, x1) (-sin, sin)``: the same float32
+    operations as the pairs above, bit for bit, in one elementwise expression the compiler
+    writes in one pass. (Computing the two halves and concatenating them made the TPU compiler
+    write a float32 copy of x and two half-width results: ~19 GB more counted HBM traffic per
+    step of ``llama-1b`` on a v5e-8, bench/maxtext_step.py; negating the sines, not x, keeps
+    the CPU decoder step as fast as the pairwise form.)"""
     angles = positions.astype(jnp.float32)[..., None, None] * inv_freq      # [b, s, 1, d/2]
-    angles = jnp.concatenate([angles, angles], axis=-1)                     # [b, s, 1, d]
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    cos, sin = jnp.concatenate([cos, cos], axis=-1), jnp.concatenate([-sin, sin], axis=-1)
     x1, x2 = jnp.split(x, 2, axis=-1)
-    rotated = jnp.concatenate([-x2, x1], axis=-1).astype(jnp.float32)
-    return (x.astype(jnp.float32) * jnp.cos(angles) + rotated * jnp.sin(angles)).astype(x.dtype)
+    swapped = jnp.concatenate([x2, x1], axis=-1).astype(jnp.float32)
+    return (x.astype(jnp.float32) * cos + swapped * sin).astype(x.dtype)
 
 
 class LlamaAttention(nnx.Module):
