@@ -73,17 +73,27 @@ def test_grouped_query_attention_equals_repeated_key_value_heads(model):
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_rope_is_the_pairwise_rotation_bit_for_bit(dtype):
-    """``rope`` (whole-head x cos + rotate_half(x) sin) equals the pairwise rotation of its
-    docstring, (x_i cos a - x_{i+d/2} sin a, x_{i+d/2} cos a + x_i sin a) in float32, exactly."""
+    """``rope`` (the whole head at once) equals the pairwise rotation of its docstring,
+    (x_i cos a - x_{i+d/2} sin a, x_{i+d/2} cos a + x_i sin a) in float32, exactly, and so
+    do their gradients."""
     x = jax.random.normal(jax.random.key(0), (2, 9, 4, TINY.head_dim)).astype(dtype)
+    w = jax.random.normal(jax.random.key(1), x.shape)
     positions = jnp.asarray(np.random.default_rng(0).integers(0, 500, (2, 9)), jnp.int32)
     freq = rope_frequencies(TINY)
-    a = positions.astype(jnp.float32)[..., None, None] * freq
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    want = jnp.concatenate([x1 * jnp.cos(a) - x2 * jnp.sin(a),
-                            x2 * jnp.cos(a) + x1 * jnp.sin(a)], -1).astype(dtype)
+
+    def pairwise(x, positions, freq):
+        a = positions.astype(jnp.float32)[..., None, None] * freq
+        x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+        return jnp.concatenate([x1 * jnp.cos(a) - x2 * jnp.sin(a),
+                                x2 * jnp.cos(a) + x1 * jnp.sin(a)], -1).astype(x.dtype)
+
+    outputs = [jax.jit(jax.value_and_grad(
+        lambda x, f=f: jnp.sum(f(x, positions, freq).astype(jnp.float32) * w)))(x)
+        for f in (rope, pairwise)]
+    for got, want in zip(*outputs):
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
     np.testing.assert_array_equal(np.asarray(rope(x, positions, freq), np.float32),
-                                  np.asarray(want, np.float32))
+                                  np.asarray(pairwise(x, positions, freq), np.float32))
 
 
 def test_batched_token_matmuls_compute_the_flat_ones(model):

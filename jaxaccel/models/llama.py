@@ -135,20 +135,38 @@ def rope_frequencies(cfg: LlamaConfig):
 def rope(x, positions, inv_freq):
     """Rotary position embedding of x [batch, seq, heads, d] at ``positions`` [batch, seq]:
     (x_i, x_{i+d/2}) -> (x_i cos a - x_{i+d/2} sin a, x_{i+d/2} cos a + x_i sin a),
-    a = p * inv_freq_i (``rope_frequencies``); float32, returned in x's dtype.
-
-    Computed over the whole head as ``x (cos, cos) + (x2, x1) (-sin, sin)``: the same float32
-    operations as the pairs above, bit for bit, in one elementwise expression the compiler
-    writes in one pass. (Computing the two halves and concatenating them made the TPU compiler
-    write a float32 copy of x and two half-width results: ~19 GB more counted HBM traffic per
-    step of ``llama-1b`` on a v5e-8, bench/maxtext_step.py; negating the sines, not x, keeps
-    the CPU decoder step as fast as the pairwise form.)"""
+    a = p * inv_freq_i (``rope_frequencies``); float32, returned in x's dtype (``_rotate``)."""
     angles = positions.astype(jnp.float32)[..., None, None] * inv_freq      # [b, s, 1, d/2]
     cos, sin = jnp.cos(angles), jnp.sin(angles)
-    cos, sin = jnp.concatenate([cos, cos], axis=-1), jnp.concatenate([-sin, sin], axis=-1)
+    return _rotate(x, jnp.concatenate([cos, cos], axis=-1), jnp.concatenate([-sin, sin], axis=-1))
+
+
+@jax.custom_vjp
+def _rotate(x, cos, sin):
+    """``x (cos, cos) + (x2, x1) (-sin, sin)`` over the whole head, in float32, rounded once to
+    x's dtype: the pairwise rotation's float32 operations, bit for bit, in one elementwise
+    expression the compiler writes in one pass. (Computing the two halves and concatenating
+    them made the TPU compiler write a float32 copy of x and two half-width results: ~19 GB
+    more counted HBM traffic per step of ``llama-1b`` on a v5e-8, bench/maxtext_step.py.) The
+    halves swap in x's dtype (exact); the gradient is the rotation back (``_rotate_bwd``)."""
     x1, x2 = jnp.split(x, 2, axis=-1)
     swapped = jnp.concatenate([x2, x1], axis=-1).astype(jnp.float32)
     return (x.astype(jnp.float32) * cos + swapped * sin).astype(x.dtype)
+
+
+def _rotate_fwd(x, cos, sin):
+    return _rotate(x, cos, sin), (cos, sin)
+
+
+def _rotate_bwd(res, g):
+    """The cotangent rotated back, (sin, -sin), in float32 and rounded once: what autodiff of
+    the pairwise form gives, where autodiff of ``_rotate`` would round the swapped half's
+    cotangent to x's dtype before the sum."""
+    cos, sin = res
+    return _rotate(g, cos, -sin), None, None
+
+
+_rotate.defvjp(_rotate_fwd, _rotate_bwd)
 
 
 class LlamaAttention(nnx.Module):
