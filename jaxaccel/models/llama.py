@@ -189,11 +189,12 @@ class LlamaAttention(nnx.Module):
         b, s, _ = x.shape
         heads = lambda t, n: t.reshape(b, s, n, cfg.head_dim)
         freq = rope_frequencies(cfg)
-        q = rope(heads(tag(_per_token(self.q_proj, x, self.flat), "query_proj"), cfg.num_attention_heads),
-                 positions, freq)
-        k = rope(heads(tag(_per_token(self.k_proj, x, self.flat), "key_proj"), cfg.num_key_value_heads),
-                 positions, freq)
-        v = heads(tag(_per_token(self.v_proj, x, self.flat), "value_proj"), cfg.num_key_value_heads)
+        project = lambda dense, name: tag(_per_token(dense, x, self.flat), name)
+        q = rope(heads(project(self.q_proj, "query_proj"), cfg.num_attention_heads), positions,
+                 freq)
+        k = rope(heads(project(self.k_proj, "key_proj"), cfg.num_key_value_heads), positions,
+                 freq)
+        v = heads(project(self.v_proj, "value_proj"), cfg.num_key_value_heads)
         kv = (k, v)
         segments, causal = segment_ids, True
         if cache is not None:

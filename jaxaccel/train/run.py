@@ -392,7 +392,6 @@ def _abstract(r: Resolved, model) -> Run:
 
 
 def _training(r: Resolved, model, tokenizer_dir: str | None, data: bool) -> Run:
-    cfg = r.cfg
     graphdef, params, fp8, param_shardings = split_model(model, r.mesh)
     fp8 = fp8 if r.policy.fp8 else None
     sources = run_data.batches(r, tokenizer_dir) if data else {}
