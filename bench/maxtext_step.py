@@ -272,6 +272,7 @@ def analyse(side: str, a, target, cfg, spec) -> dict:
     with gzip.open(os.path.join(folder, "hlo.txt.gz"), "rt") as f:
         hlo = f.read()
     counted = hlo_cost.count(hlo)
+    parts = list(hlo_cost.by_instruction(hlo))      # each instruction costed alone: minutes
     found = collectives_lib.collectives(hlo, len(target.devices))
     sent = sum(c.sent for c in found)
     shape = flops_lib.model_shape(spec)
@@ -288,9 +289,8 @@ def analyse(side: str, a, target, cfg, spec) -> dict:
             "analytic_flops": flops, "estimate": estimate,
             "largest_allocations": largest_temporaries(os.path.join(folder, "dump")),
             "peak": peak_groups(at_peak(os.path.join(folder, "dump"), hlo)),
-            "hbm_bytes": sum(runs * cost["hbm bytes"]
-                             for _, _, runs, cost in hlo_cost.by_instruction(hlo)),
-            "by_op": by_op(hlo) if a.by_op else None}
+            "hbm_bytes": sum(runs * cost["hbm bytes"] for _, _, runs, cost in parts),
+            "by_op": by_op(parts) if a.by_op else None}
 
 
 def _dumped(dump: str, kind: str) -> str:
@@ -421,14 +421,13 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def by_op(hlo: str, top: int = 40) -> list[dict]:
+def by_op(parts: list, top: int = 40) -> list[dict]:
     """The step's HBM bytes and FLOPs by jax operation: each instruction costed alone
-    (``hlo_cost.by_instruction``) times its runs, grouped by the pass it belongs to (forward,
-    backward, the backward's remat forward), the last part of its ``op_name`` and the dtype of
-    its result."""
-    from jaxaccel.plan import hlo_cost
+    (``parts``: ``hlo_cost.by_instruction``'s) times its runs, grouped by the pass it belongs
+    to (forward, backward, the backward's remat forward), the last part of its ``op_name`` and
+    the dtype of its result."""
     groups = {}
-    for i, _, runs, cost in hlo_cost.by_instruction(hlo):
+    for i, _, runs, cost in parts:
         op = _OP_NAME.search(i.attributes)
         op = op.group(1) if op else ""
         stage = ("backward" if "transpose(" in op else "forward" if op else "-") + \
