@@ -32,12 +32,15 @@ command resumes); 130 a second Ctrl-C (stopped without saving).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import math
 import os
 import sys
 import traceback
+
+from jaxaccel import console
 
 EXIT_ERROR, EXIT_NONFINITE, EXIT_DOES_NOT_FIT, EXIT_INTERRUPTED = 2, 3, 4, 130
 # sysexits.h's EX_TEMPFAIL ("a temporary failure: the user is invited to retry"): a run stopped
@@ -176,7 +179,7 @@ def train_outcome(result) -> int:
     """Print how a run ended (``train.outcome``: its JSON record, then on stderr what it means)
     and return the exit status: 0 completed, ``EXIT_PREEMPTED`` resumable, ``EXIT_NONFINITE``."""
     from jaxaccel.train.outcome import Diverged, Preempted
-    print(json.dumps(result.record(), indent=2))
+    print(json.dumps(result.record(), indent=2), file=console.result())
     if isinstance(result, Diverged):
         good = result.last_good_checkpoint
         where = (f"Last good checkpoint: step {good} in {result.checkpoint_dir}."
@@ -191,7 +194,7 @@ def train_outcome(result) -> int:
               "resumable).", file=sys.stderr)
         return EXIT_PREEMPTED
     print(f"{result.summary}\n"
-          f"checkpoints: {result.checkpoint_dir}\nmetrics: {result.metrics_file}")
+          f"checkpoints: {result.checkpoint_dir}\nmetrics: {result.metrics_file}", file=sys.stderr)
     return 0
 
 
@@ -200,7 +203,7 @@ def cmd_eval(args) -> int:
     from jaxaccel.train.inference import evaluate_run
     run_dir = _run_dir(args.checkpoint)
     with rundir.library_log(run_dir):
-        print(json.dumps(evaluate_run(run_dir, args.set), indent=2))
+        print(json.dumps(evaluate_run(run_dir, args.set), indent=2), file=console.result())
     return 0
 
 
@@ -273,7 +276,7 @@ def cmd_predict(args) -> int:
                 print(f"warning: input {i}: {text!r} is {facts['seconds']:.3f} s long; its label "
                       f"is that of its first {facts['seconds_classified']:.3f} s, all the model's "
                       "input holds (the record's seconds_classified).", file=sys.stderr)
-        print(json.dumps(record, ensure_ascii=False))
+        print(json.dumps(record, ensure_ascii=False), file=console.result())
     return EXIT_ERROR if refused else 0
 
 
@@ -292,7 +295,8 @@ def cmd_generate(args) -> int:
         args.prompts, args.max_new_tokens, temperature=0.0 if args.greedy else args.temperature,
         top_k=args.top_k, seed=args.seed)
     for i, (prompt, text) in enumerate(zip(args.prompts, texts)):
-        print(json.dumps({"index": i, "prompt": prompt, "text": text}, ensure_ascii=False))
+        print(json.dumps({"index": i, "prompt": prompt, "text": text}, ensure_ascii=False),
+              file=console.result())
     return 0
 
 
@@ -303,7 +307,7 @@ def cmd_export(args) -> int:
     with rundir.library_log(run_dir):
         print(json.dumps(export_run(run_dir, args.out, overwrite=args.overwrite,
                                     custom_code=args.custom_code, encoder=args.encoder),
-                         indent=2))
+                         indent=2), file=console.result())
     return 0
 
 
@@ -316,7 +320,9 @@ def cmd_bench(args) -> int:
                                 "scripts of a source checkout; install with `pip install -e .` "
                                 "from a clone of the repository.")
     sys.path.insert(0, root)
-    status = importlib.import_module(f"bench.{args.suite}").main(args.args)
+    # A suite's own lines (its table, the file it wrote) are its result.
+    with contextlib.redirect_stdout(console.result()):
+        status = importlib.import_module(f"bench.{args.suite}").main(args.args)
     return status if isinstance(status, int) else 0
 
 
@@ -328,7 +334,7 @@ def cmd_data(args) -> int:
         lines = datacmd.prepare(cfg)
     else:
         lines = datacmd.show(cfg, args.n, args.split)
-    print("\n".join(lines))
+    print("\n".join(lines), file=console.result())
     return 0
 
 
@@ -336,9 +342,9 @@ def cmd_compare(args) -> int:
     from jaxaccel import compare
     report = compare.compare(args.results, args.prices, args.weights, args.mixed_versions)
     compare.check_comparable(report)
-    print(compare.markdown(report))
+    print(compare.markdown(report), file=console.result())
     written = compare.write(report, args.out, plots=not args.no_plots, html_page=args.html)
-    print(f"\nwrote {len(written)} files to {args.out}/")
+    print(f"\nwrote {len(written)} files to {args.out}/", file=console.result())
     return 0
 
 
@@ -406,6 +412,12 @@ def main(argv=None) -> int:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     logging.getLogger("transformers").addFilter(_not_the_torch_notice)
     args = _parser().parse_args(argv)
+    with console.results_only():
+        return _run(args)
+
+
+def _run(args) -> int:
+    """``args``' command, its errors as one line on stderr and an exit status."""
     try:
         from jaxaccel import distributed
         distributed.start()

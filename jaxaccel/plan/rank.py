@@ -16,6 +16,7 @@ import os
 import sys
 from typing import Callable
 
+from jaxaccel import console
 from jaxaccel.plan import search as search_lib
 from jaxaccel.plan import topology
 from jaxaccel.plan.compile import make_plan
@@ -86,6 +87,11 @@ def table(entries: list[Entry]) -> str:
     return "\n".join(out)
 
 
+def _show(*parts) -> None:
+    """A line of the command's result: the plans, the ranking, the files written."""
+    print(*parts, file=console.result(), flush=True)
+
+
 def plan_targets(config: str | None, sets: list[str], names: list[str], *,
                  memory: float | None = None, fit: int | None = None, out: str | None = None,
                  error_text: Callable[[Exception], str] = str) -> list[Entry]:
@@ -99,7 +105,7 @@ def plan_targets(config: str | None, sets: list[str], names: list[str], *,
     entries = []
     for name in names:
         if many:
-            print(f"== {name} ==", flush=True)
+            _show(f"== {name} ==")
         entry = _entry(config, sets, name, memory, fit, many, error_text)
         entries.append(entry)
         if entry.fits and out:
@@ -108,12 +114,12 @@ def plan_targets(config: str | None, sets: list[str], names: list[str], *,
             path = os.path.join(out, f"plan-{p.cfg.name}-{slug(p.target.name)}.json")
             with open(path, "w") as f:
                 json.dump(result(p), f, indent=2)
-            print(f"wrote {path}")
+            _show(f"wrote {path}")
         if many:
-            print()
+            _show()
     if many:
-        print("targets ranked (estimates):")
-        print(table(entries))
+        _show("targets ranked (estimates):")
+        _show(table(entries))
     return entries
 
 
@@ -135,18 +141,18 @@ def _search_one(config, sets, name: str, memory, limit: int) -> Entry:
     found = search_lib.search(config, sets, name, device_memory=memory, limit=limit,
                               progress=lambda line: print(line, file=sys.stderr, flush=True))
     if len(found.tried) > 1:
-        print(found.summary())
+        _show(found.summary())
     best = found.best
     if best is None:
         last = found.tried[-1]
         if last.plan is not None:
-            print(report(last.plan))
+            _show(report(last.plan))
         why = search_lib.why_none(found)
         print(f"error: {name}: nothing tried fits: {why}", file=sys.stderr)
         return Entry(name, last.plan, False, why="nothing tried fits")
     if best.changes:
-        print(f"\nthe fastest configuration that fits: {best.describe()}\n")
-    print(report(best.plan))
+        _show(f"\nthe fastest configuration that fits: {best.describe()}\n")
+    _show(report(best.plan))
     return Entry(name, best.plan, True, tuple(best.sets))
 
 
@@ -157,8 +163,8 @@ def _plan_one(config, sets, name: str, memory) -> Entry:
         p = make_plan(config, sets, name, device_memory=memory)
     except DoesNotFit as e:
         if e.plan is not None:
-            print(report(e.plan))
+            _show(report(e.plan))
         print(f"error: {e}", file=sys.stderr)
         return Entry(name, e.plan, False, why=f"{e.step} step")
-    print(report(p))
+    _show(report(p))
     return Entry(name, p, True)
