@@ -83,7 +83,7 @@ def main(argv=None):
     p.add_argument("--microbatches", default="4,8,16", help="M values (each >= stages)")
     p.add_argument("--repeats", default="1,2")
     # 64 x 256: enough work per micro-batch that the bubble shows over the per-step costs of
-    # 8 fake CPU devices (at 32 x 64 it did not: README, "What the bubble costs")
+    # 8 fake CPU devices (at 32 x 64 it did not: docs/reports/scale-out.md)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--policy", default="fp32")

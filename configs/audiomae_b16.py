@@ -10,7 +10,7 @@ normalised-patch targets, a local-window decoder (4 x 4 patches), batch 512, bf1
 The data is synthetic arrays of the model's input shape sized as AudioSet-2M (2,000,000
 clips an epoch, for the planner's epoch time and cost); a real run points data.name at an
 array dataset of such spectrograms. Audio-MAE's recipe otherwise: AdamW, weight decay 0.05,
-learning rate 2e-4 x batch / 256, 32 epochs. Plans (estimates): README, "Audio: ViT-MAE".
+learning rate 2e-4 x batch / 256, 32 epochs. Plans (estimates): docs/reports/bfsong.md.
 """
 
 

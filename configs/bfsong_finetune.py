@@ -9,7 +9,7 @@ syllable types of the Bengalese finch song subset, on a CPU.
 layers and the final layer norm (the decoder is left behind), and a fresh classifier on the
 mean of the patch tokens (Audio-MAE's fine-tuning pooling). The same run without
 ``model.init_from`` is the from-scratch baseline of the same budget (configs/bfsong_scratch.py);
-both are in the README, "Audio: ViT-MAE".
+both are in docs/reports/bfsong.md.
 """
 
 from bfsong_mae import get_config as pretraining

@@ -9,7 +9,7 @@ each a 64-frame x 64-mel-bin log-mel spectrogram normalised by the train split's
 standard deviation; ``vit-audio-cpu`` (an 8 x 8 grid of 8 x 8 patches, 4 layers of 192),
 80% of the patches masked (Audio-MAE's ratio), normalised-patch targets and a local-window
 decoder (4 x 4 patches, shifted every other layer). The eval split's masked-patch error is
-reported (fixed masks). The recipe and what pretraining buys: README, "Audio: ViT-MAE".
+reported (fixed masks). The recipe and what pretraining buys: docs/reports/bfsong.md.
 """
 
 

@@ -10,7 +10,7 @@ tokens trained on them (built once into the TFDS folder) and packed into rows of
 2,000 steps of 16 rows (4.1M tokens, 12.3 epochs of 333,420 tokens), AdamW lr 3e-3 (b2 0.95,
 weight decay 0.1), cosine decay after 5% warm-up. The recipe was chosen on the validation
 split, within ten minutes of a 2-core CPU; the search, the n-gram baselines
-(``bench/ngram.py``) and the measured runs are in README.md ("Pretraining a decoder").
+(``bench/ngram.py``) and the measured runs are in docs/reports/canterbury-lm.md.
 """
 
 

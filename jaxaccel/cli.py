@@ -18,10 +18,10 @@ predict prints one JSON object a line, in input order: {"index", "text", "label"
 valid UTF-8, or is empty or only whitespace; the others are still classified, and the exit
 status is then 2. For an audio run each input is a file: {"index", "file", "label",
 "probability", "seconds", "seconds_classified", "channels"} (what was read of it), or
-{"index", "error"} for a file its dataset cannot make an input of (the README's audio rules:
-not a WAV, truncated, no samples, NaN samples, another sample rate). generate prints
-{"index", "prompt", "text"} a line (text: the continuation), or one error line and nothing
-else when a prompt cannot be generated from (too long for the model, ...).
+{"index", "error"} for a file its dataset cannot make an input of (the audio rules of
+docs/guides/audio-mae.md: not a WAV, truncated, no samples, NaN samples, another sample rate).
+generate prints {"index", "prompt", "text"} a line (text: the continuation), or one error line
+and nothing else when a prompt cannot be generated from (too long for the model, ...).
 
 Exit statuses: 0 done; 2 a refused command, config or input (one ``error:`` line); 3 training
 stopped by a non-finite loss (the last good checkpoint kept); 4 ``compile``: a step does not fit

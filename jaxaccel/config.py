@@ -73,7 +73,7 @@ BASE: dict[str, Any] = {
                                     # (labelled texts); canterbury (a corpus: packed causal-LM
                                     # rows); bfsong (birdsong spectrograms: ViT mae,
                                     # classification); synthetic; your data: files | tfds | hf
-                                    # | audio (README "Train on your own data")
+                                    # | audio (docs/guides/your-data.md)
         "data_dir": "",             # TFDS data dir ("" = TFDS default / $TFDS_DATA_DIR)
         "manual_dir": "",           # where manually downloaded archives are (imdb_reviews)
         "train_files": "",          # files, audio: glob(s) of the training files, comma-

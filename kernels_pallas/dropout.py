@@ -26,7 +26,7 @@ Two formulations give the same bits (``BITS``, a registry as in ``kernels_pallas
   word of its parity, as many hashes as ``bernoulli`` but purely element-wise, so the mask fuses
   into its consumer. With the interleave, XLA's TPU byte count of the BERT-base train step
   (v6e-8, fp32, dropout 0.1) was 22% higher than with ``bernoulli``; element-wise it is a
-  little below ``bernoulli``'s (roofline 45.4 against 46.7 ms; README, plan table).
+  little below ``bernoulli``'s (roofline 45.4 against 46.7 ms; docs/reports/plans.md).
 """
 from __future__ import annotations
 

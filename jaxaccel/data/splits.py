@@ -106,10 +106,10 @@ def _check_unseen(data: DataSpec, split: str, n: int, rows: np.ndarray | None) -
         now = ", ".join(f"data.{k}={d.get(k)!r}" for k in CUT_KEYS)
         raise DataError(f"the eval split {split!r} ({now}) holds {both} of the {len(scored)} "
                         f"examples it would score from the training split the model trained "
-                        f"on ({was}): a held-out split holds none of them (README, Held-out "
-                        "splits). Evaluate on a split the run held out (its own data.eval_split, "
-                        "or data.validation_size up to the run's), or train a run that holds "
-                        "these examples out.")
+                        f"on ({was}): a held-out split holds none of them (docs/getting-"
+                        "started.md, Held-out splits). Evaluate on a split the run held out (its "
+                        "own data.eval_split, or data.validation_size up to the run's), or train "
+                        "a run that holds these examples out.")
 
 
 def _rows(data: DataSpec, split: str, n: int) -> np.ndarray | None:

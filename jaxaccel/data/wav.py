@@ -1,6 +1,6 @@
 """WAV recordings made into a model's inputs (``bfsong``, ``audio``): the checks that refuse a
 file, each naming the file and the rule, and what ``jaxaccel predict`` reports of each file
-(README, "Audio inputs").
+(docs/guides/audio-mae.md, "Audio inputs").
 
 * Format: WAV (RIFF/RIFX/RF64, read by ``scipy.io.wavfile``), integer PCM (scaled to [-1, 1))
   or float samples. Anything else, a file cut off inside its header, or one fewer bytes long

@@ -107,7 +107,8 @@ class Scan(Stacking):
     def of(cls, setting, layers: int, platform: str) -> "Scan | None":
         """The scan ``model.scan_layers`` (``setting``) asks for on ``platform``'s devices;
         None (its default) scans on TPUs and GPUs, not on the CPU, where the scanned steps of
-        the main job and the decoder job measured 5-13% slower (``bench/scan.py``, README)."""
+        the main job and the decoder job measured 5-13% slower (``bench/scan.py``,
+        docs/reports/scale-out.md)."""
         scan = platform != "cpu" if setting is None else setting
         return cls(layers) if scan else None
 

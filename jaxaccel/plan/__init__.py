@@ -35,8 +35,8 @@ TensorCore of a deviceless v4) it gives:
   published peak for the policy's matmul dtype, the bytes the step moves (counted with loop
   trips, above) at the HBM bandwidth, or the bytes its collectives must send
   (``jaxaccel.plan.collectives``) at the chip's interconnect bandwidth (ICI, NVLink),
-  whichever is slowest (a lower bound: real steps reach a fraction of peak, see MFU in the
-  README, and overlap collectives with compute only in part); a pipeline's compute bound is
+  whichever is slowest (a lower bound: real steps reach a fraction of peak, see MFU in
+  docs/, and overlap collectives with compute only in part); a pipeline's compute bound is
   divided by ``1 - idle`` (``Stages.idle``): every stage computes on each of the schedule's
   ``R*M+S-1`` steps, ``S-1`` of which carry no micro-batch, and padding layers compute too;
   ``xla-cost-model`` = XLA's own ``optimal_seconds`` where it gives one (TPU), which does not
