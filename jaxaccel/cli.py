@@ -163,14 +163,14 @@ def _run_dir(path: str) -> str:
 
 
 def cmd_train(args) -> int:
-    from jaxaccel import compilation_cache, config
+    from jaxaccel import compilation_cache, config, storage
     from jaxaccel.train.loop import train
     cfg = config.load(args.config, args.set)
     if args.config is None:
         logging.getLogger("jaxaccel").warning(
             "no --config: training the base config (jaxaccel/config.py BASE: model %s on %s, "
             "run folder %s) with the --set overrides; pass --config configs/NAME.py (or NAME) "
-            "for another.", cfg.model.name, cfg.data.name, os.path.join(cfg.workdir, cfg.name))
+            "for another.", cfg.model.name, cfg.data.name, storage.join(cfg.workdir, cfg.name))
     compilation_cache.enable(cfg.compilation_cache)
     return train_outcome(train(cfg))
 
@@ -408,7 +408,8 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     # The console carries jaxaccel's own lines; the kernel registry's "impl='auto' runs ..."
     # (INFO, for library users) stays out of it, its warnings do not.
-    for noisy in ("absl", "orbax", "jax._src", "tensorflow_datasets", "kernels_pallas"):
+    for noisy in ("absl", "orbax", "jax._src", "tensorflow_datasets", "kernels_pallas",
+                  "aiobotocore", "botocore", "s3fs", "gcsfs", "google", "fsspec"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     logging.getLogger("transformers").addFilter(_not_the_torch_notice)
     args = _parser().parse_args(argv)

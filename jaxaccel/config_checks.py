@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 
+from jaxaccel import storage
+
 
 def validate(cfg) -> None:
     """Raise ValueError naming the first key whose value no run can take, and what it takes."""
@@ -27,7 +29,24 @@ def _at_least(values: dict, low, meaning: dict | None = None) -> None:
             raise ValueError(f"{key}={value} must be >= {low}{said}.")
 
 
+PATH_KEYS = ("workdir", "model.checkpoint", "model.init_from", "model.tokenizer",
+             "data.train_files", "data.eval_files", "data.data_dir", "data.cache_dir")
+"""Keys that name paths: each a local path or a bucket URL (``jaxaccel.storage``; globs
+comma-separated)."""
+
+
+def _check_paths(cfg) -> None:
+    """Each path key's URLs usable here (a known scheme, its extra installed), before anything
+    is read or written."""
+    for key in PATH_KEYS:
+        section, _, name = key.rpartition(".")
+        value = (cfg[section] if section else cfg)[name]
+        for path in str(value or "").split(","):
+            storage.check(path.strip(), key)
+
+
 def _check_run(cfg) -> None:
+    _check_paths(cfg)
     if not cfg.name or os.sep in cfg.name or cfg.name in (".", ".."):
         raise ValueError(f"name={cfg.name!r} must be a folder name (outputs go to "
                          "{workdir}/{name}), e.g. name=my_run.")

@@ -7,6 +7,7 @@ import os
 
 from flax import nnx
 
+from jaxaccel import storage
 from jaxaccel.models import spec as spec_lib
 from jaxaccel.models.bert import BertModel
 from jaxaccel.models.hf import from_pretrained, read_config
@@ -67,9 +68,11 @@ def check_vocab(tokenizer_size: int, architecture, tokenizer_source) -> None:
 
 def checkpoint_of(model_cfg) -> str:
     """The Hugging Face checkpoint directory the ``model`` config section loads: its
-    ``model.checkpoint``, the packaged MiniLM for ``minilm-l6``, else "" (random init)."""
-    return model_cfg.checkpoint or (packaged_minilm_dir() if model_cfg.name == "minilm-l6"
-                                    else "")
+    ``model.checkpoint`` (a bucket's folder: its local copy, ``storage.local_copy``), the
+    packaged MiniLM for ``minilm-l6``, else "" (random init)."""
+    if model_cfg.checkpoint:
+        return storage.local_copy(model_cfg.checkpoint)
+    return packaged_minilm_dir() if model_cfg.name == "minilm-l6" else ""
 
 
 def model_spec(model_cfg) -> ModelSpec:

@@ -31,16 +31,16 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
-import os
-import shutil
 import time
 
 import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
-from jaxaccel import forms
+from jaxaccel import forms, storage
+from jaxaccel.train import orbax_s3
 from jaxaccel.train.orbax_failures import details, is_disk_full, one_line, quiet_leftovers
+from jaxaccel.train.rundir import checkpoint_finished
 
 log = logging.getLogger("jaxaccel")
 # Orbax warns "Given directory is read only" (and that read_only=True sets save_interval_steps
@@ -69,12 +69,6 @@ def _mib(nbytes: int) -> str:
     return f"{nbytes / 2 ** 20:.1f} MiB"
 
 
-def _bytes_on_disk(folder: str) -> int:
-    """The size of the files under ``folder``."""
-    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(folder)
-               for f in files)
-
-
 @jax.jit
 def all_finite(tree) -> jax.Array:
     """True iff every element of every leaf of ``tree`` is finite (one fused reduction)."""
@@ -95,6 +89,19 @@ class Manager(ocp.CheckpointManager):
         return False
 
 
+def _bucket_options(directory: str) -> dict:
+    """Orbax's options for a checkpoint folder in a bucket: a step is written in place and
+    marked complete by its commit file (``rundir.COMMIT_FILE``: nothing is renamed, which a
+    bucket cannot do atomically), its arrays through TensorStore's own driver (``s3://``:
+    ``orbax_s3``). None for a local folder."""
+    if not storage.is_url(directory):
+        return {}
+    if storage.scheme(directory) == "s3":
+        orbax_s3.enable()
+    return {"atomicity_options": ocp.options.AtomicityOptions(
+        mode=ocp.options.AtomicityMode.COMMIT_FILE)}
+
+
 class Checkpointer:
     """The checkpoints of one run folder. ``read_only=True`` (eval, predict) never creates,
     cleans or deletes anything; the writer keeps the newest ``keep`` steps and saves in the
@@ -103,20 +110,21 @@ class Checkpointer:
 
     def __init__(self, directory: str, keep: int = 2, read_only: bool = False,
                  async_save: bool = True, manager=Manager):
-        self.directory = os.path.abspath(directory)
+        self.directory = storage.absolute(directory)
         self.read_only = read_only
         self._writing = None        # (step, bytes) of the save in progress
+        where = _bucket_options(self.directory)
         if read_only:
-            if not os.path.isdir(self.directory):
+            if not storage.isdir(self.directory):
                 raise FileNotFoundError(f"no checkpoint folder {self.directory}.")
             options = ocp.CheckpointManagerOptions(read_only=True, create=False,
                                                    cleanup_tmp_directories=False,
-                                                   enable_async_checkpointing=False)
+                                                   enable_async_checkpointing=False, **where)
         else:
             self._remove_earlier_unfinished()
             options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
                                                    enable_async_checkpointing=async_save,
-                                                   cleanup_tmp_directories=True)
+                                                   cleanup_tmp_directories=True, **where)
         self._mngr = self._listing(lambda: manager(
             self.directory, options=options,
             item_handlers={"state": ocp.StandardCheckpointHandler(),
@@ -124,9 +132,10 @@ class Checkpointer:
 
     def _unfinished(self, step: int | None = None) -> list[str]:
         """The folders of saves that did not complete (of ``step``, or of any step)."""
-        names = os.listdir(self.directory) if os.path.isdir(self.directory) else []
-        return sorted(n for n in names if _UNFINISHED in n
-                      and (step is None or n.split(".")[0] == str(step)))
+        names = storage.listdir(self.directory)
+        return sorted(n for n in names if (step is None or n.split(".")[0] == str(step)) and (
+            _UNFINISHED in n or n.isdigit() and not checkpoint_finished(
+                storage.join(self.directory, n))))
 
     def _remove_earlier_unfinished(self) -> None:
         """Remove the folders of saves that did not complete (a run stopped, or out of disk
@@ -134,7 +143,7 @@ class Checkpointer:
         of them runs in the background, unannounced)."""
         unfinished = self._unfinished() if jax.process_index() == 0 else []
         for name in unfinished:
-            shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+            storage.rmtree(storage.join(self.directory, name))
         if unfinished:
             log.warning("removed %s in %s: unfinished save(s) of an earlier run (stopped, or "
                         "out of disk space, while saving); the finished checkpoints are "
@@ -152,10 +161,10 @@ class Checkpointer:
             return "no unfinished folder of it is left"
         left = []
         for name in names:
-            path = os.path.join(self.directory, name)
+            path = storage.join(self.directory, name)
             for _ in range(5):
-                shutil.rmtree(path, ignore_errors=True)
-                if not os.path.exists(path):
+                storage.rmtree(path)
+                if not storage.exists(path):
                     break
                 time.sleep(0.2)
             else:
@@ -177,7 +186,7 @@ class Checkpointer:
                 return list_steps()
             except (FileNotFoundError, NotADirectoryError):
                 if not self.read_only or attempt == _LISTING_ATTEMPTS - 1 \
-                        or not os.path.isdir(self.directory):
+                        or not storage.isdir(self.directory):
                     raise
                 log.info("a checkpoint step in %s was removed while listing; listing again",
                          self.directory)
@@ -201,11 +210,11 @@ class Checkpointer:
         step, nbytes = failed
         quiet_leftovers()
         unfinished = self._remove_unfinished(step)
-        intact = sorted(int(n) for n in os.listdir(self.directory)
+        intact = sorted(int(n) for n in storage.listdir(self.directory)
                         if n.isdigit() and int(n) != step)
         kept = (f"the earlier step(s) {intact} are intact (resume continues from step "
                 f"{intact[-1]})" if intact else "no earlier step was saved")
-        need = (f"about {_mib(_bytes_on_disk(os.path.join(self.directory, str(intact[-1]))))} "
+        need = (f"about {_mib(storage.bytes_under(storage.join(self.directory, str(intact[-1]))))} "
                 f"free (step {intact[-1]}'s size on disk)" if intact else
                 f"up to {_mib(nbytes)} free (its arrays' size in memory)")
         raise DiskFull(
@@ -251,14 +260,12 @@ class Checkpointer:
         if self.read_only:
             raise RuntimeError("a read-only Checkpointer never moves checkpoints.")
         self.wait()
-        dest = os.path.join(os.path.dirname(self.directory), "skipped_checkpoints", str(step))
+        dest = storage.join(storage.parent(self.directory), "skipped_checkpoints", str(step))
         if jax.process_index() == 0:
-            if os.path.exists(dest):
-                shutil.rmtree(dest)
-            os.makedirs(os.path.dirname(dest), exist_ok=True)
-            os.rename(os.path.join(self.directory, str(step)), dest)
-            with open(dest + ".reason.txt", "w") as f:
-                f.write(reason + "\n")
+            storage.rmtree(dest)
+            storage.makedirs(storage.parent(dest))
+            storage.move(storage.join(self.directory, str(step)), dest)
+            storage.write_text(dest + ".reason.txt", reason + "\n")
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
             multihost_utils.sync_global_devices(f"jaxaccel_set_aside_{step}")
@@ -292,8 +299,8 @@ class Checkpointer:
             try:
                 out = read(s)
             except Exception as e:  # noqa: BLE001 -- Orbax/TensorStore/JSON raise many types
-                if self.read_only and not last and not os.path.isdir(
-                        os.path.join(self.directory, str(s))):
+                if self.read_only and not last and not storage.isdir(
+                        storage.join(self.directory, str(s))):
                     vanished = True
                     break
                 details.warning("checkpoint step %d in %s cannot be read", s, self.directory,
@@ -349,7 +356,7 @@ class Checkpointer:
             restore_args = jax.tree_util.tree_map(
                 lambda _: ocp.ArrayRestoreArgs(sharding=device), target)
             state = ocp.PyTreeCheckpointer().restore(
-                os.path.join(self.directory, str(s), "state"),
+                storage.join(self.directory, str(s), "state"),
                 args=ocp.args.PyTreeRestore(target, restore_args=restore_args,
                                             partial_restore=True))
             meta = self._mngr.restore(s, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))

@@ -25,7 +25,8 @@ checkpoint, which runs the weights unquantized (the outputs of the run's model u
 policy).
 
 The export is written into a temporary folder beside ``out`` and renamed into place once
-complete, so an interrupted or refused export leaves nothing. ``out`` must be missing or empty
+complete, so an interrupted or refused export leaves nothing; ``out`` in a bucket (``gs://``,
+``s3://``) is uploaded once complete, config.json last. ``out`` must be missing or empty
 unless ``overwrite`` (which replaces it), and may not be, or hold, the run folder.
 
     summary = export_run("runs/minilm_rt", "hf/minilm_rt", custom_code=True)
@@ -39,6 +40,7 @@ import os
 import shutil
 import tempfile
 
+from jaxaccel import storage
 from jaxaccel.models import hf, hf_vit, save_checkpoint
 from jaxaccel.models.architectures import ViTConfig
 from jaxaccel.train.inference import tokenizer_dir
@@ -52,11 +54,16 @@ def export_run(run_dir: str, out: str, *, overwrite: bool = False, custom_code: 
     """Write the run folder's newest checkpoint to ``out`` (module doc); returns what was
     written: the folder, the transformers class, the step, the label names, the tokenizer's
     files and the model code shipped (``custom_code``'s ``modeling_*.py``, else none)."""
-    out = os.path.abspath(out)
-    _check_out(os.path.realpath(run_dir), os.path.realpath(out), overwrite)
-    parent = os.path.dirname(out)
-    os.makedirs(parent, exist_ok=True)
-    staging = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.export-", dir=parent)
+    storage.check(out, "--out")
+    out = storage.absolute(out)
+    _check_out(_real(run_dir), _real(out), overwrite)
+    if storage.is_url(out):
+        storage.makedirs(out)
+        staging = tempfile.mkdtemp(prefix="jaxaccel-export-")
+    else:
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+        staging = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.export-",
+                                   dir=os.path.dirname(out))
     try:
         model, _, meta = load_run(run_dir)
         _write_model(model, staging, custom_code, encoder)
@@ -64,12 +71,9 @@ def export_run(run_dir: str, out: str, *, overwrite: bool = False, custom_code: 
         reads_tokens = "input_ids" in type(model).input_keys
         copied = _copy_files(tokenizer_dir(run_dir), staging) if reads_tokens else []
         _usual_permissions(staging)
-        if os.path.isdir(out) and os.listdir(out):
-            shutil.rmtree(out)                   # asked for: _check_out refused it otherwise
-        os.replace(staging, out)
-    except BaseException:
+        _publish(staging, out)
+    finally:
         shutil.rmtree(staging, ignore_errors=True)
-        raise
     if model.policy.fp8:
         log.info("fp8 run: exported its float32 parameters; the fp8 scaling state is no part "
                  "of a transformers checkpoint, which runs the weights unquantized.")
@@ -79,7 +83,7 @@ def export_run(run_dir: str, out: str, *, overwrite: bool = False, custom_code: 
                  "from_pretrained(%r, trust_remote_code=True).", out, ", ".join(code),
                  _auto_class(config), out)
     return {"out": out, "architectures": config["architectures"],
-            "step": meta.get("step"), "run_dir": os.path.abspath(run_dir),
+            "step": meta.get("step"), "run_dir": storage.absolute(run_dir),
             "labels": list(config["id2label"].values()) if "id2label" in config else None,
             "tokenizer_files": copied, "model_code": code}
 
@@ -103,15 +107,40 @@ def _write_model(model, path: str, custom_code: bool, encoder: bool) -> None:
     hf_vit.save_encoder(model, path)
 
 
+def _real(path: str) -> str:
+    return path if storage.is_url(path) else os.path.realpath(path)
+
+
+def _publish(staging: str, out: str) -> None:
+    """Put the complete export in ``staging`` at ``out`` (replacing what is there: allowed by
+    ``_check_out``): renamed into place on a local disk; in a bucket uploaded with config.json
+    last, so that an interrupted upload leaves no folder that ``from_pretrained`` loads."""
+    if not storage.is_url(out):
+        if os.path.isdir(out) and os.listdir(out):
+            shutil.rmtree(out)
+        os.replace(staging, out)
+        return
+    storage.rmtree(out)
+    config = os.path.join(staging, "config.json")
+    held = tempfile.mkdtemp(prefix="jaxaccel-export-config-")
+    try:
+        shutil.move(config, held)
+        storage.upload(staging, out)
+        storage.upload(held, out)
+    finally:
+        shutil.rmtree(held, ignore_errors=True)
+
+
 def _check_out(run_dir: str, out: str, overwrite: bool) -> None:
     """Refuse an ``out`` that is a file, the run folder or a folder holding it, or a non-empty
     folder without ``overwrite``, before anything is read."""
-    if os.path.exists(out) and not os.path.isdir(out):
+    if storage.exists(out) and not storage.isdir(out):
         raise ValueError(f"--out {out!r} is a file; name a folder to write the checkpoint into.")
-    if run_dir == out or run_dir.startswith(out.rstrip(os.sep) + os.sep):
+    sep = "/" if storage.is_url(out) else os.sep
+    if run_dir == out or run_dir.startswith(out.rstrip(sep) + sep):
         raise ValueError(f"--out {out!r} is or holds the run folder {run_dir!r}; name another "
                          "folder (e.g. hf/NAME).")
-    if os.path.isdir(out) and os.listdir(out) and not overwrite:
+    if storage.listdir(out) and not overwrite:
         raise ValueError(f"--out {out!r} is not empty; name a new or empty folder, or pass "
                          "--overwrite to replace it.")
 

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 
 import jax
 import numpy as np
 
-from jaxaccel import config as config_lib
+from jaxaccel import config as config_lib, storage
 from jaxaccel.data import BatchIterator, load_tokenizer, sources, splits, tokenize
 from jaxaccel.data.arrays import ArrayBatches
 from jaxaccel.data.spec import Settings
@@ -115,12 +114,13 @@ def reads_arrays(spec) -> bool:
 
 
 def tokenizer_dir(run_dir: str) -> str:
-    path = os.path.join(run_dir, "tokenizer")
-    if not os.path.isdir(path):
+    """The run's tokenizer/ folder (in a bucket: its local copy, ``storage.local_copy``)."""
+    path = storage.join(run_dir, "tokenizer")
+    if not storage.isdir(path):
         raise FileNotFoundError(f"run folder {run_dir!r} has no tokenizer/ folder (runs "
                                 "trained before tokenizers were saved with every run); copy "
                                 "the tokenizer files of model.tokenizer/model.checkpoint there.")
-    return path
+    return storage.local_copy(path)
 
 
 class Predictor:

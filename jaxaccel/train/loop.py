@@ -47,7 +47,7 @@ from typing import Callable
 import jax
 from tqdm.auto import tqdm
 
-from jaxaccel import flops
+from jaxaccel import flops, storage
 from jaxaccel.config import Config
 from jaxaccel.data.prefetch import prefetch
 from jaxaccel.train import rundir
@@ -55,6 +55,7 @@ from jaxaccel.train.checkpoint import Checkpointer, NonFiniteState, on_disk, res
 from jaxaccel.train.metrics import MetricsWriter
 from jaxaccel.train.outcome import Completed, Diverged, Outcome, Preempted
 from jaxaccel.train.preemption import Preemption
+from jaxaccel.train.runlock import RunLock
 from jaxaccel.train.run import Run, assemble, resolve
 from jaxaccel.train.state import TrainState
 from jaxaccel.train.steplog import NonFiniteLoss, StepLog, TooManySkippedSteps
@@ -87,11 +88,11 @@ def train(cfg: Config, services: Services = Services(), devices=None) -> Outcome
     resolved = resolve(cfg, devices)
     run_dir = resolved.run_dir
     main = jax.process_index() == 0
-    fresh = main and not os.path.exists(run_dir)
+    fresh = main and not storage.exists(run_dir)
     if main:
         rundir.make_run_dir(run_dir)
     try:
-        with rundir.RunLock(run_dir) if main else contextlib.nullcontext(), \
+        with RunLock(run_dir) if main else contextlib.nullcontext(), \
                 rundir.library_log(run_dir) if main else contextlib.nullcontext():
             changes = rundir.prepare(run_dir, cfg.to_dict()) if main else {}
             _sync("jaxaccel_run_dir_ready")
@@ -109,7 +110,7 @@ def _train(run: Run, changes: dict, services: Services) -> Outcome:
     metrics writer and the progress bar are closed however the run ends."""
     with contextlib.ExitStack() as stack:
         ckpt = stack.enter_context(contextlib.closing(services.checkpointer(
-            os.path.join(run.run_dir, "checkpoints"), keep=run.cfg.train.keep_checkpoints)))
+            storage.join(run.run_dir, "checkpoints"), keep=run.cfg.train.keep_checkpoints)))
         state, start = _resume(run, ckpt, changes)
         if jax.process_index() == 0:    # only now: a refused resume leaves the folder as it was
             rundir.write_files(run.run_dir, run.cfg.to_dict(), run.tokenizer)
@@ -179,6 +180,7 @@ class Events:
         self.log.flush()
         epoch, in_epoch = divmod(step, self.run.train_data.steps_per_epoch)
         self.ckpt.save(step, on_disk(state), _record(self.run, epoch, in_epoch))
+        self.writer.flush()
 
     def epoch_end(self, step: int, state: TrainState) -> None:
         self.checkpoint(step, state)

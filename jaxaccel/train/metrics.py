@@ -1,12 +1,17 @@
-"""Metrics sinks: JSON lines and TensorBoard event files, written by process 0 only."""
+"""Metrics sinks: JSON lines and TensorBoard event files, written by process 0 only (on a local
+disk, or staged locally and uploaded to a bucket)."""
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
+import tempfile
 import time
 
 import jax
+
+from jaxaccel import storage
 
 
 def _summary_writer():
@@ -26,33 +31,68 @@ def _summary_writer():
 
 
 class MetricsWriter:
-    """Append ``{"step", "time", **metrics}`` records to ``metrics.jsonl`` and TensorBoard."""
+    """Append ``{"step", "time", **metrics}`` records to ``metrics.jsonl`` and TensorBoard.
+
+    In a bucket (``run_dir`` a URL), where an object cannot be appended to, both are written
+    in a local folder and uploaded whole at every ``flush`` (the loop's checkpoints) and at
+    ``close``; a resumed run first takes the bucket's ``metrics.jsonl`` back. A run killed
+    without warning loses the lines since its last checkpoint, which its resume writes again."""
 
     def __init__(self, run_dir: str, tensorboard: bool = True):
         self.enabled = jax.process_index() == 0
-        self.path = os.path.join(run_dir, "metrics.jsonl")
-        self._tb = None
-        if self.enabled:
+        self.run_dir, self.path = run_dir, storage.join(run_dir, "metrics.jsonl")
+        self._tb, self._staging = None, None
+        if not self.enabled:
+            return
+        local = run_dir
+        if storage.is_url(run_dir):
+            local = self._staging = tempfile.mkdtemp(prefix="jaxaccel-metrics-")
+            if storage.exists(self.path):
+                with open(os.path.join(local, "metrics.jsonl"), "wb") as f:
+                    f.write(storage.read_bytes(self.path))
+        else:
             os.makedirs(run_dir, exist_ok=True)
-            if tensorboard:
-                self._tb = _summary_writer()(os.path.join(run_dir, "tensorboard"))
+        self._file = os.path.join(local, "metrics.jsonl")
+        if tensorboard:
+            self._tb = _summary_writer()(os.path.join(local, "tensorboard"))
 
     def write(self, step: int, metrics: dict, prefix: str = "") -> None:
         if not self.enabled:
             return
         record = {"step": int(step), "time": time.time()}
         record.update({f"{prefix}{k}": float(v) for k, v in metrics.items()})
-        with open(self.path, "a") as f:
+        with open(self._file, "a") as f:
             f.write(json.dumps(record) + "\n")
         if self._tb is not None:
             for k, v in metrics.items():
                 self._tb.add_scalar(f"{prefix}{k}", float(v), int(step))
 
+    def flush(self) -> None:
+        """Upload what was written to the run folder in a bucket (local files are written
+        through already)."""
+        if self._staging is None:
+            return
+        if self._tb is not None:
+            self._tb.flush()
+        if os.path.exists(self._file):
+            with open(self._file, "rb") as f:
+                storage.write_bytes(self.path, f.read())
+        events = os.path.join(self._staging, "tensorboard")
+        if os.path.isdir(events):
+            storage.upload(events, storage.join(self.run_dir, "tensorboard"))
+
     def close(self) -> None:
         if self._tb is not None:
             self._tb.close()
+        if self._staging is not None:
+            try:
+                self.flush()
+            finally:
+                shutil.rmtree(self._staging, ignore_errors=True)
+                self._staging = None
 
 
 def read_metrics(run_dir: str) -> list[dict]:
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    return [json.loads(line) for line in
+            storage.read_text(storage.join(run_dir, "metrics.jsonl")).splitlines()
+            if line.strip()]

@@ -19,14 +19,13 @@ import contextlib
 import dataclasses
 import functools
 import logging
-import os
 
 import jax
 from flax import nnx
 
 from jaxaccel import config as config_lib
 from jaxaccel import optim
-from jaxaccel import sharding as shd
+from jaxaccel import sharding as shd, storage
 from jaxaccel.config import Config
 from jaxaccel.data import BatchIterator, load_tokenizer, run_tokenizer, splits
 from jaxaccel.data import sources as data_sources
@@ -95,7 +94,7 @@ class Resolved:
 
     @property
     def run_dir(self) -> str:
-        return os.path.join(self.cfg.workdir, self.cfg.name)
+        return storage.join(self.cfg.workdir, self.cfg.name)
 
     @property
     def fp8_group(self):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxaccel import sharding as shd
+from jaxaccel import sharding as shd, storage
 from jaxaccel.config import Config
 from jaxaccel.data import load_tokenizer, run_tokenizer, splits
 from jaxaccel.data import sources as data_sources
@@ -27,7 +27,8 @@ def model_input(cfg: Config, spec: ModelSpec, tokenizer: str | None = None) -> M
         shape = tuple(model_cls.input_shapes(arch, None)["pixels"][0])
         return ModelInput(cfg.model.name, spec.task, "pixels", shape,
                           num_labels=cfg.model.num_labels, vocab_size=None)
-    named = tokenizer or cfg.model.tokenizer or checkpoint_of(cfg.model) or None
+    named = tokenizer or storage.local_copy(cfg.model.tokenizer) or checkpoint_of(cfg.model) \
+        or None
     return ModelInput(cfg.model.name, spec.task, "tokens", None, arch.max_position_embeddings,
                       cfg.model.num_labels, named, arch.vocab_size)
 

@@ -1,5 +1,9 @@
 """The run folder: one writer at a time, never two runs mixed, and everything eval needs.
 
+The folder is a local path or a bucket URL (``gs://``, ``s3://``: ``jaxaccel.storage``), the
+same layout in both; in a bucket the library log is kept locally (``library_log_path``) and
+``metrics.jsonl`` and TensorBoard are uploaded at every checkpoint (``train.metrics``).
+
     {workdir}/{name}/
         lock                  {"pid", "host", "started"} of the trainer writing here
         config.json           the config of the run (written only after the checks below
@@ -17,10 +21,11 @@
 
 Rules:
 
-* **One writer.** ``RunLock`` creates ``lock`` exclusively (``O_CREAT | O_EXCL``). A lock
-  left by a process that no longer exists on this host is stale and is taken over (with a
-  warning); one held by a live process, or by another host, is refused with its pid/host.
-  Readers (eval, predict) take no lock.
+* **One writer.** ``runlock.RunLock`` creates ``lock`` exclusively (``O_CREAT | O_EXCL``). A
+  lock left by a process that no longer exists on this host is stale and is taken over (with a
+  warning); one held by a live process, or by another host, is refused with its pid/host. In a
+  bucket the lock is renewed by its trainer and stale once not renewed for a lease (a
+  preempted VM's). Readers (eval, predict) take no lock.
 * **Never mix runs.** ``train.resume=false`` on a folder that has checkpoints is refused
   unless ``train.overwrite=true``, which first deletes the folder's run files (checkpoints,
   metrics, config, tokenizer) so the new run starts clean. So is a resume of a folder that
@@ -40,19 +45,14 @@ Rules:
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import errno
 import gc
 import hashlib
-import json
 import logging
 import os
-import shutil
-import socket
 import sys
-import time
+import tempfile
 
-from jaxaccel import processes
+from jaxaccel import storage
 from jaxaccel.config import BASE
 
 log = logging.getLogger("jaxaccel")
@@ -81,6 +81,7 @@ files are (checkpoints are portable across meshes and kernels)."""
 RUN_FILES = ("checkpoints", "skipped_checkpoints", "metrics.jsonl", "tensorboard",
              "config.json", "tokenizer")
 LIBRARY_LOG = "library.log"     # kept by train.overwrite, like the lock: the folder's history
+COMMIT_FILE = "commit_success.txt"  # Orbax's last file of a step saved where nothing is renamed
 
 
 class RunFolderError(ValueError):
@@ -126,18 +127,29 @@ def check_resume_config(saved: dict, new: dict,
 
 def _step_folders(run_dir: str, finished: bool = True) -> list[str]:
     """The checkpoint step folders of ``run_dir``, newest first: the finished ones, or with
-    ``finished=False`` Orbax's unfinished temporary ones (``STEP.orbax-checkpoint-tmp-*``)
-    too."""
-    ckpts = os.path.join(run_dir, "checkpoints")
-    names = os.listdir(ckpts) if os.path.isdir(ckpts) else []
-    return sorted((e for e in names if (e if finished else e.split(".")[0]).isdigit()),
-                  key=lambda e: int(e.split(".")[0]), reverse=True)
+    ``finished=False`` the unfinished ones too (Orbax's temporary ``STEP.orbax-checkpoint-tmp-*``
+    on a local disk; in a bucket, a step folder without its commit file)."""
+    ckpts = storage.join(run_dir, "checkpoints")
+    names = storage.listdir(ckpts)
+    steps = sorted((e for e in names if e.split(".")[0].isdigit()),
+                   key=lambda e: int(e.split(".")[0]), reverse=True)
+    if finished:
+        steps = [e for e in steps if e.isdigit() and checkpoint_finished(storage.join(ckpts, e))]
+    return steps
+
+
+def checkpoint_finished(step_folder: str) -> bool:
+    """Whether the checkpoint step folder ``step_folder`` was completely written: on a local
+    disk every step folder is (Orbax renames it into place when complete); in a bucket, where
+    nothing is renamed, Orbax writes ``commit_success.txt`` into it last."""
+    return not storage.is_url(step_folder) or storage.exists(
+        storage.join(step_folder, COMMIT_FILE))
 
 
 def has_run(run_dir: str) -> bool:
     """Whether ``run_dir`` holds a run's outputs (a step folder, or metrics)."""
-    return bool(_step_folders(run_dir, finished=False)) or os.path.exists(
-        os.path.join(run_dir, "metrics.jsonl"))
+    return bool(_step_folders(run_dir, finished=False)) or storage.exists(
+        storage.join(run_dir, "metrics.jsonl"))
 
 
 def saved_config(run_dir: str) -> tuple[dict, str] | None:
@@ -145,19 +157,17 @@ def saved_config(run_dir: str) -> tuple[dict, str] | None:
     beside its newest checkpoint step that has a readable record (every save writes one);
     ``None`` if neither exists. ``RunFolderError`` if ``config.json`` exists but is not
     readable."""
-    path = os.path.join(run_dir, "config.json")
-    if os.path.exists(path):
+    path = storage.join(run_dir, "config.json")
+    if storage.exists(path):
         try:
-            with open(path) as f:
-                return json.load(f), path
+            return storage.read_json(path), path
         except (OSError, ValueError) as e:
             raise RunFolderError(f"cannot read {path} to compare configs before resuming: "
                                  f"{e}. Restore the file or start a new run.") from None
     for step in _step_folders(run_dir):
-        record = os.path.join(run_dir, "checkpoints", step, "meta", "metadata")
+        record = storage.join(run_dir, "checkpoints", step, "meta", "metadata")
         try:
-            with open(record) as f:
-                return json.load(f)["config"], f"checkpoint record {record}"
+            return storage.read_json(record)["config"], f"checkpoint record {record}"
         except (OSError, ValueError, KeyError, TypeError):
             continue
     return None
@@ -167,17 +177,25 @@ def run_folder(path: str) -> str:
     """The absolute run folder ``path`` names (the folder itself, or its checkpoints/ folder),
     or ``FileNotFoundError`` if it has no checkpoints/ folder: the form every command that
     reads a run (eval, predict, generate, ``model.init_from``) takes."""
-    path = os.path.abspath(path)
-    if os.path.basename(path) == "checkpoints":
-        path = os.path.dirname(path)
-    if not os.path.isdir(os.path.join(path, "checkpoints")):
+    storage.check(path, "--checkpoint")
+    path = storage.absolute(path)
+    if storage.basename(path) == "checkpoints":
+        path = storage.parent(path)
+    if not storage.isdir(storage.join(path, "checkpoints")):
         raise FileNotFoundError(f"{path!r} is not a run folder: it has no checkpoints/ "
                                 "folder. Pass the folder `jaxaccel train` printed.")
     return path
 
 
 def make_run_dir(run_dir: str) -> None:
-    """Create ``run_dir``, or raise ``RunFolderError`` saying why it cannot be written."""
+    """Create ``run_dir``, or raise ``RunFolderError`` saying why it cannot be written (in a
+    bucket: it does not exist, no credentials, no permission to write, not reachable)."""
+    if storage.is_url(run_dir):
+        try:
+            storage.writable(run_dir)
+        except OSError as e:
+            raise RunFolderError(f"cannot write the run folder: {e}") from None
+        return
     try:
         os.makedirs(run_dir, exist_ok=True)
         probe = os.path.join(run_dir, f".write_test_{os.getpid()}")
@@ -194,8 +212,8 @@ def remove_if_unused(run_dir: str) -> None:
     """Remove ``run_dir`` if it holds no run (``has_run``: no checkpoint step, no metrics), as
     a command that created it and then was refused leaves it (only its lock, log, tokenizer
     or an empty checkpoints folder): a refused command changes nothing."""
-    if os.path.isdir(run_dir) and not has_run(run_dir):
-        shutil.rmtree(run_dir, ignore_errors=True)
+    if storage.isdir(run_dir) and not has_run(run_dir):
+        storage.rmtree(run_dir)
 
 
 def prepare(run_dir: str, cfg: dict) -> dict[str, tuple]:
@@ -206,11 +224,11 @@ def prepare(run_dir: str, cfg: dict) -> dict[str, tuple]:
         return {}
     if t["overwrite"]:
         for name in RUN_FILES:
-            path = os.path.join(run_dir, name)
-            if os.path.isdir(path):
-                shutil.rmtree(path)
-            elif os.path.exists(path):
-                os.remove(path)
+            path = storage.join(run_dir, name)
+            if storage.isdir(path):
+                storage.rmtree(path)
+            elif storage.exists(path):
+                storage.remove(path)
         log.warning("train.overwrite=true: deleted the previous run's files in %s", run_dir)
         return {}
     if not t["resume"]:
@@ -230,10 +248,15 @@ def prepare(run_dir: str, cfg: dict) -> dict[str, tuple]:
 
 def write_files(run_dir: str, cfg: dict, tokenizer) -> None:
     """``config.json`` and the tokenizer's files, so eval/predict need only the run folder."""
-    with open(os.path.join(run_dir, "config.json"), "w") as f:
-        json.dump(cfg, f, indent=2)
-    if tokenizer is not None:
+    storage.write_json(storage.join(run_dir, "config.json"), cfg)
+    if tokenizer is None:
+        return
+    if not storage.is_url(run_dir):
         tokenizer.save_pretrained(os.path.join(run_dir, "tokenizer"))
+        return
+    with tempfile.TemporaryDirectory(prefix="jaxaccel-tokenizer-") as local:
+        tokenizer.save_pretrained(local)
+        storage.upload(local, storage.join(run_dir, "tokenizer"))
 
 
 LIBRARY_LOGGERS = ("absl", "orbax", "tensorstore", "asyncio", "jaxaccel.details")
@@ -254,7 +277,7 @@ def library_log_path(run_dir: str, environ=os.environ) -> str | None:
     ``$XDG_CACHE_HOME/jaxaccel/logs/NAME-HASH.library.log`` (``~/.cache`` without
     XDG_CACHE_HOME; NAME the run folder's, HASH of its full path, so that two folders of one
     name do not share a log); None if that cannot be written either."""
-    if writable(run_dir):
+    if not storage.is_url(run_dir) and writable(run_dir):
         return os.path.join(run_dir, LIBRARY_LOG)
     base = environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     folder = os.path.join(base, "jaxaccel", "logs")
@@ -264,9 +287,9 @@ def library_log_path(run_dir: str, environ=os.environ) -> str | None:
         return None
     if not writable(folder):
         return None
-    run_dir = os.path.abspath(run_dir)
+    run_dir = storage.absolute(run_dir)
     digest = hashlib.sha256(run_dir.encode()).hexdigest()[:8]
-    return os.path.join(folder, f"{os.path.basename(run_dir)}-{digest}.{LIBRARY_LOG}")
+    return os.path.join(folder, f"{storage.basename(run_dir)}-{digest}.{LIBRARY_LOG}")
 
 
 @contextlib.contextmanager
@@ -280,8 +303,9 @@ def library_log(run_dir: str):
     written)."""
     path = library_log_path(run_dir)
     if path != os.path.join(run_dir, LIBRARY_LOG):
-        log.info("the run folder %s is not writable: what Orbax/absl/TensorStore log goes to "
-                 "%s instead of its %s", run_dir, path or "the console", LIBRARY_LOG)
+        log.info("the run folder %s is %s: what Orbax/absl/TensorStore log goes to %s instead "
+                 "of its %s", run_dir, "in a bucket" if storage.is_url(run_dir) else
+                 "not writable", path or "the console", LIBRARY_LOG)
     if path is None:
         yield None
         return
@@ -322,65 +346,3 @@ def library_log(run_dir: str):
         if count[0]:
             log.info("Orbax/absl/TensorStore logged %d error(s) or traceback(s), kept off the "
                      "console: they are in %s", count[0], path)
-
-
-@dataclasses.dataclass
-class RunLock:
-    """``with RunLock(run_dir):`` -- the one writer of ``run_dir`` (see the module doc)."""
-
-    run_dir: str
-
-    @property
-    def path(self) -> str:
-        return os.path.join(self.run_dir, "lock")
-
-    def _holder(self) -> dict | None:
-        try:
-            with open(self.path) as f:
-                return json.load(f)
-        except FileNotFoundError:
-            return None
-        except (OSError, ValueError):
-            return {}
-
-    def acquire(self) -> None:
-        me = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}
-        for _ in range(2):
-            try:
-                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            except FileExistsError:
-                holder = self._holder()
-                if holder is None:
-                    continue                    # released meanwhile: try again
-                stale = (holder.get("host") == me["host"] and isinstance(holder.get("pid"), int)
-                         and not processes.alive(holder["pid"]))
-                if not stale:
-                    raise RunFolderError(
-                        f"run folder {self.run_dir!r} is in use by another trainer (pid "
-                        f"{holder.get('pid', '?')} on host {holder.get('host', '?')}, lock "
-                        f"{self.path}). Wait for it, or use another name=...; if that process "
-                        "is gone (e.g. its node died), delete the lock file.") from None
-                log.warning("taking over the stale lock of pid %s (no longer running on %s)",
-                            holder["pid"], holder["host"])
-                os.remove(self.path)
-                continue
-            with os.fdopen(fd, "w") as f:
-                json.dump(me, f)
-            return
-        raise RunFolderError(f"could not take the lock {self.path}; try again.")
-
-    def release(self) -> None:
-        holder = self._holder()
-        if holder and holder.get("pid") == os.getpid():
-            try:
-                os.remove(self.path)
-            except OSError as e:
-                if e.errno != errno.ENOENT:
-                    raise
-
-    def __enter__(self):
-        self.acquire()
-        return self
-
-    def __exit__(self, *exc):
-        self.release()

@@ -4,14 +4,13 @@ pretraining, then fine-tuning the encoder for classification)."""
 from __future__ import annotations
 
 import logging
-import os
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from flax.traverse_util import flatten_dict, unflatten_dict
 
-from jaxaccel import config as config_lib
+from jaxaccel import config as config_lib, storage
 from jaxaccel.models import build_model, spec
 from jaxaccel.models.fp8 import Fp8Meta
 from jaxaccel.precision import policy_of
@@ -26,7 +25,7 @@ def load_run(run_dir: str):
     fp8 scaling state under the fp8 policy), rebuilt from the model spec saved with it (the
     original HF checkpoint is not needed; runs saved before specs existed hold the bare
     architecture, and their options come from the saved config)."""
-    ckpt = Checkpointer(os.path.join(run_dir, "checkpoints"), read_only=True)
+    ckpt = Checkpointer(storage.join(run_dir, "checkpoints"), read_only=True)
     try:
         saved, meta = ckpt.restore_items(("params", "fp8"))
         cfg = config_lib.build(meta["config"])

@@ -1,0 +1,386 @@
+"""Paths that are local folders or bucket URLs (``gs://``, ``s3://``; ``memory://`` in tests).
+
+A run lives where its hosts can all reach it: on a Cloud TPU pod slice the hosts share no disk
+and a preempted VM loses its own, so the run folder, a model to start from, data files and every
+output may be a URL. Checkpoints go through Orbax and TensorStore's own ``gcs``/``s3`` drivers
+(``train/checkpoint.py``); everything else goes through this module, over fsspec (``gcsfs``,
+``s3fs``: the ``gcs`` and ``s3`` extras, imported only when such a path is used) for URLs and the
+``os`` module for local paths, so callers never test which it is.
+
+* ``check(path, what)`` before anything is written: an unknown scheme, or a missing extra, is a
+  one-line error naming the pip command (never a traceback, never a local folder named ``gs:``).
+* Every bucket error is one ``StorageError`` line: the URL, what failed (no such bucket, no
+  credentials and where they were looked for, permission denied, the endpoint unreachable after
+  its retries) and what to do.
+* Writes of whole files are atomic on both: a local file is written beside its name and
+  renamed; an object is one upload, visible complete or not at all.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import glob as globlib
+import hashlib
+import importlib.util
+import json
+import os
+import posixpath
+import shutil
+import tempfile
+
+# scheme -> (the fsspec implementation's module, the jaxaccel extra that installs it)
+SCHEMES = {"gs": ("gcsfs", "gcs"), "s3": ("s3fs", "s3"), "memory": ("fsspec", None)}
+# How often an S3 request is tried before its error is reported (botocore's standard retries
+# with backoff); gcsfs tries a GCS request 6 times (fixed in gcsfs), TensorStore (checkpoints)
+# by its own context.
+RETRIES = 5
+
+
+class StorageError(OSError):
+    """A bucket could not be read or written; the message says which, why and what to do."""
+
+
+def is_url(path) -> bool:
+    """Whether ``path`` is a URL (``scheme://...``) rather than a local path."""
+    return isinstance(path, str) and "://" in path
+
+
+def scheme(path: str) -> str | None:
+    return path.split("://", 1)[0].lower() if is_url(path) else None
+
+
+def check(path: str, what: str) -> None:
+    """Refuse ``path`` (the value of ``what``, e.g. ``workdir``) if it is a URL this installation
+    cannot use: an unknown scheme, or one whose extra is not installed (the pip command)."""
+    s = scheme(path)
+    if s is None:
+        return
+    if s not in SCHEMES:
+        raise ValueError(f"{what}={path!r}: the scheme {s}:// is not supported; use a local "
+                         f"path or one of {', '.join(f'{k}://' for k in SCHEMES if k != 'memory')}.")
+    module, extra = SCHEMES[s]
+    if importlib.util.find_spec(module) is None:
+        raise ValueError(f"{what}={path!r}: {s}:// paths need {module}, which is not installed: "
+                         f"pip install 'jaxaccel[{extra}]'")
+    if not path.split("://", 1)[1].strip("/"):
+        raise ValueError(f"{what}={path!r} names no bucket: give {s}://BUCKET[/FOLDER].")
+
+
+def absolute(path: str) -> str:
+    """``path`` made absolute (local), or the URL without a trailing slash."""
+    if is_url(path):
+        head, rest = path.split("://", 1)
+        return f"{head}://{rest.rstrip('/')}"
+    return os.path.abspath(os.path.expanduser(path))
+
+
+def join(path: str, *parts: str) -> str:
+    return posixpath.join(path, *parts) if is_url(path) else os.path.join(path, *parts)
+
+
+def parent(path: str) -> str:
+    return posixpath.dirname(path) if is_url(path) else os.path.dirname(path)
+
+
+def basename(path: str) -> str:
+    return posixpath.basename(path.rstrip("/")) if is_url(path) else os.path.basename(path)
+
+
+@functools.lru_cache(maxsize=None)
+def _filesystem(protocol: str):
+    import fsspec
+    options = {"s3": {"config_kwargs": {"retries": {"max_attempts": RETRIES,
+                                                    "mode": "standard"}}}}.get(protocol, {})
+    return fsspec.filesystem(protocol, **options)
+
+
+def filesystem(url: str):
+    """The fsspec filesystem of ``url``'s scheme (one per process)."""
+    check(url, "path")
+    return _filesystem(scheme(url))
+
+
+@contextlib.contextmanager
+def _errors(url: str, doing: str):
+    """Bucket errors of ``doing`` on ``url`` as one ``StorageError`` line."""
+    try:
+        yield
+    except (FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError):
+        raise
+    except Exception as e:      # noqa: BLE001 -- each client raises its own types
+        raise StorageError(_explain(url, doing, e)) from None
+
+
+def _explain(url: str, doing: str, e: Exception) -> str:
+    """One line on why ``doing`` on ``url`` failed, and what to do."""
+    s, text = scheme(url), f"{type(e).__name__}: {e}".splitlines()[0][:300]
+    bucket = url.split("://", 1)[1].split("/", 1)[0]
+    lowered = text.lower()
+    if isinstance(e, PermissionError) or any(w in lowered for w in ("403", "forbidden",
+                                                                    "access denied", "401")):
+        why = (f"permission denied on {s}://{bucket} ({text}); grant the credentials in use "
+               "write access (e.g. roles/storage.objectAdmin) or use another bucket")
+    elif any(w in lowered for w in ("credential", "token", "unable to locate")):
+        why = (f"no credentials for {s}:// ({text}); " + (
+            "set GOOGLE_APPLICATION_CREDENTIALS to a service-account key file, run `gcloud auth "
+            "application-default login`, or run on a VM whose service account has access "
+            "(the metadata server)" if s == "gs" else
+            "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), or run where an "
+            "instance role gives them"))
+    elif any(w in lowered for w in ("connect", "timeout", "timed out", "unreachable",
+                                    "name resolution", "refused")):
+        why = (f"the storage endpoint could not be reached, tried again with backoff ({text}); "
+               "check the network (and STORAGE_EMULATOR_HOST / AWS_ENDPOINT_URL if set)")
+    else:
+        why = text
+    return f"{doing} {url}: {why}."
+
+
+def _missing_bucket(url: str, e: FileNotFoundError) -> StorageError:
+    bucket = url.split("://", 1)[1].split("/", 1)[0]
+    return StorageError(f"{url}: the bucket {scheme(url)}://{bucket} does not exist (or these "
+                        f"credentials cannot see it); create it first (gcloud storage buckets "
+                        f"create gs://{bucket} / aws s3 mb s3://{bucket}) or fix the name.")
+
+
+def exists(path: str) -> bool:
+    if not is_url(path):
+        return os.path.exists(path)
+    with _errors(path, "checking"):
+        return filesystem(path).exists(path)
+
+
+def isdir(path: str) -> bool:
+    if not is_url(path):
+        return os.path.isdir(path)
+    with _errors(path, "checking"):
+        return filesystem(path).isdir(path)
+
+
+def isfile(path: str) -> bool:
+    if not is_url(path):
+        return os.path.isfile(path)
+    with _errors(path, "checking"):
+        return filesystem(path).isfile(path)
+
+
+def listdir(path: str) -> list[str]:
+    """The names in folder ``path`` (``[]`` if it does not exist)."""
+    if not is_url(path):
+        return os.listdir(path) if os.path.isdir(path) else []
+    fs = filesystem(path)
+    with _errors(path, "listing"):
+        try:
+            fs.invalidate_cache(path)
+            entries = fs.ls(path, detail=False)
+        except FileNotFoundError:
+            return []
+    return sorted({posixpath.basename(e.rstrip("/")) for e in entries} - {""})
+
+
+def makedirs(path: str) -> None:
+    """Make folder ``path`` (a bucket has no folders: only the bucket must exist)."""
+    if not is_url(path):
+        os.makedirs(path, exist_ok=True)
+        return
+    bucket = f"{scheme(path)}://{path.split('://', 1)[1].split('/', 1)[0]}"
+    fs = filesystem(path)
+    with _errors(path, "opening"):
+        try:
+            fs.ls(bucket, detail=False)
+        except FileNotFoundError as e:
+            raise _missing_bucket(path, e) from None
+
+
+def remove(path: str) -> None:
+    if not is_url(path):
+        os.remove(path)
+        return
+    with _errors(path, "removing"):
+        filesystem(path).rm_file(path)
+
+
+def rmtree(path: str) -> None:
+    """Remove folder ``path`` and everything under it (nothing if it does not exist)."""
+    if not is_url(path):
+        shutil.rmtree(path, ignore_errors=True)
+        return
+    fs = filesystem(path)
+    with _errors(path, "removing"):
+        try:
+            fs.rm(path, recursive=True)
+        except FileNotFoundError:
+            pass
+        fs.invalidate_cache(path)
+
+
+def move(source: str, dest: str) -> None:
+    """Move a file or folder (a bucket's: copied, then removed)."""
+    if not is_url(source):
+        os.rename(source, dest)
+        return
+    fs = filesystem(source)
+    with _errors(source, "moving"):
+        fs.mv(source, dest, recursive=True)
+        fs.invalidate_cache(parent(source))
+
+
+def open_file(path: str, mode: str = "r", **kw):
+    """``open`` for a local path or an object (read, or written whole: ``w``/``wb``)."""
+    if not is_url(path):
+        return open(path, mode, **kw)
+    with _errors(path, "opening"):
+        return filesystem(path).open(path, mode, **kw)
+
+
+def read_bytes(path: str) -> bytes:
+    if not is_url(path):
+        with open(path, "rb") as f:
+            return f.read()
+    with _errors(path, "reading"):
+        return filesystem(path).cat_file(path)
+
+
+def read_text(path: str) -> str:
+    return read_bytes(path).decode("utf-8")
+
+
+def write_bytes(path: str, data: bytes) -> None:
+    """Write the whole file ``path`` atomically: complete, or the old one (or none)."""
+    if not is_url(path):
+        folder = os.path.dirname(path) or "."
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}.")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.chmod(tmp, 0o666 & ~_umask())
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+            raise
+        return
+    fs = filesystem(path)
+    with _errors(path, "writing"):
+        fs.pipe_file(path, data)
+        fs.invalidate_cache(parent(path))
+
+
+def write_text(path: str, text: str) -> None:
+    write_bytes(path, text.encode("utf-8"))
+
+
+def read_json(path: str):
+    return json.loads(read_text(path))
+
+
+def write_json(path: str, obj) -> None:
+    write_text(path, json.dumps(obj, indent=2))
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def glob(pattern: str, recursive: bool = True) -> list[str]:
+    """The paths ``pattern`` matches (``**`` any folders deep), sorted; URLs keep their scheme."""
+    if not is_url(pattern):
+        return sorted(globlib.glob(pattern, recursive=recursive))
+    fs, s = filesystem(pattern), scheme(pattern)
+    with _errors(pattern, "listing"):
+        fs.invalidate_cache()
+        found = fs.glob(pattern)
+    return sorted(f"{s}://{p}" if not is_url(p) else p for p in found)
+
+
+def size(path: str) -> int:
+    if not is_url(path):
+        return os.path.getsize(path)
+    with _errors(path, "checking"):
+        return filesystem(path).size(path)
+
+
+def bytes_under(folder: str) -> int:
+    """The size of the files under ``folder``."""
+    if not is_url(folder):
+        return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(folder)
+                   for f in files)
+    with _errors(folder, "listing"):
+        return int(filesystem(folder).du(folder, total=True))
+
+
+def upload(local_folder: str, url: str) -> None:
+    """Copy the files under ``local_folder`` to the folder ``url``."""
+    fs = filesystem(url)
+    with _errors(url, "uploading to"):
+        for d, _, files in os.walk(local_folder):
+            for f in files:
+                rel = os.path.relpath(os.path.join(d, f), local_folder).replace(os.sep, "/")
+                fs.put_file(os.path.join(d, f), posixpath.join(url, rel))
+        fs.invalidate_cache(url)
+
+
+def download(url: str, local_folder: str) -> str:
+    """Copy the files under the folder ``url`` into ``local_folder`` (made); returns it."""
+    fs = filesystem(url)
+    os.makedirs(local_folder, exist_ok=True)
+    with _errors(url, "downloading"):
+        base = fs._strip_protocol(url).rstrip("/")
+        for path in fs.find(url):
+            rel = path[len(base):].lstrip("/")
+            dest = os.path.join(local_folder, *rel.split("/"))
+            os.makedirs(os.path.dirname(dest), exist_ok=True)
+            fs.get_file(path, dest)
+    return local_folder
+
+
+def local_copy(url: str) -> str:
+    """A local folder holding the files under the folder ``url`` (a model checkpoint, a
+    tokenizer, a run's tokenizer/), for readers that take only local folders
+    (``transformers``, ``tokenizers``, safetensors): downloaded once into
+    ``$XDG_CACHE_HOME/jaxaccel/remote/`` (``~/.cache`` without it), under a name of the URL and
+    of every object's size and version, so a changed folder is downloaded again. A local path
+    is returned as it is."""
+    if not is_url(url):
+        return url
+    fs = filesystem(url)
+    with _errors(url, "listing"):
+        fs.invalidate_cache(url)
+        objects = fs.find(url, detail=True)
+    if not objects:
+        raise FileNotFoundError(f"{url}: no such folder (no object under it).")
+    versions = sorted((name, info.get("size"), str(info.get("generation") or info.get("ETag")
+                                                   or info.get("mtime") or ""))
+                      for name, info in objects.items())
+    key = hashlib.sha256(json.dumps([url, versions]).encode()).hexdigest()[:16]
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    folder = os.path.join(base, "jaxaccel", "remote", f"{basename(url)}-{key}")
+    if not os.path.isdir(folder):
+        staging = tempfile.mkdtemp(prefix=f".{basename(url)}-",
+                                   dir=_made(os.path.dirname(folder)))
+        try:
+            download(url, staging)
+            os.replace(staging, folder)
+        except OSError:
+            shutil.rmtree(staging, ignore_errors=True)
+            if not os.path.isdir(folder):      # else another process downloaded it first
+                raise
+    return folder
+
+
+def _made(folder: str) -> str:
+    os.makedirs(folder, exist_ok=True)
+    return folder
+
+
+def writable(url: str) -> None:
+    """Raise ``StorageError`` unless this process can create and delete an object under the
+    folder ``url`` (its bucket exists, credentials are found, writes are allowed)."""
+    makedirs(url)
+    probe = join(url, f".write_test_{os.getpid()}")
+    fs = filesystem(url)
+    with _errors(url, "writing to"):
+        fs.pipe_file(probe, b"")
+        fs.rm_file(probe)
