@@ -77,6 +77,10 @@ cpu_without_accelerator()
 from kernels_pallas import registry  # noqa: E402
 
 
+# Local storage servers (GCS, S3) for the runs in buckets, started by the tests that ask.
+pytest_plugins = ["storage_servers"]
+
+
 def pytest_report_header(config):
     cpu = len(jax.devices("cpu"))
     return (f"jax {jax.__version__}: default backend {jax.default_backend()} with "

