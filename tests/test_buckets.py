@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 
 import jax
@@ -28,7 +29,7 @@ def jaxaccel(server, *argv, status=0, cwd=None, **env):
     """``jaxaccel *argv`` against ``server``, in the folder ``cwd``: (stdout, stderr); the exit
     status must be ``status``."""
     done = subprocess.run([*CLI, *argv], capture_output=True, text=True, timeout=LONG_WAIT_S,
-                          env=cpu_env(**server.env, **env), cwd=cwd)
+                          env=cpu_env(**{**server.env, **env}), cwd=cwd)
     assert done.returncode == status, done.stderr[-3000:]
     return done.stdout, done.stderr
 
@@ -141,3 +142,101 @@ def test_two_hosts_that_share_no_disk_stop_together_and_resume_exactly(s3_server
            if "train/loss" in r}
     np.testing.assert_allclose([two[s] for s in sorted(two)], [one[s] for s in sorted(one)],
                                rtol=1e-5)
+
+
+def test_a_process_killed_while_saving_leaves_the_last_complete_checkpoint(gcs_server, tmp_path):
+    """SIGKILL (no handler runs) once checkpoints are being written every step, very likely in
+    the middle of one: a step the process did not finish has no commit file and is never
+    resumed from; the next run (same host: the dead trainer's lock is stale) removes it,
+    resumes from the newest complete step and ends with the losses of a run never killed."""
+    fs, bucket = gcs_server.filesystem(), gcs_server.create_bucket()
+    run = f"{bucket}/runs/tiny_synthetic"
+    proc = subprocess.Popen([*CLI, "train", "--config", TINY_CONFIG, f"--set=workdir={bucket}/runs",
+                             *(f"--set={s}" for s in (*SETS, "train.checkpoint_every=1",
+                                                      "train.max_steps=1000"))],
+                            env=cpu_env(**gcs_server.env), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    while not fs.exists(f"{run}/checkpoints/3/commit_success.txt"):
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        time.sleep(0.05)
+        fs.invalidate_cache()
+    proc.kill()
+    proc.wait()
+    fs.invalidate_cache()
+    steps = sorted(int(p.rsplit("/", 1)[1]) for p in fs.ls(f"{run}/checkpoints"))
+    complete = [s for s in steps if fs.exists(f"{run}/checkpoints/{s}/commit_success.txt")]
+    assert complete and fs.exists(f"{run}/lock")
+    if steps[-1] not in complete:       # killed mid-save: that step is not a checkpoint yet
+        assert steps[-1] == complete[-1] + 1
+    end = complete[-1] + 2
+    out, err = train(gcs_server, f"{bucket}/runs", f"train.max_steps={end}",
+                     "train.checkpoint_every=1")
+    assert json.loads(out)["step"] == end
+    assert f"resumed from {run}/checkpoints at step {complete[-1]}" in err
+    cpu = jax.devices("cpu")
+    with jax.default_device(cpu[0]):
+        loop.train(config.load(TINY_CONFIG, [f"workdir={tmp_path}", *SETS,
+                                             f"train.max_steps={end}"]), devices=cpu[:1])
+    never_killed = {r["step"]: r["train/loss"] for r in read_metrics(
+        str(tmp_path / "tiny_synthetic")) if "train/loss" in r}
+    resumed = losses(fs, f"{run}/metrics.jsonl")
+    for step in range(complete[-1] + 1, end + 1):
+        assert resumed[step] == pytest.approx(never_killed[step], rel=1e-5), step
+
+
+# ---- the bucket's faults: one line each, before anything is compiled or written ----
+
+def test_a_bucket_that_does_not_exist_is_named(storage_server, tmp_path):
+    _, err = train(storage_server, f"{storage_server.scheme}://no-such-bucket-0/runs",
+                   status=cli.EXIT_ERROR, cwd=tmp_path)
+    assert "no-such-bucket-0 does not exist" in err and "compiled" not in err, err[-2000:]
+    assert err.count("error:") == 1 and "Traceback" not in err
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_missing_extra_names_the_pip_command(monkeypatch):
+    monkeypatch.setitem(sys.modules, "s3fs", None)      # as if s3fs were not installed
+    with pytest.raises(ValueError, match=r"pip install 'jaxaccel\[s3\]'"):
+        config.build(sets=["workdir=s3://bucket/runs"])
+    with pytest.raises(ValueError, match="ftp:// is not supported"):
+        config.build(sets=["data.train_files=ftp://host/a.jsonl"])
+
+
+def test_missing_credentials_say_where_they_were_looked_for(s3_server, tmp_path):
+    bucket = s3_server.create_bucket()
+    _, err = train(s3_server, f"{bucket}/runs", status=cli.EXIT_ERROR, cwd=tmp_path,
+                   AWS_ACCESS_KEY_ID="", AWS_SECRET_ACCESS_KEY="")
+    assert "no credentials" in err and "AWS_ACCESS_KEY_ID" in err, err[-2000:]
+
+
+def test_a_read_only_bucket_is_refused_for_training_and_read_for_eval(s3_server, tmp_path):
+    bucket = s3_server.create_bucket()
+    train(s3_server, f"{bucket}/runs", "train.max_steps=2")
+    s3_server.deny_writes(bucket.split("://")[1])
+    _, err = train(s3_server, f"{bucket}/runs", "train.max_steps=4", status=cli.EXIT_ERROR)
+    assert "permission denied" in err and "compiled" not in err, err[-2000:]
+    evaluated = json.loads(jaxaccel(s3_server, "eval", "--checkpoint",
+                                    f"{bucket}/runs/tiny_synthetic")[0])
+    assert evaluated["step"] == 2
+
+
+def test_an_unreachable_endpoint_is_one_line(s3_server, tmp_path):
+    closed = f"http://127.0.0.1:{_port()}"
+    t0 = time.monotonic()
+    _, err = train(s3_server, "s3://bucket/runs", status=cli.EXIT_ERROR, cwd=tmp_path,
+                   AWS_ENDPOINT_URL=closed, AWS_ENDPOINT_URL_S3=closed,
+                   FSSPEC_S3_ENDPOINT_URL=closed)
+    assert "could not be reached" in err and err.count("error:") == 1, err[-2000:]
+    assert time.monotonic() - t0 < 300
+
+
+def test_a_run_folder_another_trainer_holds_is_refused_until_its_lease_ends(s3_server):
+    fs, bucket = s3_server.filesystem(), s3_server.create_bucket()
+    lock = f"{bucket}/runs/tiny_synthetic/lock"
+    holder = {"pid": 1, "host": "another-vm", "started": time.time(), "token": "t"}
+    fs.pipe_file(lock, json.dumps({**holder, "renewed": time.time()}).encode())
+    _, err = train(s3_server, f"{bucket}/runs", "train.max_steps=2", status=cli.EXIT_ERROR)
+    assert "in use by another trainer (pid 1 on host another-vm" in err, err[-2000:]
+    fs.pipe_file(lock, json.dumps({**holder, "renewed": time.time() - 3600}).encode())
+    _, err = train(s3_server, f"{bucket}/runs", "train.max_steps=2")
+    assert "taking over the stale lock of pid 1 on another-vm" in err
