@@ -27,7 +27,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench import common  # noqa: E402
-from jaxaccel import config  # noqa: E402
+from jaxaccel import config, storage  # noqa: E402
 from jaxaccel.train import checkpoint, loop  # noqa: E402
 from jaxaccel.train.metrics import read_metrics  # noqa: E402
 
@@ -57,9 +57,7 @@ def run(mode: str, args, workdir: str) -> list[dict]:
             calls.append(time.perf_counter() - t0)
     services = loop.Services(checkpointer=functools.partial(Timed, async_save=(mode == "async")))
     result = loop.train(cfg, services)
-    state_bytes = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in
-                      os.walk(os.path.join(result["checkpoint_dir"], str(args.steps)))
-                      for f in fs)
+    state_bytes = storage.bytes_under(storage.join(result["checkpoint_dir"], str(args.steps)))
     rows = []
     intervals = step_intervals(result["run_dir"], args.every)
     for kind, xs in [*intervals.items(), ("save_call", calls[:-1])]:   # last: the final save
