@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
 import re
@@ -24,6 +23,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from jaxaccel import storage  # noqa: E402
 from jaxaccel.compare import energy  # noqa: E402
 
 def device_kind() -> str:
@@ -203,10 +203,9 @@ def write_results(bench: str, rows: list[dict], extra: dict | None = None,
               "energy_source": sources[0] if len(sources) == 1 else "mixed",
               **(extra or {}), "rows": rows}
     slug = re.sub(r"[^A-Za-z0-9]+", "_", kind).strip("_").lower()
-    path = os.path.abspath(os.path.join(out, f"{stem or bench}-{slug}.json"))
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(result, f, indent=2)
+    path = storage.join(storage.absolute(out), f"{stem or bench}-{slug}.json")
+    storage.makedirs(storage.parent(path))
+    storage.write_json(path, result)
     return path
 
 

@@ -40,7 +40,7 @@ import os
 import sys
 import traceback
 
-from jaxaccel import console
+from jaxaccel import console, storage
 
 EXIT_ERROR, EXIT_NONFINITE, EXIT_DOES_NOT_FIT, EXIT_INTERRUPTED = 2, 3, 4, 130
 # sysexits.h's EX_TEMPFAIL ("a temporary failure: the user is invited to retry"): a run stopped
@@ -163,7 +163,7 @@ def _run_dir(path: str) -> str:
 
 
 def cmd_train(args) -> int:
-    from jaxaccel import compilation_cache, config, storage
+    from jaxaccel import compilation_cache, config
     from jaxaccel.train.loop import train
     cfg = config.load(args.config, args.set)
     if args.config is None:
@@ -351,7 +351,14 @@ def cmd_compare(args) -> int:
 def check_out_dir(path: str) -> None:
     """Refuse an output folder that cannot be made or written, before any work: a file of that
     name (or above it), or a folder without write permission (``compile --out``, and every
-    ``bench`` suite's ``--out``)."""
+    ``bench`` suite's ``--out``); a bucket URL that cannot be written (``storage.writable``)."""
+    storage.check(path, "--out")
+    if storage.is_url(path):
+        try:
+            storage.writable(path)
+        except OSError as e:
+            raise ValueError(f"--out {path!r}: {e}") from None
+        return
     here = os.path.abspath(path)
     while not os.path.exists(here):
         here = os.path.dirname(here)

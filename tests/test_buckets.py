@@ -240,3 +240,15 @@ def test_a_run_folder_another_trainer_holds_is_refused_until_its_lease_ends(s3_s
     fs.pipe_file(lock, json.dumps({**holder, "renewed": time.time() - 3600}).encode())
     _, err = train(s3_server, f"{bucket}/runs", "train.max_steps=2")
     assert "taking over the stale lock of pid 1 on another-vm" in err
+
+
+def test_a_plan_and_a_benchmark_are_written_to_a_bucket(gcs_server):
+    fs, bucket = gcs_server.filesystem(), gcs_server.create_bucket()
+    out, _ = jaxaccel(gcs_server, "compile", "--config", TINY_CONFIG, "--topology", "local",
+                      "--out", f"{bucket}/plans")
+    written = [p for p in fs.find(f"{bucket}/plans") if p.endswith(".json")]
+    assert len(written) == 1 and f"wrote gs://{written[0]}" in out
+    assert json.loads(fs.cat_file(written[0]))["bench"] == "plan"
+    _, err = jaxaccel(gcs_server, "compile", "--config", TINY_CONFIG, "--topology", "local",
+                      "--out", "gs://no-such-bucket-1/plans", status=cli.EXIT_ERROR)
+    assert "no-such-bucket-1 does not exist" in err and "compiled" not in err

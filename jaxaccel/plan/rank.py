@@ -10,13 +10,11 @@ ranked by time, then price; the rest follow, with why.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import os
 import sys
 from typing import Callable
 
-from jaxaccel import console
+from jaxaccel import console, storage
 from jaxaccel.plan import search as search_lib
 from jaxaccel.plan import topology
 from jaxaccel.plan.compile import make_plan
@@ -109,11 +107,10 @@ def plan_targets(config: str | None, sets: list[str], names: list[str], *,
         entry = _entry(config, sets, name, memory, fit, many, error_text)
         entries.append(entry)
         if entry.fits and out:
-            os.makedirs(out, exist_ok=True)
+            storage.makedirs(out)
             p = entry.plan
-            path = os.path.join(out, f"plan-{p.cfg.name}-{slug(p.target.name)}.json")
-            with open(path, "w") as f:
-                json.dump(result(p), f, indent=2)
+            path = storage.join(out, f"plan-{p.cfg.name}-{slug(p.target.name)}.json")
+            storage.write_json(path, result(p))
             _show(f"wrote {path}")
         if many:
             _show()
