@@ -337,11 +337,11 @@ def download(url: str, local_folder: str) -> str:
 
 
 def local_copy(url: str) -> str:
-    """A local folder holding the files under the folder ``url`` (a model checkpoint, a
-    tokenizer, a run's tokenizer/), for readers that take only local folders
-    (``transformers``, ``tokenizers``, safetensors): downloaded once into
+    """A local copy of the folder or file ``url`` (a model checkpoint, a tokenizer, a run's
+    tokenizer/, a data file), for readers that take only local paths (``transformers``,
+    ``tokenizers``, safetensors, the data readers): downloaded once into
     ``$XDG_CACHE_HOME/jaxaccel/remote/`` (``~/.cache`` without it), under a name of the URL and
-    of every object's size and version, so a changed folder is downloaded again. A local path
+    of every object's size and version, so a changed object is downloaded again. A local path
     is returned as it is."""
     if not is_url(url):
         return url
@@ -350,7 +350,8 @@ def local_copy(url: str) -> str:
         fs.invalidate_cache(url)
         objects = fs.find(url, detail=True)
     if not objects:
-        raise FileNotFoundError(f"{url}: no such folder (no object under it).")
+        raise FileNotFoundError(f"{url}: no such file or folder (no object under it).")
+    single = fs._strip_protocol(url).rstrip("/") in objects and len(objects) == 1
     versions = sorted((name, info.get("size"), str(info.get("generation") or info.get("ETag")
                                                    or info.get("mtime") or ""))
                       for name, info in objects.items())
@@ -361,13 +362,18 @@ def local_copy(url: str) -> str:
         staging = tempfile.mkdtemp(prefix=f".{basename(url)}-",
                                    dir=_made(os.path.dirname(folder)))
         try:
-            download(url, staging)
+            if single:
+                with _errors(url, "downloading"):
+                    fs.get_file(url, os.path.join(staging, basename(url)))
+            else:
+                download(url, staging)
+            os.chmod(staging, 0o777 & ~_umask())
             os.replace(staging, folder)
         except OSError:
             shutil.rmtree(staging, ignore_errors=True)
             if not os.path.isdir(folder):      # else another process downloaded it first
                 raise
-    return folder
+    return os.path.join(folder, basename(url)) if single else folder
 
 
 def _made(folder: str) -> str:
