@@ -27,12 +27,12 @@ from __future__ import annotations
 
 import csv
 import dataclasses
-import glob
 import io
 import json
 import os
 import re
 
+from jaxaccel.data import filesplits
 from jaxaccel.data.spec import DataError, DataMissing, DataSpec, Records
 
 FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl", ".csv": "csv",
@@ -50,18 +50,21 @@ def _stat(path: str) -> list:
 
 def expand(globs: str, key: str) -> tuple[str, ...]:
     """The files ``globs`` (comma-separated; a folder: every file under it) match, sorted;
-    ``DataError`` where one matches nothing."""
+    ``DataError`` where one matches nothing. Links are followed to files and folders, but no
+    real folder is searched twice (a link to a folder above it adds nothing), and a file
+    reached by several paths (links) is listed once, by its first path."""
     out = []
     for pattern in (g.strip() for g in globs.split(",") if g.strip()):
         pattern = os.path.expanduser(pattern)
-        if os.path.isdir(pattern):
-            pattern = os.path.join(pattern, "**", "*")
-        found = sorted(p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p))
+        found = sorted(p for p in filesplits.search(pattern) if os.path.isfile(p))
         if not found:
             raise DataMissing(f"{key}={pattern!r} matches no file (from {os.getcwd()}); give a "
                             "glob of your files, e.g. data/train-*.jsonl.")
         out += found
-    return tuple(dict.fromkeys(os.path.abspath(p) for p in out))
+    real = {}
+    for path in map(os.path.abspath, out):
+        real.setdefault(os.path.realpath(path), path)
+    return tuple(real.values())
 
 
 def format_of(files: tuple[str, ...], fmt: str, key: str) -> str:

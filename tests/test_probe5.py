@@ -1,0 +1,99 @@
+"""The fifth fault probe (issue 57), on the own-data side: each item driven as the probe's user
+drove it, through ``jaxaccel.cli.main([...])`` on the tiny BERT reading ``data.name=files``
+(or ``audio``) from folders written here."""
+import contextlib
+import json
+import os
+import re
+import signal
+
+import numpy as np
+import pytest
+
+from jaxaccel import cli
+from support import run_cli
+
+
+def write_rows(path, n=30, text="text", label="label"):
+    """``n`` JSONL records of two classes."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps({text: f"row {i} of the folder", label: "ab"[i % 2]})
+                            + "\n" for i in range(n)))
+    return path
+
+
+def sets(tmp_path, *extra):
+    """The tiny classifier on ``data.name=files`` (its cache and runs in ``tmp_path``)."""
+    return [f"workdir={tmp_path}", f"data.cache_dir={tmp_path / 'cache'}", "model.name=tiny",
+            "data.name=files", "train.batch_size=8", "train.eval_batch_size=8",
+            "train.max_steps=2", "train.progress=false", "train.learning_rate=1e-3", *extra]
+
+
+def jaxaccel(capsys, command, *argv_sets):
+    """``jaxaccel <command> --set ...``: (exit status, stdout, stderr)."""
+    return run_cli(capsys, *command.split(), *(f"--set={s}" for s in argv_sets))
+
+
+@contextlib.contextmanager
+def within(seconds):
+    """A ``TimeoutError`` in this thread where the block runs past ``seconds``."""
+    def fire(*_):
+        raise TimeoutError(f"still running after {seconds} s")
+    old = signal.signal(signal.SIGALRM, fire)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def _wav(path, freq, rate=8000):
+    from scipy.io import wavfile
+    t = np.arange(int(0.3 * rate)) / rate
+    path.parent.mkdir(parents=True, exist_ok=True)
+    wavfile.write(path, rate, (0.5 * np.sin(2 * np.pi * freq * t) * 32767).astype(np.int16))
+
+
+def audio_sets(tmp_path, root, *extra):
+    return sets(tmp_path, "data.name=audio", f"data.train_files={root}", "model.name=vit-tiny",
+                *extra)
+
+
+# ---- items 1, 2: links to a folder above are searched once, a file reached twice read once ----
+
+def test_a_folder_holding_two_links_to_itself_is_searched_once(tmp_path, capsys):
+    """Two links to ``.`` made the recursive glob walk 2**40 paths: no answer for minutes."""
+    write_rows(tmp_path / "L" / "a.jsonl")
+    os.symlink(".", tmp_path / "L" / "s1")
+    os.symlink(".", tmp_path / "L" / "s2")
+    with within(60):
+        code, out, err = jaxaccel(capsys, "data prepare", *sets(
+            tmp_path, f"data.train_files={tmp_path / 'L'}", "data.holdout=0.2"))
+    assert code == 0, err
+    assert "train: 24 examples" in out and "test: 6 examples" in out, out
+
+
+@pytest.mark.parametrize("glob_", ["{L}", "{L}/**/*.jsonl", "{L}/*/*.jsonl,{L}/*.jsonl"])
+def test_a_link_to_its_own_folder_does_not_multiply_the_data(tmp_path, capsys, glob_):
+    """One link to ``.`` beside a 30-record file cached 1,230 documents (41 copies)."""
+    L = tmp_path / "L1"
+    write_rows(L / "a.jsonl")
+    os.symlink(".", L / "self")
+    os.symlink(L / "a.jsonl", L / "b.jsonl")           # a link to a file: the same file
+    code, out, err = jaxaccel(capsys, "data prepare", *sets(
+        tmp_path, f"data.train_files={glob_.format(L=L)}", "data.holdout=0.2"))
+    assert code == 0, err
+    assert "train: 24 examples" in out and "test: 6 examples" in out, out
+
+
+def test_a_linked_audio_folder_puts_no_clip_in_both_splits(tmp_path, capsys):
+    """12 clips became 492, and data.holdout put copies of one clip in train and test."""
+    for i in range(6):
+        _wav(tmp_path / "calls" / "low" / f"{i}.wav", 300 + 10 * i)
+        _wav(tmp_path / "calls" / "high" / f"{i}.wav", 2000 + 10 * i)
+    os.symlink(".", tmp_path / "calls" / "self")
+    code, out, err = jaxaccel(capsys, "data prepare", *audio_sets(
+        tmp_path, tmp_path / "calls", "data.holdout=0.25"))
+    assert code == 0, err
+    assert "train: 9 examples" in out and "test: 3 examples" in out, out
