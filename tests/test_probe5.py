@@ -97,3 +97,69 @@ def test_a_linked_audio_folder_puts_no_clip_in_both_splits(tmp_path, capsys):
         tmp_path, tmp_path / "calls", "data.holdout=0.25"))
     assert code == 0, err
     assert "train: 9 examples" in out and "test: 3 examples" in out, out
+
+
+# ---- item 3: an eval file that is a training file is refused, named ----
+
+LEAK = "eval file(s) also in data.train_files (by real path or identical bytes)"
+
+
+@pytest.mark.parametrize("eval_files", ["{d}/train.jsonl", "{d}/*.jsonl", "{d}/link.jsonl",
+                                        "{d}/copy.jsonl"])
+def test_an_eval_file_that_is_a_training_file_is_refused(tmp_path, capsys, eval_files):
+    """eval_files equal to train_files (or matched by the train glob, or a link to one, or a
+    byte-identical copy) trained and reported a test accuracy, exit 0."""
+    d = tmp_path / "d"
+    write_rows(d / "train.jsonl")
+    os.symlink(d / "train.jsonl", tmp_path / "link.jsonl")
+    (tmp_path / "copy.jsonl").write_bytes((d / "train.jsonl").read_bytes())
+    where = tmp_path if "link" in eval_files or "copy" in eval_files else d
+    code, out, err = jaxaccel(capsys, "train", *sets(
+        tmp_path, f"data.train_files={d}/*.jsonl",
+        f"data.eval_files={eval_files.format(d=where)}"))
+    assert code == cli.EXIT_ERROR and out == ""
+    assert f"error: data.eval_files: {where}/" in err and LEAK in err, err
+
+
+def test_eval_of_a_run_on_one_of_its_training_files_is_refused(tmp_path, capsys):
+    """``jaxaccel eval --checkpoint RUN --set data.eval_files=<a training file>`` scored
+    training rows, exit 0."""
+    train = write_rows(tmp_path / "d" / "train.jsonl")
+    held = write_rows(tmp_path / "held.jsonl", 8, "text", "label")
+    held.write_text(held.read_text().replace("of the folder", "held out"))
+    code, _, err = jaxaccel(capsys, "train", *sets(
+        tmp_path, f"data.train_files={train}", f"data.eval_files={held}", "name=r"))
+    assert code == 0, err
+    code, out, err = run_cli(capsys, "eval", "--checkpoint", str(tmp_path / "r"),
+                             "--set", f"data.eval_files={train}")
+    assert code == cli.EXIT_ERROR and out == ""
+    assert f"error: data.eval_files: {train}: 1 {LEAK}" in err, err
+
+
+# ---- item 4: the class is the first folder level under the root ----
+
+def test_nested_audio_class_folders_are_classed_by_their_first_level(tmp_path, capsys):
+    """nested/{bird,frog}/day{0,1}/*.wav trained a day0/day1 classifier."""
+    for kind, base in (("bird", 2000), ("frog", 300)):
+        for day in (0, 1):
+            for i in range(3):
+                _wav(tmp_path / "nested" / kind / f"day{day}" / f"{i}.wav", base + 10 * i + day)
+    code, out, err = jaxaccel(capsys, "data prepare", *audio_sets(
+        tmp_path, tmp_path / "nested", "data.holdout=0.25", "model.task=classification"))
+    assert code == 0, err
+    assert "labels: bird " in out and "frog " in out and "day0" not in out, out
+
+
+@pytest.mark.parametrize("glob_", ["{r}", "{r}/*/*/*.txt", "{r}/**/*.txt"])
+def test_nested_text_class_folders_are_classed_by_their_first_level(tmp_path, capsys, glob_):
+    """Plain-text files under {pos,neg}/{a,b}/ trained an a/b classifier."""
+    root = tmp_path / "reviews"
+    for label in ("pos", "neg"):
+        for sub in ("a", "b"):
+            for i in range(3):
+                (root / label / sub).mkdir(parents=True, exist_ok=True)
+                (root / label / sub / f"{i}.txt").write_text(f"{label} review {sub}{i}")
+    code, out, err = jaxaccel(capsys, "data prepare", *sets(
+        tmp_path, f"data.train_files={glob_.format(r=root)}", "data.holdout=0.25"))
+    assert code == 0, err
+    assert re.findall(r"labels: (\w+) \d+, (\w+) \d+;", out) == [("neg", "pos")] * 2, out

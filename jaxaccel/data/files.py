@@ -6,8 +6,10 @@ classification (a text and a label each) and causal-LM pretraining (documents).
     data.name=files data.train_files="books/**/*.txt" data.holdout=0.05   # a corpus, 5% held out
 
 * ``data.train_files`` / ``data.eval_files``: globs (several: comma-separated; a folder means
-  every file under it), sorted; without ``eval_files`` the eval split is ``data.holdout`` of
-  the training records, held out by a fixed permutation.
+  every file under it), sorted, links followed (``filesplits``: each real folder searched and
+  each file read once; an eval file that is a training file is refused); without
+  ``eval_files`` the eval split is ``data.holdout`` of the training records, held out by a
+  fixed permutation.
 * ``data.format``: ``auto`` tells each file's format by its extension (``FORMATS``) and refuses
   a glob that mixes formats; or one of ``jsonl csv tsv parquet arrow text`` for every file.
 * JSONL: one JSON object a line (blank lines skipped); CSV/TSV: a header row naming the
@@ -15,8 +17,8 @@ classification (a text and a label each) and causal-LM pretraining (documents).
   columns. The text is ``data.text_field``, the label ``data.label_field`` (class names or
   integers; the names are kept with the run).
 * Plain text: ``data.documents=file`` makes each file one document (a classification
-  example's label is its folder's name: ``reviews/pos/1.txt``), ``paragraph`` each block
-  between blank lines of a file (lines stripped, empty ones dropped).
+  example's label is its class folder, ``filesplits.folder_class``: ``reviews/pos/1.txt``),
+  ``paragraph`` each block between blank lines of a file (lines stripped, empty ones dropped).
 
 Large files are read in chunks of about ``CHUNK_BYTES`` cut at record boundaries (a line; a
 blank line; a newline outside CSV quotes; a Parquet row group; an Arrow record batch), which
@@ -33,6 +35,7 @@ import os
 import re
 
 from jaxaccel.data import filesplits
+from jaxaccel.data.filesplits import split_files, split_roots
 from jaxaccel.data.spec import DataError, DataMissing, DataSpec, Records
 
 FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl", ".csv": "csv",
@@ -191,18 +194,27 @@ class FileRecords:
     text_field: str
     label_field: str | None
     documents: str = "file"
+    roots: tuple[tuple[str, tuple[str, ...]], ...] = dataclasses.field(default=(), repr=False)
     unit = "B"
 
     def _files(self, split: str) -> tuple[str, ...]:
         return dict(self.files)[split]
 
+    def _by_folder(self) -> bool:
+        """Whether each file is a document labelled by its folder (``folder_class``)."""
+        return self.fmt == "text" and self.documents == "file" and self.label_field is not None
+
     def identity(self, split: str) -> dict:
-        return {"format": self.fmt, "files": [[p, *_stat(p)] for p in self._files(split)]}
+        out = {"format": self.fmt, "files": [[p, *_stat(p)] for p in self._files(split)]}
+        return {**out, "roots": list(dict(self.roots)[split])} if self._by_folder() else out
 
     def chunks(self, split: str) -> list:
         files = self._files(split)
         if self.fmt == "text" and self.documents == "file":
-            return _file_groups(files)
+            by_folder = self._by_folder()
+            labels = [filesplits.folder_class(p, dict(self.roots)[split]) if by_folder
+                      else None for p in files]
+            return _file_groups(files, labels)
         if self.fmt == "parquet":
             return [c for p in files for c in _parquet_chunks(p, self._check_fields)]
         if self.fmt == "arrow":
@@ -236,7 +248,7 @@ class FileRecords:
 
     def read(self, chunk) -> Records:
         if chunk[0] == "files":
-            return self._read_files(chunk[1])
+            return self._read_files(chunk[1], chunk[2])
         if chunk[0] in ("parquet", "arrow"):
             return self._read_columns(chunk)
         _, path, start, stop, line, header = chunk
@@ -314,10 +326,9 @@ class FileRecords:
                 at = m.end()
         return Records(texts, None, path, numbers)
 
-    def _read_files(self, paths) -> Records:
+    def _read_files(self, paths, labels) -> Records:
         texts = [_decoded(_read_bytes(p, 0, os.path.getsize(p)), p, 1) for p in paths]
-        labels = [os.path.basename(os.path.dirname(p)) for p in paths] \
-            if self.label_field is not None else None
+        labels = list(labels) if self.label_field is not None else None
         return Records(texts, labels, "", list(paths), unit="file")
 
     def _read_columns(self, chunk) -> Records:
@@ -332,16 +343,16 @@ class FileRecords:
         return dataclasses.replace(records, unit="row")
 
 
-def _file_groups(paths) -> list[tuple]:
-    """Plain-text files, one document each, in groups of about ``CHUNK_BYTES``."""
-    out, group, size = [], [], 0
-    for p in paths:
-        group.append(p)
+def _file_groups(paths, labels) -> list[tuple]:
+    """``("files", paths, their labels)``: plain-text files, one document each, in groups of
+    about ``CHUNK_BYTES``."""
+    out, start, size = [], 0, 0
+    for i, p in enumerate(paths):
         size += os.path.getsize(p)
-        if size >= CHUNK_BYTES:
-            out.append(("files", tuple(group)))
-            group, size = [], 0
-    return out + ([("files", tuple(group))] if group else [])
+        if size >= CHUNK_BYTES or i == len(paths) - 1:
+            out.append(("files", tuple(paths[start:i + 1]), tuple(labels[start:i + 1])))
+            start, size = i + 1, 0
+    return out
 
 
 def _parquet_chunks(path: str, check) -> list[tuple]:
@@ -404,9 +415,7 @@ def describe(settings, model, batching) -> DataSpec:
     if not settings.train_files:
         raise DataMissing("data.name=files needs data.train_files: a glob of your training "
                         "files (e.g. data/train-*.jsonl).")
-    files = {"train": expand(settings.train_files, "data.train_files")}
-    if settings.eval_files:
-        files[settings.eval_split] = expand(settings.eval_files, "data.eval_files")
+    files = split_files(settings, expand)
     fmt = format_of(tuple(p for ps in files.values() for p in ps), settings.format,
                     "data.train_files" if not settings.eval_files else
                     "data.train_files / data.eval_files")
@@ -415,7 +424,7 @@ def describe(settings, model, batching) -> DataSpec:
                         "documents by file or by paragraph (blank lines).")
     label = settings.label_field if kind == "text" else None
     reader = FileRecords(tuple(files.items()), fmt, settings.text_field, label,
-                         settings.documents)
+                         settings.documents, tuple(split_roots(settings).items()))
     return DataSpec("files", kind, reader, settings, batching, model, tuple(files))
 
 

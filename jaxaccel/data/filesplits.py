@@ -1,10 +1,14 @@
-"""Which files a folder source reads (``data.name=files``, ``audio``): a glob's search (links
-followed, each real folder once) and where each glob searches from (its root)."""
+"""Which files each split of a folder source reads (``data.name=files``, ``audio``): a glob's
+search (links followed, each real folder once), where each glob searches from (its root), a
+file's class by its folder, and the refusal of an eval file that is a training file too."""
 from __future__ import annotations
 
+import filecmp
 import fnmatch
 import glob
 import os
+
+from jaxaccel.data.spec import DataError
 
 
 def search(pattern: str) -> list[str]:
@@ -45,7 +49,7 @@ def _glob_match(parts: list[str], pattern: list[str]) -> bool:
 
 def glob_root(pattern: str) -> str:
     """The folder a glob searches (its leading folders without wildcards), or the folder
-    named."""
+    named: where a file's class folder is counted from (``folder_class``)."""
     pattern = os.path.abspath(os.path.expanduser(pattern))
     if os.path.isdir(pattern):
         return pattern
@@ -54,4 +58,69 @@ def glob_root(pattern: str) -> str:
     return os.sep.join(parts[:fixed]) or os.sep
 
 
-__all__ = ["glob_root", "search"]
+def roots(globs: str) -> tuple[str, ...]:
+    """Each glob's ``glob_root``."""
+    return tuple(glob_root(g.strip()) for g in globs.split(",") if g.strip())
+
+
+def folder_class(path: str, roots_: tuple[str, ...]) -> str:
+    """The class of a file labelled by its folder: the first folder level under the root it was
+    found from (ImageFolder's rule: ``calls/bird/day0/1.wav`` is a ``bird``), or the root's own
+    name for a file directly in it (a glob naming the class folder: ``reviews/pos/*.txt``)."""
+    root = max((r for r in roots_ if path.startswith(r.rstrip(os.sep) + os.sep)), key=len,
+               default=os.path.dirname(path))
+    parts = os.path.relpath(path, root).split(os.sep)
+    return parts[0] if len(parts) > 1 else os.path.basename(root)
+
+
+def _split_globs(settings) -> dict[str, str]:
+    return {"train": settings.train_files,
+            **({settings.eval_split: settings.eval_files} if settings.eval_files else {})}
+
+
+def split_roots(settings) -> dict[str, tuple[str, ...]]:
+    """Each split's glob roots (``folder_class``)."""
+    return {split: roots(globs) for split, globs in _split_globs(settings).items()}
+
+
+def split_files(settings, find) -> dict[str, tuple[str, ...]]:
+    """Each split's files, ``find(globs, key)``: ``data.train_files``, and ``data.eval_files``
+    as ``data.eval_split``; ``DataError`` where an eval file is a training file too."""
+    files = {split: find(globs, f"data.{'train' if split == 'train' else 'eval'}_files")
+             for split, globs in _split_globs(settings).items()}
+    if settings.eval_files:
+        refuse_shared(files["train"], files[settings.eval_split])
+    return files
+
+
+def refuse_shared(train, evals) -> None:
+    """``DataError`` naming the eval files that are training files too: the same file (by its
+    real path, whatever links lead to it) or a byte-identical copy."""
+    real = {os.path.realpath(p) for p in train}
+    same = [p for p in evals if os.path.realpath(p) in real] or _copies(train, evals)
+    if same:
+        raise DataError(
+            f"data.eval_files: {'; '.join(same[:3])}{' ...' if len(same) > 3 else ''}: "
+            f"{len(same)} eval file(s) also in data.train_files (by real path or identical "
+            "bytes), so the eval split would score examples the model trained on. Give "
+            "data.eval_files held-out files, or drop it and hold some out with data.holdout.")
+
+
+def _copies(train, evals) -> list[str]:
+    """``"<eval file> (a copy of <training file>)"`` for each eval file whose bytes a training
+    file holds (only files of the same size are compared)."""
+    by_size = {}
+    for p in train:
+        by_size.setdefault(os.path.getsize(p), []).append(p)
+    out = []
+    for p in evals:
+        size = os.path.getsize(p)
+        twin = next((q for q in by_size.get(size, ()) if size and
+                     filecmp.cmp(p, q, shallow=False)), None)
+        if twin is not None:
+            out.append(f"{p} (a copy of {twin})")
+    return out
+
+
+__all__ = ["folder_class", "glob_root", "refuse_shared", "roots", "search", "split_files",
+           "split_roots"]
