@@ -163,3 +163,63 @@ def test_nested_text_class_folders_are_classed_by_their_first_level(tmp_path, ca
         tmp_path, f"data.train_files={glob_.format(r=root)}", "data.holdout=0.25"))
     assert code == 0, err
     assert re.findall(r"labels: (\w+) \d+, (\w+) \d+;", out) == [("neg", "pos")] * 2, out
+
+
+# ---- item 11: compressed JSONL, CSV and text are read; others refused by name ----
+
+def _compress(path, ext):
+    import bz2
+    import gzip
+    import lzma
+    module = {".gz": gzip, ".bz2": bz2, ".xz": lzma}[ext]
+    packed = path.with_name(path.name + ext)
+    packed.write_bytes(module.compress(path.read_bytes()))
+    path.unlink()
+    return packed
+
+
+@pytest.mark.parametrize("ext", [".gz", ".bz2", ".xz"])
+@pytest.mark.parametrize("fmt", ["jsonl", "csv", "text"])
+def test_compressed_files_are_read(tmp_path, capsys, ext, fmt):
+    """Gzipped JSONL: "cannot tell its format by the extension '.gz'", then "not valid UTF-8"
+    with data.format=jsonl."""
+    if fmt == "jsonl":
+        where = _compress(write_rows(tmp_path / "d" / "a.jsonl"), ext)
+    elif fmt == "csv":
+        (tmp_path / "d").mkdir()
+        (tmp_path / "d" / "a.csv").write_text("text,label\n" + "".join(
+            f'"row {i}, quoted",{"ab"[i % 2]}\n' for i in range(30)))
+        where = _compress(tmp_path / "d" / "a.csv", ext)
+    else:
+        for i in range(30):
+            path = tmp_path / "d" / "ab"[i % 2] / f"{i}.txt"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(f"row {i}")
+            _compress(path, ext)
+        where = tmp_path / "d"
+    code, out, err = jaxaccel(capsys, "data prepare", *sets(
+        tmp_path, f"data.train_files={where}", "data.holdout=0.2"))
+    assert code == 0, err
+    assert "train: 24 examples" in out and "labels: a 1" in out, out
+
+
+def test_a_gzipped_file_without_a_format_extension_is_read_as_data_format_says(tmp_path,
+                                                                              capsys):
+    """``a.gz`` with data.format=jsonl: "not a JSON object (... not valid UTF-8 ...)"."""
+    where = _compress(write_rows(tmp_path / "a"), ".gz")
+    code, out, err = jaxaccel(capsys, "data prepare", *sets(
+        tmp_path, f"data.train_files={where}", "data.holdout=0.2", "data.format=jsonl"))
+    assert code == 0, err
+    assert "train: 24 examples" in out, out
+
+
+@pytest.mark.parametrize("fmt", ["auto", "jsonl"])
+def test_a_compression_without_a_reader_is_refused_by_name(tmp_path, capsys, fmt):
+    (tmp_path / "a.jsonl.zst").write_bytes(b"(\xb5/\xfd" + b"\0" * 20)
+    code, out, err = jaxaccel(capsys, "data prepare", *sets(
+        tmp_path, f"data.train_files={tmp_path / 'a.jsonl.zst'}", "data.holdout=0.2",
+        f"data.format={fmt}"))
+    assert code == cli.EXIT_ERROR and out == ""
+    assert f"error: {tmp_path / 'a.jsonl.zst'}: compressed with Zstandard (.zst), which " \
+        "data.name=files does not read (it reads .gz, .bz2, .xz); decompress it, or " \
+        "recompress it with gzip." in err, err

@@ -20,10 +20,11 @@ classification (a text and a label each) and causal-LM pretraining (documents).
   example's label is its class folder, ``filesplits.folder_class``: ``reviews/pos/1.txt``),
   ``paragraph`` each block between blank lines of a file (lines stripped, empty ones dropped).
 
-Large files are read in chunks of about ``CHUNK_BYTES`` cut at record boundaries (a line; a
-blank line; a newline outside CSV quotes; a Parquet row group; an Arrow record batch), which
-worker processes parse and tokenize (``tokencache``). Every record is checked as it is read;
-a bad one stops the build with its file and line.
+Compressed files (``compressed``: ``a.jsonl.gz``, ``.bz2``, ``.xz``) are read whole, one chunk
+each. Large files are read in chunks of about ``CHUNK_BYTES`` cut at record boundaries (a line;
+a blank line; a newline outside CSV quotes; a Parquet row group; an Arrow record batch), which
+worker processes parse and tokenize (``tokencache``). Every record is checked as it is read; a
+bad one stops the build with its file and line.
 """
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ import json
 import os
 import re
 
-from jaxaccel.data import filesplits
+from jaxaccel.data import compressed, filesplits
 from jaxaccel.data.filesplits import split_files, split_roots
 from jaxaccel.data.spec import DataError, DataMissing, DataSpec, Records
 
@@ -71,7 +72,17 @@ def expand(globs: str, key: str) -> tuple[str, ...]:
 
 
 def format_of(files: tuple[str, ...], fmt: str, key: str) -> str:
-    """The one format of ``files``: ``fmt``, or (``auto``) their extensions'."""
+    """The one format of ``files``: ``fmt``, or (``auto``) their extensions' (under a
+    compression's: ``compressed``)."""
+    fmt = _format_of(files, fmt, key)
+    packed = next((p for p in files if compressed.compression(p)), None)
+    if packed is not None and fmt in ("parquet", "arrow"):
+        raise DataError(f"{packed}: a compressed {fmt} file; {fmt} files are read in place "
+                        "(they compress their own columns): decompress it.")
+    return fmt
+
+
+def _format_of(files: tuple[str, ...], fmt: str, key: str) -> str:
     if fmt != "auto":
         if fmt not in set(FORMATS.values()):
             raise DataError(f"data.format={fmt!r} is not a format; known: auto, "
@@ -79,7 +90,7 @@ def format_of(files: tuple[str, ...], fmt: str, key: str) -> str:
         return fmt
     by = {}
     for path in files:
-        ext = os.path.splitext(path)[1].lower()
+        ext = compressed.inner_extension(path)
         if ext not in FORMATS:
             raise DataError(f"{path}: cannot tell its format by the extension {ext!r} (known: "
                             f"{', '.join(FORMATS)}); set data.format.")
@@ -123,6 +134,8 @@ def byte_chunks(path: str, fmt: str, start: int = 0, line: int = 1) -> list[tupl
     """``(path, start, stop, first line)`` pieces of about ``CHUNK_BYTES`` covering the file
     from byte ``start`` (line ``line``), each ending at a record boundary of ``fmt``. One pass
     over the file counts lines (so errors name them) and quotes (CSV)."""
+    if compressed.compression(path):
+        return [(path, start, None, line)]          # one chunk (``compressed``)
     cut, out, state = CUTS[fmt], [], {"quotes": 0}
     with open(path, "rb") as f:
         f.seek(start)
@@ -141,10 +154,11 @@ def byte_chunks(path: str, fmt: str, start: int = 0, line: int = 1) -> list[tupl
     return out
 
 
-def _read_bytes(path: str, start: int, stop: int) -> bytes:
-    with open(path, "rb") as f:
+def _read_bytes(path: str, start: int, stop: int | None) -> bytes:
+    """Bytes ``start`` to ``stop`` (None: the end) of ``path``, decompressed."""
+    with compressed.open_bytes(path) as f:
         f.seek(start)
-        return f.read(stop - start)
+        return f.read(-1 if stop is None else stop - start)
 
 
 def _decoded(data: bytes, path: str, line: int) -> str:
@@ -159,7 +173,7 @@ def _decoded(data: bytes, path: str, line: int) -> str:
 
 def _header(path: str, fmt: str) -> tuple[tuple[str, ...], int, int]:
     """A CSV/TSV file's field names, and the byte and line where its records start."""
-    with open(path, "rb") as f:
+    with compressed.open_bytes(path) as f:
         head = f.read(CHUNK_BYTES)
     end = CUTS[fmt](head, 0, {"quotes": 0})
     end = len(head) if end < 0 else end
@@ -244,7 +258,7 @@ class FileRecords:
             return sum(os.path.getsize(p) for p in chunk[1])
         if chunk[0] in ("parquet", "arrow"):
             return chunk[4]
-        return chunk[3] - chunk[2]
+        return os.path.getsize(chunk[1]) if chunk[3] is None else chunk[3] - chunk[2]
 
     def read(self, chunk) -> Records:
         if chunk[0] == "files":
@@ -327,7 +341,7 @@ class FileRecords:
         return Records(texts, None, path, numbers)
 
     def _read_files(self, paths, labels) -> Records:
-        texts = [_decoded(_read_bytes(p, 0, os.path.getsize(p)), p, 1) for p in paths]
+        texts = [_decoded(_read_bytes(p, 0, None), p, 1) for p in paths]
         labels = list(labels) if self.label_field is not None else None
         return Records(texts, labels, "", list(paths), unit="file")
 
