@@ -165,6 +165,22 @@ def test_nested_text_class_folders_are_classed_by_their_first_level(tmp_path, ca
     assert re.findall(r"labels: (\w+) \d+, (\w+) \d+;", out) == [("neg", "pos")] * 2, out
 
 
+# ---- item 10: a UTF-8 byte order mark is not part of the first field's name ----
+
+@pytest.mark.parametrize("name,content", [
+    ("r.csv", "review,sentiment\n" + "a fine film,pos\na dull film,neg\n" * 10),
+    ("r.jsonl", "".join(json.dumps({"review": f"film {i}", "sentiment": "ab"[i % 2]}) + "\n"
+                        for i in range(20)))])
+def test_a_utf8_byte_order_mark_is_stripped(tmp_path, capsys, name, content):
+    """Excel's "CSV UTF-8" got ``no field 'review' (fields: review, sentiment)``."""
+    (tmp_path / name).write_bytes(b"\xef\xbb\xbf" + content.encode())
+    code, out, err = jaxaccel(capsys, "data prepare", *sets(
+        tmp_path, f"data.train_files={tmp_path / name}", "data.holdout=0.2",
+        "data.text_field=review", "data.label_field=sentiment"))
+    assert code == 0, err
+    assert "train: 16 examples" in out, out
+
+
 # ---- item 11: compressed JSONL, CSV and text are read; others refused by name ----
 
 def _compress(path, ext):

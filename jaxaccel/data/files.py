@@ -162,6 +162,9 @@ def _read_bytes(path: str, start: int, stop: int | None) -> bytes:
 
 
 def _decoded(data: bytes, path: str, line: int) -> str:
+    """``data`` from line ``line`` of ``path`` as text; at line 1 (a file's start) without a
+    UTF-8 byte order mark (Excel's "CSV UTF-8" writes one), as Python's ``utf-8-sig`` reads."""
+    data = data.removeprefix(b"\xef\xbb\xbf") if line == 1 else data
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
