@@ -35,10 +35,20 @@ def inner_extension(path: str) -> str:
     return os.path.splitext(path)[1].lower()
 
 
+def readable(files, fmt: str) -> str:
+    """``fmt``, once no file of ``files`` is of a compression without a reader, nor a compressed
+    Parquet or Arrow file; else ``DataError``."""
+    packed = next((p for p in files if compression(p)), None)
+    if packed is not None and fmt in ("parquet", "arrow"):
+        raise DataError(f"{packed}: a compressed {fmt} file; {fmt} files are read in place "
+                        "(they compress their own columns): decompress it.")
+    return fmt
+
+
 def open_bytes(path: str):
     """``path`` opened for reading bytes, decompressed where it is compressed."""
     ext = compression(path)
     return READERS[ext](path, "rb") if ext else open(path, "rb")
 
 
-__all__ = ["READERS", "REFUSED", "compression", "inner_extension", "open_bytes"]
+__all__ = ["READERS", "REFUSED", "compression", "inner_extension", "open_bytes", "readable"]

@@ -35,7 +35,7 @@ import json
 import os
 import re
 
-from jaxaccel.data import compressed, filesplits
+from jaxaccel.data import columnar, compressed, filesplits
 from jaxaccel.data.filesplits import split_files, split_roots
 from jaxaccel.data.spec import DataError, DataMissing, DataSpec, Records
 
@@ -43,7 +43,6 @@ FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl", ".csv": "csv
            ".tsv": "tsv", ".parquet": "parquet", ".arrow": "arrow", ".txt": "text",
            ".text": "text"}
 CHUNK_BYTES = 4 << 20
-BLOCK = 16 << 20
 PARAGRAPH_BREAK = re.compile(rb"\n[ \t\r]*\n")
 
 
@@ -74,12 +73,7 @@ def expand(globs: str, key: str) -> tuple[str, ...]:
 def format_of(files: tuple[str, ...], fmt: str, key: str) -> str:
     """The one format of ``files``: ``fmt``, or (``auto``) their extensions' (under a
     compression's: ``compressed``)."""
-    fmt = _format_of(files, fmt, key)
-    packed = next((p for p in files if compressed.compression(p)), None)
-    if packed is not None and fmt in ("parquet", "arrow"):
-        raise DataError(f"{packed}: a compressed {fmt} file; {fmt} files are read in place "
-                        "(they compress their own columns): decompress it.")
-    return fmt
+    return compressed.readable(files, _format_of(files, fmt, key))
 
 
 def _format_of(files: tuple[str, ...], fmt: str, key: str) -> str:
@@ -233,9 +227,10 @@ class FileRecords:
                       else None for p in files]
             return _file_groups(files, labels)
         if self.fmt == "parquet":
-            return [c for p in files for c in _parquet_chunks(p, self._check_fields)]
+            return [c for p in files
+                    for c in columnar.parquet_chunks(p, self._check_fields)]
         if self.fmt == "arrow":
-            return [c for p in files for c in _arrow_chunks(p, self._check_fields)]
+            return [c for p in files for c in columnar.arrow_chunks(p, self._check_fields)]
         out = []
         for path in files:
             header, start, line = (), 0, 1
@@ -351,8 +346,8 @@ class FileRecords:
     def _read_columns(self, chunk) -> Records:
         kind, path, index, first, _ = chunk
         fields = [f for f in (self.text_field, self.label_field) if f is not None]
-        table = _parquet_group(path, index, fields) if kind == "parquet" else \
-            _arrow_batch(path, index)
+        table = columnar.parquet_group(path, index, fields) if kind == "parquet" else \
+            columnar.arrow_batch(path, index)
         columns = {f: table.column(f).to_pylist() for f in fields}
         rows = ((first + i, {f: columns[f][i] for f in fields})
                 for i in range(table.num_rows))
@@ -370,59 +365,6 @@ def _file_groups(paths, labels) -> list[tuple]:
             out.append(("files", tuple(paths[start:i + 1]), tuple(labels[start:i + 1])))
             start, size = i + 1, 0
     return out
-
-
-def _parquet_chunks(path: str, check) -> list[tuple]:
-    import pyarrow.parquet as pq
-    meta = pq.ParquetFile(path).metadata
-    check(meta.schema.to_arrow_schema().names, path)
-    out, first = [], 0
-    for i in range(meta.num_row_groups):
-        group = meta.row_group(i)
-        out.append(("parquet", path, i, first, group.total_byte_size))
-        first += group.num_rows
-    return out
-
-
-def _parquet_group(path: str, index: int, fields):
-    import pyarrow.parquet as pq
-    return pq.ParquetFile(path).read_row_group(index, columns=fields)
-
-
-def _arrow_reader(source):
-    """An Arrow IPC file's reader (random access), else its stream's batches."""
-    import pyarrow as pa
-    try:
-        return pa.ipc.open_file(source)
-    except pa.ArrowInvalid:
-        source.seek(0)
-        return pa.ipc.open_stream(source)
-
-
-def _arrow_chunks(path: str, check) -> list[tuple]:
-    import pyarrow as pa
-    out, first = [], 0
-    with pa.memory_map(path) as source:
-        reader = _arrow_reader(source)
-        check(reader.schema.names, path)
-        batches = (reader.get_batch(i) for i in range(reader.num_record_batches)) \
-            if hasattr(reader, "get_batch") else reader
-        for i, batch in enumerate(batches):
-            out.append(("arrow", path, i, first, batch.nbytes))
-            first += batch.num_rows
-    return out
-
-
-def _arrow_batch(path: str, index: int):
-    import pyarrow as pa
-    with pa.memory_map(path) as source:
-        reader = _arrow_reader(source)
-        if hasattr(reader, "get_batch"):
-            return reader.get_batch(index)
-        for i, batch in enumerate(reader):
-            if i == index:
-                return batch
-    raise DataError(f"{path}: record batch {index} is gone; the file changed.")
 
 
 def describe(settings, model, batching) -> DataSpec:
