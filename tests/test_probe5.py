@@ -239,3 +239,32 @@ def test_a_compression_without_a_reader_is_refused_by_name(tmp_path, capsys, fmt
     assert f"error: {tmp_path / 'a.jsonl.zst'}: compressed with Zstandard (.zst), which " \
         "data.name=files does not read (it reads .gz, .bz2, .xz); decompress it, or " \
         "recompress it with gzip." in err, err
+
+
+# ---- items 5, 12: a CSV header that is JSON, or names a field twice; label = text ----
+
+@pytest.mark.parametrize("header,says", [
+    (None, "a.csv:1: starts '{\"text\": \"row 0 of the folder\"', a JSON line, not a CSV "
+           "header row; set data.format=jsonl (or auto: by the extension)."),
+    ("text,label,text", "a.csv:1: the header row names 'text' more than once; give each "
+                        "column its own name.")])
+def test_a_csv_header_that_cannot_name_the_fields_is_refused(tmp_path, capsys, header, says):
+    """data.format=csv on JSONL was a field-name problem; a field named twice kept the last
+    column of that name without a word."""
+    path = write_rows(tmp_path / "a.csv")
+    if header is not None:
+        path.write_text(header + "\n" + "a,b,c\n" * 10)
+    code, out, err = jaxaccel(capsys, "data prepare", *sets(
+        tmp_path, f"data.train_files={path}", "data.holdout=0.2", "data.format=csv"))
+    assert code == cli.EXIT_ERROR and out == ""
+    assert f"error: {tmp_path}/{says}" in err, err
+
+
+def test_a_label_field_that_is_the_text_field_is_refused(tmp_path, capsys):
+    """It got "set model.num_labels=30" (each of the 30 texts a class)."""
+    code, out, err = jaxaccel(capsys, "data prepare", *sets(
+        tmp_path, f"data.train_files={write_rows(tmp_path / 'a.jsonl')}", "data.holdout=0.2",
+        "data.label_field=text"))
+    assert code == cli.EXIT_ERROR and out == ""
+    assert "error: data.label_field='text' is data.text_field too: each text would be its own " \
+        "class; set data.label_field to the field holding the label" in err, err

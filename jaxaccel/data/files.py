@@ -178,7 +178,21 @@ def _header(path: str, fmt: str) -> tuple[tuple[str, ...], int, int]:
     if not rows or not any(rows[0][1]):
         raise DataError(f"{path}:1: no header row; a {fmt.upper()} file starts with a row "
                         "naming its fields (e.g. text,label).")
-    return tuple(f.strip() for f in rows[0][1]), end, 1 + head.count(b"\n", 0, end)
+    names = tuple(f.strip() for f in rows[0][1])
+    _check_header(names, path, fmt)
+    return names, end, 1 + head.count(b"\n", 0, end)
+
+
+def _check_header(names: tuple[str, ...], path: str, fmt: str) -> None:
+    """``DataError`` for a header row that is a JSON object (a JSONL file read as CSV) or that
+    names a field twice (its records would keep the last column of that name)."""
+    if names[0].startswith(("{", "[")):
+        raise DataError(f"{path}:1: starts {names[0][:40]!r}, a JSON line, not a {fmt.upper()} "
+                        "header row; set data.format=jsonl (or auto: by the extension).")
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise DataError(f"{path}:1: the header row names {', '.join(map(repr, twice))} more "
+                        "than once; give each column its own name.")
 
 
 def _csv_rows(text: str, fmt: str):
