@@ -3,6 +3,7 @@ drove it, through ``jaxaccel.cli.main([...])`` on the tiny BERT reading ``data.n
 (or ``audio``) from folders written here."""
 import contextlib
 import json
+import logging
 import os
 import re
 import signal
@@ -268,3 +269,20 @@ def test_a_label_field_that_is_the_text_field_is_refused(tmp_path, capsys):
     assert code == cli.EXIT_ERROR and out == ""
     assert "error: data.label_field='text' is data.text_field too: each text would be its own " \
         "class; set data.label_field to the field holding the label" in err, err
+
+
+# ---- item 7: data.holdout beside an eval split of the source's own is named ----
+
+def test_a_holdout_beside_eval_files_is_noted(tmp_path, capsys, caplog):
+    """It was dropped without a word."""
+    train = write_rows(tmp_path / "train.jsonl")
+    held = write_rows(tmp_path / "test.jsonl", 10, "text", "label")
+    held.write_text(held.read_text().replace("of the folder", "held out"))
+    with caplog.at_level(logging.WARNING, "jaxaccel"):
+        code, out, err = jaxaccel(capsys, "data prepare", *sets(
+            tmp_path, f"data.train_files={train}", f"data.eval_files={held}",
+            "data.holdout=0.2"))
+    assert code == 0, err
+    assert "train: 30 examples" in out and "test: 10 examples" in out, out
+    assert "data.holdout=0.2 is ignored: the eval split 'test' is the source's own " \
+        "(data.eval_files); drop data.holdout, or that eval split" in caplog.text
