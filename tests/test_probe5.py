@@ -286,3 +286,27 @@ def test_a_holdout_beside_eval_files_is_noted(tmp_path, capsys, caplog):
     assert "train: 30 examples" in out and "test: 10 examples" in out, out
     assert "data.holdout=0.2 is ignored: the eval split 'test' is the source's own " \
         "(data.eval_files); drop data.holdout, or that eval split" in caplog.text
+
+
+# ---- item 8: a resume on changed training files says so, naming them ----
+
+def test_a_resume_on_changed_training_files_names_them(tmp_path, capsys, caplog):
+    """The resume notice listed config changes but not that the data changed."""
+    train = write_rows(tmp_path / "train.jsonl")
+    run = sets(tmp_path, f"data.train_files={train}", "data.holdout=0.2", "name=r")
+    code, _, err = jaxaccel(capsys, "train", *run)
+    assert code == 0, err
+    before = train.stat().st_size
+    write_rows(train, 40)
+    with caplog.at_level(logging.INFO, "jaxaccel"):
+        code, _, err = jaxaccel(capsys, "train", *run, "train.max_steps=3")
+    assert code == 0, err
+    assert f"resuming at step 2 on training data other than the run trained on: {train} " \
+        f"changed (size {before} -> {train.stat().st_size} bytes)" in caplog.text, caplog.text
+    caplog.clear()
+    os.utime(train, ns=(train.stat().st_atime_ns, train.stat().st_mtime_ns + 10 ** 9))
+    with caplog.at_level(logging.INFO, "jaxaccel"):
+        code, _, err = jaxaccel(capsys, "train", *run, "train.max_steps=4")
+    assert code == 0, err
+    assert f"at step 3 on training data other than the run trained on: {train} changed " \
+        "(same size, modified since)" in caplog.text, caplog.text

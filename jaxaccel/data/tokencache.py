@@ -207,15 +207,19 @@ def _changes(plan_: Plan) -> str:
         return ""
     why = _mismatch({"key": old}, plan_.key)
     if why.startswith("it was built from other source"):
-        return _source_changes(old.get("source", {}), plan_.key["source"]) or why
+        return source_changes(old.get("source", {}), plan_.key["source"]) or why
     return why
 
 
-def _source_changes(old: dict, new: dict) -> str:
+def source_changes(old: dict, new: dict) -> str:
+    """What differs between two identities of a source's split (``RecordReader.identity``):
+    the files changed, new and gone (three of each), else that it changed ("" if not)."""
     was = {f[0]: f[1:] for f in old.get("files", [])}
     now = {f[0]: f[1:] for f in new.get("files", [])}
     changed = [p for p in now if p in was and was[p] != now[p]]
-    notes = [f"{p} changed (size {was[p][0]} -> {now[p][0]} bytes)" for p in changed[:3]]
+    notes = [f"{p} changed " + (f"(size {was[p][0]} -> {now[p][0]} bytes)"
+                                if was[p][0] != now[p][0] else "(same size, modified since)")
+             for p in changed[:3]]
     notes += [f"{p} is new" for p in list(now.keys() - was.keys())[:3]]
     notes += [f"{p} is gone" for p in list(was.keys() - now.keys())[:3]]
     return "; ".join(notes) or ("the source changed" if old != new else "")
@@ -332,7 +336,7 @@ def _build(spec: DataSpec, split: str, enc: encode.Encoder, plan_: Plan, workers
                             f"({_sources(identity)}); give it data.")
         now = reader.identity(split)
         if now != identity:
-            raise DataError(f"{_source_changes(identity, now) or 'the source'} while its token "
+            raise DataError(f"{source_changes(identity, now) or 'the source'} while its token "
                             "cache was built; nothing was kept. Build again once the files "
                             "are written.")
         meta = writer.finish({"key": plan_.key, "split": split, "source": spec.name})
@@ -381,4 +385,4 @@ def _remove_partials(plan_: Plan) -> None:
 
 
 __all__ = ["FORMAT", "Plan", "TokenCache", "cache_root", "digest", "lookup", "plan",
-           "require_writable", "tokens", "writable"]
+           "require_writable", "source_changes", "tokens", "writable"]

@@ -112,7 +112,8 @@ def _train(run: Run, changes: dict, services: Services) -> Outcome:
             os.path.join(run.run_dir, "checkpoints"), keep=run.cfg.train.keep_checkpoints)))
         state, start = _resume(run, ckpt, changes)
         if jax.process_index() == 0:    # only now: a refused resume leaves the folder as it was
-            rundir.write_files(run.run_dir, run.cfg.to_dict(), run.tokenizer)
+            rundir.write_files(run.run_dir, run.cfg.to_dict(), run.tokenizer,
+                               _training_data(run))
         writer = stack.enter_context(contextlib.closing(services.metrics(run.run_dir)))
         bar = stack.enter_context(contextlib.closing(_progress_bar(run, start)))
         return _loop(run, state, start, Events(run, ckpt, writer, bar), services.stop)
@@ -336,6 +337,10 @@ def _resume_note(run: Run, start: int, changes: dict) -> None:
             f"the run's checkpoint is at step {start} but the config now ends at step "
             f"{run.total_steps} (train.epochs={run.cfg.train.epochs}, train.max_steps="
             f"{run.cfg.train.max_steps}); give at least as many steps, or a new name=...")
+    changed = rundir.data_changes(run.run_dir, _training_data(run)) if start else ""
+    if changed:
+        log.warning("resuming at step %d on training data other than the run trained on: %s",
+                    start, changed)
     if changes:
         log.info("resuming with config changes: %s",
                  "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in changes.items()))
@@ -345,6 +350,13 @@ def _resume_note(run: Run, start: int, changes: dict) -> None:
                  "(warm-up %d); continuing at step %d with learning rate %.3g", t.schedule,
                  run.total_steps, int(t.warmup_ratio * run.total_steps), start,
                  float(run.schedule(start)))
+
+
+def _training_data(run: Run) -> dict | None:
+    """The training split's identity (``RecordReader.identity``: files, sizes, modification
+    times), where its source has one."""
+    identity = getattr(run.resolved.data.reader, "identity", None)
+    return None if identity is None else identity("train")
 
 
 def _throughput(run: Run) -> flops.Throughput:

@@ -9,6 +9,8 @@
                               that cannot write the folder logs to ~/.cache/jaxaccel/logs/
                               instead, and says so: ``library_log_path``)
         tokenizer/            the tokenizer's files (predict needs nothing else)
+        data.json             what the training split was read from (its files' paths, sizes
+                              and modification times), so a resume says what changed
         checkpoints/STEP/     Orbax checkpoints; each one's JSON record holds the config, the
                               model architecture and the label names
         skipped_checkpoints/  checkpoints set aside (unreadable, or parameters that gave a
@@ -54,6 +56,7 @@ import time
 
 from jaxaccel import processes
 from jaxaccel.config import BASE
+from jaxaccel.data.tokencache import source_changes
 
 log = logging.getLogger("jaxaccel")
 
@@ -79,7 +82,7 @@ checkpoint the per-layer form), scanned layers (``model.scan_layers``: likewise)
 files are (checkpoints are portable across meshes and kernels)."""
 
 RUN_FILES = ("checkpoints", "skipped_checkpoints", "metrics.jsonl", "tensorboard",
-             "config.json", "tokenizer")
+             "config.json", "tokenizer", "data.json")
 LIBRARY_LOG = "library.log"     # kept by train.overwrite, like the lock: the folder's history
 
 
@@ -228,12 +231,28 @@ def prepare(run_dir: str, cfg: dict) -> dict[str, tuple]:
     return {} if saved is None else check_resume_config(saved[0], cfg, source=saved[1])
 
 
-def write_files(run_dir: str, cfg: dict, tokenizer) -> None:
-    """``config.json`` and the tokenizer's files, so eval/predict need only the run folder."""
+def write_files(run_dir: str, cfg: dict, tokenizer, data: dict | None = None) -> None:
+    """``config.json`` and the tokenizer's files, so eval/predict need only the run folder;
+    ``data.json``: the training split's identity ``data``, where the source has one."""
     with open(os.path.join(run_dir, "config.json"), "w") as f:
         json.dump(cfg, f, indent=2)
+    if data is not None:
+        with open(os.path.join(run_dir, "data.json"), "w") as f:
+            json.dump(data, f, default=str)
     if tokenizer is not None:
         tokenizer.save_pretrained(os.path.join(run_dir, "tokenizer"))
+
+
+def data_changes(run_dir: str, data: dict | None) -> str:
+    """How the training split's identity ``data`` differs from the one ``data.json`` recorded
+    ("" where it does not, or either is unknown)."""
+    try:
+        with open(os.path.join(run_dir, "data.json")) as f:
+            old = json.load(f)
+    except (OSError, ValueError):
+        return ""
+    new = None if data is None else json.loads(json.dumps(data, default=str))
+    return "" if new is None or old == new else source_changes(old, new)
 
 
 LIBRARY_LOGGERS = ("absl", "orbax", "tensorstore", "asyncio", "jaxaccel.details")
