@@ -310,3 +310,21 @@ def test_a_resume_on_changed_training_files_names_them(tmp_path, capsys, caplog)
     assert code == 0, err
     assert f"at step 3 on training data other than the run trained on: {train} changed " \
         "(same size, modified since)" in caplog.text, caplog.text
+
+
+# ---- item 6: a save_to_disk Arrow shard keeps its ClassLabel names ----
+
+def test_an_arrow_shard_keeps_its_class_label_names(tmp_path, capsys):
+    """predict answered "0"/"1": the names are in the shard's schema metadata."""
+    datasets = pytest.importorskip("datasets")
+    features = datasets.Features({"text": datasets.Value("string"),
+                                  "label": datasets.ClassLabel(names=["neg", "pos"])})
+    rows = {"text": [f"review {i}" for i in range(30)], "label": [i % 2 for i in range(30)]}
+    datasets.Dataset.from_dict(rows, features=features).save_to_disk(str(tmp_path / "saved"))
+    shard = next((tmp_path / "saved").glob("*.arrow"))
+    code, _, err = jaxaccel(capsys, "train", *sets(
+        tmp_path, f"data.train_files={shard}", "data.holdout=0.2", "name=r"))
+    assert code == 0, err
+    code, out, err = run_cli(capsys, "predict", "--checkpoint", str(tmp_path / "r"), "review 3")
+    assert code == 0, err
+    assert json.loads(out.splitlines()[0])["label"] in ("neg", "pos"), out

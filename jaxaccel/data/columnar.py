@@ -2,7 +2,26 @@
 group, an Arrow record batch (``files.FileRecords`` reads each piece's columns)."""
 from __future__ import annotations
 
+import json
+
 from jaxaccel.data.spec import DataError
+
+
+def class_names(path: str, fmt: str, field: str) -> tuple[str, ...] | None:
+    """The class names Hugging Face ``datasets`` keeps in a Parquet or Arrow file's schema
+    metadata for ``field`` (a ``ClassLabel``, as ``save_to_disk`` and ``to_parquet`` write it),
+    else None."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    if fmt == "parquet":
+        schema = pq.read_schema(path)
+    else:
+        with pa.memory_map(path) as source:
+            schema = arrow_reader(source).schema
+    meta = json.loads((schema.metadata or {}).get(b"huggingface", b"{}"))
+    feature = meta.get("info", {}).get("features", {}).get(field, {})
+    names = feature.get("names") if feature.get("_type") == "ClassLabel" else None
+    return tuple(names) if names else None
 
 
 def parquet_chunks(path: str, check) -> list[tuple]:
@@ -58,4 +77,5 @@ def arrow_batch(path: str, index: int):
     raise DataError(f"{path}: record batch {index} is gone; the file changed.")
 
 
-__all__ = ["arrow_batch", "arrow_chunks", "arrow_reader", "parquet_chunks", "parquet_group"]
+__all__ = ["arrow_batch", "arrow_chunks", "arrow_reader", "class_names", "parquet_chunks",
+           "parquet_group"]

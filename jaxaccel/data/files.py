@@ -398,7 +398,10 @@ def describe(settings, model, batching) -> DataSpec:
     label = settings.label_field if kind == "text" else None
     reader = FileRecords(tuple(files.items()), fmt, settings.text_field, label,
                          settings.documents, tuple(split_roots(settings).items()))
-    return DataSpec("files", kind, reader, settings, batching, model, tuple(files))
+    names = columnar.class_names(files["train"][0], fmt, label) \
+        if label is not None and fmt in ("parquet", "arrow") else None
+    return DataSpec("files", kind, reader, settings, batching, model, tuple(files),
+                    label_names=names, labels_are_ids=names is not None)
 
 
 __all__ = ["FORMATS", "FileRecords", "byte_chunks", "describe", "expand", "format_of"]
