@@ -2,6 +2,7 @@
 drove it, through ``jaxaccel.cli.main([...])`` on the tiny BERT reading ``data.name=files``
 (or ``audio``) from folders written here."""
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -328,3 +329,49 @@ def test_an_arrow_shard_keeps_its_class_label_names(tmp_path, capsys):
     code, out, err = run_cli(capsys, "predict", "--checkpoint", str(tmp_path / "r"), "review 3")
     assert code == 0, err
     assert json.loads(out.splitlines()[0])["label"] in ("neg", "pos"), out
+
+
+# ---- items 13, 15, 19: the token cache's folder, its space and its mode ----
+
+def prepare_cli(capsys, tmp_path, *extra):
+    return jaxaccel(capsys, "data prepare", *sets(
+        tmp_path, f"data.train_files={write_rows(tmp_path / 'a.jsonl')}", "data.holdout=0.2",
+        *extra))
+
+
+def test_a_full_disk_during_a_cache_build_names_the_folder_and_the_space(tmp_path, capsys,
+                                                                         monkeypatch):
+    """It was ``error: [Errno 28] No space left on device``."""
+    from jaxaccel.data import tokencache
+
+    def full(self, part):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(tokencache.Writer, "add", full)
+    code, out, err = prepare_cli(capsys, tmp_path)
+    assert code == cli.EXIT_ERROR and out == ""
+    assert re.search(rf"error: no space left on the device of data.cache_dir "
+                     rf"'{tmp_path}/cache' while building the token cache of files train "
+                     rf"\([0-9,.]+ MB free; it needs up to about 0.0 MB, the source's size\); "
+                     "nothing was kept. Free space there, or set data.cache_dir", err), err
+    assert not [p for p in (tmp_path / "cache").iterdir() if p.is_dir()]
+
+
+def test_a_cache_dir_that_is_a_file_is_called_a_file(tmp_path, capsys):
+    """It was reported as "not writable"."""
+    (tmp_path / "cache").write_text("")
+    code, out, err = prepare_cli(capsys, tmp_path)
+    assert code == cli.EXIT_ERROR and out == ""
+    assert f"error: data.cache_dir '{tmp_path}/cache': {tmp_path}/cache is a file, not a " \
+        "folder; set data.cache_dir to a folder" in err, err
+
+
+def test_a_cache_folder_takes_the_umasks_mode(tmp_path, capsys):
+    """``mkdtemp`` made it 0700: a cache shared by a team was unreadable to the others."""
+    old = os.umask(0o022)
+    try:
+        code, _, err = prepare_cli(capsys, tmp_path)
+    finally:
+        os.umask(old)
+    assert code == 0, err
+    folders = [p for p in (tmp_path / "cache").iterdir() if p.is_dir()]
+    assert folders and {oct(p.stat().st_mode & 0o777) for p in folders} == {"0o755"}
