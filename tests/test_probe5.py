@@ -375,3 +375,31 @@ def test_a_cache_folder_takes_the_umasks_mode(tmp_path, capsys):
     assert code == 0, err
     folders = [p for p in (tmp_path / "cache").iterdir() if p.is_dir()]
     assert folders and {oct(p.stat().st_mode & 0o777) for p in folders} == {"0o755"}
+
+
+# ---- item 14: a TFDS name or data_dir not found, in a line, with close matches ----
+
+def tfds_cli(capsys, tmp_path, dataset, data_dir):
+    return jaxaccel(capsys, "data show", *sets(tmp_path, "data.name=tfds",
+                                               f"data.dataset={dataset}",
+                                               f"data.data_dir={data_dir}"))
+
+
+def test_a_tfds_name_not_found_is_one_line_with_close_matches(tmp_path, capsys):
+    """It printed TFDS's whole catalogue (262 lines), and no close match."""
+    (tmp_path / "tfds" / "my_reviews" / "1.0.0").mkdir(parents=True)
+    code, out, err = tfds_cli(capsys, tmp_path, "imdb_reviewz", tmp_path / "tfds")
+    assert code == cli.EXIT_ERROR and out == ""
+    line = next(x for x in err.splitlines() if x.startswith("error: "))
+    assert "data.dataset='imdb_reviewz': no TFDS dataset of that name in data_dir " in line
+    assert "; prepared there: my_reviews. Did you mean 'imdb_reviews' or 'my_reviews'? Prepare " \
+        "it there first" in line, line
+    assert len(err) < 1000, err
+    code, _, err = tfds_cli(capsys, tmp_path, "my_review", tmp_path / "tfds")
+    assert code == cli.EXIT_ERROR and "Did you mean 'my_reviews' or" in err, err
+
+
+def test_a_tfds_data_dir_that_does_not_exist_is_called_missing(tmp_path, capsys):
+    code, out, err = tfds_cli(capsys, tmp_path, "imdb_reviews", tmp_path / "nowhere")
+    assert code == cli.EXIT_ERROR and out == ""
+    assert f"error: data.data_dir='{tmp_path}/nowhere' does not exist (from " in err, err
