@@ -304,6 +304,8 @@ def test_a_resume_on_changed_training_files_names_them(tmp_path, capsys, caplog)
     assert code == 0, err
     assert f"resuming at step 2 on training data other than the run trained on: {train} " \
         f"changed (size {before} -> {train.stat().st_size} bytes)" in caplog.text, caplog.text
+    # item 18: the mesh filled from -1 is no change a resume reports
+    assert "resuming with config changes: train.max_steps: 2 -> 3\n" in caplog.text, caplog.text
     caplog.clear()
     os.utime(train, ns=(train.stat().st_atime_ns, train.stat().st_mtime_ns + 10 ** 9))
     with caplog.at_level(logging.INFO, "jaxaccel"):
@@ -403,3 +405,40 @@ def test_a_tfds_data_dir_that_does_not_exist_is_called_missing(tmp_path, capsys)
     code, out, err = tfds_cli(capsys, tmp_path, "imdb_reviews", tmp_path / "nowhere")
     assert code == cli.EXIT_ERROR and out == ""
     assert f"error: data.data_dir='{tmp_path}/nowhere' does not exist (from " in err, err
+
+
+# ---- item 18: what changed, said plainly ----
+
+def test_an_edited_corpus_is_named_before_its_tokenizer(tmp_path, capsys, caplog):
+    """A corpus trained its own BPE, so an edit was reported as "built by another tokenizer"
+    without naming the file."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n\n".join(f"Paragraph {i}: the river ran past the mill." * 3
+                                   for i in range(60)))
+    lm = sets(tmp_path, f"data.train_files={corpus}", "data.documents=paragraph",
+              "data.holdout=0.1", "model.name=llama-cpu", "data.tokenizer_vocab=300",
+              "data.max_len=32")
+    assert jaxaccel(capsys, "data prepare", *lm)[0] == 0
+    before = corpus.stat().st_size
+    corpus.write_text(corpus.read_text() + "\n\nA new paragraph about the weather at sea.")
+    with caplog.at_level(logging.INFO, "jaxaccel"):
+        code, _, err = jaxaccel(capsys, "data prepare", *lm)
+    assert code == 0, err
+    assert f"rebuilding the token cache of files split 'train': {corpus} changed (size " \
+        f"{before} -> {corpus.stat().st_size} bytes); the tokenizer differs too" in caplog.text
+
+
+def test_a_text_field_of_another_type_is_named_with_its_article(tmp_path, capsys):
+    (tmp_path / "a.jsonl").write_text('{"text": 7, "label": "a"}\n')
+    code, _, err = jaxaccel(capsys, "data prepare", *sets(
+        tmp_path, f"data.train_files={tmp_path / 'a.jsonl'}", "data.holdout=0.2"))
+    assert code == cli.EXIT_ERROR
+    assert "a.jsonl:1: field 'text' holds an int, not text." in err, err
+
+
+def test_a_float_key_set_to_nan_asks_for_a_finite_number(tmp_path, capsys):
+    """It said ``got 'nan' of type str``."""
+    code, _, err = jaxaccel(capsys, "data show", *sets(tmp_path, "train.learning_rate=nan"))
+    assert code == cli.EXIT_ERROR
+    assert "config key 'train.learning_rate' expects a finite number (default 0.001), got " \
+        "nan." in err, err

@@ -295,8 +295,9 @@ class FileRecords:
             raise DataError(f"{place}: field {field!r} is empty (null); give every record "
                             "its text and label.")
         if field == self.text_field and not isinstance(value, str):
-            raise DataError(f"{place}: field {field!r} holds a {type(value).__name__}, not "
-                            "text.")
+            kind = type(value).__name__
+            raise DataError(f"{place}: field {field!r} holds {'an' if kind[0] in 'aeiou' else 'a'}"
+                            f" {kind}, not text.")
         return value
 
     def _records(self, rows, path: str) -> Records:

@@ -208,9 +208,12 @@ def _changes(plan_: Plan) -> str:
     except (OSError, ValueError):
         return ""
     why = _mismatch({"key": old}, plan_.key)
-    if why.startswith("it was built from other source"):
-        return source_changes(old.get("source", {}), plan_.key["source"]) or why
-    return why
+    changed = source_changes(old.get("source", {}), plan_.key["source"])
+    if not changed or why.startswith("it is of cache format"):
+        return why
+    other = old.get("tokenizer") != plan_.key["tokenizer"]
+    return changed + ("; the tokenizer differs too (a corpus's own BPE is trained on it)"
+                      if other else "")
 
 
 def source_changes(old: dict, new: dict) -> str:

@@ -93,7 +93,7 @@ def train(cfg: Config, services: Services = Services(), devices=None) -> Outcome
     try:
         with rundir.RunLock(run_dir) if main else contextlib.nullcontext(), \
                 rundir.library_log(run_dir) if main else contextlib.nullcontext():
-            changes = rundir.prepare(run_dir, cfg.to_dict()) if main else {}
+            changes = rundir.prepare(run_dir, resolved.cfg.to_dict()) if main else {}
             _sync("jaxaccel_run_dir_ready")
             run = assemble(resolved)
             with jax.set_mesh(run.mesh):      # the one mesh of every step and evaluation
