@@ -442,3 +442,21 @@ def test_a_float_key_set_to_nan_asks_for_a_finite_number(tmp_path, capsys):
     assert code == cli.EXIT_ERROR
     assert "config key 'train.learning_rate' expects a finite number (default 0.001), got " \
         "nan." in err, err
+
+
+# ---- item 9: a same-size edit with its modification time put back is seen ----
+
+def test_a_same_size_edit_with_the_old_modification_time_rebuilds_the_cache(tmp_path, capsys,
+                                                                            caplog):
+    """The cache (keyed by path, size and modification time) served the old records."""
+    path = write_rows(tmp_path / "a.jsonl")
+    run = sets(tmp_path, f"data.train_files={path}", "data.holdout=0.2")
+    assert jaxaccel(capsys, "data prepare", *run)[0] == 0
+    old = path.stat()
+    path.write_text(path.read_text().replace("of the folder", "OF THE FOLDER"))
+    os.utime(path, ns=(old.st_atime_ns, old.st_mtime_ns))
+    assert path.stat().st_size == old.st_size and path.stat().st_mtime_ns == old.st_mtime_ns
+    with caplog.at_level(logging.INFO, "jaxaccel"):
+        code, out, err = jaxaccel(capsys, "data show -n 1", *run)
+    assert code == 0, err
+    assert f"{path} changed (same size, modified since)" in caplog.text, caplog.text

@@ -18,7 +18,7 @@ layout: flat binary token shards and an offsets index) holding
 * ``meta.json``, written last: the format version, what the key was made of, the counts and
   each file's size.
 
-The key is a digest of the source's identity (its files' paths, sizes and modification times,
+The key is a digest of the source's identity (its files' paths, sizes and times,
 or a dataset's name, version and files), the tokenizer (``encode.fingerprint``), the row length
 of labelled texts and ``FORMAT``: a changed file, tokenizer or format builds a new cache, and
 the log says what changed (``<slot>.last`` remembers the previous build). A build writes into
