@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from jaxaccel import cli
-from support import run_cli
+from support import CONFIGS, run_cli
 
 
 def write_rows(path, n=30, text="text", label="label"):
@@ -460,3 +460,21 @@ def test_a_same_size_edit_with_the_old_modification_time_rebuilds_the_cache(tmp_
         code, out, err = jaxaccel(capsys, "data show -n 1", *run)
     assert code == 0, err
     assert f"{path} changed (same size, modified since)" in caplog.text, caplog.text
+
+
+# ---- item 20: the README's audio example runs as written on a few dozen clips ----
+
+def test_the_readme_audio_example_trains_on_a_few_dozen_clips(tmp_path, capsys, monkeypatch):
+    """configs/audio_classifier.py shipped batches of 32: refused on a first small folder."""
+    for split, n, shift in (("train", 12, 0), ("test", 3, 5)):
+        for i in range(n):
+            _wav(tmp_path / "calls" / split / "low" / f"{i}.wav", 300 + 10 * i + shift)
+            _wav(tmp_path / "calls" / split / "high" / f"{i}.wav", 2000 + 10 * i + shift)
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run_cli(
+        capsys, "train", "--config", os.path.join(CONFIGS, "audio_classifier.py"),
+        "--set", "data.train_files=calls/train", "--set", "data.eval_files=calls/test",
+        "--set", f"workdir={tmp_path / 'runs'}", "--set", "train.epochs=1",
+        "--set", "train.progress=false")
+    assert code == 0, err
+    assert '"status": "completed"' in out, out
