@@ -478,3 +478,22 @@ def test_the_readme_audio_example_trains_on_a_few_dozen_clips(tmp_path, capsys, 
         "--set", "train.progress=false")
     assert code == 0, err
     assert '"status": "completed"' in out, out
+
+
+# ---- item 16: eval of a run whose training files are gone reads its eval files ----
+
+def test_eval_of_a_run_whose_training_files_are_gone_reads_its_eval_files(tmp_path, capsys):
+    """It stopped on ``data.train_files=... matches no file``, where it reads the eval file."""
+    train = write_rows(tmp_path / "train.jsonl")
+    held = write_rows(tmp_path / "test.jsonl", 8)
+    held.write_text(held.read_text().replace("of the folder", "held out"))
+    run = sets(tmp_path, f"data.train_files={train}", f"data.eval_files={held}", "name=r")
+    code, _, err = jaxaccel(capsys, "train", *run)
+    assert code == 0, err
+    train.unlink()
+    code, out, err = run_cli(capsys, "eval", "--checkpoint", str(tmp_path / "r"))
+    assert code == 0, err
+    assert json.loads(out)["examples"] == 8, out
+    code, out, err = jaxaccel(capsys, "train", *run, "name=again")     # training needs them
+    assert code == cli.EXIT_ERROR and out == ""
+    assert f"error: data.train_files={str(train)!r} matches no file" in err, err

@@ -116,7 +116,7 @@ def describe(settings, model, batching) -> DataSpec:
     if not settings.train_files:
         raise DataMissing("data.name=audio needs data.train_files: a folder (or glob) of WAV "
                         "files, in one sub-folder a class for a classifier.")
-    files = split_files(settings, _clips)
+    files, _ = split_files(settings, _clips)
     roots = split_roots(settings)
     names = tuple(sorted({folder_class(p, roots["train"]) for p in files["train"]}))
     if model.task == "classification" and len(names) < 2:

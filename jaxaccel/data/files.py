@@ -213,7 +213,9 @@ class FileRecords:
     """The ``RecordReader`` of ``data.name=files`` (module doc).
 
     files: split -> its files; fmt: their format; text_field, label_field: the fields read
-    (``label_field`` None for a corpus); documents: plain text's ``file`` or ``paragraph``.
+    (``label_field`` None for a corpus); documents: plain text's ``file`` or ``paragraph``;
+    roots: split -> its glob roots (``filesplits.folder_class``); gone: why a split is missing
+    (``filesplits.split_files``), raised as ``DataMissing`` when it is read.
     """
 
     files: tuple[tuple[str, tuple[str, ...]], ...]
@@ -222,9 +224,12 @@ class FileRecords:
     label_field: str | None
     documents: str = "file"
     roots: tuple[tuple[str, tuple[str, ...]], ...] = dataclasses.field(default=(), repr=False)
+    gone: str = dataclasses.field(default="", repr=False)
     unit = "B"
 
     def _files(self, split: str) -> tuple[str, ...]:
+        if split not in dict(self.files):
+            raise DataMissing(self.gone or f"data.name=files has no split {split!r}.")
         return dict(self.files)[split]
 
     def _by_folder(self) -> bool:
@@ -391,7 +396,7 @@ def describe(settings, model, batching) -> DataSpec:
     if not settings.train_files:
         raise DataMissing("data.name=files needs data.train_files: a glob of your training "
                         "files (e.g. data/train-*.jsonl).")
-    files = split_files(settings, expand)
+    files, gone = split_files(settings, expand, train_gone_ok=True)
     fmt = format_of(tuple(p for ps in files.values() for p in ps), settings.format,
                     "data.train_files" if not settings.eval_files else
                     "data.train_files / data.eval_files")
@@ -400,11 +405,11 @@ def describe(settings, model, batching) -> DataSpec:
                         "documents by file or by paragraph (blank lines).")
     label = settings.label_field if kind == "text" else None
     reader = FileRecords(tuple(files.items()), fmt, settings.text_field, label,
-                         settings.documents, tuple(split_roots(settings).items()))
-    names = columnar.class_names(files["train"][0], fmt, label) \
+                         settings.documents, tuple(split_roots(settings).items()), gone)
+    names = columnar.class_names(next(iter(files.values()))[0], fmt, label) \
         if label is not None and fmt in ("parquet", "arrow") else None
     return DataSpec("files", kind, reader, settings, batching, model, tuple(files),
-                    label_names=names, labels_are_ids=names is not None)
+                    label_names=names, labels_are_ids=names is not None, absent=gone)
 
 
 __all__ = ["FORMATS", "FileRecords", "byte_chunks", "describe", "expand", "format_of"]

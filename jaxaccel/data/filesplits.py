@@ -8,7 +8,7 @@ import fnmatch
 import glob
 import os
 
-from jaxaccel.data.spec import DataError
+from jaxaccel.data.spec import DataError, DataMissing
 
 
 def search(pattern: str) -> list[str]:
@@ -83,14 +83,22 @@ def split_roots(settings) -> dict[str, tuple[str, ...]]:
     return {split: roots(globs) for split, globs in _split_globs(settings).items()}
 
 
-def split_files(settings, find) -> dict[str, tuple[str, ...]]:
-    """Each split's files, ``find(globs, key)``: ``data.train_files``, and ``data.eval_files``
-    as ``data.eval_split``; ``DataError`` where an eval file is a training file too."""
-    files = {split: find(globs, f"data.{'train' if split == 'train' else 'eval'}_files")
-             for split, globs in _split_globs(settings).items()}
-    if settings.eval_files:
+def split_files(settings, find, train_gone_ok: bool = False) -> tuple[dict, str]:
+    """``(files, gone)``: each split's files, ``find(globs, key)``: ``data.train_files``, and
+    ``data.eval_files`` as ``data.eval_split``; ``DataError`` where an eval file is a training
+    file too. ``train_gone_ok``: training files that match nothing beside eval files leave the
+    training split out, ``gone`` saying why (a run's eval reads its own eval files alone)."""
+    files, gone = {}, ""
+    for split, globs in _split_globs(settings).items():
+        try:
+            files[split] = find(globs, f"data.{'train' if split == 'train' else 'eval'}_files")
+        except DataMissing as e:
+            if not (train_gone_ok and split == "train" and settings.eval_files):
+                raise
+            gone = str(e)
+    if settings.eval_files and not gone:
         refuse_shared(files["train"], files[settings.eval_split])
-    return files
+    return files, gone
 
 
 def refuse_shared(train, evals) -> None:

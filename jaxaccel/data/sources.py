@@ -91,6 +91,8 @@ def describe(section: Mapping, batching: Batching, model: ModelInput, *,
         if not absent_ok:
             raise
         spec = unread(settings, model, batching, str(e))
+    if spec.absent and absent_ok and spec.reader is not None:
+        spec = unread(settings, model, batching, spec.absent)      # part of it is missing
     _note_unused_holdout(spec)
     return counted(spec)
 
