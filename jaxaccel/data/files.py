@@ -36,7 +36,6 @@ import os
 import re
 
 from jaxaccel.data import columnar, compressed, filesplits
-from jaxaccel.data.filesplits import split_files, split_roots
 from jaxaccel.data.spec import DataError, DataMissing, DataSpec, Records
 
 FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl", ".csv": "csv",
@@ -396,7 +395,7 @@ def describe(settings, model, batching) -> DataSpec:
     if not settings.train_files:
         raise DataMissing("data.name=files needs data.train_files: a glob of your training "
                         "files (e.g. data/train-*.jsonl).")
-    files, gone = split_files(settings, expand, train_gone_ok=True)
+    files, gone = filesplits.split_files(settings, expand, train_gone_ok=True)
     fmt = format_of(tuple(p for ps in files.values() for p in ps), settings.format,
                     "data.train_files" if not settings.eval_files else
                     "data.train_files / data.eval_files")
@@ -405,7 +404,8 @@ def describe(settings, model, batching) -> DataSpec:
                         "documents by file or by paragraph (blank lines).")
     label = settings.label_field if kind == "text" else None
     reader = FileRecords(tuple(files.items()), fmt, settings.text_field, label,
-                         settings.documents, tuple(split_roots(settings).items()), gone)
+                         settings.documents, tuple(filesplits.split_roots(settings).items()),
+                         gone)
     names = columnar.class_names(next(iter(files.values()))[0], fmt, label) \
         if label is not None and fmt in ("parquet", "arrow") else None
     return DataSpec("files", kind, reader, settings, batching, model, tuple(files),
