@@ -279,3 +279,21 @@ def test_an_arrow_shard_keeps_its_class_label_names(tmp_path, capsys):
     code, out, err = run_cli(capsys, "predict", "--checkpoint", str(tmp_path / "r"), "review 3")
     assert code == 0, err
     assert json.loads(out.splitlines()[0])["label"] in ("neg", "pos"), out
+
+
+def test_a_document_file_copied_into_the_eval_folder_is_warned_of(tmp_path, capsys, caplog):
+    """A text file (or clip) is one example: a byte-identical one in both splits is a
+    duplicate in the data, named, where a copied data file is refused."""
+    for split in ("train", "test"):
+        for label in ("pos", "neg"):
+            for i in range(4):
+                path = tmp_path / split / label / f"{i}.txt"
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(f"{label} {split} review {i}" if i else f"{label} the same")
+    with caplog.at_level(logging.WARNING, "jaxaccel"):
+        code, out, err = cli_sets(capsys, "data prepare", *own_data_sets(
+            tmp_path, f"data.train_files={tmp_path / 'train'}",
+            f"data.eval_files={tmp_path / 'test'}"))
+    assert code == 0, err
+    assert "data.eval_files: 2 eval file(s) hold the bytes of training files " \
+        f"({tmp_path}/test/neg/0.txt (a copy of {tmp_path}/train/neg/0.txt);" in caplog.text

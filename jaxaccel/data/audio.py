@@ -26,7 +26,7 @@ import numpy as np
 from jaxaccel.data import wav
 from jaxaccel.data.bfsong import log_mel
 from jaxaccel.data.files import expand
-from jaxaccel.data.filesplits import folder_class, split_files, split_roots
+from jaxaccel.data.filesplits import folder_class, refuse_shared, split_files, split_roots
 from jaxaccel.data.spec import DataError, DataMissing, DataSpec
 
 WINDOW_S, HOP_S = 0.025, 0.010
@@ -117,6 +117,7 @@ def describe(settings, model, batching) -> DataSpec:
         raise DataMissing("data.name=audio needs data.train_files: a folder (or glob) of WAV "
                         "files, in one sub-folder a class for a classifier.")
     files, _ = split_files(settings, _clips)
+    refuse_shared(files, settings, examples_are_files=True)
     roots = split_roots(settings)
     names = tuple(sorted({folder_class(p, roots["train"]) for p in files["train"]}))
     if model.task == "classification" and len(names) < 2:

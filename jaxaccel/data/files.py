@@ -399,6 +399,7 @@ def describe(settings, model, batching) -> DataSpec:
     fmt = format_of(tuple(p for ps in files.values() for p in ps), settings.format,
                     "data.train_files" if not settings.eval_files else
                     "data.train_files / data.eval_files")
+    filesplits.refuse_shared(files, settings, fmt == "text" and settings.documents == "file")
     if settings.documents not in ("file", "paragraph"):
         raise DataError(f"data.documents={settings.documents!r}: plain text is split into "
                         "documents by file or by paragraph (blank lines).")

@@ -6,9 +6,12 @@ from __future__ import annotations
 import filecmp
 import fnmatch
 import glob
+import logging
 import os
 
 from jaxaccel.data.spec import DataError, DataMissing
+
+log = logging.getLogger("jaxaccel")
 
 
 def search(pattern: str) -> list[str]:
@@ -85,9 +88,10 @@ def split_roots(settings) -> dict[str, tuple[str, ...]]:
 
 def split_files(settings, find, train_gone_ok: bool = False) -> tuple[dict, str]:
     """``(files, gone)``: each split's files, ``find(globs, key)``: ``data.train_files``, and
-    ``data.eval_files`` as ``data.eval_split``; ``DataError`` where an eval file is a training
-    file too. ``train_gone_ok``: training files that match nothing beside eval files leave the
-    training split out, ``gone`` saying why (a run's eval reads its own eval files alone)."""
+    ``data.eval_files`` as ``data.eval_split`` (``refuse_shared`` checks them against the
+    training files). ``train_gone_ok``: training files that match nothing beside eval files
+    leave the training split out, ``gone`` saying why (a run's eval reads its eval files
+    alone)."""
     files, gone = {}, ""
     for split, globs in _split_globs(settings).items():
         try:
@@ -96,16 +100,27 @@ def split_files(settings, find, train_gone_ok: bool = False) -> tuple[dict, str]
             if not (train_gone_ok and split == "train" and settings.eval_files):
                 raise
             gone = str(e)
-    if settings.eval_files and not gone:
-        refuse_shared(files["train"], files[settings.eval_split])
     return files, gone
 
 
-def refuse_shared(train, evals) -> None:
-    """``DataError`` naming the eval files that are training files too: the same file (by its
-    real path, whatever links lead to it) or a byte-identical copy."""
+def refuse_shared(files: dict, settings, examples_are_files: bool) -> None:
+    """``DataError`` naming the eval files (of ``split_files``'s ``files``) that are training
+    files too: the same file (by its real path, whatever links lead to it), or a byte-identical
+    copy where a file holds many examples. Where each file is one example (a text document, a
+    clip) copies are warned of: the same example in both splits, a duplicate in the data
+    rather than a file given twice."""
+    if not settings.eval_files or "train" not in files:
+        return
+    train, evals = files["train"], files[settings.eval_split]
     real = {os.path.realpath(p) for p in train}
-    same = [p for p in evals if os.path.realpath(p) in real] or _copies(train, evals)
+    same = [p for p in evals if os.path.realpath(p) in real]
+    copies = [] if same else _copies(train, evals)
+    if copies and examples_are_files:
+        log.warning("data.eval_files: %d eval file(s) hold the bytes of training files (%s%s): "
+                    "the same examples in both splits; remove them from one for a held-out "
+                    "score.", len(copies), "; ".join(copies[:3]), " ..." if len(copies) > 3 else "")
+        return
+    same = same or copies
     if same:
         raise DataError(
             f"data.eval_files: {'; '.join(same[:3])}{' ...' if len(same) > 3 else ''}: "
