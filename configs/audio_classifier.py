@@ -9,6 +9,8 @@
 ``data.sample_rate``; each becomes a log-mel spectrogram of the model's input (64 frames of
 10 ms x 64 mel bands: 0.64 s; longer clips are cut, shorter padded with silence), normalised by
 the training clips' mean and deviation. Without ``data.eval_files``, ``data.holdout`` of the
+clips. Batches of 8 clips, so that a first folder of a few dozen clips trains (the refusal of a
+batch larger than the training split says what to set); raise train.batch_size with more
 clips. To start from MAE pretraining on unlabelled clips (configs/audio_mae.py), add
 ``--set model.init_from=runs/audio_mae``. The recipe is configs/bfsong_scratch.py's.
 """
@@ -25,4 +27,5 @@ def get_config():
         "data.eval_files": "calls/test",
         "data.sample_rate": 16000,
         "model.num_labels": 2,
+        "train.batch_size": 8,
     }

@@ -226,6 +226,10 @@ def _check_type(key: str, old: Any, new: Any) -> Any:
         return new
     if isinstance(old, float) and isinstance(new, int) and not isinstance(new, bool):
         return float(new)
+    if isinstance(old, float) and isinstance(new, str) and new.strip().lower().lstrip("+-") in \
+            ("nan", "inf", "infinity"):
+        raise ValueError(f"config key {key!r} expects a finite number (default {old!r}), got "
+                         f"{new}.")
     if type(new) is not type(old):
         raise ValueError(f"config key {key!r} expects a {type(old).__name__} (default "
                          f"{old!r}), got {new!r} of type {type(new).__name__}.")

@@ -66,6 +66,10 @@ def _check_data(d) -> None:
     if not 0 <= d.holdout < 1:
         raise ValueError(f"data.holdout={d.holdout} must be in [0, 1): the fraction of the "
                          "training split held out as the eval split (0: none).")
+    if d.label_field == d.text_field:
+        raise ValueError(f"data.label_field={d.label_field!r} is data.text_field too: each text "
+                         "would be its own class; set data.label_field to the field holding the "
+                         "label (e.g. data.label_field=sentiment).")
     if d.sample_rate < 1:
         raise ValueError(f"data.sample_rate={d.sample_rate} must be >= 1 (Hz).")
     if not 0 <= d.synthetic_min_len <= d.synthetic_seq_len:

@@ -3,7 +3,8 @@
 losses, a SIGTERM at its n-th train batch), the environment of a CPU-only subprocess, the tiny
 run built on a module's 8 devices, the tiny decoder's run, the float64 Adan rule and its
 inputs, packed causal-LM batches, what transformers does with a custom-code folder it is not
-trusted to run, and the skip marks of the compile-only TPU / GPU targets.
+trusted to run, your own data through the command (JSONL rows, WAV clips, the tiny classifier
+on them), and the skip marks of the compile-only TPU / GPU targets.
 
 Test modules import it as ``support`` (``from support import ...``), as they import
 ``compile_only``: pytest puts this folder on ``sys.path`` (rootdir-relative "prepend" import
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import importlib.util
 import itertools
+import json
 import os
 import signal
 import sys
@@ -336,6 +338,36 @@ def assert_custom_code_not_loaded_silently(folder, auto_class: str, plain_class:
     assert info["missing_keys"] == {"classifier.weight", "classifier.bias"}
     assert info["unexpected_keys"] == {"mean_pooling_classifier.weight",
                                        "mean_pooling_classifier.bias"}
+
+
+# ---- your own data through the command (the fifth fault probe, issue 57) ----
+
+def write_rows(path, n=30, text="text", label="label"):
+    """``n`` JSONL records of two classes."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps({text: f"row {i} of the folder", label: "ab"[i % 2]})
+                            + "\n" for i in range(n)))
+    return path
+
+
+def own_data_sets(tmp_path, *extra):
+    """The tiny classifier on ``data.name=files`` (its cache and runs in ``tmp_path``)."""
+    return [f"workdir={tmp_path}", f"data.cache_dir={tmp_path / 'cache'}", "model.name=tiny",
+            "data.name=files", "train.batch_size=8", "train.eval_batch_size=8",
+            "train.max_steps=2", "train.progress=false", "train.learning_rate=1e-3", *extra]
+
+
+def cli_sets(capsys, command, *argv_sets):
+    """``jaxaccel <command> --set ...``: (exit status, stdout, stderr)."""
+    return run_cli(capsys, *command.split(), *(f"--set={s}" for s in argv_sets))
+
+
+def write_wav(path, freq, rate=8000):
+    """A 0.3 s sine of ``freq`` Hz, 16-bit PCM."""
+    from scipy.io import wavfile
+    t = np.arange(int(0.3 * rate)) / rate
+    path.parent.mkdir(parents=True, exist_ok=True)
+    wavfile.write(path, rate, (0.5 * np.sin(2 * np.pi * freq * t) * 32767).astype(np.int16))
 
 
 # ---- compile-only targets ----

@@ -41,7 +41,7 @@ from jaxaccel.train.checkpoint import Checkpointer, on_disk
 from jaxaccel.train.export import export_run
 from jaxaccel.train.saved import load_run
 from jaxaccel.train.state import TrainState
-from support import DEVICES, docs, packed, run_cli, tiny_cfg
+from support import DEVICES, ROOT, docs, packed, run_cli, tiny_cfg
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -341,6 +341,24 @@ def test_an_fp8_vit_classifier_run_exports_its_float32_weights(tmp_path):
     with torch.no_grad():
         want = _transformers_model(out)(_torch_pixels(x)).logits.numpy()
     _close(got, want)
+
+
+def test_a_custom_code_folders_tokenizer_loads_without_the_prompt(mean_run, tmp_path,
+                                                                   monkeypatch):
+    """AutoTokenizer reads config.json first, whose auto_map makes transformers ask "Do you
+    wish to run the custom code? [y/N]" on a terminal (issue 57 item 17); the export guide's call,
+    ``trust_remote_code=False``, loads the tokenizer without asking or running the code."""
+    out = str(tmp_path / "hf")
+    export_run(mean_run, out, custom_code=True)
+    asked = []
+    monkeypatch.setattr("builtins.input", lambda prompt="": asked.append(prompt) or "n")
+    transformers.AutoTokenizer.from_pretrained(out)
+    assert asked and "Do you wish to run the custom code?" in asked[0]
+    asked.clear()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out, trust_remote_code=False)
+    assert not asked and tokenizer("a film")["input_ids"]
+    with open(os.path.join(ROOT, "docs", "guides", "export.md")) as f:
+        assert "AutoTokenizer.from_pretrained(DIR, trust_remote_code=False)" in f.read()
 
 
 def test_a_mean_pooling_vit_classifier_run_exports_with_custom_code(tmp_path):

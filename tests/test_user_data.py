@@ -197,9 +197,10 @@ def test_a_glob_matching_nothing_and_mixed_formats_are_refused(tmp_path):
 
 def test_a_corpus_shorter_than_a_row_or_a_batch_is_refused(tmp_path):
     (tmp_path / "tiny.txt").write_text("A few words.\n\nAnd a few more words here.\n")
+    (tmp_path / "held.txt").write_text("Some other words.\n")
     sets = files_sets(tmp_path, f"data.train_files={tmp_path / 'tiny.txt'}",
                       "data.documents=paragraph", "model.name=llama-cpu",
-                      "data.tokenizer_vocab=300", f"data.eval_files={tmp_path / 'tiny.txt'}")
+                      "data.tokenizer_vocab=300", f"data.eval_files={tmp_path / 'held.txt'}")
     with pytest.raises(DataError, match="'train' split of data.name='files' holds [0-9]+ tokens, "
                                         "less than one row of data.max_len=128"):
         datacmd.prepare(config.build(sets=sets))

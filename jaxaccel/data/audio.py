@@ -7,7 +7,8 @@ shape.
 
 * Files: WAV (integer PCM or float; channels mixed down; ``wav`` says what is refused), found
   as ``data.name=files`` finds them (globs, or folders searched recursively); a clip's label
-  is its folder's name, the classes the training files' folders, sorted. Without
+  is its class folder (``filesplits.folder_class``: the first folder level under the folder
+  or glob root given), the classes the training files', sorted. Without
   ``data.eval_files`` the eval split is ``data.holdout`` of the training clips.
 * Spectrograms (``bfsong.log_mel``): clips resampled to ``data.sample_rate``, 25 ms Hann
   windows every 10 ms (the Kaldi filterbank framing AST and Audio-MAE use), as many mel bands
@@ -19,13 +20,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 
 import numpy as np
 
 from jaxaccel.data import wav
 from jaxaccel.data.bfsong import log_mel
 from jaxaccel.data.files import expand
+from jaxaccel.data.filesplits import folder_class, refuse_shared, split_files, split_roots
 from jaxaccel.data.spec import DataError, DataMissing, DataSpec
 
 WINDOW_S, HOP_S = 0.025, 0.010
@@ -73,6 +74,7 @@ class AudioArrays:
     names: tuple[str, ...]
     shape: tuple[int, ...]
     rate: int
+    roots: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
     def _raw(self, paths: tuple[str, ...]) -> np.ndarray:
         key = (paths, self.shape, self.rate)
@@ -88,7 +90,7 @@ class AudioArrays:
         paths = dict(self.files)[split]
         labels = []
         for p in paths:
-            name = os.path.basename(os.path.dirname(p))
+            name = folder_class(p, dict(self.roots)[split])
             if name not in self.names:
                 raise DataError(f"{p}: its class {name!r} (its folder) is not among the "
                                 f"training classes ({', '.join(self.names)}).")
@@ -114,10 +116,10 @@ def describe(settings, model, batching) -> DataSpec:
     if not settings.train_files:
         raise DataMissing("data.name=audio needs data.train_files: a folder (or glob) of WAV "
                         "files, in one sub-folder a class for a classifier.")
-    files = {"train": _clips(settings.train_files, "data.train_files")}
-    if settings.eval_files:
-        files[settings.eval_split] = _clips(settings.eval_files, "data.eval_files")
-    names = tuple(sorted({os.path.basename(os.path.dirname(p)) for p in files["train"]}))
+    files, _ = split_files(settings, _clips)
+    refuse_shared(files, settings, examples_are_files=True)
+    roots = split_roots(settings)
+    names = tuple(sorted({folder_class(p, roots["train"]) for p in files["train"]}))
     if model.task == "classification" and len(names) < 2:
         raise DataError(f"data.train_files={settings.train_files!r}: every clip is in the folder "
                         f"{names[0]!r}, one class; a classifier needs a sub-folder a class (two "
@@ -126,7 +128,8 @@ def describe(settings, model, batching) -> DataSpec:
     if shape is not None and len(shape) != 2:
         raise DataError(f"data.name=audio makes [frames, mel bands] spectrograms; the model's "
                         f"input is {shape}.")
-    reader = AudioArrays(tuple(files.items()), names, shape, settings.sample_rate)
+    reader = AudioArrays(tuple(files.items()), names, shape, settings.sample_rate,
+                         tuple(roots.items()))
     counts = {s: len(p) for s, p in files.items()}
     return DataSpec("audio", "arrays", reader, settings, batching, model, tuple(files), counts,
                     "the number of clips", names, labels_are_ids=True)

@@ -6,8 +6,10 @@ classification (a text and a label each) and causal-LM pretraining (documents).
     data.name=files data.train_files="books/**/*.txt" data.holdout=0.05   # a corpus, 5% held out
 
 * ``data.train_files`` / ``data.eval_files``: globs (several: comma-separated; a folder means
-  every file under it), sorted; without ``eval_files`` the eval split is ``data.holdout`` of
-  the training records, held out by a fixed permutation.
+  every file under it), sorted, links followed (``filesplits``: each real folder searched and
+  each file read once; an eval file that is a training file is refused); without
+  ``eval_files`` the eval split is ``data.holdout`` of the training records, held out by a
+  fixed permutation.
 * ``data.format``: ``auto`` tells each file's format by its extension (``FORMATS``) and refuses
   a glob that mixes formats; or one of ``jsonl csv tsv parquet arrow text`` for every file.
 * JSONL: one JSON object a line (blank lines skipped); CSV/TSV: a header row naming the
@@ -15,57 +17,67 @@ classification (a text and a label each) and causal-LM pretraining (documents).
   columns. The text is ``data.text_field``, the label ``data.label_field`` (class names or
   integers; the names are kept with the run).
 * Plain text: ``data.documents=file`` makes each file one document (a classification
-  example's label is its folder's name: ``reviews/pos/1.txt``), ``paragraph`` each block
-  between blank lines of a file (lines stripped, empty ones dropped).
+  example's label is its class folder, ``filesplits.folder_class``: ``reviews/pos/1.txt``),
+  ``paragraph`` each block between blank lines of a file (lines stripped, empty ones dropped).
 
-Large files are read in chunks of about ``CHUNK_BYTES`` cut at record boundaries (a line; a
-blank line; a newline outside CSV quotes; a Parquet row group; an Arrow record batch), which
-worker processes parse and tokenize (``tokencache``). Every record is checked as it is read;
-a bad one stops the build with its file and line.
+Compressed files (``compressed``: ``a.jsonl.gz``, ``.bz2``, ``.xz``) are read whole, one chunk
+each. Large files are read in chunks of about ``CHUNK_BYTES`` cut at record boundaries (a line;
+a blank line; a newline outside CSV quotes; a Parquet row group; an Arrow record batch), which
+worker processes parse and tokenize (``tokencache``). Every record is checked as it is read; a
+bad one stops the build with its file and line.
 """
 from __future__ import annotations
 
 import csv
 import dataclasses
-import glob
 import io
 import json
 import os
 import re
 
+from jaxaccel.data import columnar, compressed, filesplits
 from jaxaccel.data.spec import DataError, DataMissing, DataSpec, Records
 
 FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl", ".csv": "csv",
            ".tsv": "tsv", ".parquet": "parquet", ".arrow": "arrow", ".txt": "text",
            ".text": "text"}
 CHUNK_BYTES = 4 << 20
-BLOCK = 16 << 20
 PARAGRAPH_BREAK = re.compile(rb"\n[ \t\r]*\n")
 
 
 def _stat(path: str) -> list:
+    """A file's size, modification time and inode change time: an edit moves the last even
+    where the modification time is put back (``touch -r``, an editor keeping it)."""
     info = os.stat(path)
-    return [info.st_size, info.st_mtime_ns]
+    return [info.st_size, info.st_mtime_ns, info.st_ctime_ns]
 
 
 def expand(globs: str, key: str) -> tuple[str, ...]:
     """The files ``globs`` (comma-separated; a folder: every file under it) match, sorted;
-    ``DataError`` where one matches nothing."""
+    ``DataError`` where one matches nothing. Links are followed to files and folders, but no
+    real folder is searched twice (a link to a folder above it adds nothing), and a file
+    reached by several paths (links) is listed once, by its first path."""
     out = []
     for pattern in (g.strip() for g in globs.split(",") if g.strip()):
         pattern = os.path.expanduser(pattern)
-        if os.path.isdir(pattern):
-            pattern = os.path.join(pattern, "**", "*")
-        found = sorted(p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p))
+        found = sorted(p for p in filesplits.search(pattern) if os.path.isfile(p))
         if not found:
             raise DataMissing(f"{key}={pattern!r} matches no file (from {os.getcwd()}); give a "
                             "glob of your files, e.g. data/train-*.jsonl.")
         out += found
-    return tuple(dict.fromkeys(os.path.abspath(p) for p in out))
+    real = {}
+    for path in map(os.path.abspath, out):
+        real.setdefault(os.path.realpath(path), path)
+    return tuple(real.values())
 
 
 def format_of(files: tuple[str, ...], fmt: str, key: str) -> str:
-    """The one format of ``files``: ``fmt``, or (``auto``) their extensions'."""
+    """The one format of ``files``: ``fmt``, or (``auto``) their extensions' (under a
+    compression's: ``compressed``)."""
+    return compressed.readable(files, _format_of(files, fmt, key))
+
+
+def _format_of(files: tuple[str, ...], fmt: str, key: str) -> str:
     if fmt != "auto":
         if fmt not in set(FORMATS.values()):
             raise DataError(f"data.format={fmt!r} is not a format; known: auto, "
@@ -73,7 +85,7 @@ def format_of(files: tuple[str, ...], fmt: str, key: str) -> str:
         return fmt
     by = {}
     for path in files:
-        ext = os.path.splitext(path)[1].lower()
+        ext = compressed.inner_extension(path)
         if ext not in FORMATS:
             raise DataError(f"{path}: cannot tell its format by the extension {ext!r} (known: "
                             f"{', '.join(FORMATS)}); set data.format.")
@@ -117,6 +129,8 @@ def byte_chunks(path: str, fmt: str, start: int = 0, line: int = 1) -> list[tupl
     """``(path, start, stop, first line)`` pieces of about ``CHUNK_BYTES`` covering the file
     from byte ``start`` (line ``line``), each ending at a record boundary of ``fmt``. One pass
     over the file counts lines (so errors name them) and quotes (CSV)."""
+    if compressed.compression(path):
+        return [(path, start, None, line)]          # one chunk (``compressed``)
     cut, out, state = CUTS[fmt], [], {"quotes": 0}
     with open(path, "rb") as f:
         f.seek(start)
@@ -135,13 +149,17 @@ def byte_chunks(path: str, fmt: str, start: int = 0, line: int = 1) -> list[tupl
     return out
 
 
-def _read_bytes(path: str, start: int, stop: int) -> bytes:
-    with open(path, "rb") as f:
+def _read_bytes(path: str, start: int, stop: int | None) -> bytes:
+    """Bytes ``start`` to ``stop`` (None: the end) of ``path``, decompressed."""
+    with compressed.open_bytes(path) as f:
         f.seek(start)
-        return f.read(stop - start)
+        return f.read(-1 if stop is None else stop - start)
 
 
 def _decoded(data: bytes, path: str, line: int) -> str:
+    """``data`` from line ``line`` of ``path`` as text; at line 1 (a file's start) without a
+    UTF-8 byte order mark (Excel's "CSV UTF-8" writes one), as Python's ``utf-8-sig`` reads."""
+    data = data.removeprefix(b"\xef\xbb\xbf") if line == 1 else data
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -153,7 +171,7 @@ def _decoded(data: bytes, path: str, line: int) -> str:
 
 def _header(path: str, fmt: str) -> tuple[tuple[str, ...], int, int]:
     """A CSV/TSV file's field names, and the byte and line where its records start."""
-    with open(path, "rb") as f:
+    with compressed.open_bytes(path) as f:
         head = f.read(CHUNK_BYTES)
     end = CUTS[fmt](head, 0, {"quotes": 0})
     end = len(head) if end < 0 else end
@@ -161,7 +179,21 @@ def _header(path: str, fmt: str) -> tuple[tuple[str, ...], int, int]:
     if not rows or not any(rows[0][1]):
         raise DataError(f"{path}:1: no header row; a {fmt.upper()} file starts with a row "
                         "naming its fields (e.g. text,label).")
-    return tuple(f.strip() for f in rows[0][1]), end, 1 + head.count(b"\n", 0, end)
+    names = tuple(f.strip() for f in rows[0][1])
+    _check_header(names, path, fmt)
+    return names, end, 1 + head.count(b"\n", 0, end)
+
+
+def _check_header(names: tuple[str, ...], path: str, fmt: str) -> None:
+    """``DataError`` for a header row that is a JSON object (a JSONL file read as CSV) or that
+    names a field twice (its records would keep the last column of that name)."""
+    if names[0].startswith(("{", "[")):
+        raise DataError(f"{path}:1: starts {names[0][:40]!r}, a JSON line, not a {fmt.upper()} "
+                        "header row; set data.format=jsonl (or auto: by the extension).")
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise DataError(f"{path}:1: the header row names {', '.join(map(repr, twice))} more "
+                        "than once; give each column its own name.")
 
 
 def _csv_rows(text: str, fmt: str):
@@ -180,7 +212,9 @@ class FileRecords:
     """The ``RecordReader`` of ``data.name=files`` (module doc).
 
     files: split -> its files; fmt: their format; text_field, label_field: the fields read
-    (``label_field`` None for a corpus); documents: plain text's ``file`` or ``paragraph``.
+    (``label_field`` None for a corpus); documents: plain text's ``file`` or ``paragraph``;
+    roots: split -> its glob roots (``filesplits.folder_class``); gone: why a split is missing
+    (``filesplits.split_files``), raised as ``DataMissing`` when it is read.
     """
 
     files: tuple[tuple[str, tuple[str, ...]], ...]
@@ -188,22 +222,35 @@ class FileRecords:
     text_field: str
     label_field: str | None
     documents: str = "file"
+    roots: tuple[tuple[str, tuple[str, ...]], ...] = dataclasses.field(default=(), repr=False)
+    gone: str = dataclasses.field(default="", repr=False)
     unit = "B"
 
     def _files(self, split: str) -> tuple[str, ...]:
+        if split not in dict(self.files):
+            raise DataMissing(self.gone or f"data.name=files has no split {split!r}.")
         return dict(self.files)[split]
 
+    def _by_folder(self) -> bool:
+        """Whether each file is a document labelled by its folder (``folder_class``)."""
+        return self.fmt == "text" and self.documents == "file" and self.label_field is not None
+
     def identity(self, split: str) -> dict:
-        return {"format": self.fmt, "files": [[p, *_stat(p)] for p in self._files(split)]}
+        out = {"format": self.fmt, "files": [[p, *_stat(p)] for p in self._files(split)]}
+        return {**out, "roots": list(dict(self.roots)[split])} if self._by_folder() else out
 
     def chunks(self, split: str) -> list:
         files = self._files(split)
         if self.fmt == "text" and self.documents == "file":
-            return _file_groups(files)
+            by_folder = self._by_folder()
+            labels = [filesplits.folder_class(p, dict(self.roots)[split]) if by_folder
+                      else None for p in files]
+            return _file_groups(files, labels)
         if self.fmt == "parquet":
-            return [c for p in files for c in _parquet_chunks(p, self._check_fields)]
+            return [c for p in files
+                    for c in columnar.parquet_chunks(p, self._check_fields)]
         if self.fmt == "arrow":
-            return [c for p in files for c in _arrow_chunks(p, self._check_fields)]
+            return [c for p in files for c in columnar.arrow_chunks(p, self._check_fields)]
         out = []
         for path in files:
             header, start, line = (), 0, 1
@@ -229,11 +276,11 @@ class FileRecords:
             return sum(os.path.getsize(p) for p in chunk[1])
         if chunk[0] in ("parquet", "arrow"):
             return chunk[4]
-        return chunk[3] - chunk[2]
+        return os.path.getsize(chunk[1]) if chunk[3] is None else chunk[3] - chunk[2]
 
     def read(self, chunk) -> Records:
         if chunk[0] == "files":
-            return self._read_files(chunk[1])
+            return self._read_files(chunk[1], chunk[2])
         if chunk[0] in ("parquet", "arrow"):
             return self._read_columns(chunk)
         _, path, start, stop, line, header = chunk
@@ -254,8 +301,9 @@ class FileRecords:
             raise DataError(f"{place}: field {field!r} is empty (null); give every record "
                             "its text and label.")
         if field == self.text_field and not isinstance(value, str):
-            raise DataError(f"{place}: field {field!r} holds a {type(value).__name__}, not "
-                            "text.")
+            kind = type(value).__name__
+            raise DataError(f"{place}: field {field!r} holds {'an' if kind[0] in 'aeiou' else 'a'}"
+                            f" {kind}, not text.")
         return value
 
     def _records(self, rows, path: str) -> Records:
@@ -311,17 +359,16 @@ class FileRecords:
                 at = m.end()
         return Records(texts, None, path, numbers)
 
-    def _read_files(self, paths) -> Records:
-        texts = [_decoded(_read_bytes(p, 0, os.path.getsize(p)), p, 1) for p in paths]
-        labels = [os.path.basename(os.path.dirname(p)) for p in paths] \
-            if self.label_field is not None else None
+    def _read_files(self, paths, labels) -> Records:
+        texts = [_decoded(_read_bytes(p, 0, None), p, 1) for p in paths]
+        labels = list(labels) if self.label_field is not None else None
         return Records(texts, labels, "", list(paths), unit="file")
 
     def _read_columns(self, chunk) -> Records:
         kind, path, index, first, _ = chunk
         fields = [f for f in (self.text_field, self.label_field) if f is not None]
-        table = _parquet_group(path, index, fields) if kind == "parquet" else \
-            _arrow_batch(path, index)
+        table = columnar.parquet_group(path, index, fields) if kind == "parquet" else \
+            columnar.arrow_batch(path, index)
         columns = {f: table.column(f).to_pylist() for f in fields}
         rows = ((first + i, {f: columns[f][i] for f in fields})
                 for i in range(table.num_rows))
@@ -329,69 +376,16 @@ class FileRecords:
         return dataclasses.replace(records, unit="row")
 
 
-def _file_groups(paths) -> list[tuple]:
-    """Plain-text files, one document each, in groups of about ``CHUNK_BYTES``."""
-    out, group, size = [], [], 0
-    for p in paths:
-        group.append(p)
+def _file_groups(paths, labels) -> list[tuple]:
+    """``("files", paths, their labels)``: plain-text files, one document each, in groups of
+    about ``CHUNK_BYTES``."""
+    out, start, size = [], 0, 0
+    for i, p in enumerate(paths):
         size += os.path.getsize(p)
-        if size >= CHUNK_BYTES:
-            out.append(("files", tuple(group)))
-            group, size = [], 0
-    return out + ([("files", tuple(group))] if group else [])
-
-
-def _parquet_chunks(path: str, check) -> list[tuple]:
-    import pyarrow.parquet as pq
-    meta = pq.ParquetFile(path).metadata
-    check(meta.schema.to_arrow_schema().names, path)
-    out, first = [], 0
-    for i in range(meta.num_row_groups):
-        group = meta.row_group(i)
-        out.append(("parquet", path, i, first, group.total_byte_size))
-        first += group.num_rows
+        if size >= CHUNK_BYTES or i == len(paths) - 1:
+            out.append(("files", tuple(paths[start:i + 1]), tuple(labels[start:i + 1])))
+            start, size = i + 1, 0
     return out
-
-
-def _parquet_group(path: str, index: int, fields):
-    import pyarrow.parquet as pq
-    return pq.ParquetFile(path).read_row_group(index, columns=fields)
-
-
-def _arrow_reader(source):
-    """An Arrow IPC file's reader (random access), else its stream's batches."""
-    import pyarrow as pa
-    try:
-        return pa.ipc.open_file(source)
-    except pa.ArrowInvalid:
-        source.seek(0)
-        return pa.ipc.open_stream(source)
-
-
-def _arrow_chunks(path: str, check) -> list[tuple]:
-    import pyarrow as pa
-    out, first = [], 0
-    with pa.memory_map(path) as source:
-        reader = _arrow_reader(source)
-        check(reader.schema.names, path)
-        batches = (reader.get_batch(i) for i in range(reader.num_record_batches)) \
-            if hasattr(reader, "get_batch") else reader
-        for i, batch in enumerate(batches):
-            out.append(("arrow", path, i, first, batch.nbytes))
-            first += batch.num_rows
-    return out
-
-
-def _arrow_batch(path: str, index: int):
-    import pyarrow as pa
-    with pa.memory_map(path) as source:
-        reader = _arrow_reader(source)
-        if hasattr(reader, "get_batch"):
-            return reader.get_batch(index)
-        for i, batch in enumerate(reader):
-            if i == index:
-                return batch
-    raise DataError(f"{path}: record batch {index} is gone; the file changed.")
 
 
 def describe(settings, model, batching) -> DataSpec:
@@ -401,19 +395,22 @@ def describe(settings, model, batching) -> DataSpec:
     if not settings.train_files:
         raise DataMissing("data.name=files needs data.train_files: a glob of your training "
                         "files (e.g. data/train-*.jsonl).")
-    files = {"train": expand(settings.train_files, "data.train_files")}
-    if settings.eval_files:
-        files[settings.eval_split] = expand(settings.eval_files, "data.eval_files")
+    files, gone = filesplits.split_files(settings, expand, train_gone_ok=True)
     fmt = format_of(tuple(p for ps in files.values() for p in ps), settings.format,
                     "data.train_files" if not settings.eval_files else
                     "data.train_files / data.eval_files")
+    filesplits.refuse_shared(files, settings, fmt == "text" and settings.documents == "file")
     if settings.documents not in ("file", "paragraph"):
         raise DataError(f"data.documents={settings.documents!r}: plain text is split into "
                         "documents by file or by paragraph (blank lines).")
     label = settings.label_field if kind == "text" else None
     reader = FileRecords(tuple(files.items()), fmt, settings.text_field, label,
-                         settings.documents)
-    return DataSpec("files", kind, reader, settings, batching, model, tuple(files))
+                         settings.documents, tuple(filesplits.split_roots(settings).items()),
+                         gone)
+    names = columnar.class_names(next(iter(files.values()))[0], fmt, label) \
+        if label is not None and fmt in ("parquet", "arrow") else None
+    return DataSpec("files", kind, reader, settings, batching, model, tuple(files),
+                    label_names=names, labels_are_ids=names is not None, absent=gone)
 
 
 __all__ = ["FORMATS", "FileRecords", "byte_chunks", "describe", "expand", "format_of"]

@@ -12,11 +12,13 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib
+import logging
 from collections.abc import Mapping
 
 from jaxaccel.data.spec import (Batching, DataMissing, DataSpec, ModelInput, Settings,
                                 holdout_size)
 
+log = logging.getLogger("jaxaccel")
 
 @dataclasses.dataclass(frozen=True)
 class Source:
@@ -89,7 +91,20 @@ def describe(section: Mapping, batching: Batching, model: ModelInput, *,
         if not absent_ok:
             raise
         spec = unread(settings, model, batching, str(e))
+    if spec.absent and absent_ok and spec.reader is not None:
+        spec = unread(settings, model, batching, spec.absent)      # part of it is missing
+    _note_unused_holdout(spec)
     return counted(spec)
+
+
+def _note_unused_holdout(spec: DataSpec) -> None:
+    """Warn where ``data.holdout`` is given but the source has an eval split of its own."""
+    d = spec.settings
+    if d.holdout > 0 and spec.eval_split in spec.splits:
+        own = "data.eval_files" if d.get("eval_files") else "a split of the dataset"
+        log.warning("data.holdout=%s is ignored: the eval split %r is the source's own (%s); "
+                    "drop data.holdout, or that eval split to hold out part of the training "
+                    "split.", d.holdout, spec.eval_split, own)
 
 
 def unread(settings: Settings, model: ModelInput, batching: Batching, why: str) -> DataSpec:

@@ -197,7 +197,8 @@ class DataSpec:
     row_length: the longest row, where the source knows it (ready token ids); else rows are
       up to ``max_len`` tokens.
     absent: why the data could not be described from its source (not on this machine: a
-      plan goes on without it; ``reader`` is then None); "" where it was.
+      plan goes on without it; ``reader`` is then None), or why its training split could not
+      (a run's eval reads its own eval files alone; ``reader`` reads them); "" where it was.
     trained: the ``data`` section a trained model was trained with, where this data is its
       evaluation's (``inference.checkpoint_run``): an eval split cut from the training split
       must hold none of the examples it trained on (``splits.split_rows``); None otherwise.

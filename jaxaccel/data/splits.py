@@ -47,7 +47,7 @@ from jaxaccel.data.arrays import ArrayBatches
 from jaxaccel.data.packing import PackedBatches
 from jaxaccel.data.pipeline import BatchIterator, Tokenized
 from jaxaccel.data.run_tokenizer import bpe_folder, trains_bpe
-from jaxaccel.data.spec import DataError, DataSpec, held_rows, holdout_size
+from jaxaccel.data.spec import DataError, DataMissing, DataSpec, held_rows, holdout_size
 
 TRAIN_BUCKET_WINDOW = 50     # global batches sorted by length together (data.bucket)
 
@@ -67,6 +67,8 @@ def source_split(data: DataSpec, split: str) -> str:
     if split == "validation" and "validation" not in data.splits:
         raise ValueError("data.eval_split='validation' needs data.validation_size > 0 (e.g. "
                          "1000): the validation split is held out of the training split.")
+    if split not in data.splits and data.absent:
+        raise DataMissing(data.absent)          # e.g. training files gone (files.describe)
     if split not in data.splits:
         raise ValueError(f"data.name={data.name!r} has no split {split!r} (it has "
                          f"{', '.join(data.splits)}); set data.eval_split to one of them, or "

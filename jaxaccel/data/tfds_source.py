@@ -14,6 +14,7 @@ label feature gives the class names; a text or integer feature is labelled by it
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 import os
 from collections.abc import Callable
@@ -139,18 +140,39 @@ def open_prepared(dataset: str, data_dir: str):
     """The builder of ``dataset`` (a catalogue name, ``name:version``, ``name/config``) prepared
     in ``data_dir``; refused, with the command that prepares it, where it is not there."""
     tfds = _tfds()
+    local = data_dir and "://" not in data_dir
+    if local and not os.path.isdir(os.path.expanduser(data_dir)):
+        raise DataMissing(f"data.data_dir={data_dir!r} does not exist (from {os.getcwd()}); set "
+                          "it to the folder the dataset was prepared in (tfds build ... "
+                          "--data_dir DIR --file_format=array_record).")
     try:
         builder = tfds.builder(dataset, data_dir=data_dir or None)
     except Exception as e:      # noqa: BLE001 (TFDS raises its own error classes)
+        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
         raise DataMissing(f"data.dataset={dataset!r}: no TFDS dataset of that name in data_dir "
-                        f"{data_dir or '(the TFDS default)'} ({type(e).__name__}: {e}). "
-                        "Prepare it there first (tfds build ... --file_format=array_record), "
-                        "or set data.data_dir to where it was prepared.") from None
+                          f"{data_dir or '(the TFDS default)'} ({type(e).__name__}: {first})"
+                          f"{_close_names(tfds, dataset, data_dir if local else '')} Prepare "
+                          "it there first (tfds build ... --file_format=array_record), or set "
+                          "data.data_dir to where it was prepared.") from None
     if not builder.is_prepared():
         raise DataMissing(f"data.dataset={dataset!r} is not prepared in {builder.data_dir}; "
                         f"prepare it first: tfds build {dataset} --data_dir "
                         f"{data_dir or '~/tensorflow_datasets'} --file_format=array_record")
     return builder
+
+
+def _close_names(tfds, dataset: str, data_dir: str) -> str:
+    """``"; prepared there: ... . Did you mean ...?"``: the datasets prepared in ``data_dir``,
+    and the names of those and of TFDS's own catalogue close to ``dataset``'s (without its
+    config or version)."""
+    name = dataset.split("/")[0].split(":")[0]
+    folder = os.path.expanduser(data_dir)
+    here = sorted(n for n in os.listdir(folder) if os.path.isdir(os.path.join(folder, n))) \
+        if data_dir else []
+    known = tfds.list_builders(with_community_datasets=False)
+    close = dict.fromkeys(difflib.get_close_matches(name, [*here, *known], n=3, cutoff=0.7))
+    prepared = f"; prepared there: {', '.join(here)}" if here else ""
+    return prepared + (f". Did you mean {' or '.join(map(repr, close))}?" if close else ".")
 
 
 def describe(settings, model, batching) -> DataSpec:

@@ -18,7 +18,7 @@ layout: flat binary token shards and an offsets index) holding
 * ``meta.json``, written last: the format version, what the key was made of, the counts and
   each file's size.
 
-The key is a digest of the source's identity (its files' paths, sizes and modification times,
+The key is a digest of the source's identity (its files' paths, sizes and times,
 or a dataset's name, version and files), the tokenizer (``encode.fingerprint``), the row length
 of labelled texts and ``FORMAT``: a changed file, tokenizer or format builds a new cache, and
 the log says what changed (``<slot>.last`` remembers the previous build). A build writes into
@@ -33,10 +33,12 @@ memory, so its resident size does not grow with the corpus (bench/README.md).
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import json
 import logging
 import os
+import secrets
 import shutil
 import sys
 import tempfile
@@ -206,30 +208,41 @@ def _changes(plan_: Plan) -> str:
     except (OSError, ValueError):
         return ""
     why = _mismatch({"key": old}, plan_.key)
-    if why.startswith("it was built from other source"):
-        return _source_changes(old.get("source", {}), plan_.key["source"]) or why
-    return why
+    changed = source_changes(old.get("source", {}), plan_.key["source"])
+    if not changed or why.startswith("it is of cache format"):
+        return why
+    other = old.get("tokenizer") != plan_.key["tokenizer"]
+    return changed + ("; the tokenizer differs too (a corpus's own BPE is trained on it)"
+                      if other else "")
 
 
-def _source_changes(old: dict, new: dict) -> str:
+def source_changes(old: dict, new: dict) -> str:
+    """What differs between two identities of a source's split (``RecordReader.identity``):
+    the files changed, new and gone (three of each), else that it changed ("" if not)."""
     was = {f[0]: f[1:] for f in old.get("files", [])}
     now = {f[0]: f[1:] for f in new.get("files", [])}
     changed = [p for p in now if p in was and was[p] != now[p]]
-    notes = [f"{p} changed (size {was[p][0]} -> {now[p][0]} bytes)" for p in changed[:3]]
+    notes = [f"{p} changed " + (f"(size {was[p][0]} -> {now[p][0]} bytes)"
+                                if was[p][0] != now[p][0] else "(same size, modified since)")
+             for p in changed[:3]]
     notes += [f"{p} is new" for p in list(now.keys() - was.keys())[:3]]
     notes += [f"{p} is gone" for p in list(was.keys() - now.keys())[:3]]
     return "; ".join(notes) or ("the source changed" if old != new else "")
+
+
+def _nearest(root: str) -> str:
+    """``root``, or the nearest path above it that exists."""
+    while not os.path.exists(root):
+        root = os.path.dirname(root)
+    return root
 
 
 def writable(root: str) -> bool:
     """Whether ``root`` (or the nearest folder above it that exists) takes a new file: tried,
     since permission bits do not say so for every user (root) or file system (read-only
     mounts, /proc)."""
-    here = root
-    while not os.path.exists(here):
-        here = os.path.dirname(here)
     try:
-        fd, path = tempfile.mkstemp(prefix=".jaxaccel-probe-", dir=here)
+        fd, path = tempfile.mkstemp(prefix=".jaxaccel-probe-", dir=_nearest(root))
     except OSError:
         return False
     os.close(fd)
@@ -239,7 +252,11 @@ def writable(root: str) -> bool:
 
 def require_writable(root: str, what: str, why: str = "") -> None:
     """``DataError`` naming ``data.cache_dir`` where ``what`` must be written to ``root`` but
-    cannot be."""
+    cannot be; a file where its folder should be is named as such."""
+    here = _nearest(root)
+    if not os.path.isdir(here):
+        raise DataError(f"data.cache_dir {root!r}: {here} is a file, not a folder; set "
+                        "data.cache_dir to a folder (or move the file away).")
     if not writable(root):
         raise DataError(
             f"data.cache_dir {root!r} is not writable, and {what} has no cache there"
@@ -311,8 +328,7 @@ def _build(spec: DataSpec, split: str, enc: encode.Encoder, plan_: Plan, workers
     workers = _workers(total, unit, workers)
     os.makedirs(plan_.root, exist_ok=True)
     _remove_partials(plan_)
-    tmp = tempfile.mkdtemp(prefix=f"{os.path.basename(plan_.folder)}.partial-{os.getpid()}-",
-                           dir=plan_.root)
+    tmp = _partial_folder(plan_)
     what = f"{spec.name} {split}"
     log.info("tokenizing %s (%s %s) into %s with %d process%s", what, f"{total:,}",
              "bytes" if unit == "B" else "records", plan_.folder, workers,
@@ -332,19 +348,45 @@ def _build(spec: DataSpec, split: str, enc: encode.Encoder, plan_: Plan, workers
                             f"({_sources(identity)}); give it data.")
         now = reader.identity(split)
         if now != identity:
-            raise DataError(f"{_source_changes(identity, now) or 'the source'} while its token "
+            raise DataError(f"{source_changes(identity, now) or 'the source'} while its token "
                             "cache was built; nothing was kept. Build again once the files "
                             "are written.")
         meta = writer.finish({"key": plan_.key, "split": split, "source": spec.name})
         _install(tmp, plan_)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+            raise _no_space(plan_, what, total, unit) from None
         raise
     dt = time.perf_counter() - t0
     log.info("cached %s documents, %s tokens in %.1f s (%s docs/s, %s tokens/s): %s",
              f"{docs:,}", f"{toks:,}", dt, f"{docs / dt:,.0f}", f"{toks / dt:,.0f}",
              plan_.folder)
     return TokenCache(plan_.folder, meta)
+
+
+def _no_space(plan_: Plan, what: str, total: int, unit: str) -> DataError:
+    """The error of a build that filled its disk: the folder, the space free and needed."""
+    free = shutil.disk_usage(plan_.root).free
+    need = f"up to about {total / 1e6:,.1f} MB, the source's size" if unit == "B" else \
+        f"room for {total:,} records' tokens"
+    return DataError(f"no space left on the device of data.cache_dir {plan_.root!r} while "
+                     f"building the token cache of {what} ({free / 1e6:,.1f} MB free; it needs "
+                     f"{need}); nothing was kept. Free space there, or set data.cache_dir to a "
+                     "folder with room.")
+
+
+def _partial_folder(plan_: Plan) -> str:
+    """A new ``<cache>.partial-<pid>-<random>`` folder to build in, of the umask's mode (as
+    ``os.makedirs`` makes the cache folder: a cache shared by a team is readable to it, where
+    ``mkdtemp``'s 0700 was not)."""
+    while True:
+        path = f"{plan_.folder}.partial-{os.getpid()}-{secrets.token_hex(4)}"
+        try:
+            os.mkdir(path)
+            return path
+        except FileExistsError:
+            continue
 
 
 def _sources(identity: dict) -> str:
@@ -381,4 +423,4 @@ def _remove_partials(plan_: Plan) -> None:
 
 
 __all__ = ["FORMAT", "Plan", "TokenCache", "cache_root", "digest", "lookup", "plan",
-           "require_writable", "tokens", "writable"]
+           "require_writable", "source_changes", "tokens", "writable"]

@@ -94,7 +94,7 @@ def train(cfg: Config, services: Services = Services(), devices=None) -> Outcome
     try:
         with RunLock(run_dir) if main else contextlib.nullcontext(), \
                 rundir.library_log(run_dir) if main else contextlib.nullcontext():
-            changes = rundir.prepare(run_dir, cfg.to_dict()) if main else {}
+            changes = rundir.prepare(run_dir, resolved.cfg.to_dict()) if main else {}
             _sync("jaxaccel_run_dir_ready")
             run = assemble(resolved)
             with jax.set_mesh(run.mesh):      # the one mesh of every step and evaluation
@@ -113,7 +113,8 @@ def _train(run: Run, changes: dict, services: Services) -> Outcome:
             storage.join(run.run_dir, "checkpoints"), keep=run.cfg.train.keep_checkpoints)))
         state, start = _resume(run, ckpt, changes)
         if jax.process_index() == 0:    # only now: a refused resume leaves the folder as it was
-            rundir.write_files(run.run_dir, run.cfg.to_dict(), run.tokenizer)
+            rundir.write_files(run.run_dir, run.cfg.to_dict(), run.tokenizer,
+                               _training_data(run))
         writer = stack.enter_context(contextlib.closing(services.metrics(run.run_dir)))
         bar = stack.enter_context(contextlib.closing(_progress_bar(run, start)))
         return _loop(run, state, start, Events(run, ckpt, writer, bar), services.stop)
@@ -338,6 +339,10 @@ def _resume_note(run: Run, start: int, changes: dict) -> None:
             f"the run's checkpoint is at step {start} but the config now ends at step "
             f"{run.total_steps} (train.epochs={run.cfg.train.epochs}, train.max_steps="
             f"{run.cfg.train.max_steps}); give at least as many steps, or a new name=...")
+    changed = rundir.data_changes(run.run_dir, _training_data(run)) if start else ""
+    if changed:
+        log.warning("resuming at step %d on training data other than the run trained on: %s",
+                    start, changed)
     if changes:
         log.info("resuming with config changes: %s",
                  "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in changes.items()))
@@ -347,6 +352,13 @@ def _resume_note(run: Run, start: int, changes: dict) -> None:
                  "(warm-up %d); continuing at step %d with learning rate %.3g", t.schedule,
                  run.total_steps, int(t.warmup_ratio * run.total_steps), start,
                  float(run.schedule(start)))
+
+
+def _training_data(run: Run) -> dict | None:
+    """The training split's identity (``RecordReader.identity``: files, sizes, modification
+    times), where its source has one."""
+    identity = getattr(run.resolved.data.reader, "identity", None)
+    return None if identity is None else identity("train")
 
 
 def _throughput(run: Run) -> flops.Throughput:

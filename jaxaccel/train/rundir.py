@@ -13,6 +13,8 @@ same layout in both; in a bucket the library log is kept locally (``library_log_
                               that cannot write the folder logs to ~/.cache/jaxaccel/logs/
                               instead, and says so: ``library_log_path``)
         tokenizer/            the tokenizer's files (predict needs nothing else)
+        data.json             what the training split was read from (its files' paths, sizes
+                              and modification times), so a resume says what changed
         checkpoints/STEP/     Orbax checkpoints; each one's JSON record holds the config, the
                               model architecture and the label names
         skipped_checkpoints/  checkpoints set aside (unreadable, or parameters that gave a
@@ -47,6 +49,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import hashlib
+import json
 import logging
 import os
 import sys
@@ -54,6 +57,7 @@ import tempfile
 
 from jaxaccel import storage
 from jaxaccel.config import BASE
+from jaxaccel.data.tokencache import source_changes
 
 log = logging.getLogger("jaxaccel")
 
@@ -79,7 +83,7 @@ checkpoint the per-layer form), scanned layers (``model.scan_layers``: likewise)
 files are (checkpoints are portable across meshes and kernels)."""
 
 RUN_FILES = ("checkpoints", "skipped_checkpoints", "metrics.jsonl", "tensorboard",
-             "config.json", "tokenizer")
+             "config.json", "tokenizer", "data.json")
 LIBRARY_LOG = "library.log"     # kept by train.overwrite, like the lock: the folder's history
 COMMIT_FILE = "commit_success.txt"  # Orbax's last file of a step saved where nothing is renamed
 
@@ -246,9 +250,12 @@ def prepare(run_dir: str, cfg: dict) -> dict[str, tuple]:
     return {} if saved is None else check_resume_config(saved[0], cfg, source=saved[1])
 
 
-def write_files(run_dir: str, cfg: dict, tokenizer) -> None:
-    """``config.json`` and the tokenizer's files, so eval/predict need only the run folder."""
+def write_files(run_dir: str, cfg: dict, tokenizer, data: dict | None = None) -> None:
+    """``config.json`` and the tokenizer's files, so eval/predict need only the run folder;
+    ``data.json``: the training split's identity ``data``, where the source has one."""
     storage.write_json(storage.join(run_dir, "config.json"), cfg)
+    if data is not None:
+        storage.write_text(storage.join(run_dir, "data.json"), json.dumps(data, default=str))
     if tokenizer is None:
         return
     if not storage.is_url(run_dir):
@@ -257,6 +264,17 @@ def write_files(run_dir: str, cfg: dict, tokenizer) -> None:
     with tempfile.TemporaryDirectory(prefix="jaxaccel-tokenizer-") as local:
         tokenizer.save_pretrained(local)
         storage.upload(local, storage.join(run_dir, "tokenizer"))
+
+
+def data_changes(run_dir: str, data: dict | None) -> str:
+    """How the training split's identity ``data`` differs from the one ``data.json`` recorded
+    ("" where it does not, or either is unknown)."""
+    try:
+        old = storage.read_json(storage.join(run_dir, "data.json"))
+    except (OSError, ValueError):
+        return ""
+    new = None if data is None else json.loads(json.dumps(data, default=str))
+    return "" if new is None or old == new else source_changes(old, new)
 
 
 LIBRARY_LOGGERS = ("absl", "orbax", "tensorstore", "asyncio", "jaxaccel.details")
