@@ -27,7 +27,9 @@ from jaxaccel.config_checks import validate
 
 BASE: dict[str, Any] = {
     "name": "run",                  # run name: outputs go to {workdir}/{name}
-    "workdir": "runs",              # root folder for checkpoints, metrics, TensorBoard events
+    "workdir": "runs",              # root folder for checkpoints, metrics, TensorBoard events:
+                                    # local, or a bucket (gs://BUCKET/runs, s3://...: the gcs /
+                                    # s3 extra; docs/guides/buckets-and-pods.md)
     "seed": 0,                      # parameter init, dropout and data order
     "compilation_cache": "auto",    # jaxaccel CLI: JAX's persistent compilation cache, so a
                                     # second run recompiles nothing. auto: an already set
@@ -39,7 +41,8 @@ BASE: dict[str, Any] = {
                                     # llama-350m, llama-1b (decoders: causal LM); vit-tiny,
                                     # vit-audio-cpu, vit-b16-mae, audiomae-b16 (ViT: MAE,
                                     # classification); models/spec.py
-        "checkpoint": "",           # HF checkpoint dir; "" = the packaged MiniLM for minilm-l6,
+        "checkpoint": "",           # HF checkpoint dir (local or gs://, s3://); "" = the
+                                    # packaged MiniLM for minilm-l6,
                                     # random init for the other presets
         "init_from": "",            # a run folder: start from its newest checkpoint's weights
                                     # where paths and shapes agree (e.g. an MAE run's encoder
@@ -77,7 +80,8 @@ BASE: dict[str, Any] = {
         "data_dir": "",             # TFDS data dir ("" = TFDS default / $TFDS_DATA_DIR)
         "manual_dir": "",           # where manually downloaded archives are (imdb_reviews)
         "train_files": "",          # files, audio: glob(s) of the training files, comma-
-                                    # separated; a folder: every file under it
+                                    # separated; a folder: every file under it; local or in a
+                                    # bucket (gs://, s3://: copied to the host once)
         "eval_files": "",           # files, audio: the eval split's files ("" = hold out
                                     # data.holdout of the training split)
         "holdout": 0.0,             # > 0: this fraction of the training split is the eval

@@ -30,7 +30,7 @@ def _at_least(values: dict, low, meaning: dict | None = None) -> None:
 
 
 PATH_KEYS = ("workdir", "model.checkpoint", "model.init_from", "model.tokenizer",
-             "data.train_files", "data.eval_files", "data.data_dir", "data.cache_dir")
+             "data.train_files", "data.eval_files", "data.data_dir")
 """Keys that name paths: each a local path or a bucket URL (``jaxaccel.storage``; globs
 comma-separated)."""
 
@@ -43,6 +43,7 @@ def _check_paths(cfg) -> None:
         value = (cfg[section] if section else cfg)[name]
         for path in str(value or "").split(","):
             storage.check(path.strip(), key)
+
 
 
 def _check_run(cfg) -> None:
@@ -63,6 +64,12 @@ def _check_data(d) -> None:
                                                  "max_len", "pad_multiple", "tokenizer_vocab")}, 1)
     _at_least({f"data.{key}": d[key] for key in ("validation_size", "workers",
                                                  "train_examples", "train_tokens")}, 0)
+    if storage.is_url(d.cache_dir or ""):
+        raise ValueError(
+            f"data.cache_dir={d.cache_dir!r}: the token cache lives on each host's own disk, "
+            "where training reads its rows at every step; data files in a bucket are copied to "
+            "the host and tokenized there. Give a local folder (or leave data.cache_dir empty "
+            "for ~/.cache/jaxaccel/data).")
     if not 0 <= d.holdout < 1:
         raise ValueError(f"data.holdout={d.holdout} must be in [0, 1): the fraction of the "
                          "training split held out as the eval split (0: none).")

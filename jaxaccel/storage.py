@@ -157,13 +157,6 @@ def isdir(path: str) -> bool:
         return filesystem(path).isdir(path)
 
 
-def isfile(path: str) -> bool:
-    if not is_url(path):
-        return os.path.isfile(path)
-    with _errors(path, "checking"):
-        return filesystem(path).isfile(path)
-
-
 def listdir(path: str) -> list[str]:
     """The names in folder ``path`` (``[]`` if it does not exist)."""
     if not is_url(path):
@@ -225,14 +218,6 @@ def move(source: str, dest: str) -> None:
         fs.invalidate_cache(parent(source))
 
 
-def open_file(path: str, mode: str = "r", **kw):
-    """``open`` for a local path or an object (read, or written whole: ``w``/``wb``)."""
-    if not is_url(path):
-        return open(path, mode, **kw)
-    with _errors(path, "opening"):
-        return filesystem(path).open(path, mode, **kw)
-
-
 def read_bytes(path: str) -> bytes:
     if not is_url(path):
         with open(path, "rb") as f:
@@ -284,24 +269,6 @@ def _umask() -> int:
     return mask
 
 
-def glob(pattern: str, recursive: bool = True) -> list[str]:
-    """The paths ``pattern`` matches (``**`` any folders deep), sorted; URLs keep their scheme."""
-    if not is_url(pattern):
-        return sorted(globlib.glob(pattern, recursive=recursive))
-    fs, s = filesystem(pattern), scheme(pattern)
-    with _errors(pattern, "listing"):
-        fs.invalidate_cache()
-        found = fs.glob(pattern)
-    return sorted(f"{s}://{p}" if not is_url(p) else p for p in found)
-
-
-def size(path: str) -> int:
-    if not is_url(path):
-        return os.path.getsize(path)
-    with _errors(path, "checking"):
-        return filesystem(path).size(path)
-
-
 def bytes_under(folder: str) -> int:
     """The size of the files under ``folder``."""
     if not is_url(folder):
@@ -322,27 +289,13 @@ def upload(local_folder: str, url: str) -> None:
         fs.invalidate_cache(url)
 
 
-def download(url: str, local_folder: str) -> str:
-    """Copy the files under the folder ``url`` into ``local_folder`` (made); returns it."""
-    fs = filesystem(url)
-    os.makedirs(local_folder, exist_ok=True)
-    with _errors(url, "downloading"):
-        base = fs._strip_protocol(url).rstrip("/")
-        for path in fs.find(url):
-            rel = path[len(base):].lstrip("/")
-            dest = os.path.join(local_folder, *rel.split("/"))
-            os.makedirs(os.path.dirname(dest), exist_ok=True)
-            fs.get_file(path, dest)
-    return local_folder
-
-
 def local_copy(url: str) -> str:
     """A local copy of the folder or file ``url`` (a model checkpoint, a tokenizer, a run's
     tokenizer/, a data file), for readers that take only local paths (``transformers``,
     ``tokenizers``, safetensors, the data readers): downloaded once into
-    ``$XDG_CACHE_HOME/jaxaccel/remote/`` (``~/.cache`` without it), under a name of the URL and
-    of every object's size and version, so a changed object is downloaded again. A local path
-    is returned as it is."""
+    ``$XDG_CACHE_HOME/jaxaccel/remote/KEY/NAME`` (``~/.cache`` without XDG_CACHE_HOME; NAME the
+    URL's last part, KEY a digest of the URL and of every object's size and version, so a
+    changed object is downloaded again). A local path is returned as it is."""
     if not is_url(url):
         return url
     fs = filesystem(url)
@@ -352,28 +305,61 @@ def local_copy(url: str) -> str:
     if not objects:
         raise FileNotFoundError(f"{url}: no such file or folder (no object under it).")
     single = fs._strip_protocol(url).rstrip("/") in objects and len(objects) == 1
+    folder = _mirrored(url, objects, url if single else None)
+    return os.path.join(folder, basename(url))
+
+
+def mirror(pattern: str) -> str:
+    """The local glob that matches the local copies of what the bucket glob ``pattern``
+    matches (``gs://b/data/**/*.jsonl``; a URL without wildcards: ``local_copy``), laid out as
+    under the glob's root (its leading folders without wildcards), so that folder names (a
+    file's class folder) are the bucket's. A local pattern is returned as it is."""
+    if not is_url(pattern) or not globlib.has_magic(pattern):
+        return local_copy(pattern)
+    head, rest = pattern.split("://", 1)
+    parts = rest.split("/")
+    fixed = next(i for i, p in enumerate(parts) if globlib.has_magic(p))
+    root = f"{head}://{'/'.join(parts[:fixed])}"
+    fs = filesystem(pattern)
+    with _errors(pattern, "listing"):
+        fs.invalidate_cache()
+        objects = {p: i for p, i in fs.glob(pattern, detail=True).items()
+                   if i.get("type") == "file"}
+    if not objects:
+        raise FileNotFoundError(f"{pattern} matches no object in the bucket.")
+    folder = _mirrored(root, objects)
+    return os.path.join(folder, basename(root), *parts[fixed:])
+
+
+def _mirrored(url: str, objects: dict, single: str | None = None) -> str:
+    """The local folder holding ``objects`` (fsspec paths with their info) below ``url``,
+    downloaded unless a copy of these same versions is there (``local_copy``)."""
+    fs = filesystem(url)
     versions = sorted((name, info.get("size"), str(info.get("generation") or info.get("ETag")
                                                    or info.get("mtime") or ""))
                       for name, info in objects.items())
     key = hashlib.sha256(json.dumps([url, versions]).encode()).hexdigest()[:16]
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    folder = os.path.join(base, "jaxaccel", "remote", f"{basename(url)}-{key}")
-    if not os.path.isdir(folder):
-        staging = tempfile.mkdtemp(prefix=f".{basename(url)}-",
-                                   dir=_made(os.path.dirname(folder)))
-        try:
-            if single:
-                with _errors(url, "downloading"):
-                    fs.get_file(url, os.path.join(staging, basename(url)))
-            else:
-                download(url, staging)
-            os.chmod(staging, 0o777 & ~_umask())
-            os.replace(staging, folder)
-        except OSError:
-            shutil.rmtree(staging, ignore_errors=True)
-            if not os.path.isdir(folder):      # else another process downloaded it first
-                raise
-    return os.path.join(folder, basename(url)) if single else folder
+    folder = os.path.join(base, "jaxaccel", "remote", key)
+    if os.path.isdir(folder):
+        return folder
+    staging = tempfile.mkdtemp(prefix=f".{key}-", dir=_made(os.path.dirname(folder)))
+    try:
+        name = basename(url)
+        top = fs._strip_protocol(url).rstrip("/")
+        with _errors(url, "downloading"):
+            for path in objects:
+                rel = name if single else posixpath.join(name, path[len(top):].lstrip("/"))
+                dest = os.path.join(staging, *rel.split("/"))
+                os.makedirs(os.path.dirname(dest), exist_ok=True)
+                fs.get_file(path, dest)
+        os.chmod(staging, 0o777 & ~_umask())
+        os.replace(staging, folder)
+    except OSError:
+        shutil.rmtree(staging, ignore_errors=True)
+        if not os.path.isdir(folder):      # else another process downloaded it first
+            raise
+    return folder
 
 
 def _made(folder: str) -> str:

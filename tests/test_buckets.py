@@ -6,6 +6,7 @@ Every command runs in a subprocess given the server's environment (its endpoint 
 credentials), as a user's would on a VM."""
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -252,3 +253,36 @@ def test_a_plan_and_a_benchmark_are_written_to_a_bucket(gcs_server):
     _, err = jaxaccel(gcs_server, "compile", "--config", TINY_CONFIG, "--topology", "local",
                       "--out", "gs://no-such-bucket-1/plans", status=cli.EXIT_ERROR)
     assert "no-such-bucket-1 does not exist" in err and "compiled" not in err
+
+
+def test_data_files_and_class_folders_are_read_from_a_bucket(s3_server, tmp_path):
+    """A glob of JSONL files and a folder of class folders in a bucket: read from their local
+    copies, the class folders keeping their names; trained on, with the run in the bucket too;
+    a token cache in a bucket is refused with why."""
+    fs, bucket = s3_server.filesystem(), s3_server.create_bucket()
+    for split, n in (("train", 32), ("test", 8)):
+        fs.pipe_file(f"{bucket}/reviews/{split}-0.jsonl", "".join(
+            json.dumps({"text": f"{split} row {i} of the bucket", "label": "ab"[i % 2]}) + "\n"
+            for i in range(n)).encode())
+    for label in ("pos", "neg"):
+        for i in range(8):
+            fs.pipe_file(f"{bucket}/texts/{label}/day{i % 2}/{i}.txt", f"{label} {i}".encode())
+    files = (f"--set=data.train_files={bucket}/reviews/train-*.jsonl",
+             f"--set=data.eval_files={bucket}/reviews/test-*.jsonl")
+    sets = ("--set=model.name=tiny", "--set=train.batch_size=8", "--set=train.eval_batch_size=8",
+            "--set=train.max_steps=2", "--set=train.progress=false")
+    config_file = os.path.join(os.path.dirname(TINY_CONFIG), "files_classifier.py")
+    cwd, copies = tmp_path / "cwd", str(tmp_path / "copies")
+    cwd.mkdir()
+    shown, _ = jaxaccel(s3_server, "data", "show", "--config", config_file, "-n", "40", *sets,
+                        f"--set=data.train_files={bucket}/texts", "--set=data.eval_files=",
+                        "--set=data.holdout=0.5", cwd=cwd, XDG_CACHE_HOME=copies)
+    assert set(re.findall(r"label '(\w+)'", shown)) == {"pos", "neg"}, shown[:800]
+    trained = json.loads(jaxaccel(s3_server, "train", "--config", config_file, *files, *sets,
+                                  f"--set=workdir={bucket}/runs", cwd=cwd, XDG_CACHE_HOME=copies)[0])
+    assert trained["status"] == "completed" and trained["eval_examples"] == 8
+    _, err = jaxaccel(s3_server, "train", "--config", config_file, *files, *sets,
+                      f"--set=data.cache_dir={bucket}/cache", status=cli.EXIT_ERROR,
+                      cwd=cwd, XDG_CACHE_HOME=copies)
+    assert "the token cache lives on each host's own disk" in err
+    assert os.listdir(cwd) == [] and os.listdir(os.path.join(copies, "jaxaccel", "remote"))

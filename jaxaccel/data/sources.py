@@ -15,6 +15,7 @@ import importlib
 import logging
 from collections.abc import Mapping
 
+from jaxaccel import storage
 from jaxaccel.data.spec import (Batching, DataMissing, DataSpec, ModelInput, Settings,
                                 holdout_size)
 
@@ -86,6 +87,7 @@ def describe(section: Mapping, batching: Batching, model: ModelInput, *,
     settings = Settings(section)
     row = source(settings.name)
     try:
+        settings = _local_files(settings, absent_ok)
         spec = importlib.import_module(row.module).describe(settings, model, batching)
     except DataMissing as e:
         if not absent_ok:
@@ -95,6 +97,29 @@ def describe(section: Mapping, batching: Batching, model: ModelInput, *,
         spec = unread(settings, model, batching, spec.absent)      # part of it is missing
     _note_unused_holdout(spec)
     return counted(spec)
+
+
+FILE_KEYS = ("train_files", "eval_files")
+"""The settings that name files by glob, which may be bucket URLs (``gs://``, ``s3://``)."""
+
+
+def _local_files(settings: Settings, absent_ok: bool) -> Settings:
+    """``settings`` with each bucket glob of ``FILE_KEYS`` replaced by the glob of its local
+    copies (``storage.mirror``: downloaded once per version of the objects, laid out as in the
+    bucket, so class folders keep their names), which the readers and the token cache's key
+    then see as local files. A plan (``absent_ok``) reads no data: the files stay where they
+    are and the data is described from the config (``DataMissing``)."""
+    urls = {k: settings[k] for k in FILE_KEYS if storage.is_url(settings.get(k) or "")}
+    if not urls:
+        return settings
+    if absent_ok:
+        raise DataMissing(f"data.{next(iter(urls))}={next(iter(urls.values()))!r} is in a "
+                          "bucket, which a plan does not read")
+    local = {k: ",".join(storage.mirror(g.strip()) for g in v.split(",") if g.strip())
+             for k, v in urls.items()}
+    for key, glob in local.items():
+        log.info("data.%s=%s: read from its local copy %s", key, urls[key], glob)
+    return Settings({**settings, **local})
 
 
 def _note_unused_holdout(spec: DataSpec) -> None:
