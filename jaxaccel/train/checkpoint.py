@@ -93,13 +93,16 @@ def _bucket_options(directory: str) -> dict:
     """Orbax's options for a checkpoint folder in a bucket: a step is written in place and
     marked complete by its commit file (``rundir.COMMIT_FILE``: nothing is renamed, which a
     bucket cannot do atomically), its arrays through TensorStore's own driver (``s3://``:
-    ``orbax_s3``). None for a local folder."""
+    ``orbax_s3``), old steps deleted in the background. None for a local folder."""
     if not storage.is_url(directory):
         return {}
     if storage.scheme(directory) == "s3":
         orbax_s3.enable()
     return {"atomicity_options": ocp.options.AtomicityOptions(
-        mode=ocp.options.AtomicityMode.COMMIT_FILE)}
+        mode=ocp.options.AtomicityMode.COMMIT_FILE),
+            # the steps beyond train.keep_checkpoints are deleted by a background thread: in a
+            # bucket a step is many objects, each its own request, which would hold the save
+            "enable_background_delete": True}
 
 
 class Checkpointer:
