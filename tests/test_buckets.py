@@ -48,8 +48,8 @@ def losses(fs, run_url) -> dict[int, float]:
 
 @pytest.mark.parametrize("scheme", ["gs", "s3"])
 def test_a_run_lives_in_a_bucket(scheme, request, tmp_path):
-    """Trained, resumed (a longer run), evaluated and exported with every file in the bucket;
-    nothing is written to the local folder the commands run in."""
+    """Trained, resumed (a longer run), evaluated, asked to predict (gs) and exported with every
+    file in the bucket; nothing is written to the local folder the commands run in."""
     server = request.getfixturevalue("gcs_server" if scheme == "gs" else "s3_server")
     fs, bucket = server.filesystem(), server.create_bucket()
     run = f"{bucket}/runs/tiny_synthetic"
@@ -63,6 +63,10 @@ def test_a_run_lives_in_a_bucket(scheme, request, tmp_path):
     assert fs.find(f"{run}/tensorboard") and fs.exists(f"{run}/tokenizer/tokenizer.json")
     evaluated = json.loads(jaxaccel(server, "eval", "--checkpoint", run, cwd=tmp_path)[0])
     assert evaluated["step"] == 6 and evaluated["accuracy"] == resumed["eval_accuracy"]
+    if scheme == "gs":          # predict reads the run as eval does (its tokenizer copied)
+        predicted = json.loads(jaxaccel(server, "predict", "--checkpoint", run, "a film",
+                                        cwd=tmp_path)[0])
+        assert predicted["label"] in evaluated["label_names"]
     exported = json.loads(jaxaccel(server, "export", "--checkpoint", run, "--out",
                                    f"{bucket}/hf/tiny", cwd=tmp_path)[0])
     assert exported["out"] == f"{bucket}/hf/tiny"
