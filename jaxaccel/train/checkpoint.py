@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from jaxaccel import forms, storage
-from jaxaccel.train import orbax_s3
+from jaxaccel.train import orbax_buckets
 from jaxaccel.train.orbax_failures import details, is_disk_full, one_line, quiet_leftovers
 from jaxaccel.train.rundir import checkpoint_finished
 
@@ -93,11 +93,11 @@ def _bucket_options(directory: str) -> dict:
     """Orbax's options for a checkpoint folder in a bucket: a step is written in place and
     marked complete by its commit file (``rundir.COMMIT_FILE``: nothing is renamed, which a
     bucket cannot do atomically), its arrays through TensorStore's own driver (``s3://``:
-    ``orbax_s3``), old steps deleted in the background. None for a local folder."""
+    ``orbax_buckets``), a failing request retried a bounded number of times, old steps
+    deleted in the background. None for a local folder."""
     if not storage.is_url(directory):
         return {}
-    if storage.scheme(directory) == "s3":
-        orbax_s3.enable()
+    orbax_buckets.enable(storage.scheme(directory))
     return {"atomicity_options": ocp.options.AtomicityOptions(
         mode=ocp.options.AtomicityMode.COMMIT_FILE),
             # the steps beyond train.keep_checkpoints are deleted by a background thread: in a

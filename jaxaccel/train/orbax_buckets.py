@@ -1,4 +1,5 @@
-"""Orbax checkpoints in S3 buckets: TensorStore's own ``s3`` driver for the arrays.
+"""Orbax checkpoints in buckets: TensorStore's own ``s3`` driver for the arrays of an ``s3://``
+checkpoint, and a bound on how long a failing bucket request is retried.
 
 Orbax (0.12) maps ``gs://`` paths to TensorStore's ``gcs`` driver and nothing else: an
 ``s3://`` path is normalised to ``s3:/bucket/...`` and written as a local folder of that name.
@@ -14,6 +15,12 @@ The S3 endpoint and region come from the standard AWS variables (``AWS_ENDPOINT_
 ``AWS_DEFAULT_REGION``), which TensorStore does not read itself; credentials come from the
 environment when ``AWS_ACCESS_KEY_ID`` is set, else from TensorStore's default chain (profile,
 instance role).
+
+TensorStore retries a failed GCS or S3 request 32 times by default, its delay doubling from 1 s
+to 32 s: a bucket that stops answering mid-save holds the run for about a quarter of an hour
+before the error. ``RETRIES`` bounds that (about a minute) through the TensorStore context Orbax
+opens its stores with; the save then fails with one line and the earlier checkpoints are
+untouched (a step is a checkpoint only once its commit file is written, last).
 """
 from __future__ import annotations
 
@@ -21,6 +28,8 @@ import os
 import posixpath
 
 _enabled = False
+RETRIES = {"max_retries": 6, "initial_delay": "1s", "max_delay": "16s"}
+"""TensorStore's retries of a bucket request: 1 + 2 + 4 + 8 + 16 + 16 s of waiting at most."""
 
 
 def kvstore(path: str) -> dict:
@@ -38,8 +47,20 @@ def kvstore(path: str) -> dict:
     return spec
 
 
-def enable() -> None:
-    """Let Orbax write and read ``s3://`` checkpoints in this process (idempotent)."""
+def enable(scheme: str) -> None:
+    """Let Orbax write and read ``scheme://`` checkpoints in this process (idempotent): bounded
+    retries for both, the ``s3`` mapping for S3."""
+    from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
+    for context in (getattr(ts_utils, "_BASE_TS_CONTEXT", None),
+                    getattr(ts_utils, "_DEFAULT_OCDBT_TS_CONTEXT", None)):
+        if isinstance(context, dict):
+            context.setdefault(f"{'gcs' if scheme == 'gs' else 's3'}_request_retries", RETRIES)
+    if scheme == "s3":
+        _enable_s3()
+
+
+def _enable_s3() -> None:
+    """The ``s3://`` mapping, once per process."""
     global _enabled
     if _enabled:
         return
