@@ -61,7 +61,7 @@ ENTRY %main (a: f32[8]) -> f32[8] {
 
 
 SUITES = ("train_step", "attention", "optimizer", "job", "scaling", "checkpoint_save", "hf_flax",
-          "hf_llama", "pipeline", "gpu_evidence")
+          "hf_llama", "pipeline", "gpu_evidence", "bucket_io")
 
 
 def test_results_go_where_the_user_says_never_to_committed_results(tmp_path, monkeypatch,
