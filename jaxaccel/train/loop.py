@@ -186,11 +186,12 @@ class Events:
         self.checkpoint(step, state)
         if eval_due(self.run.cfg.train, step, self.run.total_steps):
             ev = self.run.evaluate(state)
-            self.writer.write(step, ev, prefix="eval/")
+            self.writer.write_eval(step, ev)
             if jax.process_index() == 0:
                 epoch = step // self.run.train_data.steps_per_epoch
                 tqdm.write(f"epoch {epoch}: eval " + " ".join(
-                    f"{k} {v:.4f}" for k, v in ev.items()), file=sys.stderr)
+                    f"{k} {v:.4f}" for k, v in ev.items() if isinstance(v, (int, float))),
+                    file=sys.stderr)
         self.log.restart_clock()        # the next step's time excludes save and eval
 
     def _paths(self) -> dict:
@@ -206,7 +207,7 @@ class Events:
         self.bar.close()
         final = self.run.evaluate(state)     # while the last save writes
         self.ckpt.wait()
-        self.writer.write(step, final, prefix="eval/")
+        self.writer.write_eval(step, final)
         split = self.run.resolved.data.eval_split
         return Completed(**self._paths(), step=step, task=self.run.task.name,
                          summary=self.run.task.summary(final, split), eval_split=split,
