@@ -12,6 +12,7 @@ import numpy as np
 from jaxaccel import config as config_lib, storage
 from jaxaccel.data import BatchIterator, load_tokenizer, sources, splits, tokenize
 from jaxaccel.data.arrays import ArrayBatches
+from jaxaccel.data.images import PROCESSOR_FILE
 from jaxaccel.data.spec import Settings
 from jaxaccel.models import check_vocab, spec as spec_lib
 from jaxaccel.models.generate import Sampler
@@ -99,7 +100,7 @@ def checkpoint_run(run_dir: str, sets=(), devices=None, *, data: bool = True):
     model, trained, meta = load_run(run_dir)
     cfg = config_lib.build(trained.to_dict(), ["mesh.data=-1", "mesh.fsdp=1", "mesh.tensor=1",
                                            "mesh.stage=1", *sets])
-    folder = None if reads_arrays(model.spec) else tokenizer_dir(run_dir)
+    folder = kept_processor(run_dir) if reads_arrays(model.spec) else tokenizer_dir(run_dir)
     resolved = resolve(cfg, devices, training=False, spec=model.spec, tokenizer=folder,
                        label_names=meta.get("label_names") or None, absent_ok=not data)
     resolved = dataclasses.replace(resolved, data=dataclasses.replace(
@@ -110,6 +111,12 @@ def checkpoint_run(run_dir: str, sets=(), devices=None, *, data: bool = True):
 def reads_arrays(spec) -> bool:
     """Whether the model of ``spec`` reads arrays (``pixels``) rather than tokens."""
     return "pixels" in spec.family.resolve("model").input_keys
+
+
+def kept_processor(run_dir: str) -> str | None:
+    """The run folder if it keeps an image processor's config (an images run's
+    ``preprocessor_config.json``, ``DataSpec.run_files``), else None."""
+    return run_dir if storage.exists(storage.join(run_dir, PROCESSOR_FILE)) else None
 
 
 def tokenizer_dir(run_dir: str) -> str:

@@ -113,7 +113,8 @@ def _train(run: Run, changes: dict, services: Services) -> Outcome:
             storage.join(run.run_dir, "checkpoints"), keep=run.cfg.train.keep_checkpoints)))
         state, start = _resume(run, ckpt, changes)
         if jax.process_index() == 0:    # only now: a refused resume leaves the folder as it was
-            rundir.write_files(run.run_dir, run.cfg.to_dict(), run.tokenizer)
+            rundir.write_files(run.run_dir, run.cfg.to_dict(), run.tokenizer,
+                               run.resolved.data.run_files())
         writer = stack.enter_context(contextlib.closing(services.metrics(run.run_dir)))
         bar = stack.enter_context(contextlib.closing(_progress_bar(run, start)))
         return _loop(run, state, start, Events(run, ckpt, writer, bar), services.stop)
