@@ -14,7 +14,8 @@
     jaxaccel data show --config configs/files_lm.py -n 5   # the first rows, decoded
 
 predict prints one JSON object a line, in input order: {"index", "text", "label",
-"probability"} (probability null if not finite), or {"index", "error"} for an input that is not
+"probability"} (probability null if not finite; with --top-k K also "top_k": the K likeliest
+{"label", "probability"}, most likely first), or {"index", "error"} for an input that is not
 valid UTF-8, or is empty or only whitespace; the others are still classified, and the exit
 status is then 2. For an audio run each input is a file: {"index", "file", "label",
 "probability", "seconds", "seconds_classified", "channels"} (what was read of it), or
@@ -76,6 +77,8 @@ def _run_commands(sub) -> None:
                    help="file with one text (or input file path) per line ('-' reads "
                         "standard input)")
     r.add_argument("--batch-size", type=int, default=64, help="inputs per forward pass")
+    r.add_argument("--top-k", type=int, metavar="K", help="also give the K likeliest labels "
+                   "with their probabilities (the record's top_k, most likely first)")
     r.add_argument("texts", nargs="*", help="texts to classify; for a run on arrays (e.g. "
                                             "bfsong), the files to classify (WAV recordings)")
     g = sub.add_parser("generate", help="continue texts with a causal LM run's latest "
@@ -258,7 +261,7 @@ def cmd_predict(args) -> int:
     texts = _read_texts(args)
     run_dir = _run_dir(args.checkpoint)
     with rundir.library_log(run_dir):
-        predictor = Predictor(run_dir, batch_size=args.batch_size)
+        predictor = Predictor(run_dir, batch_size=args.batch_size, top_k=args.top_k)
     good = [i for i, t in enumerate(texts) if isinstance(t, str)]
     results = dict(zip(good, predictor([texts[i] for i in good]))) if good else {}
     key = "file" if predictor.arrays else "text"

@@ -80,9 +80,10 @@ BASE: dict[str, Any] = {
         "data_dir": "",             # TFDS data dir ("" = TFDS default / $TFDS_DATA_DIR)
         "manual_dir": "",           # where manually downloaded archives are (imdb_reviews)
         "train_files": "",          # files, audio: glob(s) of the training files, comma-
-                                    # separated; a folder: every file under it; local or in a
-                                    # bucket (gs://, s3://: copied to the host once)
-        "eval_files": "",           # files, audio: the eval split's files ("" = hold out
+                                    # separated; a folder: every file under it; images: a
+                                    # folder of class folders, or a .csv/.jsonl listing; local
+                                    # or in a bucket (gs://, s3://: copied to the host once)
+        "eval_files": "",           # files, audio, images: the eval split's files ("" = hold out
                                     # data.holdout of the training split)
         "holdout": 0.0,             # > 0: this fraction of the training split is the eval
                                     # split where the source has none (fixed rows)
@@ -91,7 +92,7 @@ BASE: dict[str, Any] = {
         "format": "auto",           # files: auto (by extension) | jsonl | csv | tsv | parquet |
                                     # arrow | text
         "text_field": "text",       # files, tfds, hf: the field holding the text
-        "label_field": "label",     # files, tfds, hf: the field holding the label (class
+        "label_field": "label",     # files, tfds, hf, images' listing: the label's field (class
                                     # names or integers); a corpus reads none
         "documents": "file",        # files, plain text: file (one document a file; a label
                                     # is its folder's name) | paragraph (blank-line separated)

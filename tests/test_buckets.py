@@ -65,6 +65,7 @@ def test_a_run_lives_in_a_bucket(scheme, request, tmp_path):
     assert fs.exists(f"{run}/checkpoints/{end}/commit_success.txt")
     assert not fs.exists(f"{run}/lock")                 # released
     assert fs.find(f"{run}/tensorboard") and fs.exists(f"{run}/tokenizer/tokenizer.json")
+    assert fs.cat_file(f"{run}/confusion_matrix.png").startswith(b"\x89PNG")
     evaluated = json.loads(jaxaccel(server, "eval", "--checkpoint", run, cwd=tmp_path)[0])
     assert evaluated["step"] == end and evaluated["accuracy"] == first["eval_accuracy"]
     if scheme == "gs":          # predict reads the run as eval does (its tokenizer copied)

@@ -144,6 +144,10 @@ def test_two_processes_stop_together_on_sigterm_to_one_and_resume_like_one_proce
     with jax.default_device(cpu[0]):
         ev = evaluate_run(str(two), devices=cpu[:1])
     assert ev["accuracy"] == pytest.approx(final, abs=1e-6)
+    # The confusion matrix counted over both processes' shares of the eval split: exact.
+    gathered = [r for r in read_metrics(str(two)) if "eval/confusion_matrix" in r][-1]
+    assert gathered["eval/confusion_matrix"] == ev["confusion_matrix"]
+    assert sum(map(sum, ev["confusion_matrix"])) == ev["examples"]
 
 
 @pytest.mark.slow   # 60-95 s; tests/test_pipeline_cli.py's killed two-process run is slow too

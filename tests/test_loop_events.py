@@ -103,7 +103,8 @@ def events(ckpt):
             task=T(name="classification", summary=lambda ev, split: "done"),
             evaluate=lambda state: {"accuracy": 0.5})
     written = []
-    writer = T(path="metrics.jsonl", write=lambda step, m, prefix: written.append((step, prefix)))
+    writer = T(path="metrics.jsonl", write=lambda step, m, prefix: written.append((step, prefix)),
+               write_eval=lambda step, m: written.append((step, "eval/")), flush=lambda: None)
     return loop.Events(run, ckpt, writer, tqdm(disable=True)), written
 
 

@@ -1,9 +1,12 @@
 """Training on your own data: the files, TFDS, Hugging Face and audio sources, their errors
 (file and line), and the data commands (jaxaccel.data.files, tfds_source, hf_disk, audio;
 jaxaccel.train.datacmd). The token cache itself: test_token_cache.py."""
+import glob
 import json
+import os
 import re
 
+import jax
 import numpy as np
 import pytest
 
@@ -12,6 +15,7 @@ from jaxaccel.data import files
 from jaxaccel.data.spec import DataError
 from jaxaccel.train import datacmd, loop
 from jaxaccel.train.inference import Predictor, evaluate_run
+from jaxaccel.train.metrics import read_metrics
 from jaxaccel.train.run import resolve
 from support import run_cli
 
@@ -213,25 +217,59 @@ def test_a_corpus_shorter_than_a_row_or_a_batch_is_refused(tmp_path):
 
 def test_files_train_eval_and_predict_name_the_labels(tmp_path, capsys):
     """A classifier trained on JSONL with string labels: the label names are kept with the run,
-    so predict (and the data commands) name them; eval reads the eval files again."""
+    so predict (and the data commands) name them; eval reads the eval files again and reports
+    per-class precision/recall/F1, macro-F1 and the confusion matrix (JSON, metrics.jsonl, a
+    PNG, TensorBoard) counted exactly: 7 examples in batches of 8 (a padding row), the same
+    on 8 devices or 1; predict --top-k gives the likeliest labels."""
     train = reviews_jsonl(tmp_path / "train.jsonl", text="review", label="sentiment")
-    evals = reviews_jsonl(tmp_path / "test.jsonl", REVIEWS[:8], text="review",
+    evals = reviews_jsonl(tmp_path / "test.jsonl", REVIEWS[:7], text="review",
                           label="sentiment")
     sets = files_sets(tmp_path, f"data.train_files={train}", f"data.eval_files={evals}",
                       "data.text_field=review", "data.label_field=sentiment", "name=reviews")
     result = loop.train(config.build(sets=sets))
-    assert result["status"] == "completed" and result["eval_examples"] == 8
+    assert result["status"] == "completed" and result["eval_examples"] == 7
     run_dir = result["run_dir"]
-    ev = evaluate_run(run_dir)
+    code, out, err = run_cli(capsys, "eval", "--checkpoint", run_dir)
+    assert code == 0, err
+    ev = json.loads(out)
     assert ev["accuracy"] == result["eval_accuracy"] and ev["label_names"] == ["neg", "pos"]
+    check_confusion(ev, run_dir, support=[3, 4])
+    assert evaluate_run(run_dir, devices=jax.devices()[:1])["confusion_matrix"] == \
+        ev["confusion_matrix"]
     labels = {label for label, _, _ in Predictor(run_dir)(["a film", "a waste"])}
     assert labels <= {"neg", "pos"}
+    code, out, err = run_cli(capsys, "predict", "--checkpoint", run_dir, "--top-k", "2", "a film")
+    assert code == 0, err
+    record = json.loads(out)
+    assert [t["label"] for t in record["top_k"]][0] == record["label"]
+    assert {t["label"] for t in record["top_k"]} == {"neg", "pos"}
+    assert sum(t["probability"] for t in record["top_k"]) == pytest.approx(1.0, abs=1e-5)
+    code, _, err = run_cli(capsys, "predict", "--checkpoint", run_dir, "--top-k", "3", "a film")
+    assert code == 2 and "error: --top-k 3: the run" in err and "from 1 to 2" in err
     code, out, err = run_cli(capsys, "data", "show", "-n", "2", *[f"--set={s}" for s in sets])
     assert code == 0, err
     assert out.count("row ") == 2 and ("label 'neg'" in out or "label 'pos'" in out)
     code, out, err = run_cli(capsys, "data", "prepare", *[f"--set={s}" for s in sets])
     assert code == 0, err
     assert "train: 24 examples" in out and "neg 12, pos 12" in out and "cache:" in out
+
+
+def check_confusion(ev, run_dir, support):
+    """``ev``'s per-class report agrees with its exact counts (padding rows left out), and the
+    trainer's last evaluation wrote it to metrics.jsonl, the PNG and TensorBoard."""
+    m = np.array(ev["confusion_matrix"])
+    assert m.sum(1).tolist() == ev["support"] == support and m.sum() == ev["examples"]
+    assert np.trace(m) / m.sum() == pytest.approx(ev["accuracy"])
+    assert ev["recall"] == pytest.approx(list(np.diag(m) / m.sum(1)))
+    assert ev["macro_f1"] == pytest.approx(np.mean(ev["f1"]))
+    last = [r for r in read_metrics(run_dir) if "eval/accuracy" in r][-1]
+    assert last["eval/confusion_matrix"] == ev["confusion_matrix"]
+    assert last["eval/label_names"] == ev["label_names"]
+    with open(os.path.join(run_dir, "confusion_matrix.png"), "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    events = glob.glob(os.path.join(run_dir, "tensorboard", "events.out.tfevents*"))
+    data = b"".join(open(p, "rb").read() for p in events)
+    assert b"eval/confusion_matrix" in data and b"\x89PNG" in data
 
 
 def corpus_sets(tmp_path):

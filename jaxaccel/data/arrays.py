@@ -4,7 +4,10 @@ train and evaluate on (``mae``, ``classification``).
 A batch is ``{"pixels": float32 [rows, *shape], "labels": int32 [rows], "weights": float32
 [rows]}`` (weight 0: a padding row completing the last eval batch). Training batches are
 whole, from an order shuffled per (seed, epoch); evaluation batches take every example once,
-in order. Each process loads its part of every global batch (``process_index`` of
+in order. The examples are arrays made ahead, or made per batch by an object with ``shape``,
+``len`` and ``pixels(rows, epoch, augment) -> float32 [len(rows), *shape]`` (``augment``:
+the batches are training's; ``data.images.ImageExamples`` decodes and augments images).
+Each process loads its part of every global batch (``process_index`` of
 ``process_count`` equal contiguous parts), as the text iterators do.
 
     data = ArrayBatches(x, y, 32, shuffle=True, seed=0)
@@ -23,7 +26,7 @@ class ArrayBatches:
     def __init__(self, x: np.ndarray, labels: np.ndarray, global_batch_size: int, *,
                  shuffle: bool = True, seed: int = 0, drop_remainder: bool = True,
                  process_index: int = 0, process_count: int = 1):
-        x, labels = np.asarray(x, np.float32), np.asarray(labels, np.int32)
+        x, labels = (x if hasattr(x, "pixels") else Ready(x)), np.asarray(labels, np.int32)
         if len(x) == 0 or len(x) != len(labels):
             raise ValueError(f"ArrayBatches: {len(x)} examples and {len(labels)} labels; "
                              "expected the same number, at least one.")
@@ -65,7 +68,22 @@ class ArrayBatches:
             weights = np.concatenate([np.ones(len(rows), np.float32),
                                       np.zeros(short, np.float32)])
             rows = np.concatenate([rows, np.zeros(short, rows.dtype)])
-            yield {"pixels": self.x[rows], "labels": self.labels[rows], "weights": weights}
+            yield {"pixels": self.x.pixels(rows, epoch, self.shuffle),
+                   "labels": self.labels[rows], "weights": weights}
+
+
+class Ready:
+    """Examples made ahead: float32 [n, *shape] (``ArrayBatches``' ``pixels`` protocol)."""
+
+    def __init__(self, x):
+        self.x = np.asarray(x, np.float32)
+        self.shape = self.x.shape
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def pixels(self, rows, epoch: int, augment: bool) -> np.ndarray:
+        return self.x[rows]
 
 
 __all__ = ["ArrayBatches"]

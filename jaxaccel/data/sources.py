@@ -52,6 +52,8 @@ SOURCES: dict[str, Source] = dict(
               ("classification", "causal_lm"), yours=True),
     audio=Source("jaxaccel.data.audio", "a folder of audio files (labels: sub-folder names)",
                  ("mae", "classification"), yours=True),
+    images=Source("jaxaccel.data.images", "images (JPEG/PNG/WebP) in class sub-folders, or "
+                  "a CSV/JSONL of path and label", ("classification",), yours=True),
 )
 """Data sources by name (``data.name``): the module that describes each (``describe``)."""
 

@@ -102,6 +102,8 @@ class ModelInput:
     tokenizer: the tokenizer folder a model that reads tokens names (``model.tokenizer``, the
       checkpoint's, a run folder's), or None: the model's default, or a corpus's own BPE.
     vocab_size: the model's embedding rows (what token ids must stay below).
+    processor: the checkpoint folder whose ``preprocessor_config.json`` says how images
+      become the model's pixels (``model.checkpoint``), or None (random init).
     """
 
     name: str
@@ -112,6 +114,7 @@ class ModelInput:
     num_labels: int | None = None
     tokenizer: str | None = None
     vocab_size: int | None = None
+    processor: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -255,6 +258,13 @@ class DataSpec:
     def steps_per_epoch(self) -> int | None:
         """Whole training batches an epoch, where ``rows`` is known."""
         return None if self.rows is None else self.rows // self.batching.batch_size
+
+    def run_files(self) -> dict:
+        """``{name: JSON object}`` a trained run keeps in its folder for its eval, predict and
+        export to read the data as it did (the reader's ``run_files``; images: the image
+        processor's config); {} for most sources."""
+        keep = getattr(self.reader, "run_files", None)
+        return keep() if keep else {}
 
     @property
     def held_out(self) -> bool:

@@ -3,7 +3,8 @@
 family's writer (``models.save_checkpoint``: BERT as ``BertForSequenceClassification``, Llama
 as ``LlamaForCausalLM``, ViT as ``ViTForImageClassification`` or ``ViTMAEForPreTraining``),
 the run's label names as config.json's ``id2label`` / ``label2id``, and the files of its
-``tokenizer/`` folder beside them (``AutoTokenizer`` loads them; a ViT run has none).
+``tokenizer/`` folder beside them (``AutoTokenizer`` loads them; a ViT run has none; an images
+run's ``preprocessor_config.json`` instead, which ``AutoImageProcessor`` loads).
 
 Only what transformers computes as the run does is written: a model its class would run with
 other outputs (the writers' ``differences``) is refused with the reason, never exported, unless
@@ -43,7 +44,8 @@ import tempfile
 from jaxaccel import storage
 from jaxaccel.models import hf, hf_vit, save_checkpoint
 from jaxaccel.models.architectures import ViTConfig
-from jaxaccel.train.inference import tokenizer_dir
+from jaxaccel.data.images import PROCESSOR_FILE
+from jaxaccel.train.inference import kept_processor, tokenizer_dir
 from jaxaccel.train.saved import load_run
 
 log = logging.getLogger("jaxaccel")
@@ -69,7 +71,8 @@ def export_run(run_dir: str, out: str, *, overwrite: bool = False, custom_code: 
         _write_model(model, staging, custom_code, encoder)
         config = _set_label_names(staging, run_label_names(meta))
         reads_tokens = "input_ids" in type(model).input_keys
-        copied = _copy_files(tokenizer_dir(run_dir), staging) if reads_tokens else []
+        copied = _copy_files(tokenizer_dir(run_dir), staging) if reads_tokens else \
+            _copy_processor(run_dir, staging)
         _usual_permissions(staging)
         _publish(staging, out)
     finally:
@@ -176,6 +179,15 @@ def _usual_permissions(folder: str) -> None:
     os.chmod(folder, 0o777 & ~umask)
     for name in os.listdir(folder):
         os.chmod(os.path.join(folder, name), 0o666 & ~umask)
+
+
+def _copy_processor(run_dir: str, dest: str) -> list[str]:
+    """The run's image processor config (an images run keeps one) copied into ``dest``."""
+    if not kept_processor(run_dir):
+        return []
+    with open(os.path.join(dest, PROCESSOR_FILE), "wb") as f:
+        f.write(storage.read_bytes(storage.join(run_dir, PROCESSOR_FILE)))
+    return [PROCESSOR_FILE]
 
 
 def _copy_files(source: str, dest: str) -> list[str]:

@@ -12,6 +12,7 @@ import numpy as np
 from jaxaccel import config as config_lib, storage
 from jaxaccel.data import BatchIterator, load_tokenizer, sources, splits, tokenize
 from jaxaccel.data.arrays import ArrayBatches
+from jaxaccel.data.images import PROCESSOR_FILE
 from jaxaccel.data.spec import Settings
 from jaxaccel.models import check_vocab, spec as spec_lib
 from jaxaccel.models.generate import Sampler
@@ -69,8 +70,9 @@ def check_eval_task(run_dir: str, sets: list[str]) -> None:
 
 
 def evaluate_run(run_dir: str, sets: list[str] | None = None, devices=None) -> dict:
-    """The task's report (classification: accuracy and loss, and the class names the run
-    learnt or was given; causal LM: loss and perplexity, ``tasks.TASKS``) of the run's latest
+    """The task's report (classification: accuracy, loss, per-class precision/recall/F1,
+    macro-F1 and the confusion matrix, and the class names the run learnt or was given, in
+    the lists' order; causal LM: loss and perplexity, ``tasks.TASKS``) of the run's latest
     checkpoint on its eval split, data parallel over
     ``devices`` (default all at hand, not the training mesh, which may need more) unless
     ``sets`` say (only ``EVAL_SETTABLE`` keys). Builds only the evaluation side
@@ -85,8 +87,6 @@ def evaluate_run(run_dir: str, sets: list[str] | None = None, devices=None) -> d
     step = meta["step"] if "step" in meta else \
         meta["epoch"] * run.resolved.data.steps_per_epoch + meta["step_in_epoch"]
     result.update(step=step, split=run.resolved.data.eval_split, run_dir=run_dir)
-    if run.label_names:
-        result["label_names"] = list(run.label_names)    # the classes, as the run named them
     return result
 
 
@@ -100,7 +100,7 @@ def checkpoint_run(run_dir: str, sets=(), devices=None, *, data: bool = True):
     model, trained, meta = load_run(run_dir)
     cfg = config_lib.build(trained.to_dict(), ["mesh.data=-1", "mesh.fsdp=1", "mesh.tensor=1",
                                            "mesh.stage=1", *sets])
-    folder = None if reads_arrays(model.spec) else tokenizer_dir(run_dir)
+    folder = kept_processor(run_dir) if reads_arrays(model.spec) else tokenizer_dir(run_dir)
     resolved = resolve(cfg, devices, training=False, spec=model.spec, tokenizer=folder,
                        label_names=meta.get("label_names") or None, absent_ok=not data)
     resolved = dataclasses.replace(resolved, data=dataclasses.replace(
@@ -111,6 +111,12 @@ def checkpoint_run(run_dir: str, sets=(), devices=None, *, data: bool = True):
 def reads_arrays(spec) -> bool:
     """Whether the model of ``spec`` reads arrays (``pixels``) rather than tokens."""
     return "pixels" in spec.family.resolve("model").input_keys
+
+
+def kept_processor(run_dir: str) -> str | None:
+    """The run folder if it keeps an image processor's config (an images run's
+    ``preprocessor_config.json``, ``DataSpec.run_files``), else None."""
+    return run_dir if storage.exists(storage.join(run_dir, PROCESSOR_FILE)) else None
 
 
 def tokenizer_dir(run_dir: str) -> str:
@@ -131,9 +137,10 @@ class Predictor:
     sorted by length, each batch padded by the run's ``data.pad_multiple``, the last one
     completed with filler rows); an array model's are files (e.g. WAV recordings), made into
     its inputs as its data makes its examples (``splits.input_features``, which reads the
-    training data's normalisation)."""
+    training data's normalisation). With ``top_k`` = K, each input's ``facts`` also hold
+    ``top_k``: the K likeliest labels, most likely first, each ``{"label", "probability"}``."""
 
-    def __init__(self, run_dir: str, batch_size: int = 64):
+    def __init__(self, run_dir: str, batch_size: int = 64, top_k: int | None = None):
         if batch_size < 1:
             raise ValueError(f"batch_size={batch_size} must be >= 1.")
         run, meta = checkpoint_run(run_dir, devices=jax.devices()[:1], data=False)
@@ -148,6 +155,11 @@ class Predictor:
         self.batch_size, self.pad_multiple = batch_size, data.settings.pad_multiple
         self.label_names = meta.get("label_names") or [str(i) for i in
                                                       range(cfg.model.num_labels)]
+        if top_k is not None and not 1 <= top_k <= len(self.label_names):
+            raise ValueError(f"--top-k {top_k}: the run {run_dir!r} has "
+                             f"{len(self.label_names)} labels; give a K from 1 to "
+                             f"{len(self.label_names)}.")
+        self.top_k = top_k
         self._features = lambda paths: splits.input_features(data, paths)
         if not self.arrays:
             self.tokenizer = load_tokenizer(tokenizer_dir(run_dir), light=True)
@@ -192,8 +204,13 @@ class Predictor:
         for rows, batch in self._batches([made[i][0] for i in good], size):
             p = np.asarray(self._probs(self._state, batch))
             for r, k in enumerate(rows):
-                best = int(np.nan_to_num(p[r], nan=-1.0).argmax())
-                out[good[k]] = (self.label_names[best], float(p[r, best]), made[good[k]][1])
+                order = np.argsort(-np.nan_to_num(p[r], nan=-1.0), kind="stable")
+                facts = made[good[k]][1]
+                if self.top_k:
+                    facts = {**facts, "top_k": [prediction_record(None, self.label_names[j],
+                                                                  float(p[r, j]), key=None)
+                                                for j in order[:self.top_k]]}
+                out[good[k]] = (self.label_names[order[0]], float(p[r, order[0]]), facts)
         return out
 
 
@@ -223,8 +240,11 @@ class Generator:
         return [self.tokenizer.decode(ids, skip_special_tokens=True) for ids in new]
 
 
-def prediction_record(text: str, label: str, probability: float, key: str = "text") -> dict:
+def prediction_record(text: str | None, label: str, probability: float,
+                      key: str | None = "text") -> dict:
     """One JSON-lines record (the input under ``key``: "text", or "file" for an array run's
-    file); a non-finite probability is ``null`` (valid JSON)."""
-    return {key: text, "label": label,
+    file; None: no input, a ``top_k`` entry); a non-finite probability is ``null`` (valid
+    JSON)."""
+    record = {} if key is None else {key: text}
+    return {**record, "label": label,
             "probability": probability if math.isfinite(probability) else None}

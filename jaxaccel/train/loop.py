@@ -114,7 +114,7 @@ def _train(run: Run, changes: dict, services: Services) -> Outcome:
         state, start = _resume(run, ckpt, changes)
         if jax.process_index() == 0:    # only now: a refused resume leaves the folder as it was
             rundir.write_files(run.run_dir, run.cfg.to_dict(), run.tokenizer,
-                               _training_data(run))
+                               _training_data(run), run.resolved.data.run_files())
         writer = stack.enter_context(contextlib.closing(services.metrics(run.run_dir)))
         bar = stack.enter_context(contextlib.closing(_progress_bar(run, start)))
         return _loop(run, state, start, Events(run, ckpt, writer, bar), services.stop)
@@ -187,11 +187,12 @@ class Events:
         self.checkpoint(step, state)
         if eval_due(self.run.cfg.train, step, self.run.total_steps):
             ev = self.run.evaluate(state)
-            self.writer.write(step, ev, prefix="eval/")
+            self.writer.write_eval(step, ev)
             if jax.process_index() == 0:
                 epoch = step // self.run.train_data.steps_per_epoch
                 tqdm.write(f"epoch {epoch}: eval " + " ".join(
-                    f"{k} {v:.4f}" for k, v in ev.items()), file=sys.stderr)
+                    f"{k} {v:.4f}" for k, v in ev.items() if isinstance(v, (int, float))),
+                    file=sys.stderr)
         self.log.restart_clock()        # the next step's time excludes save and eval
 
     def _paths(self) -> dict:
@@ -207,7 +208,7 @@ class Events:
         self.bar.close()
         final = self.run.evaluate(state)     # while the last save writes
         self.ckpt.wait()
-        self.writer.write(step, final, prefix="eval/")
+        self.writer.write_eval(step, final)
         split = self.run.resolved.data.eval_split
         return Completed(**self._paths(), step=step, task=self.run.task.name,
                          summary=self.run.task.summary(final, split), eval_split=split,

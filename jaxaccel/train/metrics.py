@@ -12,6 +12,7 @@ import time
 import jax
 
 from jaxaccel import storage
+from jaxaccel.train import confusion
 
 
 def _summary_writer():
@@ -31,7 +32,8 @@ def _summary_writer():
 
 
 class MetricsWriter:
-    """Append ``{"step", "time", **metrics}`` records to ``metrics.jsonl`` and TensorBoard.
+    """Append ``{"step", "time", **metrics}`` records to ``metrics.jsonl`` and TensorBoard (its
+    scalars; a list, e.g. per-class F1, only in ``metrics.jsonl``).
 
     In a bucket (``run_dir`` a URL), where an object cannot be appended to, both are written
     in a local folder and uploaded whole at every ``flush`` (the loop's checkpoints) and at
@@ -60,12 +62,29 @@ class MetricsWriter:
         if not self.enabled:
             return
         record = {"step": int(step), "time": time.time()}
-        record.update({f"{prefix}{k}": float(v) for k, v in metrics.items()})
+        record.update({f"{prefix}{k}": float(v) if _scalar(v) else v
+                       for k, v in metrics.items()})
         with open(self._file, "a") as f:
             f.write(json.dumps(record) + "\n")
         if self._tb is not None:
             for k, v in metrics.items():
-                self._tb.add_scalar(f"{prefix}{k}", float(v), int(step))
+                if _scalar(v):
+                    self._tb.add_scalar(f"{prefix}{k}", float(v), int(step))
+
+    def write_eval(self, step: int, report: dict) -> None:
+        """An evaluation's report under ``eval/``; a classifier's confusion matrix also drawn,
+        as ``confusion.PNG_NAME`` in the run folder (the latest evaluation's) and as the
+        TensorBoard image ``eval/confusion_matrix`` at ``step``."""
+        self.write(step, report, prefix="eval/")
+        if not self.enabled or "confusion_matrix" not in report:
+            return
+        fig = confusion.figure(report["confusion_matrix"], report["label_names"],
+                               f"step {step}: accuracy {report['accuracy']:.3f}, "
+                               f"macro-F1 {report['macro_f1']:.3f}")
+        storage.write_bytes(storage.join(self.run_dir, confusion.PNG_NAME), confusion.png(fig))
+        if self._tb is not None:
+            self._tb.add_image("eval/confusion_matrix", confusion.rgb(fig), int(step),
+                               dataformats="HWC")
 
     def flush(self) -> None:
         """Upload what was written to the run folder in a bucket (local files are written
@@ -90,6 +109,12 @@ class MetricsWriter:
             finally:
                 shutil.rmtree(self._staging, ignore_errors=True)
                 self._staging = None
+
+
+def _scalar(value) -> bool:
+    """Whether a metric is one number (a TensorBoard scalar), not a list (per-class values,
+    label names, a confusion matrix: kept as they are in ``metrics.jsonl``)."""
+    return not isinstance(value, (list, tuple, str))
 
 
 def read_metrics(run_dir: str) -> list[dict]:

@@ -21,6 +21,7 @@ import functools
 import logging
 
 import jax
+import numpy as np
 from flax import nnx
 
 from jaxaccel import config as config_lib
@@ -257,16 +258,24 @@ class Run:
                        out_shardings=shd.replicated(self.mesh))
 
     def evaluate(self, state: TrainState | None = None) -> dict:
-        """The task's report (``Task.report``: classification accuracy and mean loss, causal
-        LM loss and perplexity) on the eval split of ``state``'s parameters and fp8 state
-        (default ``self.state``), from the weighted sums over every eval batch."""
+        """The task's report (``Task.report``: classification accuracy, mean loss, per-class
+        precision/recall/F1, macro-F1 and the confusion matrix, and the ``label_names`` the
+        lists follow; causal LM loss and perplexity) on the eval split of ``state``'s
+        parameters and fp8 state (default ``self.state``), from the weighted sums and the
+        exact integer tallies over every eval batch (each a global batch: every process's
+        rows)."""
         state = self.state if state is None else state
         totals = {"loss_sum": 0.0, "correct": 0.0, "count": 0.0}
         for batch in self.eval_data.batches(0):
             sums = self.eval_step(state.params, self.put_batch(batch), state.fp8)
             for k, v in jax.device_get(sums).items():
-                totals[k] += float(v)
-        return self.task.report(totals)
+                totals[k] = totals.get(k, 0) + (np.asarray(v, np.int64) if np.ndim(v)
+                                                else float(v))
+        report = self.task.report(totals)
+        if "confusion_matrix" in report:
+            report["label_names"] = list(self.label_names) or \
+                [str(i) for i in range(len(report["confusion_matrix"]))]
+        return report
 
 
 def split_model(model, mesh):

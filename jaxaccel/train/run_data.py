@@ -20,13 +20,15 @@ def model_input(cfg: Config, spec: ModelSpec, tokenizer: str | None = None) -> M
     """What the model of ``spec`` reads, as its data is told (``data.spec.ModelInput``): its
     inputs, task and classes, and the tokenizer folder it names (``tokenizer``, a trained
     run's; else ``model.tokenizer`` or the checkpoint's; None: the model's default, or a
-    corpus's own BPE)."""
+    corpus's own BPE); for pixels, the folder of the image processor's config
+    (``tokenizer``: a trained run's folder; else ``model.checkpoint``)."""
     model_cls = spec.family.resolve("model")
     arch = spec.architecture
     if "pixels" in model_cls.input_keys:
         shape = tuple(model_cls.input_shapes(arch, None)["pixels"][0])
         return ModelInput(cfg.model.name, spec.task, "pixels", shape,
-                          num_labels=cfg.model.num_labels, vocab_size=None)
+                          num_labels=cfg.model.num_labels, vocab_size=None,
+                          processor=tokenizer or checkpoint_of(cfg.model) or None)
     named = tokenizer or storage.local_copy(cfg.model.tokenizer) or checkpoint_of(cfg.model) \
         or None
     return ModelInput(cfg.model.name, spec.task, "tokens", None, arch.max_position_embeddings,

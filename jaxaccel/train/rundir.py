@@ -250,12 +250,17 @@ def prepare(run_dir: str, cfg: dict) -> dict[str, tuple]:
     return {} if saved is None else check_resume_config(saved[0], cfg, source=saved[1])
 
 
-def write_files(run_dir: str, cfg: dict, tokenizer, data: dict | None = None) -> None:
-    """``config.json`` and the tokenizer's files, so eval/predict need only the run folder;
-    ``data.json``: the training split's identity ``data``, where the source has one."""
+def write_files(run_dir: str, cfg: dict, tokenizer, data: dict | None = None,
+                data_files: dict | None = None) -> None:
+    """``config.json``, the tokenizer's files and the data's (``data_files``, ``{name: JSON
+    object}``: an images run's ``preprocessor_config.json``), so eval/predict/export need only
+    the run folder; ``data.json``: the training split's identity ``data``, where the source has
+    one."""
     storage.write_json(storage.join(run_dir, "config.json"), cfg)
     if data is not None:
         storage.write_text(storage.join(run_dir, "data.json"), json.dumps(data, default=str))
+    for name, obj in (data_files or {}).items():
+        storage.write_json(storage.join(run_dir, name), obj)
     if tokenizer is None:
         return
     if not storage.is_url(run_dir):

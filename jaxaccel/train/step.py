@@ -139,12 +139,14 @@ def _accumulated(grad_fn, grad_accum: int, x, fp8, params, batch, rng, denom, sc
 
 def make_eval_step(graphdef, layout: Layout, *, task: Task, unpad=None):
     """``eval_step(params, batch, fp8=None) -> sums``: the task's {"loss_sum", "correct",
-    "count"} of the batch, ``params`` in ``layout``'s form; ``fp8`` is the train state's fp8
-    state under the fp8 policy; ``unpad`` as ``make_train_step``'s."""
+    "count"} of the batch and its ``tallies`` (classification: the confusion counts),
+    ``params`` in ``layout``'s form; ``fp8`` is the train state's fp8 state under the fp8
+    policy; ``unpad`` as ``make_train_step``'s."""
 
     def eval_step(params, batch, fp8=None):
         logits = forward(graphdef, layout.view(params), batch, task=task, deterministic=True,
                          fp8=fp8, unpad=unpad)
-        return dict(zip(("loss_sum", "correct", "count"), task.sums(logits, batch)))
+        sums = dict(zip(("loss_sum", "correct", "count"), task.sums(logits, batch)))
+        return {**sums, **(task.tallies(logits, batch) if task.tallies else {})}
 
     return eval_step

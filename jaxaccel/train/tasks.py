@@ -12,8 +12,10 @@ count``; an evaluation adds the sums over every batch and ``report``\\s from the
 
 * ``classification`` (one label per row): the model's inputs (BERT: ``input_ids``,
   ``attention_mask``, ``token_type_ids`` [B, L]; ViT: ``pixels`` [B, H, W]), ``labels`` [B],
-  ``weights`` [B] (0 = padding row); logits [B, labels]; eval reports ``accuracy``, ``loss``,
-  ``examples``.
+  ``weights`` [B] (0 = padding row); logits [B, labels]; eval also tallies the confusion
+  matrix (``confusion.counts``) and reports ``accuracy``, ``loss``, ``examples``, per-class
+  ``precision``, ``recall``, ``f1``, ``support``, ``macro_f1`` and the ``confusion_matrix``
+  (``confusion.report``).
 * ``causal_lm`` (packed rows of documents): batch ``input_ids``, ``positions`` (within the
   document, from 0), ``segment_ids`` (1, 2, ... per document, 0 = padding), ``targets`` (the
   next token of the same document) [B, L] int32 and ``target_weights`` [B, L] float32 (1
@@ -39,10 +41,12 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import struct
 
 from jaxaccel.models.llama import head_logits
+from jaxaccel.train import confusion
 from kernels_pallas import registry
 
 
@@ -61,12 +65,14 @@ class Task:
         ``unpads``; ``stack`` runs the model's layers (``models.stack``; a pipeline's).
       unpads: whether the task's rows are padded and ``logits`` takes ``unpad``.
       sums: ``sums(logits, batch)`` -> (loss_sum, correct, count), float32 scalars.
-      report: eval totals {"loss_sum", "correct", "count"} -> what eval reports.
+      report: eval totals {"loss_sum", "correct", "count", **tallies} -> what eval reports.
       summary: ``(report, split)`` -> the one line ``jaxaccel train`` ends with (``split``:
         the eval split it scored, named).
       row_keys: the batch keys with one value per row rather than per token.
       counts_correct: whether ``correct`` counts anything (the train step's ``accuracy``
         metric); MAE predicts pixels, nothing is right or wrong.
+      tallies: ``tallies(logits, batch)`` -> {name: int32 array} an evaluation sums over its
+        batches besides the three sums (classification: the confusion matrix), or None.
     """
 
     name: str
@@ -79,6 +85,7 @@ class Task:
     unpads: bool = False
     row_keys: tuple[str, ...] = ()
     counts_correct: bool = True
+    tallies: Callable | None = None
 
     def batch_shapes(self, spec, rows: int, length: int) -> dict:
         """``{key: (shape, dtype)}`` of a batch of ``rows`` of the model of ``spec`` (its
@@ -140,7 +147,14 @@ def _classification_logits(model, batch, deterministic, rngs, unpad=None, stack=
 
 def _classification_report(t: dict) -> dict:
     n = max(t["count"], 1.0)
-    return {"accuracy": t["correct"] / n, "loss": t["loss_sum"] / n, "examples": int(t["count"])}
+    return {"accuracy": t["correct"] / n, "loss": t["loss_sum"] / n, "examples": int(t["count"]),
+            **confusion.report(t.get("confusion", np.zeros((0, 0))))}
+
+
+def _classification_tallies(logits, batch) -> dict:
+    """The batch's confusion counts, predicted as the accuracy's ``correct`` are."""
+    return {"confusion": confusion.counts(argmax(logits), batch["labels"], batch["weights"],
+                                          logits.shape[-1])}
 
 
 def _lm_logits(model, batch, deterministic, rngs, stack=None):
@@ -235,9 +249,9 @@ TASKS = {
         weights="weights", logits=_classification_logits,
         sums=lambda logits, b: _weighted_sums(logits, b["labels"], b["weights"]),
         report=_classification_report,
-        summary=lambda r, split: f"final {split} accuracy: {r['accuracy']:.4f} ({r['examples']} "
-                                 f"examples)",
-        unpads=True, row_keys=("labels", "weights")),
+        summary=lambda r, split: f"final {split} accuracy: {r['accuracy']:.4f}, macro-F1 "
+                                 f"{r['macro_f1']:.4f} ({r['examples']} examples)",
+        unpads=True, row_keys=("labels", "weights"), tallies=_classification_tallies),
     "causal_lm": Task(
         "causal_lm", targets=("targets", "target_weights"),
         weights="target_weights", logits=_lm_logits,
