@@ -136,7 +136,7 @@ def _explain(url: str, doing: str, e: Exception) -> str:
     return f"{doing} {url}: {why}."
 
 
-def _missing_bucket(url: str, e: FileNotFoundError) -> StorageError:
+def _missing_bucket(url: str) -> StorageError:
     bucket = url.split("://", 1)[1].split("/", 1)[0]
     return StorageError(f"{url}: the bucket {scheme(url)}://{bucket} does not exist (or these "
                         f"credentials cannot see it); create it first (gcloud storage buckets "
@@ -181,8 +181,8 @@ def makedirs(path: str) -> None:
     with _errors(path, "opening"):
         try:
             fs.ls(bucket, detail=False)
-        except FileNotFoundError as e:
-            raise _missing_bucket(path, e) from None
+        except FileNotFoundError:
+            raise _missing_bucket(path) from None
 
 
 def remove(path: str) -> None:
