@@ -209,6 +209,21 @@ def write_results(bench: str, rows: list[dict], extra: dict | None = None,
     return path
 
 
+def seconds_per_step(run, batches: list, warmup: int = 5) -> float:
+    """Mean seconds of the trainer's step (``run``: a ``train.run.Run``) over ``batches`` (put
+    on its devices) after the first ``warmup`` of them, the state carried from step to step."""
+    state = run.state
+    with jax.set_mesh(run.mesh):
+        for b in batches[:warmup]:
+            state, m = run.train_step(state, b)
+        jax.block_until_ready(m)
+        t0 = time.perf_counter()
+        for b in batches[warmup:]:
+            state, m = run.train_step(state, b)
+        jax.block_until_ready(m)
+    return (time.perf_counter() - t0) / (len(batches) - warmup)
+
+
 def markdown(rows: list[dict], columns: list[str]) -> str:
     def fmt(v):
         if v is None:

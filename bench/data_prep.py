@@ -37,7 +37,8 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from bench.common import add_out_argument, markdown, write_results  # noqa: E402
+from bench.common import (add_out_argument, markdown, seconds_per_step,  # noqa: E402
+                          write_results)
 
 BLOCK = 128
 
@@ -119,7 +120,6 @@ def child_hf(work: str, corpus: str, tokenizer: str) -> dict:
 
 def child_speed(work: str, corpus: str, tokenizer: str) -> dict:
     """Tokens/s of the loader alone, and of the LM job's train step, on the same batches."""
-    import jax
     from jaxaccel import config
     from jaxaccel.train.run import assemble, resolve
     cfg = config.load(os.path.join(ROOT, "configs", "files_lm.py"),
@@ -132,16 +132,7 @@ def child_speed(work: str, corpus: str, tokenizer: str) -> dict:
         pass
     loader = n * tokens / (time.perf_counter() - t0)
     batches = [run.put_batch(b) for _, b in zip(range(25), data.batches(1))]
-    state = run.state
-    with jax.set_mesh(run.mesh):
-        for b in batches[:5]:
-            state, m = run.train_step(state, b)
-        jax.block_until_ready(m)
-        t0 = time.perf_counter()
-        for b in batches[5:]:
-            state, m = run.train_step(state, b)
-        jax.block_until_ready(m)
-    step = 20 * tokens / (time.perf_counter() - t0)
+    step = tokens / seconds_per_step(run, batches)
     return {"loader_tokens_per_s": loader, "step_tokens_per_s": step}
 
 

@@ -39,7 +39,6 @@ def write_jpegs(root: str, n: int, seed: int = 0) -> None:
 
 
 def measure(root: str, model: str, batch: int, steps: int) -> dict:
-    import jax
     from jaxaccel import config
     from jaxaccel.train.run import assemble, resolve
     cfg = config.build(sets=[f"model.name={model}", "model.task=classification",
@@ -57,16 +56,7 @@ def measure(root: str, model: str, batch: int, steps: int) -> dict:
     batches = [run.put_batch(b) for _, b in zip(range(steps + 5), data.batches(1))]
     while len(batches) < steps + 5:
         batches += batches[:steps + 5 - len(batches)]
-    state = run.state
-    with jax.set_mesh(run.mesh):
-        for b in batches[:5]:
-            state, m = run.train_step(state, b)
-        jax.block_until_ready(m)
-        t0 = time.perf_counter()
-        for b in batches[5:]:
-            state, m = run.train_step(state, b)
-        jax.block_until_ready(m)
-    step_s = (time.perf_counter() - t0) / steps
+    step_s = common.seconds_per_step(run, batches)
     return {"loader_images_per_s": loader, "step_images_per_s": batch / step_s,
             "step_s": step_s, "loader_over_step": loader * step_s / batch,
             "threads": os.cpu_count()}
