@@ -289,13 +289,15 @@ def upload(local_folder: str, url: str) -> None:
         fs.invalidate_cache(url)
 
 
+@functools.lru_cache(maxsize=None)
 def local_copy(url: str) -> str:
     """A local copy of the folder or file ``url`` (a model checkpoint, a tokenizer, a run's
     tokenizer/, a data file), for readers that take only local paths (``transformers``,
     ``tokenizers``, safetensors, the data readers): downloaded once into
     ``$XDG_CACHE_HOME/jaxaccel/remote/KEY/NAME`` (``~/.cache`` without XDG_CACHE_HOME; NAME the
     URL's last part, KEY a digest of the URL and of every object's size and version, so a
-    changed object is downloaded again). A local path is returned as it is."""
+    changed object is downloaded again; a process asks the bucket once per URL: a run reads
+    its model's checkpoint at several places). A local path is returned as it is."""
     if not is_url(url):
         return url
     fs = filesystem(url)

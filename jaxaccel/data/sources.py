@@ -21,6 +21,7 @@ from jaxaccel.data.spec import (Batching, DataMissing, DataSpec, ModelInput, Set
 
 log = logging.getLogger("jaxaccel")
 
+
 @dataclasses.dataclass(frozen=True)
 class Source:
     """A row: the describing module, a line for listings, the tasks any of its configurations

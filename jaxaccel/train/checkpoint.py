@@ -94,15 +94,13 @@ def _bucket_options(directory: str) -> dict:
     marked complete by its commit file (``rundir.COMMIT_FILE``: nothing is renamed, which a
     bucket cannot do atomically), its arrays through TensorStore's own driver (``s3://``:
     ``orbax_buckets``), a failing request retried a bounded number of times, old steps
-    deleted in the background. None for a local folder."""
+    deleted in the background (a step is many objects there, each its own request, which would
+    hold the save). {} for a local folder."""
     if not storage.is_url(directory):
         return {}
     orbax_buckets.enable(storage.scheme(directory))
-    return {"atomicity_options": ocp.options.AtomicityOptions(
-        mode=ocp.options.AtomicityMode.COMMIT_FILE),
-            # the steps beyond train.keep_checkpoints are deleted by a background thread: in a
-            # bucket a step is many objects, each its own request, which would hold the save
-            "enable_background_delete": True}
+    commit_file = ocp.options.AtomicityOptions(mode=ocp.options.AtomicityMode.COMMIT_FILE)
+    return {"atomicity_options": commit_file, "enable_background_delete": True}
 
 
 class Checkpointer:
