@@ -419,8 +419,12 @@ def main(argv=None) -> int:
     # The console carries jaxaccel's own lines; the kernel registry's "impl='auto' runs ..."
     # (INFO, for library users) stays out of it, its warnings do not.
     for noisy in ("absl", "orbax", "jax._src", "tensorflow_datasets", "kernels_pallas",
-                  "aiobotocore", "botocore", "s3fs", "gcsfs", "google", "fsspec"):
+                  "google"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    # The bucket clients' errors (gcsfs: each request out of retries, with its traceback) reach
+    # the console as jaxaccel's one line of what failed; a run's library.log keeps them.
+    for client in ("aiobotocore", "botocore", "s3fs", "gcsfs", "fsspec"):
+        logging.getLogger(client).setLevel(logging.CRITICAL)
     logging.getLogger("transformers").addFilter(_not_the_torch_notice)
     args = _parser().parse_args(argv)
     with console.results_only():

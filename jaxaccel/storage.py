@@ -101,7 +101,7 @@ def filesystem(url: str):
 
 
 @contextlib.contextmanager
-def _errors(url: str, doing: str):
+def errors(url: str, doing: str):
     """Bucket errors of ``doing`` on ``url`` as one ``StorageError`` line."""
     try:
         yield
@@ -146,14 +146,14 @@ def _missing_bucket(url: str) -> StorageError:
 def exists(path: str) -> bool:
     if not is_url(path):
         return os.path.exists(path)
-    with _errors(path, "checking"):
+    with errors(path, "checking"):
         return filesystem(path).exists(path)
 
 
 def isdir(path: str) -> bool:
     if not is_url(path):
         return os.path.isdir(path)
-    with _errors(path, "checking"):
+    with errors(path, "checking"):
         return filesystem(path).isdir(path)
 
 
@@ -162,7 +162,7 @@ def listdir(path: str) -> list[str]:
     if not is_url(path):
         return os.listdir(path) if os.path.isdir(path) else []
     fs = filesystem(path)
-    with _errors(path, "listing"):
+    with errors(path, "listing"):
         try:
             fs.invalidate_cache(path)
             entries = fs.ls(path, detail=False)
@@ -178,7 +178,7 @@ def makedirs(path: str) -> None:
         return
     bucket = f"{scheme(path)}://{path.split('://', 1)[1].split('/', 1)[0]}"
     fs = filesystem(path)
-    with _errors(path, "opening"):
+    with errors(path, "opening"):
         try:
             fs.ls(bucket, detail=False)
         except FileNotFoundError:
@@ -189,7 +189,7 @@ def remove(path: str) -> None:
     if not is_url(path):
         os.remove(path)
         return
-    with _errors(path, "removing"):
+    with errors(path, "removing"):
         filesystem(path).rm_file(path)
 
 
@@ -199,7 +199,7 @@ def rmtree(path: str) -> None:
         shutil.rmtree(path, ignore_errors=True)
         return
     fs = filesystem(path)
-    with _errors(path, "removing"):
+    with errors(path, "removing"):
         try:
             fs.rm(path, recursive=True)
         except FileNotFoundError:
@@ -213,7 +213,7 @@ def move(source: str, dest: str) -> None:
         os.rename(source, dest)
         return
     fs = filesystem(source)
-    with _errors(source, "moving"):
+    with errors(source, "moving"):
         fs.mv(source, dest, recursive=True)
         fs.invalidate_cache(parent(source))
 
@@ -222,7 +222,7 @@ def read_bytes(path: str) -> bytes:
     if not is_url(path):
         with open(path, "rb") as f:
             return f.read()
-    with _errors(path, "reading"):
+    with errors(path, "reading"):
         return filesystem(path).cat_file(path)
 
 
@@ -246,7 +246,7 @@ def write_bytes(path: str, data: bytes) -> None:
             raise
         return
     fs = filesystem(path)
-    with _errors(path, "writing"):
+    with errors(path, "writing"):
         fs.pipe_file(path, data)
         fs.invalidate_cache(parent(path))
 
@@ -274,14 +274,14 @@ def bytes_under(folder: str) -> int:
     if not is_url(folder):
         return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(folder)
                    for f in files)
-    with _errors(folder, "listing"):
+    with errors(folder, "listing"):
         return int(filesystem(folder).du(folder, total=True))
 
 
 def upload(local_folder: str, url: str) -> None:
     """Copy the files under ``local_folder`` to the folder ``url``."""
     fs = filesystem(url)
-    with _errors(url, "uploading to"):
+    with errors(url, "uploading to"):
         for d, _, files in os.walk(local_folder):
             for f in files:
                 rel = os.path.relpath(os.path.join(d, f), local_folder).replace(os.sep, "/")
@@ -301,7 +301,7 @@ def local_copy(url: str) -> str:
     if not is_url(url):
         return url
     fs = filesystem(url)
-    with _errors(url, "listing"):
+    with errors(url, "listing"):
         fs.invalidate_cache(url)
         objects = fs.find(url, detail=True)
     if not objects:
@@ -323,7 +323,7 @@ def mirror(pattern: str) -> str:
     fixed = next(i for i, p in enumerate(parts) if globlib.has_magic(p))
     root = f"{head}://{'/'.join(parts[:fixed])}"
     fs = filesystem(pattern)
-    with _errors(pattern, "listing"):
+    with errors(pattern, "listing"):
         fs.invalidate_cache()
         objects = {p: i for p, i in fs.glob(pattern, detail=True).items()
                    if i.get("type") == "file"}
@@ -349,7 +349,7 @@ def _mirrored(url: str, objects: dict, single: str | None = None) -> str:
     try:
         name = basename(url)
         top = fs._strip_protocol(url).rstrip("/")
-        with _errors(url, "downloading"):
+        with errors(url, "downloading"):
             for path in objects:
                 rel = name if single else posixpath.join(name, path[len(top):].lstrip("/"))
                 dest = os.path.join(staging, *rel.split("/"))
@@ -375,6 +375,6 @@ def writable(url: str) -> None:
     makedirs(url)
     probe = join(url, f".write_test_{os.getpid()}")
     fs = filesystem(url)
-    with _errors(url, "writing to"):
+    with errors(url, "writing to"):
         fs.pipe_file(probe, b"")
         fs.rm_file(probe)

@@ -19,6 +19,7 @@ import pytest
 from jaxaccel import cli, config
 from jaxaccel.train import loop
 from jaxaccel.train.metrics import read_metrics
+from storage_servers import start_moto_server
 from support import CLI, LONG_WAIT_S, TINY_CONFIG, cpu_env
 
 # The tiny BERT, a checkpoint every 2 steps, every step logged.
@@ -192,6 +193,38 @@ def test_a_process_killed_while_saving_leaves_the_last_complete_checkpoint(gcs_s
     resumed = losses(fs, f"{run}/metrics.jsonl")
     for step in range(complete[-1] + 1, end + 1):
         assert resumed[step] == pytest.approx(never_killed[step], rel=1e-5), step
+
+
+def test_a_bucket_that_stops_answering_mid_run_ends_it_with_one_line_soon(tmp_path):
+    """The storage server dies once checkpoints are being written every step: the next save
+    fails after the clients' bounded retries, not Orbax's 300 s coordination time-out; the
+    console gets one error line naming the step (clean-ups that fail after it are warnings),
+    no traceback, no Orbax thread's report, and the metrics not uploaded are kept locally."""
+    with start_moto_server() as server:
+        fs, bucket = server.filesystem(), server.create_bucket()
+        run = f"{bucket}/runs/tiny_synthetic"
+        proc = subprocess.Popen(
+            [*CLI, "train", "--config", TINY_CONFIG, f"--set=workdir={bucket}/runs",
+             *(f"--set={s}" for s in (*SETS, "train.checkpoint_every=1", "train.max_steps=1000"))],
+            env=cpu_env(**server.env, TMPDIR=str(tmp_path)), stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True)
+        while not fs.exists(f"{run}/checkpoints/2/commit_success.txt"):
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            time.sleep(0.05)
+            fs.invalidate_cache()
+        server.proc.kill()
+        t0 = time.monotonic()
+        out, err = proc.communicate(timeout=LONG_WAIT_S)
+    assert proc.returncode == cli.EXIT_ERROR and out == "", err[-3000:]
+    assert time.monotonic() - t0 < 200, err[-3000:]
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "could not be reached" in errors[0], err[-3000:]
+    assert re.search(r"saving checkpoint step \d+|writing .*metrics\.jsonl", errors[0])
+    for noise in ("Traceback", "never awaited", "Exception ignored", "TimeoutError"):
+        assert noise not in err, err[-3000:]
+    kept = re.search(r"What was not uploaded is kept in (\S+) ", err)
+    assert kept and kept[1].startswith(str(tmp_path)), err[-3000:]
+    assert os.path.exists(os.path.join(kept[1], "metrics.jsonl"))
 
 
 # ---- the bucket's faults: one line each, before anything is compiled or written ----

@@ -95,12 +95,16 @@ def _bucket_options(directory: str) -> dict:
     bucket cannot do atomically), its arrays through TensorStore's own driver (``s3://``:
     ``orbax_buckets``), a failing request retried a bounded number of times, old steps
     deleted in the background (a step is many objects there, each its own request, which would
-    hold the save). {} for a local folder."""
+    hold the save), each step's folder created before ``save`` returns (Orbax otherwise
+    creates it in a thread whose signal its other save threads wait for: a bucket failing then
+    held them, and the run's exit, for Orbax's 300 s coordination time-out; created in ``save``,
+    the failure is the save's own error at once). {} for a local folder."""
     if not storage.is_url(directory):
         return {}
     orbax_buckets.enable(storage.scheme(directory))
     commit_file = ocp.options.AtomicityOptions(mode=ocp.options.AtomicityMode.COMMIT_FILE)
-    return {"atomicity_options": commit_file, "enable_background_delete": True}
+    return {"atomicity_options": commit_file, "enable_background_delete": True,
+            "async_options": ocp.options.AsyncOptions(create_directories_asynchronously=False)}
 
 
 class Checkpointer:
@@ -195,14 +199,22 @@ class Checkpointer:
     @contextlib.contextmanager
     def _disk_full_is_one_error(self):
         """Turn a save failing for lack of space (Orbax raises it in ``save``, ``wait`` or
-        ``close``, after logging pages of it) into one ``DiskFull`` naming what to do."""
+        ``close``, after logging pages of it) into one ``DiskFull`` naming what to do, and a
+        save in a bucket failing otherwise into one ``StorageError`` line (why: unreachable,
+        permission, ...) naming the step; the traceback goes to ``details``."""
         failed = None
         try:
             yield
         except Exception as e:  # noqa: BLE001 -- Orbax/TensorStore raise many types
             if self._writing is None or not is_disk_full(e):
                 quiet_leftovers()
-                raise
+                if self._writing is None or not storage.is_url(self.directory):
+                    raise
+                step, self._writing = self._writing[0], None
+                details.error("saving checkpoint step %d in %s failed", step, self.directory,
+                              exc_info=True)
+                with storage.errors(self.directory, f"saving checkpoint step {step} in"):
+                    raise
             failed, self._writing = self._writing, None
             details.error("saving checkpoint step %d in %s failed", failed[0], self.directory,
                           exc_info=True)

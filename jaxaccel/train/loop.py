@@ -99,9 +99,12 @@ def train(cfg: Config, services: Services = Services(), devices=None) -> Outcome
             run = assemble(resolved)
             with jax.set_mesh(run.mesh):      # the one mesh of every step and evaluation
                 return _train(run, changes, services)
-    except BaseException:
-        if fresh:       # refused (the data, a resume) before the run wrote anything: no folder
-            rundir.remove_if_unused(run_dir)
+    except BaseException as e:
+        # refused (the data, a resume) before the run wrote anything: no folder; unless the
+        # bucket is what failed (asking it again would only wait through its retries again)
+        if fresh and not isinstance(e, storage.StorageError):
+            with _second_failure_warned(f"the run folder {run_dir} was not removed"):
+                rundir.remove_if_unused(run_dir)
         raise
 
 
@@ -109,14 +112,14 @@ def _train(run: Run, changes: dict, services: Services) -> Outcome:
     """Resume, write the run folder's files, then step (``_loop``); the checkpointer, the
     metrics writer and the progress bar are closed however the run ends."""
     with contextlib.ExitStack() as stack:
-        ckpt = stack.enter_context(contextlib.closing(services.checkpointer(
+        ckpt = stack.enter_context(_closing(services.checkpointer(
             storage.join(run.run_dir, "checkpoints"), keep=run.cfg.train.keep_checkpoints)))
         state, start = _resume(run, ckpt, changes)
         if jax.process_index() == 0:    # only now: a refused resume leaves the folder as it was
             rundir.write_files(run.run_dir, run.cfg.to_dict(), run.tokenizer,
                                _training_data(run), run.resolved.data.run_files())
-        writer = stack.enter_context(contextlib.closing(services.metrics(run.run_dir)))
-        bar = stack.enter_context(contextlib.closing(_progress_bar(run, start)))
+        writer = stack.enter_context(_closing(services.metrics(run.run_dir)))
+        bar = stack.enter_context(_closing(_progress_bar(run, start)))
         return _loop(run, state, start, Events(run, ckpt, writer, bar), services.stop)
 
 
@@ -305,6 +308,30 @@ def _record(run: Run, epoch: int, step_in_epoch: int) -> dict:
 BARRIER_TIMEOUT_S = 3600
 """How long a process waits at ``_sync`` for the others: as long as one may compile longer than
 another (a process that died is reported sooner, by the heartbeats it no longer sends)."""
+
+
+@contextlib.contextmanager
+def _second_failure_warned(what: str):
+    """Clean-up after a failed run: its own failure (the bucket unreachable by then, say) is a
+    warning line, and the run's error stays the one reported."""
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 -- whatever it is, the first error is the one to see
+        log.warning("%s: %s", what, e)
+
+
+@contextlib.contextmanager
+def _closing(thing):
+    """``thing``, closed at the end; closed after an error too, where a failure to close is a
+    warning and the error stays the one reported."""
+    try:
+        yield thing
+    except BaseException:
+        with _second_failure_warned(f"after the error below, closing {type(thing).__name__} "
+                                    "failed"):
+            thing.close()
+        raise
+    thing.close()
 
 
 def _sync(name: str) -> None:

@@ -38,7 +38,8 @@ class MetricsWriter:
     In a bucket (``run_dir`` a URL), where an object cannot be appended to, both are written
     in a local folder and uploaded whole at every ``flush`` (the loop's checkpoints) and at
     ``close``; a resumed run first takes the bucket's ``metrics.jsonl`` back. A run killed
-    without warning loses the lines since its last checkpoint, which its resume writes again."""
+    without warning loses the lines since its last checkpoint, which its resume writes again;
+    one whose bucket fails keeps the local folder and names it."""
 
     def __init__(self, run_dir: str, tensorboard: bool = True):
         self.enabled = jax.process_index() == 0
@@ -103,12 +104,17 @@ class MetricsWriter:
     def close(self) -> None:
         if self._tb is not None:
             self._tb.close()
-        if self._staging is not None:
-            try:
-                self.flush()
-            finally:
-                shutil.rmtree(self._staging, ignore_errors=True)
-                self._staging = None
+        if self._staging is None:
+            return
+        staging = self._staging
+        try:
+            self.flush()
+        except storage.StorageError as e:     # the local copy is kept, and named
+            raise storage.StorageError(f"{e} What was not uploaded is kept in {staging} "
+                                       "(metrics.jsonl, tensorboard/).") from None
+        finally:
+            self._staging = None
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def _scalar(value) -> bool:

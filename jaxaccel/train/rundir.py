@@ -282,9 +282,12 @@ def data_changes(run_dir: str, data: dict | None) -> str:
     return "" if new is None or old == new else source_changes(old, new)
 
 
-LIBRARY_LOGGERS = ("absl", "orbax", "tensorstore", "asyncio", "jaxaccel.details")
+LIBRARY_LOGGERS = ("absl", "orbax", "tensorstore", "asyncio", "jaxaccel.details", "gcsfs",
+                   "s3fs", "aiobotocore", "botocore", "fsspec")
 """Loggers whose records go to ``library.log``: Orbax (through absl), TensorStore, asyncio
-(Orbax's event loops), and the tracebacks jaxaccel keeps out of the console."""
+(Orbax's event loops), the bucket clients (gcsfs logs each request out of retries with its
+traceback; jaxaccel's own line says what failed), and the tracebacks jaxaccel keeps out of the
+console."""
 
 
 def writable(folder: str) -> bool:
