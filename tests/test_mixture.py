@@ -2,10 +2,17 @@
 a long stream, each source read in its own order and never twice in an epoch, exact mid-epoch
 resume, disjoint process shares, bad mixtures refused, and the mixture end to end through the
 CLI (data prepare, data show, train and its resume)."""
-import numpy as np
+import json
+import re
 
+import numpy as np
+import pytest
+
+from jaxaccel import config
 from jaxaccel.data.mixing import BLOCK, Interleave, MixedBatches
 from jaxaccel.data.packing import KEYS, PackedBatches
+from jaxaccel.train.run import resolve
+from support import logged_losses, run_cli
 
 WEIGHTS = [5, 3, 2]
 
@@ -65,3 +72,82 @@ def test_mixed_batches_read_each_source_once_an_epoch_resume_and_split_over_proc
             for k in KEYS:
                 np.testing.assert_array_equal(
                     np.concatenate([halves[0][step][k], halves[1][step][k]]), whole[k])
+
+
+def _corpus(path, words, n, seed):
+    rng = np.random.default_rng(seed)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps({"text": " ".join(rng.choice(words, rng.integers(3, 40)))})
+                            + "\n" for _ in range(n)))
+    return str(path)
+
+
+def mixture_sets(tmp_path, *extra):
+    """The llama-cpu preset on a mixture of two small corpora (3 rows of the first to 1 of the
+    second), its own BPE trained on both."""
+    mix = [{"name": "files", "weight": 3, "train_files": _corpus(
+                tmp_path / "river.jsonl", ["river", "mill", "rain", "the"], 160, 0)},
+           {"name": "files", "weight": 1, "train_files": _corpus(
+                tmp_path / "stone.jsonl", ["stone", "bright", "sang", "a"], 60, 1)}]
+    return [f"workdir={tmp_path}", f"data.cache_dir={tmp_path / 'cache'}",
+            "model.name=llama-cpu", "data.name=mixture", f"data.mixture={mix!r}",
+            "data.holdout=0.1", "data.tokenizer_vocab=300", "data.max_len=16",
+            "train.batch_size=8", "train.eval_batch_size=8", "train.progress=false",
+            "train.log_every=1", "train.warmup_ratio=0.0", "train.schedule=constant",
+            "model.attention_dropout=0.0", *extra]
+
+
+def test_bad_mixtures_are_refused(tmp_path):
+    sets = mixture_sets(tmp_path)
+    mix = config.build(sets=sets).data.mixture
+    for bad, message in (
+            ([{**mix[0], "weight": 0}, mix[1]], r"weights are \[0, 1\]: each source needs a "
+                                                r"weight > 0"),
+            ([mix[0], {**mix[1], "weight": -2.0}], r"weights are \[3, -2.0\]"),
+            ([{"name": "files", "train_files": "x.jsonl"}], r"weights are \[None\]"),
+            ([{**mix[0], "max_len": 32}], "max_len, tokenizer_vocab are the mixture's own keys"),
+            ([{"weight": 1}], "each source names its data.name")):
+        with pytest.raises(ValueError, match=message):
+            config.build(sets=sets + [f"data.mixture={bad!r}"])
+    with pytest.raises(KeyError, match=r"data.mixture\[1\]: unknown config key 'data.trian_"
+                                       "files'. Close matches: data.train_files"):
+        typo = [mix[0], {"name": "files", "weight": 1, "trian_files": "x.jsonl"}]
+        config.build(sets=sets + [f"data.mixture={typo!r}"])
+    with pytest.raises(ValueError, match="data.name=mixture needs data.mixture"):
+        config.build(sets=sets + ["data.mixture=[]"])
+    tasks = [mix[0], {"name": "synthetic", "weight": 1}]
+    with pytest.raises(ValueError, match=r"data.mixture mixes sources of different tasks: \[0\] "
+                                         r"files \(causal_lm\), \[1\] synthetic "
+                                         r"\(classification\)"):
+        resolve(config.build(sets=sets + [f"data.mixture={tasks!r}"]))
+
+
+def test_a_mixture_through_the_cli_prepares_shows_trains_and_resumes(tmp_path, capsys, caplog):
+    """data prepare states the epoch and each source's documents, tokens and realised share;
+    data show names each row's source; a run stopped mid-epoch and resumed logs the losses of
+    the run that never stopped."""
+    sets = mixture_sets(tmp_path)
+    argv = [f"--set={s}" for s in sets]
+    code, out, err = run_cli(capsys, "data", "prepare", *argv)
+    assert code == 0, err
+    epoch = re.search(r"train: a mixture of 2 sources; (\d+) steps an epoch, until \[1\] files "
+                      r"runs out", out)
+    assert epoch, out
+    shares = [float(s) for s in re.findall(r"rows an epoch, ([0-9.]+) of them", out)]
+    assert len(shares) == 2 and sum(shares) == pytest.approx(1, abs=2e-3) and shares[0] > 0.6
+    assert re.search(r"\[0\] files, weight 0.750: 144 documents, [0-9,]+ tokens", out), out
+    per = int(epoch.group(1))
+    assert resolve(config.build(sets=sets)).steps_per_epoch == per > 4
+    code, out, err = run_cli(capsys, "data", "show", "-n", "3", *argv)
+    assert code == 0 and len(re.findall(r"row \d \(step 0, source \[[01]\] files\)", out)) == 3
+    code, _, err = run_cli(capsys, "train", *argv, "--set=name=full", "--set=train.max_steps=4")
+    assert code == 0, err
+    caplog.set_level("INFO", "jaxaccel")
+    for steps in (2, 4):
+        code, _, err = run_cli(capsys, "train", *argv, "--set=name=part",
+                               f"--set=train.max_steps={steps}")
+        assert code == 0, err
+    assert re.search(r"resumed from \S+ at step 2", caplog.text)
+    full, part = logged_losses(tmp_path / "full"), logged_losses(tmp_path / "part")
+    assert sorted(part) == [1, 2, 3, 4]
+    np.testing.assert_allclose([part[s] for s in (3, 4)], [full[s] for s in (3, 4)], rtol=1e-6)

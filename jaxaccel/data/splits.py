@@ -42,9 +42,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from jaxaccel.data import encode, tokencache
+from jaxaccel.data import encode, mixture, tokencache
 from jaxaccel.data.arrays import ArrayBatches
-from jaxaccel.data.packing import PackedBatches
+from jaxaccel.data.mixing import MixedBatches
+from jaxaccel.data.packing import ChainedDocs, PackedBatches
 from jaxaccel.data.pipeline import BatchIterator, Tokenized
 from jaxaccel.data.run_tokenizer import bpe_folder, trains_bpe
 from jaxaccel.data.spec import DataError, DataMissing, DataSpec, held_rows, holdout_size
@@ -271,22 +272,42 @@ def check_rows(data: DataSpec) -> None:
                          f"{limit}.")
 
 
-def _packed(data: DataSpec, split: str, tokenizer, training: bool, share) -> PackedBatches:
+def _docs(data: DataSpec, split: str, tokenizer, training: bool) -> CachedDocs:
+    """The documents of a corpus's ``split``, from its token cache; a training split holds a
+    row's tokens or more."""
     check_rows(data)
-    cache, rows = _cache(data, split, tokenizer)
-    docs = CachedDocs(cache, rows)
+    docs = CachedDocs(*_cache(data, split, tokenizer))
     tokens, length = int(docs.lengths.sum()), data.max_len
     if training and tokens < length:
         raise DataError(f"the {split!r} split of data.name={data.name!r} holds {tokens} tokens, "
                         f"less than one row of data.max_len={length}; give it more text or "
                         "shorter rows.")
-    n = -(-tokens // length)
+    return docs
+
+
+def _packed(data: DataSpec, split: str, docs, training: bool, share) -> PackedBatches:
+    length = data.max_len
+    n = -(-int(docs.lengths.sum()) // length)
     if training:
         _check_train_batch(data, n, f"rows of {length} tokens (data.max_len) that the "
                            f"{data.name!r} {split!r} split packs into")
     size = data.batching.batch_size if training else _eval_batch_size(data, n, split)
     return PackedBatches(docs, length, size, shuffle=training, seed=data.batching.seed,
                          drop_remainder=training, **_share(share))
+
+
+def _corpus(data: DataSpec, split: str, tokenizer, training: bool, share):
+    """A corpus's packed batches. A mixture's (``data.parts``): training rows interleaved from
+    its sources' by weight (``mixing.MixedBatches``); its eval split, every source's own eval
+    split one after another."""
+    if not data.parts:
+        return _packed(data, split, _docs(data, split, tokenizer, training), training, share)
+    if training:
+        docs = [_docs(part, "train", tokenizer, True) for part, _ in data.parts]
+        return MixedBatches(docs, [w for _, w in data.parts], data.max_len,
+                            data.batching.batch_size, seed=data.batching.seed, **_share(share))
+    docs = [_docs(part, part.eval_split, tokenizer, False) for part, _ in data.parts]
+    return _packed(data, split, ChainedDocs(docs), False, share)
 
 
 def _arrays(data: DataSpec, split: str) -> tuple[np.ndarray, np.ndarray]:
@@ -310,7 +331,7 @@ def _batches(data: DataSpec, split: str, tokenizer, share, names, training: bool
     """``(batches, label names)`` of ``split`` (module doc)."""
     what = f"examples of the {data.name!r} {split!r} split"
     if data.batches == "packed":
-        return _packed(data, split, tokenizer, training, share), ()
+        return _corpus(data, split, tokenizer, training, share), ()
     if data.batches == "arrays":
         x, labels = _arrays(data, split)
         names = data.label_names if names is None else names
@@ -378,8 +399,19 @@ def prepared(data: DataSpec, load_tokenizer) -> DataSpec:
     folder = data.model.tokenizer if not trains_bpe(data) else bpe_folder(data)
     if not folder or not os.path.isdir(folder):
         return data
-    tokenizer = load_tokenizer(folder)
-    found = tokencache.lookup(tokencache.plan(data, "train", encode.fingerprint(tokenizer)))
+    fingerprint = encode.fingerprint(load_tokenizer(folder))
+    if data.parts:      # each source's cache, of the mixture's tokenizer
+        return mixture.counted(dataclasses.replace(data, parts=tuple(
+            (_prepared_rows(part, fingerprint), w) for part, w in data.parts)))
+    return _prepared_rows(data, fingerprint)
+
+
+def _prepared_rows(data: DataSpec, fingerprint: str) -> DataSpec:
+    """``data`` with the training rows of its cache for the tokenizer of ``fingerprint``, where
+    that cache is built and the count was unknown."""
+    if data.rows is not None:
+        return data
+    found = tokencache.lookup(tokencache.plan(data, "train", fingerprint))
     if found is None:
         return data
     rows = split_rows(data, "train", len(found))

@@ -11,6 +11,7 @@ import os
 import numpy as np
 
 from jaxaccel.data import load_tokenizer, run_tokenizer, splits, tokencache
+from jaxaccel.data.mixing import MixedBatches
 from jaxaccel.data.packing import PackedBatches
 from jaxaccel.data.spec import DataSpec
 from jaxaccel.models import check_vocab, packaged_minilm_dir
@@ -41,10 +42,27 @@ def _size(folder: str) -> int:
 
 
 def _caches(batches) -> list[tokencache.TokenCache]:
+    if isinstance(batches, MixedBatches):
+        return [c for source in batches.sources for c in _caches(source)]
     data = batches.docs if isinstance(batches, PackedBatches) else getattr(batches, "data", None)
-    rows = getattr(data, "input_ids", data)
-    cache = getattr(rows, "cache", None)
-    return [cache] if cache is not None else []
+    stores = getattr(data, "stores", [data])                # a mixture's eval split: chained
+    caches = [getattr(getattr(d, "input_ids", d), "cache", None) for d in stores]
+    return [c for c in caches if c is not None]
+
+
+def _mixed(data: DataSpec, b: MixedBatches) -> list[str]:
+    """A mixture's epoch and its sources: documents, tokens, rows, and the share of the epoch's
+    rows each gives (the realised proportions beside the weights)."""
+    first = data.parts[b.first_out][0].name
+    lines = [f"train: a mixture of {len(b.sources)} sources; {b.steps_per_epoch:,} steps an "
+             f"epoch, until [{b.first_out}] {first} runs out (each source then goes on, one "
+             "that runs out with its next epoch's order)"]
+    for i, (source, taken) in enumerate(zip(b.sources, b.taken())):
+        lines.append(f"  [{i}] {data.parts[i][0].name}, weight {b.interleave.weights[i]:.3f}: "
+                     f"{len(source.docs):,} documents, {source.tokens:,} tokens, "
+                     f"{source.rows_per_epoch:,} rows of {b.seq_len}; {taken:,} rows an epoch, "
+                     f"{taken / b.rows_per_epoch:.3f} of them")
+    return lines
 
 
 def _counts(labels: np.ndarray, names) -> str:
@@ -59,6 +77,10 @@ def prepare(cfg) -> list[str]:
     lines = [f"data.name={r.data.name} ({r.data.kind}): {r.spec.task} batches of "
              f"{r.data.batching.batch_size} rows"]
     for split, b in batches.items():
+        if isinstance(b, MixedBatches):
+            lines += _mixed(r.data, b)
+            lines += [f"  cache: {c.folder} ({_size(c.folder) / 1e6:,.1f} MB)" for c in _caches(b)]
+            continue
         if isinstance(b, PackedBatches):
             what = (f"{len(b.docs):,} documents, {b.tokens:,} tokens, {b.rows_per_epoch:,} rows "
                     f"of {b.seq_len}")
@@ -69,8 +91,7 @@ def prepare(cfg) -> list[str]:
             what = f"{len(b):,} examples of {tuple(b.x.shape[1:])}; labels: " \
                    f"{_counts(b.labels, names)}"
         lines.append(f"{split}: {what}; {b.steps_per_epoch:,} steps an epoch")
-        for cache in _caches(b):
-            lines.append(f"  cache: {cache.folder} ({_size(cache.folder) / 1e6:,.1f} MB)")
+        lines += [f"  cache: {c.folder} ({_size(c.folder) / 1e6:,.1f} MB)" for c in _caches(b)]
     return lines
 
 
@@ -101,11 +122,14 @@ def show(cfg, n: int = 5, split: str = "train") -> list[str]:
     b = batches["train" if split == "train" else r.data.eval_split]
     lines, row = [], 0
     for step, batch in enumerate(b.batches(0)):
+        mixed = b.sources_of(0, step) if isinstance(b, MixedBatches) else None
         for i in range(len(next(iter(batch.values())))):
             if row == n:
                 return lines
-            lines.append(f"row {row} (step {step}):")
-            if isinstance(b, PackedBatches):
+            source = "" if mixed is None else \
+                f", source [{mixed[i]}] {r.data.parts[mixed[i]][0].name}"
+            lines.append(f"row {row} (step {step}{source}):")
+            if isinstance(b, (PackedBatches, MixedBatches)):
                 lines += _packed_row(tokenizer, batch, i)
             elif "pixels" in batch:
                 x = batch["pixels"][i]
