@@ -2,16 +2,19 @@
 packed causal-LM batches of a mixture of corpora (``MixedBatches``).
 
 The interleave is block-deterministic, as levanter's ``MixtureDataset``
-(``levanter/data/mixture.py``: ``block_size``, counts per block, a permutation per block) makes
-it, with grain's index arithmetic (``MapDataset.mix``, ``transformations/mix.py``: a row's
-source and its place in that source computed from the row's index, never by counting the rows
-before it). The mixture's
-stream of rows is cut into blocks of ``BLOCK`` rows. Every block holds the same number of rows
-of each source, its weight's share of the block (rounded by largest remainders, so the counts
-sum to the block), in an order drawn from (seed, block) alone: a counter-based draw, any block
-made without the ones before it. Row ``r`` of the stream, in block ``b``, is then row
-``b * count[c] + j`` of its source ``c``'s own stream (``j``: the rows of ``c`` before it in
-its block). Over whole blocks the proportions are the weights to within ``1 / BLOCK`` a source.
+(``levanter/data/mixture.py``: ``block_size``, counts per block, a permutation per block drawn
+from the block's index) makes it, with grain's counts (``MapDataset.mix``,
+``transformations/mix.py``, ``_counts_per_dataset``: how many of the first ``k`` rows each
+source gives, exact integers from the weights alone). The mixture's stream of rows is cut into
+blocks of ``BLOCK`` rows; block ``b`` holds the rows grain's counts give each source between
+rows ``b * BLOCK`` and ``(b + 1) * BLOCK``, in an order drawn from (seed, block) alone: a
+counter-based draw, any block made without the ones before it. Row ``r`` of the stream, in
+block ``b``, is then row ``counts(b * BLOCK)[c] + j`` of its source ``c``'s own stream (``j``:
+the rows of ``c`` before it in its block): a row's source and its place in that source are
+arithmetic on the row's index, never a count of the rows before it. At every block's end each
+source has given its weight's share of the rows to within two rows (grain's counts are cumulative,
+so a small weight needs no large block: ``BLOCK`` is smaller than levanter's 2048, and a short
+epoch stays closer to the weights).
 
 A source's own stream is its rows epoch after epoch, each epoch in the (seed, epoch) order a
 run of that source alone reads (``packing.PackedBatches``); a source that runs out goes on with
@@ -30,14 +33,36 @@ mid-epoch with the same rows: all of it is arithmetic on the row index.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
+from fractions import Fraction
 
 import numpy as np
 
 from jaxaccel.data.packing import KEYS, PackedBatches
 
-BLOCK = 2048            # rows a block (levanter's default block_size)
+BLOCK = 256             # rows a block
 _SALT = 0x6D6978        # the blocks' draws, apart from the sources' (seed, epoch) orders
+
+
+def proportions(weights: Sequence[float]) -> tuple[int, ...]:
+    """The weights as integers in the same ratios (exact: each weight's decimal digits)."""
+    exact = [Fraction(str(w)) for w in weights]
+    scale = math.lcm(*(f.denominator for f in exact))
+    return tuple(int(f * scale) for f in exact)
+
+
+def counts(k: int, props: Sequence[int]) -> list[int]:
+    """How many of the stream's first ``k`` rows each source gives (grain's mixing counts):
+    the first source ceil(k p0 / P) of them, P the proportions' sum, the others so of the rows
+    it leaves; each count grows by one row at a time as ``k`` does, and stays within two rows
+    of ``k`` times the source's share."""
+    out, rest = [], sum(props)
+    for p in props:
+        left = k * (rest - p) // rest
+        out.append(k - left)
+        k, rest = left, rest - p
+    return out
 
 
 class Interleave:
@@ -45,30 +70,28 @@ class Interleave:
     stream (module doc)."""
 
     def __init__(self, weights: Sequence[float], seed: int, block: int = BLOCK):
-        w = np.asarray(weights, np.float64)
-        if len(w) == 0 or not np.all(w > 0):
+        if len(weights) == 0 or not all(0 < w < math.inf for w in weights):
             raise ValueError(f"Interleave: weights {list(weights)}; expected one or more, each "
-                             "> 0.")
-        share = w / w.sum() * block
-        counts = np.floor(share).astype(np.int64)
-        counts[np.argsort(counts - share, kind="stable")[:block - counts.sum()]] += 1
-        if not np.all(counts > 0):
-            c = int(np.argmin(counts))
-            raise ValueError(f"the weight {w[c]:g} of source {c} is {w[c] / w.sum():.2g} of the "
-                             f"sum of the weights, less than one row in a block of {block}; "
-                             f"give it at least {w.sum() / block:.2g} of the weights' sum.")
-        self.weights, self.counts, self.seed, self.block = w / w.sum(), counts, seed, block
+                             "a finite number > 0.")
+        self.props = proportions(weights)
+        self.weights = np.asarray(self.props, np.float64) / sum(self.props)
+        self.seed, self.block = seed, block
         self._kept: tuple = (-1, None, None)
 
+    def _before(self, b: int) -> np.ndarray:
+        """int64 [sources]: each source's rows in the blocks before block ``b``."""
+        return np.asarray(counts(b * self.block, self.props), np.int64)
+
     def _block(self, b: int) -> tuple[np.ndarray, np.ndarray]:
-        """Block ``b``'s source of each row, and each row's rank among its source's rows."""
+        """Block ``b``'s source of each row, and each row's row in its source's stream."""
         if self._kept[0] != b:
+            first, n = self._before(b), self._before(b + 1) - self._before(b)
             order = np.random.default_rng((self.seed, _SALT, b)).permutation(self.block)
-            source = np.repeat(np.arange(len(self.counts)), self.counts)[order]
-            ranks = np.empty(self.block, np.int64)
-            ranks[np.argsort(source, kind="stable")] = np.arange(self.block) - np.repeat(
-                np.cumsum(self.counts) - self.counts, self.counts)
-            self._kept = (b, source, ranks)
+            source = np.repeat(np.arange(len(n)), n)[order]
+            rank = np.empty(self.block, np.int64)
+            rank[np.argsort(source, kind="stable")] = np.arange(self.block) - np.repeat(
+                np.cumsum(n) - n, n)
+            self._kept = (b, source, first[source] + rank)
         return self._kept[1], self._kept[2]
 
     def locate(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
@@ -76,23 +99,29 @@ class Interleave:
         source's stream."""
         sources, rows, k = [], [], self.block
         for b in range(start // k, -(-stop // k)):
-            source, ranks = self._block(b)
+            source, row = self._block(b)
             part = slice(max(start - b * k, 0), min(stop - b * k, k))
             sources.append(source[part])
-            rows.append(b * self.counts[source[part]] + ranks[part])
+            rows.append(row[part])
         return np.concatenate(sources), np.concatenate(rows)
 
     def taken(self, stop: int) -> np.ndarray:
         """int64 [sources]: each source's rows among the stream's first ``stop``."""
         full, rest = divmod(stop, self.block)
-        within = np.bincount(self._block(full)[0][:rest], minlength=len(self.counts)) \
+        within = np.bincount(self._block(full)[0][:rest], minlength=len(self.props)) \
             if rest else 0
-        return full * self.counts + within
+        return self._before(full) + within
 
     def row_of(self, source: int, k: int) -> int:
         """The stream's row that is row ``k`` of ``source``'s stream."""
-        b, j = divmod(k, int(self.counts[source]))
-        return b * self.block + int(np.flatnonzero(self._block(b)[0] == source)[j])
+        low, high = 0, 1                    # the block holding it: before(low) <= k < before(high)
+        while self._before(high)[source] <= k:
+            low, high = high, 2 * high
+        while high - low > 1:
+            mid = (low + high) // 2
+            low, high = (mid, high) if self._before(mid)[source] <= k else (low, mid)
+        which, row = self._block(low)
+        return low * self.block + int(np.flatnonzero((which == source) & (row == k))[0])
 
 
 def epoch_rows(interleave: Interleave, rows: Sequence[int], batch: int) -> tuple[int, int]:
@@ -184,4 +213,4 @@ class MixedBatches:
             yield batch
 
 
-__all__ = ["BLOCK", "Interleave", "MixedBatches", "epoch_rows"]
+__all__ = ["BLOCK", "Interleave", "MixedBatches", "counts", "epoch_rows", "proportions"]
