@@ -26,7 +26,9 @@ Batching, per process (its ``share`` of every batch: part i of n, ``sharding.bat
 * corpora (``packing.PackedBatches``): documents (each ending with EOS) packed into rows of
   ``data.max_len``; train from a document order shuffled per (seed, epoch), whole batches;
   eval in document order, the last batch completed with padding rows;
-* arrays (``arrays.ArrayBatches``): train shuffled per (seed, epoch), eval in order.
+* arrays (``arrays.ArrayBatches``): train shuffled per (seed, epoch), eval in order;
+* a mixture of corpora (``data.name=mixture``): train rows interleaved from each source's own
+  packed rows by weight (``mixing.MixedBatches``), eval every source's eval split in turn.
 
 A corpus without ``model.tokenizer`` or ``model.checkpoint`` is tokenized by a byte-level BPE
 of ``data.tokenizer_vocab`` tokens trained on its training split

@@ -34,7 +34,14 @@ def _batches(cfg):
     tokenizer = _tokenizer(r.data, r.spec.architecture)
     train, names = splits.train_batches(r.data, tokenizer)
     evals, _ = splits.eval_batches(r.data, tokenizer, None, names)
-    return r, tokenizer, {"train": train, r.data.eval_split: evals}, names
+    return r, tokenizer, {"train": train, _eval_name(r.data): evals}, names
+
+
+def _eval_name(data: DataSpec) -> str:
+    """The eval split's name; a mixture's is its sources' eval splits, one after another."""
+    if not data.parts:
+        return data.eval_split
+    return " + ".join(f"[{i}] {part.eval_split}" for i, (part, _) in enumerate(data.parts))
 
 
 def _size(folder: str) -> int:
@@ -119,7 +126,7 @@ def show(cfg, n: int = 5, split: str = "train") -> list[str]:
     r, tokenizer, batches, names = _batches(cfg)
     if split not in ("train", "eval"):
         raise ValueError(f"data show --split {split!r}: train or eval.")
-    b = batches["train" if split == "train" else r.data.eval_split]
+    b = batches["train" if split == "train" else _eval_name(r.data)]
     lines, row = [], 0
     for step, batch in enumerate(b.batches(0)):
         mixed = b.sources_of(0, step) if isinstance(b, MixedBatches) else None
