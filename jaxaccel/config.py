@@ -77,10 +77,11 @@ BASE: dict[str, Any] = {
                                     # rows); bfsong (birdsong spectrograms: ViT mae,
                                     # classification); synthetic; your data: files | tfds | hf
                                     # | audio (docs/guides/your-data.md); mixture (data.mixture)
-        "mixture": [],              # data.name=mixture: the corpora mixed, each a dict of the
-                                    # data keys it sets (the rest as this section has them;
-                                    # max_len and tokenizer_vocab are the mixture's) and its
-                                    # "weight" > 0, its share of the training rows, e.g.
+        "mixture": [],              # data.name=mixture: the sources mixed (corpora, or
+                                    # labelled texts), each a dict of the data keys it sets
+                                    # (the rest as this section has them; max_len and
+                                    # tokenizer_vocab are the mixture's) and its "weight" > 0,
+                                    # its share of the training rows, e.g.
                                     # [{"name": "canterbury", "weight": 3}, {"name": "files",
                                     # "train_files": "notes/*.txt", "weight": 1}]; an epoch
                                     # ends when the first source runs out (data/mixing.py)

@@ -98,7 +98,7 @@ def _weight(value) -> bool:
 
 def _check_mixture(d) -> None:
     if d.name == "mixture" and not d.mixture:
-        raise ValueError("data.name=mixture needs data.mixture, the corpora mixed, e.g. "
+        raise ValueError("data.name=mixture needs data.mixture, the sources mixed, e.g. "
                          "data.mixture=\"[{'name': 'canterbury', 'weight': 3}, {'name': "
                          "'files', 'train_files': 'notes/*.txt', 'weight': 1}]\".")
     if d.mixture and d.name != "mixture":

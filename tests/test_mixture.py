@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 from jaxaccel import config
-from jaxaccel.data.mixing import BLOCK, Interleave, MixedBatches
+from jaxaccel.data.mixing import Interleave, MixedBatches, MixedExamples
 from jaxaccel.data.packing import KEYS, PackedBatches
+from jaxaccel.data.pipeline import Tokenized
 from jaxaccel.train.run import resolve
 from support import logged_losses, run_cli
 
@@ -21,21 +22,24 @@ def test_the_interleave_keeps_the_weights_and_each_sources_order():
     """Over a long stream the proportions are the weights (within two rows at each block's
     end, whatever the weights); each source's rows come in its own order 0, 1, 2, ...; any
     stretch of the stream is located as the whole stream has it; the order is the seed's."""
-    mix, n = Interleave(WEIGHTS, seed=7), 400 * BLOCK + 123
+    block = 64
+    mix, n = Interleave(WEIGHTS, 7, block), 1000 * block + 23
     source, row = mix.locate(0, n)
     np.testing.assert_allclose(np.bincount(source) / n, np.array(WEIGHTS) / sum(WEIGHTS),
                                atol=0.01)
     for weights in (WEIGHTS, [0.001, 1, 3.3]):
         share = np.array(weights) / sum(weights)
-        assert np.abs(Interleave(weights, 0).taken(77 * BLOCK) - 77 * BLOCK * share).max() < 2
+        for blocks in (1, 7, 77):
+            taken = Interleave(weights, 0, block).taken(blocks * block)
+            assert np.abs(taken - blocks * block * share).max() < 2
     for c in range(3):
         np.testing.assert_array_equal(row[source == c], np.arange((source == c).sum()))
         assert mix.row_of(c, 1000) == np.flatnonzero(source == c)[1000]
     np.testing.assert_array_equal(mix.taken(n), np.bincount(source))
-    part = Interleave(WEIGHTS, seed=7).locate(5 * BLOCK - 10, 5 * BLOCK + 10)
-    np.testing.assert_array_equal(part[0], source[5 * BLOCK - 10:5 * BLOCK + 10])
-    np.testing.assert_array_equal(part[1], row[5 * BLOCK - 10:5 * BLOCK + 10])
-    assert not np.array_equal(Interleave(WEIGHTS, seed=8).locate(0, BLOCK)[0], source[:BLOCK])
+    part = Interleave(WEIGHTS, 7, block).locate(5 * block - 10, 5 * block + 10)
+    np.testing.assert_array_equal(part[0], source[5 * block - 10:5 * block + 10])
+    np.testing.assert_array_equal(part[1], row[5 * block - 10:5 * block + 10])
+    assert not np.array_equal(Interleave(WEIGHTS, 8, block).locate(0, block)[0], source[:block])
 
 
 def _docs(seed, n):
@@ -50,15 +54,15 @@ def test_mixed_batches_read_each_source_once_an_epoch_resume_and_split_over_proc
     processes' rows are disjoint halves of every batch."""
     docs = [_docs(0, 300), _docs(1, 60), _docs(2, 150)]
     mixed = MixedBatches(docs, WEIGHTS, 16, 8, seed=3)
-    epochs = [list(mixed.batches(e)) for e in (0, 1)]
+    epochs, mix = [list(mixed.batches(e)) for e in (0, 1)], mixed.mixture
     per = mixed.steps_per_epoch
-    assert len(epochs[0]) == per > 0 and mixed.rows_per_epoch == per * 8
-    order = np.concatenate([mixed.sources_of(e, s) for e in (0, 1) for s in range(per)])
-    taken = mixed.taken()
+    assert len(epochs[0]) == per > 0 and mix.rows_per_epoch == per * 8
+    order = np.concatenate([mix.rows(e, s)[0] for e in (0, 1) for s in range(per)])
+    taken = mix.taken()
     np.testing.assert_array_equal(taken, np.bincount(order[:per * 8], minlength=3))
-    first = mixed.first_out
-    assert taken[first] <= mixed.rows[first] < taken[first] + 8     # it runs out within a batch
-    assert np.all(taken <= mixed.rows)                               # no row twice an epoch
+    first = mix.first_out
+    assert taken[first] <= mix.sizes[first] < taken[first] + 8      # it runs out within a batch
+    assert np.all(taken <= mix.sizes)                                # no row twice an epoch
     for c, d in enumerate(docs):
         alone = PackedBatches(d, 16, 8, seed=3)
         own = np.concatenate([alone.rows(e)["input_ids"] for e in range(3)])
@@ -74,6 +78,37 @@ def test_mixed_batches_read_each_source_once_an_epoch_resume_and_split_over_proc
             for k in KEYS:
                 np.testing.assert_array_equal(
                     np.concatenate([halves[0][step][k], halves[1][step][k]]), whole[k])
+
+
+def test_mixed_examples_take_each_split_in_its_own_order_resume_and_split_over_processes():
+    """Labelled splits mixed: each split's examples, in the order of the stream, are its own
+    (seed, epoch) permutations one after another; batches pad to their longest row, resume
+    from any step and split over two processes as the plain batches do."""
+    rng = np.random.default_rng(0)
+    parts = [Tokenized([rng.integers(1, 50, rng.integers(1, 30)).astype(np.int32)
+                        for _ in range(n)], np.full(n, c, np.int32), 32)
+             for c, n in enumerate((90, 40))]
+    mixed = MixedExamples(parts, [1, 1], 8, seed=5, pad_multiple=8)
+    per, mix = mixed.steps_per_epoch, mixed.mixture
+    assert mix.first_out == 1 and per > 0 and mix.taken()[1] <= 40 < mix.taken()[1] + 8
+    for e in (0, 1):
+        plan = np.concatenate(mixed.plan(e))
+        source = np.concatenate([mix.rows(e, s)[0] for s in range(per)])
+        np.testing.assert_array_equal(mixed.data.labels[plan], source)    # labels tell sources
+    stream = np.concatenate([np.concatenate(mixed.plan(e)) for e in range(3)])
+    for c, n in enumerate((90, 40)):
+        own = np.concatenate([np.random.default_rng((5, e)).permutation(n) for e in range(5)])
+        got = stream[mixed.data.labels[stream] == c] - mixed.offsets[c]
+        np.testing.assert_array_equal(got, own[:len(got)])
+    whole = list(mixed.batches(1))
+    assert all(b["input_ids"].shape[1] % 8 == 0 for b in whole)
+    for a, b in zip(mixed.batches(1, per // 2), whole[per // 2:]):
+        assert all(np.array_equal(a[k], b[k]) for k in a)
+    halves = [list(MixedExamples(parts, [1, 1], 8, seed=5, pad_multiple=8, process_index=p,
+                                 process_count=2).batches(1)) for p in (0, 1)]
+    for step, b in enumerate(whole):
+        np.testing.assert_array_equal(np.concatenate([h[step]["labels"] for h in halves]),
+                                      b["labels"])
 
 
 def _corpus(path, words, n, seed):
@@ -122,6 +157,8 @@ def test_bad_mixtures_are_refused(tmp_path):
                                          r"files \(causal_lm\), \[1\] synthetic "
                                          r"\(classification\)"):
         resolve(config.build(sets=sets + [f"data.mixture={tasks!r}"]))
+    with pytest.raises(ValueError, match=r"data.mixture\[1\] \(synthetic\) holds tokens data"):
+        resolve(config.build(sets=sets + ["model.name=tiny", f"data.mixture={tasks!r}"]))
 
 
 def test_a_mixture_through_the_cli_prepares_shows_trains_and_resumes(tmp_path, capsys, caplog):
@@ -132,11 +169,11 @@ def test_a_mixture_through_the_cli_prepares_shows_trains_and_resumes(tmp_path, c
     argv = [f"--set={s}" for s in sets]
     code, out, err = run_cli(capsys, "data", "prepare", *argv)
     assert code == 0, err
-    epoch = re.search(r"train: a mixture of 2 sources; (\d+) steps an epoch, until \[1\] files "
+    epoch = re.search(r"train: a mixture of 2 sources; (\d+) steps an epoch, until \[0\] files "
                       r"runs out", out)
     assert epoch, out
     shares = [float(s) for s in re.findall(r"rows an epoch, ([0-9.]+) of them", out)]
-    assert len(shares) == 2 and sum(shares) == pytest.approx(1, abs=2e-3) and shares[0] > 0.6
+    assert shares == pytest.approx([0.75, 0.25], abs=0.01)
     assert re.search(r"\[0\] files, weight 0.750: 144 documents, [0-9,]+ tokens", out), out
     per = int(epoch.group(1))
     assert resolve(config.build(sets=sets)).steps_per_epoch == per > 4
@@ -153,3 +190,28 @@ def test_a_mixture_through_the_cli_prepares_shows_trains_and_resumes(tmp_path, c
     full, part = logged_losses(tmp_path / "full"), logged_losses(tmp_path / "part")
     assert sorted(part) == [1, 2, 3, 4]
     np.testing.assert_allclose([part[s] for s in (3, 4)], [full[s] for s in (3, 4)], rtol=1e-6)
+
+
+def test_a_mixture_of_labelled_texts_learns_every_sources_classes(tmp_path, capsys):
+    """Two labelled files, classes a/b and b/c: the classifier learns a, b and c, data prepare
+    states each source's examples and share, data show names each row's source."""
+    mix = []
+    for i, labels in enumerate(("ab", "bc")):
+        path = tmp_path / f"{labels}.jsonl"
+        path.write_text("".join(json.dumps({"text": f"row {j} of source {i}",
+                                            "label": labels[j % 2]}) + "\n" for j in range(60)))
+        mix.append({"name": "files", "train_files": str(path), "weight": 2 - i})
+    sets = [f"workdir={tmp_path}", f"data.cache_dir={tmp_path / 'cache'}", "model.name=tiny",
+            "model.num_labels=3", "data.name=mixture", f"data.mixture={mix!r}",
+            "data.holdout=0.1", "train.batch_size=8", "train.eval_batch_size=8"]
+    code, out, err = run_cli(capsys, "data", "prepare", *[f"--set={s}" for s in sets])
+    assert code == 0, err
+    assert re.search(r"\[0\] files, weight 0.667: 54 examples, [0-9,]+ tokens; \d+ rows an "
+                     r"epoch, 0.6\d+ of them", out), out
+    assert re.search(r"\[0\] test \+ \[1\] test: 12 examples, [0-9,]+ tokens; labels: a \d+, "
+                     r"b \d+, c \d+", out), out
+    code, out, err = run_cli(capsys, "data", "show", "-n", "6", *[f"--set={s}" for s in sets])
+    assert code == 0, err
+    shown = re.findall(r"source \[(\d)\] files\):\n  label '(\w)', \d+ tokens: '.*source (\d)",
+                       out)
+    assert len(shown) == 6 and all(a == c for a, _, c in shown), out

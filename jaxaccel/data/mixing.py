@@ -1,24 +1,27 @@
-"""Weighted mixtures: which source each row of a mixture comes from (``Interleave``), and the
-packed causal-LM batches of a mixture of corpora (``MixedBatches``).
+"""Weighted mixtures: which source each row of a mixture comes from (``Interleave``,
+``Mixture``), and the batches of a mixture of corpora (``MixedBatches``: packed causal-LM
+rows) or of labelled texts (``MixedExamples``: padded classification rows).
 
 The interleave is block-deterministic, as levanter's ``MixtureDataset``
 (``levanter/data/mixture.py``: ``block_size``, counts per block, a permutation per block drawn
 from the block's index) makes it, with grain's counts (``MapDataset.mix``,
 ``transformations/mix.py``, ``_counts_per_dataset``: how many of the first ``k`` rows each
 source gives, exact integers from the weights alone). The mixture's stream of rows is cut into
-blocks of ``BLOCK`` rows; block ``b`` holds the rows grain's counts give each source between
-rows ``b * BLOCK`` and ``(b + 1) * BLOCK``, in an order drawn from (seed, block) alone: a
-counter-based draw, any block made without the ones before it. Row ``r`` of the stream, in
-block ``b``, is then row ``counts(b * BLOCK)[c] + j`` of its source ``c``'s own stream (``j``:
-the rows of ``c`` before it in its block): a row's source and its place in that source are
-arithmetic on the row's index, never a count of the rows before it. At every block's end each
-source has given its weight's share of the rows to within two rows (grain's counts are cumulative,
-so a small weight needs no large block: ``BLOCK`` is smaller than levanter's 2048, and a short
-epoch stays closer to the weights).
+blocks of ``block`` rows, one a global batch; block ``b`` holds the rows grain's counts give
+each source between rows ``b * block`` and ``(b + 1) * block``, in an order drawn from (seed,
+block) alone: a counter-based draw, any block made without the ones before it. Row ``r`` of the
+stream, in block ``b``, is then row ``counts(b * block)[c] + j`` of its source ``c``'s own
+stream (``j``: the rows of ``c`` before it in its block): a row's source and its place in that
+source are arithmetic on the row's index, never a count of the rows before it. grain's counts
+are cumulative, so every batch holds each source's share of its rows, and at every batch's end
+each source has given its share of the rows so far to within two rows, however small its
+weight or short the epoch (levanter's fixed counts a block of 2048 refuse a weight below one
+row a block, and drift within a block).
 
-A source's own stream is its rows epoch after epoch, each epoch in the (seed, epoch) order a
-run of that source alone reads (``packing.PackedBatches``); a source that runs out goes on with
-its next epoch (levanter's ``restart``).
+A source's own stream is its rows epoch after epoch (a corpus's packed rows, a labelled split's
+examples), each epoch in the (seed, epoch) order a run of that source alone reads
+(``packing.PackedBatches``; ``pipeline.BatchIterator`` without length buckets); a source that
+runs out goes on with its next epoch (levanter's ``restart``).
 
 An epoch of the mixture is the whole batches of the stream before the first source runs out
 (levanter's ``first_exhausted``; grain's mixed length, "elements of constituent datasets appear
@@ -40,8 +43,8 @@ from fractions import Fraction
 import numpy as np
 
 from jaxaccel.data.packing import KEYS, PackedBatches
+from jaxaccel.data.pipeline import BatchIterator, Tokenized
 
-BLOCK = 256             # rows a block
 _SALT = 0x6D6978        # the blocks' draws, apart from the sources' (seed, epoch) orders
 
 
@@ -67,9 +70,9 @@ def counts(k: int, props: Sequence[int]) -> list[int]:
 
 class Interleave:
     """Which source each row of the mixture's stream is from, and its row in that source's
-    stream (module doc)."""
+    stream (module doc), in blocks of ``block`` rows."""
 
-    def __init__(self, weights: Sequence[float], seed: int, block: int = BLOCK):
+    def __init__(self, weights: Sequence[float], seed: int, block: int):
         if len(weights) == 0 or not all(0 < w < math.inf for w in weights):
             raise ValueError(f"Interleave: weights {list(weights)}; expected one or more, each "
                              "a finite number > 0.")
@@ -84,15 +87,16 @@ class Interleave:
 
     def _block(self, b: int) -> tuple[np.ndarray, np.ndarray]:
         """Block ``b``'s source of each row, and each row's row in its source's stream."""
-        if self._kept[0] != b:
+        kept = self._kept                   # one read: batches are made in another thread
+        if kept[0] != b:
             first, n = self._before(b), self._before(b + 1) - self._before(b)
             order = np.random.default_rng((self.seed, _SALT, b)).permutation(self.block)
             source = np.repeat(np.arange(len(n)), n)[order]
             rank = np.empty(self.block, np.int64)
             rank[np.argsort(source, kind="stable")] = np.arange(self.block) - np.repeat(
                 np.cumsum(n) - n, n)
-            self._kept = (b, source, first[source] + rank)
-        return self._kept[1], self._kept[2]
+            kept = self._kept = (b, source, first[source] + rank)
+        return kept[1], kept[2]
 
     def locate(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
         """For the stream's rows ``start`` .. ``stop``: each one's source, and its row in that
@@ -132,6 +136,73 @@ def epoch_rows(interleave: Interleave, rows: Sequence[int], batch: int) -> tuple
     return ends[first] // batch * batch, first
 
 
+class Mixture:
+    """The stream of sources of ``sizes`` rows an epoch each, cut into global batches (module
+    doc): the epoch's length, and where each row of a step comes from."""
+
+    def __init__(self, sizes: Sequence[int], weights: Sequence[float], global_batch_size: int,
+                 seed: int, process_index: int = 0, process_count: int = 1):
+        if global_batch_size % process_count or not 0 <= process_index < process_count:
+            raise ValueError(f"a mixture's global_batch_size={global_batch_size}, "
+                             f"process_index={process_index}, process_count={process_count}; "
+                             "expected a batch that divides by the count, and an index below "
+                             "it.")
+        self.sizes = list(sizes)
+        self.interleave = Interleave(weights, seed, global_batch_size)
+        self.global_batch_size = global_batch_size
+        self.local_batch_size = global_batch_size // process_count
+        self.process_index = process_index
+        self.rows_per_epoch, self.first_out = epoch_rows(self.interleave, self.sizes,
+                                                         global_batch_size)
+        if not self.rows_per_epoch:
+            raise ValueError(f"source [{self.first_out}] of the mixture runs out within the "
+                             f"first batch of {global_batch_size} rows (it has "
+                             f"{self.sizes[self.first_out]} rows: examples, or packed rows of a "
+                             "corpus): no whole batch an epoch. Give it more data or less "
+                             "weight, or use a smaller batch.")
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.rows_per_epoch // self.global_batch_size
+
+    def taken(self) -> np.ndarray:
+        """int64 [sources]: each source's rows in an epoch (all processes')."""
+        return self.interleave.taken(self.rows_per_epoch)
+
+    def epoch(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        """Every row of ``epoch`` (all processes'): its source, and its row in that source's
+        stream."""
+        return self.interleave.locate(epoch * self.rows_per_epoch,
+                                      (epoch + 1) * self.rows_per_epoch)
+
+    def rows(self, epoch: int, step: int) -> tuple[np.ndarray, np.ndarray]:
+        """This process's rows of ``step`` of ``epoch``: each one's source, and its row in that
+        source's stream."""
+        first = epoch * self.rows_per_epoch + step * self.global_batch_size \
+            + self.process_index * self.local_batch_size
+        return self.interleave.locate(first, first + self.local_batch_size)
+
+    def pieces(self, source: np.ndarray, row: np.ndarray) -> Iterator[tuple[int, np.ndarray,
+                                                                         list]]:
+        """For each source of the rows ``(source, row)`` (as ``rows`` gives them): the source,
+        where its rows are, and the runs of its own epochs they read, ``(epoch, first,
+        count)`` in order (a source that runs out goes on with its next epoch)."""
+        for c in np.unique(source):
+            where, size = source == c, self.sizes[c]
+            k, count, runs = int(row[where][0]), int(where.sum()), []
+            while count:
+                epoch, first = divmod(k, size)
+                n = min(count, size - first)
+                runs.append((epoch, first, n))
+                k, count = k + n, count - n
+            yield int(c), where, runs
+
+    def check_step(self, epoch: int, start_step: int) -> None:
+        if epoch < 0 or not 0 <= start_step <= self.steps_per_epoch:
+            raise ValueError(f"epoch={epoch}, start_step={start_step}; expected epoch >= 0 and "
+                             f"a step in 0..{self.steps_per_epoch}.")
+
+
 class MixedBatches:
     """Epochs of packed causal-LM batches (``packing`` module doc), each row from one of several
     corpora as ``weights`` say (module doc), of this process.
@@ -143,74 +214,90 @@ class MixedBatches:
     def __init__(self, docs: Sequence, weights: Sequence[float], seq_len: int,
                  global_batch_size: int, *, seed: int = 0, process_index: int = 0,
                  process_count: int = 1):
-        if global_batch_size % process_count or not 0 <= process_index < process_count:
-            raise ValueError(f"MixedBatches: global_batch_size={global_batch_size}, "
-                             f"process_index={process_index}, process_count={process_count}; "
-                             "expected a batch that divides by the count, and an index below "
-                             "it.")
         self.sources = [PackedBatches(d, seq_len, 1, seed=seed) for d in docs]
-        self.interleave = Interleave(weights, seed)
+        self.mixture = Mixture([s.rows_per_epoch for s in self.sources], weights,
+                               global_batch_size, seed, process_index, process_count)
         self.seq_len, self.global_batch_size = seq_len, global_batch_size
-        self.local_batch_size = global_batch_size // process_count
-        self.process_index = process_index
-        self.rows = [s.rows_per_epoch for s in self.sources]
-        self.rows_per_epoch, self.first_out = epoch_rows(self.interleave, self.rows,
-                                                         global_batch_size)
-        if not self.rows_per_epoch:
-            raise ValueError(f"source {self.first_out} of the mixture runs out within the first "
-                             f"batch of {global_batch_size} rows (it packs into "
-                             f"{self.rows[self.first_out]} rows of {seq_len}): no whole batch "
-                             "an epoch. Give it more text or less weight, or use a smaller "
-                             "batch.")
 
     @property
     def steps_per_epoch(self) -> int:
-        return self.rows_per_epoch // self.global_batch_size
-
-    def taken(self) -> np.ndarray:
-        """int64 [sources]: each source's rows in an epoch (all processes')."""
-        return self.interleave.taken(self.rows_per_epoch)
+        return self.mixture.steps_per_epoch
 
     def batch_lengths(self, start: int, stop: int) -> set[int]:
         """The lengths of the batches ``start`` to ``stop``: every row is ``seq_len`` long."""
         return {self.seq_len} if stop > start else set()
 
-    def _rows(self, epoch: int, step: int) -> tuple[np.ndarray, np.ndarray]:
-        """The source of each of this process's rows of ``step`` of ``epoch``, and its row in
-        that source's stream."""
-        first = (epoch * self.steps_per_epoch + step) * self.global_batch_size \
-            + self.process_index * self.local_batch_size
-        return self.interleave.locate(first, first + self.local_batch_size)
-
-    def sources_of(self, epoch: int, step: int) -> np.ndarray:
-        """The source of each of this process's rows of ``step`` of ``epoch``."""
-        return self._rows(epoch, step)[0]
-
-    def _read(self, c: int, k: int, count: int) -> dict[str, np.ndarray]:
-        """Rows ``k`` .. ``k + count`` of source ``c``'s stream (its epochs one after another)."""
-        pieces = []
-        while count:
-            epoch, row = divmod(k, self.rows[c])
-            n = min(count, self.rows[c] - row)
-            pieces.append(self.sources[c].window(epoch, row, n))
-            k, count = k + n, count - n
-        return {key: np.concatenate([p[key] for p in pieces]) for key in KEYS}
-
     def batches(self, epoch: int, start_step: int = 0) -> Iterator[dict[str, np.ndarray]]:
         """This process's rows of each batch of ``epoch``, from ``start_step`` on."""
-        if epoch < 0 or not 0 <= start_step <= self.steps_per_epoch:
-            raise ValueError(f"epoch={epoch}, start_step={start_step}; expected epoch >= 0 and "
-                             f"a step in 0..{self.steps_per_epoch}.")
+        self.mixture.check_step(epoch, start_step)
         for step in range(start_step, self.steps_per_epoch):
-            source, row = self._rows(epoch, step)
-            read = {int(c): self._read(int(c), int(row[source == c][0]),
-                                       int((source == c).sum())) for c in np.unique(source)}
+            source, row = self.mixture.rows(epoch, step)
             batch = {}
-            for key in KEYS:
-                batch[key] = np.empty((len(source), self.seq_len), read[int(source[0])][key].dtype)
-                for c, rows in read.items():
-                    batch[key][source == c] = rows[key]
+            for c, where, runs in self.mixture.pieces(source, row):
+                read = [self.sources[c].window(*run) for run in runs]
+                for key in KEYS:
+                    rows = np.concatenate([r[key] for r in read])
+                    batch.setdefault(key, np.empty((len(source), self.seq_len), rows.dtype))
+                    batch[key][where] = rows
             yield batch
 
 
-__all__ = ["BLOCK", "Interleave", "MixedBatches", "counts", "epoch_rows", "proportions"]
+class ChainedRows(Sequence):
+    """Sequences of token id rows one after another, as one (``Tokenized.input_ids``)."""
+
+    def __init__(self, stores: Sequence[Sequence]):
+        self.stores = list(stores)
+        self._starts = np.cumsum([0] + [len(s) for s in self.stores])
+
+    def __len__(self) -> int:
+        return int(self._starts[-1])
+
+    def __getitem__(self, i):
+        s = int(np.searchsorted(self._starts, i, "right")) - 1
+        return self.stores[s][int(i) - int(self._starts[s])]
+
+
+def chained(parts: Sequence[Tokenized]) -> Tokenized:
+    """Labelled splits one after another, as one: a mixture's eval split, and what
+    ``MixedExamples`` picks its examples from."""
+    first = parts[0]
+    return Tokenized(ChainedRows([p.input_ids for p in parts]),
+                     np.concatenate([p.labels for p in parts]), first.max_len, first.pad_id,
+                     np.concatenate([p.row_lengths() for p in parts]))
+
+
+class MixedExamples(BatchIterator):
+    """Epochs of padded labelled batches (``pipeline.BatchIterator``'s: dynamic padding, each
+    process's rows), each example from one of several labelled splits as ``weights`` say
+    (module doc), each split's examples in its own (seed, epoch) order; not bucketed by
+    length."""
+
+    def __init__(self, parts: Sequence[Tokenized], weights: Sequence[float],
+                 global_batch_size: int, *, seed: int = 0, pad_multiple: int = 16,
+                 process_index: int = 0, process_count: int = 1):
+        self.mixture = Mixture([len(p) for p in parts], weights, global_batch_size, seed,
+                               process_index, process_count)
+        self.offsets = np.cumsum([0] + [len(p) for p in parts])
+        super().__init__(chained(parts), global_batch_size, seed=seed, pad_multiple=pad_multiple,
+                         process_index=process_index, process_count=process_count)
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.mixture.steps_per_epoch
+
+    def plan(self, epoch: int) -> list[np.ndarray]:
+        """The examples (indices into the chained splits) of each global batch of ``epoch``."""
+        self.mixture.check_step(epoch, 0)
+        source, row = self.mixture.epoch(epoch)
+        index = np.empty(len(source), np.int64)
+        for c, where, runs in self.mixture.pieces(source, row):
+            n = self.mixture.sizes[c]
+            index[where] = self.offsets[c] + np.concatenate([
+                np.random.default_rng((self.seed, e)).permutation(n)[first:first + count]
+                for e, first, count in runs])
+        b = self.global_batch_size
+        return [index[i:i + b] for i in range(0, len(index), b)]
+
+
+__all__ = ["ChainedRows", "Interleave", "MixedBatches", "MixedExamples", "Mixture",
+           "chained", "counts", "epoch_rows", "proportions"]

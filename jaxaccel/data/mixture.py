@@ -1,5 +1,5 @@
-"""``data.name=mixture``: corpora mixed by weight into one training stream (``data.mixture``),
-a row of ``sources.SOURCES``.
+"""``data.name=mixture``: sources of one task mixed by weight into one training stream
+(``data.mixture``), a row of ``sources.SOURCES``.
 
     data.name=mixture
     data.mixture=[{"name": "canterbury", "weight": 3},
@@ -11,8 +11,9 @@ own row of the table, and tokenized into its own token cache. Training rows are 
 the weights (``mixing``: the order, the epoch's length, resume, each process's share); the eval
 split is every source's eval split one after another (each document once, unweighted). Without
 ``model.tokenizer`` the mixture is tokenized by one byte-level BPE trained on all its sources'
-training splits (``MixtureReader``). The sources must give batches of one task; mixtures of
-corpora (causal LM) are made, of labelled data not yet.
+training splits (``MixtureReader``). The sources must give batches of one task, and be all
+corpora (causal LM) or all labelled texts (classification: the classes are all the sources'
+labels); ready token ids and arrays are not mixed.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import dataclasses
 from jaxaccel.data import mixing, sources
 from jaxaccel.data.spec import Batching, DataSpec, ModelInput, Settings
 
-MIXED_KINDS = ("corpus",)
+MIXED_KINDS = ("corpus", "text")
 """The data kinds a mixture mixes (``spec.KINDS``)."""
 
 
@@ -62,10 +63,12 @@ def _check_kinds(parts: tuple, model: ModelInput) -> None:
                          f"(model.name={model.name!r}) trains {model.task}. Mix sources of one "
                          "task.")
     for i, (spec, _) in enumerate(parts):
-        if spec.kind not in MIXED_KINDS:
+        if spec.kind not in MIXED_KINDS or spec.kind != parts[0][0].kind:
             raise ValueError(f"data.mixture[{i}] ({spec.name}) holds {spec.kind} data, and a "
-                             "mixture mixes corpora (causal LM documents) only: train on it "
-                             "alone, or mix corpora.")
+                             f"mixture mixes corpora (causal LM documents) or labelled texts "
+                             f"read from their records, of one kind ([0] holds "
+                             f"{parts[0][0].kind}): train on it alone, or mix sources of one "
+                             "of those kinds.")
 
 
 def describe(settings: Settings, model: ModelInput, batching: Batching) -> DataSpec:
@@ -84,9 +87,9 @@ def counted(spec: DataSpec) -> DataSpec:
     runs out) where every source's rows are known, and where that is a batch or more."""
     if any(part.rows is None for part, _ in spec.parts):
         return spec
-    interleave = mixing.Interleave([w for _, w in spec.parts], spec.batching.seed)
-    rows, first = mixing.epoch_rows(interleave, [part.rows for part, _ in spec.parts],
-                                    spec.batching.batch_size)
+    batch = spec.batching.batch_size
+    interleave = mixing.Interleave([w for _, w in spec.parts], spec.batching.seed, batch)
+    rows, first = mixing.epoch_rows(interleave, [part.rows for part, _ in spec.parts], batch)
     if not rows:
         return spec
     return dataclasses.replace(spec, rows=rows, count_source=(

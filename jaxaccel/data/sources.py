@@ -55,8 +55,8 @@ SOURCES: dict[str, Source] = dict(
                  ("mae", "classification"), yours=True),
     images=Source("jaxaccel.data.images", "images (JPEG/PNG/WebP) in class sub-folders, or "
                   "a CSV/JSONL of path and label", ("classification",), yours=True),
-    mixture=Source("jaxaccel.data.mixture", "corpora mixed by weight (data.mixture)",
-                   ("causal_lm",)),
+    mixture=Source("jaxaccel.data.mixture", "sources of one task mixed by weight "
+                   "(data.mixture)", ("causal_lm", "classification")),
 )
 """Data sources by name (``data.name``): the module that describes each (``describe``)."""
 

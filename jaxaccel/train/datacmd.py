@@ -52,23 +52,29 @@ def _caches(batches) -> list[tokencache.TokenCache]:
     if isinstance(batches, MixedBatches):
         return [c for source in batches.sources for c in _caches(source)]
     data = batches.docs if isinstance(batches, PackedBatches) else getattr(batches, "data", None)
-    stores = getattr(data, "stores", [data])                # a mixture's eval split: chained
-    caches = [getattr(getattr(d, "input_ids", d), "cache", None) for d in stores]
-    return [c for c in caches if c is not None]
+    rows = getattr(data, "input_ids", data)
+    stores = getattr(rows, "stores", [rows])                # a mixture's sources: chained
+    return [s.cache for s in stores if getattr(s, "cache", None) is not None]
 
 
-def _mixed(data: DataSpec, b: MixedBatches) -> list[str]:
-    """A mixture's epoch and its sources: documents, tokens, rows, and the share of the epoch's
-    rows each gives (the realised proportions beside the weights)."""
-    first = data.parts[b.first_out][0].name
-    lines = [f"train: a mixture of {len(b.sources)} sources; {b.steps_per_epoch:,} steps an "
-             f"epoch, until [{b.first_out}] {first} runs out (each source then goes on, one "
-             "that runs out with its next epoch's order)"]
-    for i, (source, taken) in enumerate(zip(b.sources, b.taken())):
-        lines.append(f"  [{i}] {data.parts[i][0].name}, weight {b.interleave.weights[i]:.3f}: "
-                     f"{len(source.docs):,} documents, {source.tokens:,} tokens, "
-                     f"{source.rows_per_epoch:,} rows of {b.seq_len}; {taken:,} rows an epoch, "
-                     f"{taken / b.rows_per_epoch:.3f} of them")
+def _mixed(data: DataSpec, b) -> list[str]:
+    """A mixture's epoch and its sources (``MixedBatches``, ``MixedExamples``): documents and
+    tokens, or examples and tokens, and the share of the epoch's rows each gives (the realised
+    proportions beside the weights)."""
+    mix = b.mixture
+    lines = [f"train: a mixture of {len(mix.sizes)} sources; {b.steps_per_epoch:,} steps an "
+             f"epoch, until [{mix.first_out}] {data.parts[mix.first_out][0].name} runs out "
+             "(each source then goes on, one that runs out with its next epoch's order)"]
+    for i, taken in enumerate(mix.taken()):
+        if isinstance(b, MixedBatches):
+            s = b.sources[i]
+            what = (f"{len(s.docs):,} documents, {s.tokens:,} tokens, {s.rows_per_epoch:,} rows "
+                    f"of {b.seq_len}")
+        else:
+            lengths = b.lengths[b.offsets[i]:b.offsets[i + 1]]
+            what = f"{len(lengths):,} examples, {int(lengths.sum()):,} tokens"
+        lines.append(f"  [{i}] {data.parts[i][0].name}, weight {mix.interleave.weights[i]:.3f}: "
+                     f"{what}; {taken:,} rows an epoch, {taken / mix.rows_per_epoch:.3f} of them")
     return lines
 
 
@@ -84,7 +90,7 @@ def prepare(cfg) -> list[str]:
     lines = [f"data.name={r.data.name} ({r.data.kind}): {r.spec.task} batches of "
              f"{r.data.batching.batch_size} rows"]
     for split, b in batches.items():
-        if isinstance(b, MixedBatches):
+        if hasattr(b, "mixture"):
             lines += _mixed(r.data, b)
             lines += [f"  cache: {c.folder} ({_size(c.folder) / 1e6:,.1f} MB)" for c in _caches(b)]
             continue
@@ -129,7 +135,7 @@ def show(cfg, n: int = 5, split: str = "train") -> list[str]:
     b = batches["train" if split == "train" else _eval_name(r.data)]
     lines, row = [], 0
     for step, batch in enumerate(b.batches(0)):
-        mixed = b.sources_of(0, step) if isinstance(b, MixedBatches) else None
+        mixed = b.mixture.rows(0, step)[0] if hasattr(b, "mixture") else None
         for i in range(len(next(iter(batch.values())))):
             if row == n:
                 return lines
