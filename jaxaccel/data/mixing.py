@@ -184,9 +184,10 @@ class Mixture:
 
     def pieces(self, source: np.ndarray, row: np.ndarray) -> Iterator[tuple[int, np.ndarray,
                                                                          list]]:
-        """For each source of the rows ``(source, row)`` (as ``rows`` gives them): the source,
-        where its rows are, and the runs of its own epochs they read, ``(epoch, first,
-        count)`` in order (a source that runs out goes on with its next epoch)."""
+        """For each source of a stretch of the stream (``(source, row)`` as ``rows`` and
+        ``epoch`` give them, where each source's rows follow one another in its own stream):
+        the source, where its rows are, and the runs of its own epochs they read, ``(epoch,
+        first, count)`` in order (a source that runs out goes on with its next epoch)."""
         for c in np.unique(source):
             where, size = source == c, self.sizes[c]
             k, count, runs = int(row[where][0]), int(where.sum()), []
@@ -198,6 +199,7 @@ class Mixture:
             yield int(c), where, runs
 
     def check_step(self, epoch: int, start_step: int) -> None:
+        """An epoch >= 0 and a step of it to start at (``batches(epoch, start_step)``)."""
         if epoch < 0 or not 0 <= start_step <= self.steps_per_epoch:
             raise ValueError(f"epoch={epoch}, start_step={start_step}; expected epoch >= 0 and "
                              f"a step in 0..{self.steps_per_epoch}.")
