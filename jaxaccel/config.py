@@ -76,7 +76,15 @@ BASE: dict[str, Any] = {
                                     # (labelled texts); canterbury (a corpus: packed causal-LM
                                     # rows); bfsong (birdsong spectrograms: ViT mae,
                                     # classification); synthetic; your data: files | tfds | hf
-                                    # | audio (docs/guides/your-data.md)
+                                    # | audio (docs/guides/your-data.md); mixture (data.mixture)
+        "mixture": [],              # data.name=mixture: the sources mixed (corpora, or
+                                    # labelled texts), each a dict of the data keys it sets
+                                    # (the rest as this section has them; max_len and
+                                    # tokenizer_vocab are the mixture's) and its "weight" > 0,
+                                    # its share of the training rows, e.g.
+                                    # [{"name": "canterbury", "weight": 3}, {"name": "files",
+                                    # "train_files": "notes/*.txt", "weight": 1}]; an epoch
+                                    # ends when the first source runs out (data/mixing.py)
         "data_dir": "",             # TFDS data dir ("" = TFDS default / $TFDS_DATA_DIR)
         "manual_dir": "",           # where manually downloaded archives are (imdb_reviews)
         "train_files": "",          # files, audio: glob(s) of the training files, comma-
@@ -260,6 +268,20 @@ def set_key(cfg: dict, dotted: str, value: Any) -> None:
             node = node[part]
 
 
+def _check_mixture_keys(cfg: Config) -> None:
+    """Each source of ``data.mixture`` (dicts with a weight: ``config_checks``) sets keys of
+    the ``data`` section, each value of the type the section has and within its rules."""
+    for i, part in enumerate(cfg["data"]["mixture"]):
+        source = {**cfg, "data": {**cfg["data"], "mixture": []}}
+        try:
+            for key, value in part.items():
+                if key != "weight":
+                    set_key(source, f"data.{key}", value)
+            validate(_wrap(source))
+        except (KeyError, ValueError) as e:
+            raise type(e)(f"data.mixture[{i}]: {e.args[0]}") from None
+
+
 def parse_override(text: str) -> tuple[str, Any]:
     """Parse ``key=value``; the value is a Python literal if it parses as one, else a string."""
     if "=" not in text:
@@ -368,6 +390,7 @@ def build(overrides: dict | None = None, sets: list[str] | None = None) -> Confi
         set_key(cfg, *parse_override(text))
     cfg = _wrap(cfg)
     validate(cfg)
+    _check_mixture_keys(cfg)
     return cfg
 
 

@@ -16,6 +16,7 @@ def validate(cfg) -> None:
     """Raise ValueError naming the first key whose value no run can take, and what it takes."""
     _check_run(cfg)
     _check_data(cfg.data)
+    _check_mixture(cfg.data)
     _check_train(cfg.train, cfg.model)
     _check_precision(cfg.precision)
     _check_mesh(cfg.mesh)
@@ -82,6 +83,43 @@ def _check_data(d) -> None:
     if not 0 <= d.synthetic_min_len <= d.synthetic_seq_len:
         raise ValueError(f"data.synthetic_min_len={d.synthetic_min_len} must be 0 "
                          f"(fixed length) to data.synthetic_seq_len={d.synthetic_seq_len}.")
+
+
+MIXTURE_KEYS = ("mixture", "max_len", "tokenizer_vocab")
+"""The ``data`` keys that are a mixture's, not one of its sources' (one row length, one
+tokenizer)."""
+
+
+def _weight(value) -> bool:
+    """Whether ``value`` is a weight a mixture takes: a finite number > 0."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and \
+        0 < value < float("inf")
+
+
+def _check_mixture(d) -> None:
+    if d.name == "mixture" and not d.mixture:
+        raise ValueError("data.name=mixture needs data.mixture, the sources mixed, e.g. "
+                         "data.mixture=\"[{'name': 'canterbury', 'weight': 3}, {'name': "
+                         "'files', 'train_files': 'notes/*.txt', 'weight': 1}]\".")
+    if d.mixture and d.name != "mixture":
+        raise ValueError(f"data.mixture is read with data.name=mixture only, not data.name="
+                         f"{d.name!r}; set data.name=mixture, or drop data.mixture.")
+    if not all(isinstance(part, dict) for part in d.mixture):
+        raise ValueError(f"data.mixture={d.mixture!r}: each source is a dict of the data keys it "
+                         "sets and its weight, e.g. {'name': 'canterbury', 'weight': 1}.")
+    if any(part.get("name") in (None, "mixture") for part in d.mixture):
+        raise ValueError(f"data.mixture={d.mixture!r}: each source names its data.name (a "
+                         "source of the table, not mixture), e.g. {'name': 'canterbury', "
+                         "'weight': 1}.")
+    if any(not _weight(part.get("weight")) for part in d.mixture):
+        raise ValueError(f"data.mixture's weights are "
+                         f"{[part.get('weight') for part in d.mixture]}: each source needs a "
+                         "weight > 0, its share of the training rows (weights 3 and 1: three "
+                         "rows of the first to one of the second).")
+    if any(set(part) & set(MIXTURE_KEYS) for part in d.mixture):
+        raise ValueError(f"data.mixture={d.mixture!r}: {', '.join(MIXTURE_KEYS)} are the "
+                         "mixture's own keys (one row length, one tokenizer), not a source's; "
+                         "set them in the data section.")
 
 
 def _check_train(t, model) -> None:

@@ -54,6 +54,23 @@ class ListDocs:
         return self.docs[i][lo:hi]
 
 
+class ChainedDocs:
+    """Document stores one after another, as one store (``lengths``, ``part``): a mixture's
+    eval split, its sources' eval splits in turn."""
+
+    def __init__(self, stores: Sequence):
+        self.stores = list(stores)
+        self.lengths = np.concatenate([s.lengths for s in self.stores])
+        self._starts = np.cumsum([0] + [len(s) for s in self.stores])
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def part(self, i: int, lo: int, hi: int) -> np.ndarray:
+        s = int(np.searchsorted(self._starts, i, "right")) - 1
+        return self.stores[s].part(i - int(self._starts[s]), lo, hi)
+
+
 def _window(docs, order: np.ndarray, ends: np.ndarray, first: int, count: int,
             seq_len: int) -> dict[str, np.ndarray]:
     """Rows ``first`` .. ``first + count`` of the documents ``order`` laid end to end (``ends``:
@@ -154,7 +171,12 @@ class PackedBatches:
 
     def rows(self, epoch: int) -> dict[str, np.ndarray]:
         """Every row of ``epoch`` (all processes'), packed from that epoch's document order."""
-        return _window(self.docs, *self._order(epoch), 0, self.rows_per_epoch, self.seq_len)
+        return self.window(epoch, 0, self.rows_per_epoch)
+
+    def window(self, epoch: int, first: int, count: int) -> dict[str, np.ndarray]:
+        """Rows ``first`` .. ``first + count`` of ``epoch`` (of all processes' rows; a mixture
+        reads its sources so: ``mixing.MixedBatches``)."""
+        return _window(self.docs, *self._order(epoch), first, count, self.seq_len)
 
     def batches(self, epoch: int, start_step: int = 0) -> Iterator[dict[str, np.ndarray]]:
         """This process's rows of each batch of ``epoch``, from ``start_step`` on; without

@@ -205,6 +205,8 @@ class DataSpec:
     trained: the ``data`` section a trained model was trained with, where this data is its
       evaluation's (``inference.checkpoint_run``): an eval split cut from the training split
       must hold none of the examples it trained on (``splits.split_rows``); None otherwise.
+    parts: a mixture's sources (``data.mixture``), each ``(DataSpec, weight)``; () for one
+      source.
     """
 
     name: str
@@ -222,6 +224,7 @@ class DataSpec:
     rows: int | None = None
     absent: str = ""
     trained: Settings | None = None
+    parts: tuple = ()
 
     @property
     def tasks(self) -> tuple[str, ...]:

@@ -26,7 +26,10 @@ Batching, per process (its ``share`` of every batch: part i of n, ``sharding.bat
 * corpora (``packing.PackedBatches``): documents (each ending with EOS) packed into rows of
   ``data.max_len``; train from a document order shuffled per (seed, epoch), whole batches;
   eval in document order, the last batch completed with padding rows;
-* arrays (``arrays.ArrayBatches``): train shuffled per (seed, epoch), eval in order.
+* arrays (``arrays.ArrayBatches``): train shuffled per (seed, epoch), eval in order;
+* a mixture (``data.name=mixture``): train rows interleaved by weight from each source's own
+  packed rows (``mixing.MixedBatches``) or examples (``mixing.MixedExamples``, classes learnt
+  from all its sources), eval every source's eval split in turn.
 
 A corpus without ``model.tokenizer`` or ``model.checkpoint`` is tokenized by a byte-level BPE
 of ``data.tokenizer_vocab`` tokens trained on its training split
@@ -42,9 +45,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from jaxaccel.data import encode, tokencache
+from jaxaccel.data import encode, mixture, tokencache
 from jaxaccel.data.arrays import ArrayBatches
-from jaxaccel.data.packing import PackedBatches
+from jaxaccel.data.mixing import MixedBatches, MixedExamples, chained
+from jaxaccel.data.packing import ChainedDocs, PackedBatches
 from jaxaccel.data.pipeline import BatchIterator, Tokenized
 from jaxaccel.data.run_tokenizer import bpe_folder, trains_bpe
 from jaxaccel.data.spec import DataError, DataMissing, DataSpec, held_rows, holdout_size
@@ -174,10 +178,10 @@ def _cache(data: DataSpec, split: str, tokenizer) -> tuple[tokencache.TokenCache
     return cache, np.arange(len(cache)) if rows is None else rows
 
 
-def learnt_names(data: DataSpec, cache: tokencache.TokenCache) -> tuple[str, ...]:
-    """The classes of a labelled training split: the source's, else its labels sorted
-    (integers by value); a split of one class is refused."""
-    values = cache.label_values
+def learnt_names(data: DataSpec, values: list[dict]) -> tuple[str, ...]:
+    """The classes of a labelled training split of label ``values`` (a token cache's
+    ``label_values``): the source's, else the labels sorted (integers by value); a split of one
+    class is refused."""
     if data.label_names is not None:
         return data.label_names
     ints = [v for v in values if isinstance(v["value"], int)]
@@ -216,7 +220,7 @@ def label_ids(data: DataSpec, cache: tokencache.TokenCache, names: tuple[str, ..
 
 def _labelled(data: DataSpec, split: str, tokenizer, names) -> tuple[Tokenized, tuple]:
     cache, rows = _cache(data, split, tokenizer)
-    names = learnt_names(data, cache) if names is None else names
+    names = learnt_names(data, cache.label_values) if names is None else names
     if data.model.num_labels is not None and len(names) > data.model.num_labels:
         raise ValueError(f"data {data.name!r} has {len(names)} classes but model.num_labels="
                          f"{data.model.num_labels}; set model.num_labels={len(names)}.")
@@ -271,22 +275,69 @@ def check_rows(data: DataSpec) -> None:
                          f"{limit}.")
 
 
-def _packed(data: DataSpec, split: str, tokenizer, training: bool, share) -> PackedBatches:
+def _docs(data: DataSpec, split: str, tokenizer, training: bool) -> CachedDocs:
+    """The documents of a corpus's ``split``, from its token cache; a training split holds a
+    row's tokens or more."""
     check_rows(data)
-    cache, rows = _cache(data, split, tokenizer)
-    docs = CachedDocs(cache, rows)
+    docs = CachedDocs(*_cache(data, split, tokenizer))
     tokens, length = int(docs.lengths.sum()), data.max_len
     if training and tokens < length:
         raise DataError(f"the {split!r} split of data.name={data.name!r} holds {tokens} tokens, "
                         f"less than one row of data.max_len={length}; give it more text or "
                         "shorter rows.")
-    n = -(-tokens // length)
+    return docs
+
+
+def _packed(data: DataSpec, split: str, docs, training: bool, share) -> PackedBatches:
+    length = data.max_len
+    n = -(-int(docs.lengths.sum()) // length)
     if training:
         _check_train_batch(data, n, f"rows of {length} tokens (data.max_len) that the "
                            f"{data.name!r} {split!r} split packs into")
     size = data.batching.batch_size if training else _eval_batch_size(data, n, split)
     return PackedBatches(docs, length, size, shuffle=training, seed=data.batching.seed,
                          drop_remainder=training, **_share(share))
+
+
+def _mixed_names(data: DataSpec, tokenizer) -> tuple[str, ...]:
+    """A mixture's classes: the ones its sources name, where they all name the same, else all
+    its sources' training labels together (``learnt_names``)."""
+    named = {part.label_names for part, _ in data.parts}
+    if len(named) == 1 and None not in named:
+        return named.pop()
+    values = {}
+    for part, _ in data.parts:
+        for v in _cache(part, "train", tokenizer)[0].label_values:
+            values.setdefault(v["value"], v)
+    return learnt_names(data, list(values.values()))
+
+
+def _mixed(data: DataSpec, split: str, tokenizer, share, names, training: bool):
+    """``(batches, label names)`` of a mixture (``data.parts``): training rows interleaved from
+    its sources' by weight (``mixing``); its eval split, every source's own eval split one after
+    another."""
+    parts, weights, b = [p for p, _ in data.parts], [w for _, w in data.parts], data.batching
+    own = ["train" if training else part.eval_split for part in parts]
+    if data.batches == "packed":
+        docs = [_docs(part, s, tokenizer, training) for part, s in zip(parts, own)]
+        if not training:
+            return _packed(data, split, ChainedDocs(docs), False, share), ()
+        return MixedBatches(docs, weights, data.max_len, b.batch_size, seed=b.seed,
+                            **_share(share)), ()
+    names = _mixed_names(data, tokenizer) if names is None else names
+    examples = [_labelled(part, s, tokenizer, names)[0] for part, s in zip(parts, own)]
+    if not training:
+        return _eval_rows(data, chained(examples), share), names
+    return MixedExamples(examples, weights, b.batch_size, seed=b.seed,
+                         pad_multiple=data.settings.pad_multiple, **_share(share)), names
+
+
+def _eval_rows(data: DataSpec, examples: Tokenized, share) -> BatchIterator:
+    """Labelled eval batches: every example once, sorted by length over the whole split."""
+    size = data.batching.eval_batch_size
+    return BatchIterator(examples, size, shuffle=False, drop_remainder=False,
+                         bucket_window=len(examples) // size + 1,
+                         pad_multiple=data.settings.pad_multiple, **_share(share))
 
 
 def _arrays(data: DataSpec, split: str) -> tuple[np.ndarray, np.ndarray]:
@@ -309,8 +360,10 @@ def _ready(data: DataSpec, split: str) -> Tokenized:
 def _batches(data: DataSpec, split: str, tokenizer, share, names, training: bool):
     """``(batches, label names)`` of ``split`` (module doc)."""
     what = f"examples of the {data.name!r} {split!r} split"
+    if data.parts:
+        return _mixed(data, split, tokenizer, share, names, training)
     if data.batches == "packed":
-        return _packed(data, split, tokenizer, training, share), ()
+        return _packed(data, split, _docs(data, split, tokenizer, training), training, share), ()
     if data.batches == "arrays":
         x, labels = _arrays(data, split)
         names = data.label_names if names is None else names
@@ -330,10 +383,7 @@ def _batches(data: DataSpec, split: str, tokenizer, share, names, training: bool
                              seed=data.batching.seed, drop_remainder=True,
                              bucket_window=TRAIN_BUCKET_WINDOW if d.bucket else 0,
                              pad_multiple=d.pad_multiple, **_share(share)), names
-    size = data.batching.eval_batch_size
-    return BatchIterator(examples, size, shuffle=False, drop_remainder=False,
-                         bucket_window=len(examples) // size + 1, pad_multiple=d.pad_multiple,
-                         **_share(share)), names
+    return _eval_rows(data, examples, share), names
 
 
 def train_batches(data: DataSpec, tokenizer, share: tuple[int, int] | None = None):
@@ -378,8 +428,19 @@ def prepared(data: DataSpec, load_tokenizer) -> DataSpec:
     folder = data.model.tokenizer if not trains_bpe(data) else bpe_folder(data)
     if not folder or not os.path.isdir(folder):
         return data
-    tokenizer = load_tokenizer(folder)
-    found = tokencache.lookup(tokencache.plan(data, "train", encode.fingerprint(tokenizer)))
+    fingerprint = encode.fingerprint(load_tokenizer(folder))
+    if data.parts:      # each source's cache, of the mixture's tokenizer
+        return mixture.counted(dataclasses.replace(data, parts=tuple(
+            (_prepared_rows(part, fingerprint), w) for part, w in data.parts)))
+    return _prepared_rows(data, fingerprint)
+
+
+def _prepared_rows(data: DataSpec, fingerprint: str) -> DataSpec:
+    """``data`` with the training rows of its cache for the tokenizer of ``fingerprint``, where
+    that cache is built and the count was unknown."""
+    if data.rows is not None:
+        return data
+    found = tokencache.lookup(tokencache.plan(data, "train", fingerprint))
     if found is None:
         return data
     rows = split_rows(data, "train", len(found))

@@ -11,6 +11,7 @@ import os
 import numpy as np
 
 from jaxaccel.data import load_tokenizer, run_tokenizer, splits, tokencache
+from jaxaccel.data.mixing import MixedBatches
 from jaxaccel.data.packing import PackedBatches
 from jaxaccel.data.spec import DataSpec
 from jaxaccel.models import check_vocab, packaged_minilm_dir
@@ -33,7 +34,14 @@ def _batches(cfg):
     tokenizer = _tokenizer(r.data, r.spec.architecture)
     train, names = splits.train_batches(r.data, tokenizer)
     evals, _ = splits.eval_batches(r.data, tokenizer, None, names)
-    return r, tokenizer, {"train": train, r.data.eval_split: evals}, names
+    return r, tokenizer, {"train": train, _eval_name(r.data): evals}, names
+
+
+def _eval_name(data: DataSpec) -> str:
+    """The eval split's name; a mixture's is its sources' eval splits, one after another."""
+    if not data.parts:
+        return data.eval_split
+    return " + ".join(f"[{i}] {part.eval_split}" for i, (part, _) in enumerate(data.parts))
 
 
 def _size(folder: str) -> int:
@@ -41,10 +49,33 @@ def _size(folder: str) -> int:
 
 
 def _caches(batches) -> list[tokencache.TokenCache]:
+    if isinstance(batches, MixedBatches):
+        return [c for source in batches.sources for c in _caches(source)]
     data = batches.docs if isinstance(batches, PackedBatches) else getattr(batches, "data", None)
     rows = getattr(data, "input_ids", data)
-    cache = getattr(rows, "cache", None)
-    return [cache] if cache is not None else []
+    stores = getattr(rows, "stores", [rows])                # a mixture's sources: chained
+    return [s.cache for s in stores if getattr(s, "cache", None) is not None]
+
+
+def _mixed(data: DataSpec, b) -> list[str]:
+    """A mixture's epoch and its sources (``MixedBatches``, ``MixedExamples``): documents and
+    tokens, or examples and tokens, and the share of the epoch's rows each gives (the realised
+    proportions beside the weights)."""
+    mix = b.mixture
+    lines = [f"train: a mixture of {len(mix.sizes)} sources; {b.steps_per_epoch:,} steps an "
+             f"epoch, until [{mix.first_out}] {data.parts[mix.first_out][0].name} runs out "
+             "(each source then goes on, one that runs out with its next epoch's order)"]
+    for i, taken in enumerate(mix.taken()):
+        if isinstance(b, MixedBatches):
+            s = b.sources[i]
+            what = (f"{len(s.docs):,} documents, {s.tokens:,} tokens, {s.rows_per_epoch:,} rows "
+                    f"of {b.seq_len}")
+        else:
+            lengths = b.lengths[b.offsets[i]:b.offsets[i + 1]]
+            what = f"{len(lengths):,} examples, {int(lengths.sum()):,} tokens"
+        lines.append(f"  [{i}] {data.parts[i][0].name}, weight {mix.interleave.weights[i]:.3f}: "
+                     f"{what}; {taken:,} rows an epoch, {taken / mix.rows_per_epoch:.3f} of them")
+    return lines
 
 
 def _counts(labels: np.ndarray, names) -> str:
@@ -59,6 +90,10 @@ def prepare(cfg) -> list[str]:
     lines = [f"data.name={r.data.name} ({r.data.kind}): {r.spec.task} batches of "
              f"{r.data.batching.batch_size} rows"]
     for split, b in batches.items():
+        if hasattr(b, "mixture"):
+            lines += _mixed(r.data, b)
+            lines += [f"  cache: {c.folder} ({_size(c.folder) / 1e6:,.1f} MB)" for c in _caches(b)]
+            continue
         if isinstance(b, PackedBatches):
             what = (f"{len(b.docs):,} documents, {b.tokens:,} tokens, {b.rows_per_epoch:,} rows "
                     f"of {b.seq_len}")
@@ -69,8 +104,7 @@ def prepare(cfg) -> list[str]:
             what = f"{len(b):,} examples of {tuple(b.x.shape[1:])}; labels: " \
                    f"{_counts(b.labels, names)}"
         lines.append(f"{split}: {what}; {b.steps_per_epoch:,} steps an epoch")
-        for cache in _caches(b):
-            lines.append(f"  cache: {cache.folder} ({_size(cache.folder) / 1e6:,.1f} MB)")
+        lines += [f"  cache: {c.folder} ({_size(c.folder) / 1e6:,.1f} MB)" for c in _caches(b)]
     return lines
 
 
@@ -98,14 +132,17 @@ def show(cfg, n: int = 5, split: str = "train") -> list[str]:
     r, tokenizer, batches, names = _batches(cfg)
     if split not in ("train", "eval"):
         raise ValueError(f"data show --split {split!r}: train or eval.")
-    b = batches["train" if split == "train" else r.data.eval_split]
+    b = batches["train" if split == "train" else _eval_name(r.data)]
     lines, row = [], 0
     for step, batch in enumerate(b.batches(0)):
+        mixed = b.mixture.rows(0, step)[0] if hasattr(b, "mixture") else None
         for i in range(len(next(iter(batch.values())))):
             if row == n:
                 return lines
-            lines.append(f"row {row} (step {step}):")
-            if isinstance(b, PackedBatches):
+            source = "" if mixed is None else \
+                f", source [{mixed[i]}] {r.data.parts[mixed[i]][0].name}"
+            lines.append(f"row {row} (step {step}{source}):")
+            if isinstance(b, (PackedBatches, MixedBatches)):
                 lines += _packed_row(tokenizer, batch, i)
             elif "pixels" in batch:
                 x = batch["pixels"][i]
