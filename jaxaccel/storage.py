@@ -116,11 +116,12 @@ def _explain(url: str, doing: str, e: Exception) -> str:
     s, text = scheme(url), f"{type(e).__name__}: {e}".splitlines()[0][:300]
     bucket = url.split("://", 1)[1].split("/", 1)[0]
     lowered = text.lower()
-    if isinstance(e, PermissionError) or any(w in lowered for w in ("403", "forbidden",
-                                                                    "access denied", "401")):
+    denied = isinstance(e, PermissionError) or any(
+        w in lowered for w in ("403", "forbidden", "access denied", "401"))
+    if denied and not _anonymous(s):
         why = (f"permission denied on {s}://{bucket} ({text}); grant the credentials in use "
                "write access (e.g. roles/storage.objectAdmin) or use another bucket")
-    elif any(w in lowered for w in ("credential", "token", "unable to locate")):
+    elif denied or any(w in lowered for w in ("credential", "token", "unable to locate")):
         why = (f"no credentials for {s}:// ({text}); " + (
             "set GOOGLE_APPLICATION_CREDENTIALS to a service-account key file, run `gcloud auth "
             "application-default login`, or run on a VM whose service account has access "
@@ -134,6 +135,16 @@ def _explain(url: str, doing: str, e: Exception) -> str:
     else:
         why = text
     return f"{doing} {url}: {why}."
+
+
+def _anonymous(protocol: str) -> bool:
+    """Whether this process's ``gs://`` client found no credentials: gcsfs then goes on
+    anonymously (after GOOGLE_APPLICATION_CREDENTIALS, gcloud's login and the metadata server),
+    and a bucket's refusal means credentials are missing, not that they lack a role."""
+    if protocol != "gs":
+        return False
+    credentials = getattr(_filesystem(protocol), "credentials", None)
+    return getattr(credentials, "method", None) == "anon"
 
 
 def _missing_bucket(url: str) -> StorageError:

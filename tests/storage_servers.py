@@ -182,6 +182,45 @@ def start_gcs_emulator() -> Iterator[StorageServer]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+@contextlib.contextmanager
+def refusing_gcs_endpoint(status: int) -> Iterator[Dict[str, str]]:
+    """A GCS endpoint that answers every request ``status`` (401: no credentials, 403: the
+    credentials lack a role) with the JSON error body storage.googleapis.com sends: the IAM
+    that fake-gcs-server does not have. Yields the environment of a client pointed at it
+    without credentials (gcsfs then goes on anonymously); a test adds a token for 403."""
+    import http.server
+    import json
+    import threading
+    reason = {401: "Anonymous caller does not have storage.objects.list access.",
+              403: "Caller does not have storage.objects.create access."}[status]
+
+    class Refuse(http.server.BaseHTTPRequestHandler):
+        def _refuse(self):
+            body = json.dumps({"error": {"code": status, "message": reason,
+                                         "errors": [{"message": reason}]}}).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        do_GET = do_POST = do_PUT = do_DELETE = do_HEAD = do_PATCH = _refuse
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Refuse)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        endpoint = f"http://127.0.0.1:{server.server_address[1]}"
+        env = {k: v for k, v in gcs_env(endpoint).items() if k != "FSSPEC_GCS_TOKEN"}
+        yield {**env, "GOOGLE_APPLICATION_CREDENTIALS": os.path.join(tempfile.gettempdir(),
+                                                                     "no-such-key.json")}
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 # ---------------------------------------------------------------------- S3 ---
 
 S3_REGION = "us-east-1"

@@ -19,7 +19,7 @@ import pytest
 from jaxaccel import cli, config
 from jaxaccel.train import loop
 from jaxaccel.train.metrics import read_metrics
-from storage_servers import start_moto_server
+from storage_servers import refusing_gcs_endpoint, start_moto_server
 from support import CLI, LONG_WAIT_S, TINY_CONFIG, cpu_env
 
 # The tiny BERT, a checkpoint every 2 steps, every step logged.
@@ -250,6 +250,28 @@ def test_missing_credentials_say_where_they_were_looked_for(s3_server, tmp_path)
     _, err = train(s3_server, f"{bucket}/runs", status=cli.EXIT_ERROR, cwd=tmp_path,
                    AWS_ACCESS_KEY_ID="", AWS_SECRET_ACCESS_KEY="")
     assert "no credentials" in err and "AWS_ACCESS_KEY_ID" in err, err[-2000:]
+
+
+@pytest.mark.parametrize("status", [401, 403])
+def test_gcs_without_credentials_or_a_role_is_one_line_naming_which(status, tmp_path):
+    """No credentials anywhere: gcsfs goes on anonymously and the bucket answers 401, which
+    is said as missing credentials with where to set them; a token without the role (403) is
+    said as permission denied. Nothing compiled, nothing written locally."""
+    with refusing_gcs_endpoint(status) as env:
+        # a raw access token, its expiry not asked of Google's token service (no network)
+        token = {"FSSPEC_GCS_TOKEN": "ya29.a-token-without-the-role",
+                 "FETCH_RAW_TOKEN_EXPIRY": "false"} if status == 403 else {}
+        done = subprocess.run([*CLI, "train", "--config", TINY_CONFIG,
+                               "--set=workdir=gs://a-bucket/runs"], capture_output=True,
+                              text=True, timeout=LONG_WAIT_S, cwd=tmp_path,
+                              env=cpu_env(**env, **token))
+    err = done.stderr
+    assert done.returncode == cli.EXIT_ERROR and err.count("error:") == 1, err[-2000:]
+    assert "Traceback" not in err and "compiled" not in err and os.listdir(tmp_path) == []
+    if status == 401:
+        assert "no credentials for gs://" in err and "GOOGLE_APPLICATION_CREDENTIALS" in err
+    else:
+        assert "permission denied on gs://a-bucket" in err and "roles/storage" in err
 
 
 def test_a_read_only_bucket_is_refused_for_training_and_read_for_eval(s3_server, tmp_path):
