@@ -56,7 +56,7 @@ SOURCES: dict[str, Source] = dict(
     images=Source("jaxaccel.data.images", "images (JPEG/PNG/WebP) in class sub-folders, or "
                   "a CSV/JSONL of path and label", ("classification",), yours=True),
     mixture=Source("jaxaccel.data.mixture", "sources of one task mixed by weight "
-                   "(data.mixture)", ("causal_lm", "classification")),
+                   "(data.mixture)", ("causal_lm", "classification"), yours=True),
 )
 """Data sources by name (``data.name``): the module that describes each (``describe``)."""
 
@@ -73,7 +73,7 @@ def source(name: str) -> Source:
         ours = ", ".join(n for n, s in SOURCES.items() if not s.yours)
         yours = ", ".join(n for n, s in SOURCES.items() if s.yours)
         raise ValueError(f"data.name={name!r} is not a data source; known: {ours} (shipped, "
-                         f"or made: synthetic, mixture), and for your data {yours} (docs/guides/"
+                         f"or made: synthetic), and for your data {yours} (docs/guides/"
                          f"your-data.md).{hint} Set data.name to one of them.")
     return SOURCES[name]
 
