@@ -96,7 +96,10 @@ def pytest_configure(config):
     being tested there (only the CPU backend is started when ``jax_platforms`` is "cpu", set
     above when no accelerator is attached), nor when the caller set XLA_FLAGS. XLA reads the
     flags when the first backend is created, which happens after this hook (tested: the same
-    compile and run times as set before import)."""
+    compile and run times as set before import). And pytest-xdist hands files out in the order
+    collected (``LONGEST_FIRST``), not by their number of tests."""
+    if hasattr(config.option, "loadscopereorder"):     # pytest-xdist: keep LONGEST_FIRST
+        config.option.loadscopereorder = False
     slow = "slow" in (config.getoption("markexpr") or "")
     if _OWN_XLA_FLAGS and not slow and jax.config.jax_platforms == "cpu":
         os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
@@ -108,10 +111,32 @@ def pytest_sessionfinish(session, exitstatus):
             shutil.rmtree(folder, ignore_errors=True)
 
 
+# The test files that take longest (worker-seconds, measured in the default suite at the end
+# of the bucket round, 2026-11-29), longest first. The suite's command (README) hands whole
+# files to two workers (``--dist loadfile``) in collection order; pytest-xdist would put the
+# files with the most tests first, which left the few long ones (the buckets', the fresh
+# machine's, the two-process runs) for last, one worker running them while the other
+# stood idle. Longest first, the short files fill in at the end.
+LONGEST_FIRST = (
+    "test_buckets.py", "test_faults.py", "test_sharding.py", "test_flat.py", "test_plan.py",
+    "test_pipeline.py", "test_attention.py", "test_probe.py", "test_vit.py",
+    "test_precision.py", "test_train.py", "test_adan.py", "test_scan.py", "test_bench.py",
+    "test_model.py", "test_attention_mgpu.py", "test_export.py", "test_llama.py",
+    "test_fresh_machine.py", "test_data.py", "test_distributed.py",
+)
+
+
+def longest_first(items) -> None:
+    """Order ``items`` by ``LONGEST_FIRST`` (then as collected), a file's tests together."""
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
 def pytest_collection_modifyitems(config, items):
-    """``slow`` tests (minutes of training each) run only when asked for (``-m slow``), so the
-    default suite stays within CI's budget; ``gpu`` tests only where the default backend is a
-    GPU."""
+    """The longest files first (``LONGEST_FIRST``); ``slow`` tests (minutes of training each)
+    run only when asked for (``-m slow``), so the default suite stays within CI's budget;
+    ``gpu`` tests only where the default backend is a GPU."""
+    longest_first(items)
     if "slow" not in (config.getoption("markexpr") or ""):
         slow = pytest.mark.skip(reason="slow: run with -m slow")
         for item in items:
