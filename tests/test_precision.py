@@ -18,6 +18,7 @@ from jaxaccel import config
 from jaxaccel.models import build_model, model_spec
 from jaxaccel.models.fp8 import Fp8Linear
 from jaxaccel.models.stack import sequential
+from jaxaccel.plan import kernels
 from jaxaccel.precision import POLICIES, LossScale, get_policy
 from jaxaccel.train import loop
 from jaxaccel.train import run as run_lib
@@ -212,7 +213,8 @@ def test_step_compiles_for_accelerators_on_a_2x2x2_mesh(tmp_path, compile_target
     autotuning without a GPU: XLA's default GEMM choices): fp8 operands reach the GEMMs
     (forward E4M3 x E4M3, backward E5M2 gradients: 6 encoder Dense x 2 layers, 1 forward and
     2 backward GEMMs each), and every GEMM of the bf16 step, backward ones included, takes
-    bf16 operands."""
+    bf16 operands; fp8's work outside the GEMMs is found (jaxaccel.plan.kernels) in the fp8
+    step alone."""
     target = compile_target(name)
     run = run_lib.build(tiny_cfg(tmp_path, f"precision.policy={policy}", "mesh.data=2",
                               "mesh.fsdp=2", "mesh.tensor=2"))
@@ -223,6 +225,9 @@ def test_step_compiles_for_accelerators_on_a_2x2x2_mesh(tmp_path, compile_target
     text = compile_only.compile_step(run, m)[0].as_text()
     if target.platform == "gpu":
         compile_only.assert_gemm_dtypes(text, policy, run.spec.architecture.num_hidden_layers)
+        split = kernels.summary(kernels.of(text))
+        assert (split["fp8_work"]["kernels"] > 0) == (policy == "fp8"), split
+        assert (split["fp8_gemms"]["kernels"] > 0) == (policy == "fp8"), split
 
 
 @pytest.mark.gpu

@@ -31,6 +31,9 @@ from flax.linen import fp8_ops
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 _ROLES = ("input", "kernel", "output_grad")
+# The name scope of the fp8 matmul's work (scales, histories, quantize, the GEMM), forward and
+# backward: the compiled program's op_name metadata keeps it (``jaxaccel.plan.kernels``).
+SCOPE = "fp8"
 
 
 class Fp8Meta(nnx.Variable):
@@ -50,14 +53,15 @@ class Fp8Linear(nnx.Linear):
     def __call__(self, x):
         kernel = self.kernel[...].astype(self.dtype)
         x = x.astype(self.dtype)
-        y = fp8_ops.fp8_scaled_dot_general(
-            x, kernel, (((x.ndim - 1,), (0,)), ((), ())), preferred_element_type=self.dtype,
-            lhs_scale=self.input_scale[...], rhs_scale=self.kernel_scale[...],
-            grad_scale=self.output_grad_scale[...],
-            lhs_amax_history=self.input_amax_history[...],
-            rhs_amax_history=self.kernel_amax_history[...],
-            grad_amax_history=self.output_grad_amax_history[...],
-            quantize_compute_type=self.dtype)
+        with jax.named_scope(SCOPE):
+            y = fp8_ops.fp8_scaled_dot_general(
+                x, kernel, (((x.ndim - 1,), (0,)), ((), ())), preferred_element_type=self.dtype,
+                lhs_scale=self.input_scale[...], rhs_scale=self.kernel_scale[...],
+                grad_scale=self.output_grad_scale[...],
+                lhs_amax_history=self.input_amax_history[...],
+                rhs_amax_history=self.kernel_amax_history[...],
+                grad_amax_history=self.output_grad_amax_history[...],
+                quantize_compute_type=self.dtype)
         if self.bias is not None:
             y = y + self.bias[...].astype(self.dtype)
         return y
