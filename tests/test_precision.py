@@ -16,7 +16,7 @@ from flax import nnx
 import compile_only
 from jaxaccel import config
 from jaxaccel.models import build_model, model_spec
-from jaxaccel.models.fp8 import Fp8Linear
+from jaxaccel.models.fp8 import Fp8Linear, advance
 from jaxaccel.models.stack import sequential
 from jaxaccel.plan import kernels
 from jaxaccel.precision import POLICIES, LossScale, get_policy
@@ -40,6 +40,9 @@ def _sim_quantize(x, history, fp8_dtype):
 
 
 def test_fp8_linear_equals_numpy_simulation():
+    """The layer quantizes with the scales the step before left (each from its history), and
+    ``advance`` makes the next state: histories rolled with this step's amaxes, scales from
+    them."""
     rng = np.random.default_rng(0)
     x = (rng.standard_normal((5, 8)) * 3).astype(np.float32)
     x[0, 0] = 40.0                      # beyond the history's amax: saturates at 448 * scale
@@ -47,34 +50,39 @@ def test_fp8_linear_equals_numpy_simulation():
     g = (rng.standard_normal((5, 6)) * 1e-3).astype(np.float32)
     hist = {"input": [2.0, 5.0, 0.0, 1.0], "kernel": [0.1, 0.0, 0.0, 0.0],
             "output_grad": [3e-3, 1e-3, 0.0, 0.0]}
+    dtypes = {"input": ml_dtypes.float8_e4m3fn, "kernel": ml_dtypes.float8_e4m3fn,
+              "output_grad": ml_dtypes.float8_e5m2}
     layer = Fp8Linear(8, 6, use_bias=False, dtype=jnp.float32, amax_history_length=4,
                       rngs=nnx.Rngs(0))
     layer.kernel[...] = w
     for role, h in hist.items():
         getattr(layer, f"{role}_amax_history")[...] = jnp.asarray(h, jnp.float32)
+        getattr(layer, f"{role}_scale")[...] = jnp.asarray(
+            [_sim_quantize(x, np.array(h), dtypes[role])[1]])
     graphdef, params, meta = nnx.split(layer, nnx.Param, ...)
+    meta = nnx.to_pure_dict(meta)
 
     def f(params, meta, x):
         y = nnx.merge(graphdef, params, meta)(x)
         return jnp.sum(y * g), y
 
-    (_, y), (_, new_meta, dx) = jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True)(
+    (_, y), (_, amaxes, dx) = jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True)(
         params, meta, jnp.asarray(x))
 
-    qx, sx = _sim_quantize(x, np.array(hist["input"]), ml_dtypes.float8_e4m3fn)
-    qw, sw = _sim_quantize(w, np.array(hist["kernel"]), ml_dtypes.float8_e4m3fn)
-    qg, sg = _sim_quantize(g, np.array(hist["output_grad"]), ml_dtypes.float8_e5m2)
+    qx, sx = _sim_quantize(x, np.array(hist["input"]), dtypes["input"])
+    qw, sw = _sim_quantize(w, np.array(hist["kernel"]), dtypes["kernel"])
+    qg, sg = _sim_quantize(g, np.array(hist["output_grad"]), dtypes["output_grad"])
     assert qx[0, 0] == 448.0            # saturated, not inf
     np.testing.assert_allclose(np.asarray(y), (qx.astype(np.float64) @ qw) * sx * sw,
                                rtol=1e-6, atol=1e-9)
     np.testing.assert_allclose(np.asarray(dx), (qg.astype(np.float64) @ qw.T) * sg * sw,
                                rtol=1e-6, atol=1e-12)
-    new = nnx.to_pure_dict(new_meta)
-    for role, value, scale in (("input", x, sx), ("kernel", w, sw), ("output_grad", g, sg)):
-        assert new[f"{role}_scale"][0] == scale, role
+    new = jax.device_get(advance(meta, amaxes))
+    for role, value in (("input", x), ("kernel", w), ("output_grad", g)):
         expected = np.roll(np.array(hist[role], np.float32), -1)
         expected[0] = np.abs(value).max()
         np.testing.assert_array_equal(new[f"{role}_amax_history"], expected)
+        assert new[f"{role}_scale"][0] == _sim_quantize(value, expected, dtypes[role])[1], role
 
 
 # ---- fp16: the loss-scale rule and skipped steps ----
