@@ -19,8 +19,8 @@ GEMM rewriter shows what of the scaling it fuses into them. The steps are planne
 H200's memory (``--memory``): llama-350m's step without remat, as the H200 ran it, holds more
 than an H100's.
 
-Writes ``<out>/fp8_cost-<target>[-cublas].json`` (bench/results format; ``device`` is the
-target's device kind, ``backend`` says compile-only) and prints a Markdown table. Bytes are
+Writes ``<out>/fp8_cost-<target>[_compile_only][-cublas][-<tag>].json`` (bench/results format;
+``device`` is the target's device kind, ``backend`` says compile-only) and prints a Markdown table. Bytes are
 XLA's HloCostAnalysis per kernel times its runs per step (``jaxaccel.plan.hlo_cost``); no
 timing: nothing runs.
 """
@@ -110,6 +110,8 @@ def main(argv=None) -> int:
                    help="bytes per device to plan against (default: an H200's HBM)")
     p.add_argument("--set", action="append", default=[], dest="sets",
                    help="a config key=value for every case (repeat)")
+    p.add_argument("--tag", default="", help="a word for the result file's name (e.g. "
+                   "what --set changed)")
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
     args = p.parse_args(argv)
     rows = []
@@ -125,9 +127,12 @@ def main(argv=None) -> int:
             rows.append(row(case, policy, plan))
             print(f"{case} {policy}: {time.perf_counter() - t0:.0f} s", flush=True)
     target = plan.target
-    slug = plan_lib.slug(target.name) + ("" if args.gemms == "default" else f"-{args.gemms}")
+    compile_only = target.name != "local"
+    slug = "-".join([plan_lib.slug(target.name) + ("_compile_only" if compile_only else ""),
+                     *([] if args.gemms == "default" else [args.gemms]),
+                     *([args.tag] if args.tag else [])])
     result = {"bench": "fp8_cost", "device": target.device_kind,
-              "backend": f"{target.platform} (compile-only)" if target.name != "local"
+              "backend": f"{target.platform} (compile-only)" if compile_only
               else target.platform, "topology": target.name, "jax": jax.__version__,
               "jaxaccel": git_sha(), "date": datetime.date.today().isoformat(),
               "gemms": args.gemms, "sets": args.sets, "device_memory": args.memory,
