@@ -125,24 +125,27 @@ def advance(state, amaxes):
     unused): each history drops its oldest amax and takes this step's at ``[0]`` (Flax's roll),
     each scale becomes the next step's, from its new history's maximum (Flax's
     ``compute_scale``, margin 0, the old scale kept where the maximum is 0 or not finite).
-    Leaves may carry leading axes (stacked layers)."""
+    Leaves may carry leading axes (stacked layers). Every operand's scale and history is
+    advanced in one [operands, history] array: a few kernels a step, not a few per operand."""
     flat, treedef = jax.tree_util.tree_flatten_with_path(state)
     keys = [tuple(str(getattr(p, "key", p)) for p in path) for path, _ in flat]
     leaves = dict(zip(keys, (leaf for _, leaf in flat)))
     measured = dict(zip(keys, treedef.flatten_up_to(amaxes)))
-
-    def history(at, role):
-        amax = measured[(*at, f"{role}_scale")][..., :1]
-        return jnp.roll(leaves[(*at, f"{role}_amax_history")], -1, axis=-1).at[..., :1].set(amax)
-
-    def new(key):
-        *at, name = key
-        if name.endswith("_amax_history"):
-            return history(at, name[:-len("_amax_history")])
-        role = name[:-len("_scale")]
-        return fp8_ops.compute_scale(history(at, role).max(axis=-1, keepdims=True), leaves[key],
-                                     FMAX[role])
-    return jax.tree_util.tree_unflatten(treedef, [new(k) for k in keys])
+    scales = [k for k in keys if k[-1].endswith("_scale")]
+    history_of = {k: (*k[:-1], k[-1][:-len("_scale")] + "_amax_history") for k in scales}
+    rows = lambda ks, get: jnp.concatenate([get(k).reshape(-1, get(k).shape[-1]) for k in ks])
+    history = rows(scales, lambda k: leaves[history_of[k]])
+    history = jnp.roll(history, -1, axis=-1).at[:, :1].set(rows(scales, measured.get))
+    fmax = rows(scales, lambda k: jnp.full(leaves[k].shape, FMAX[k[-1][:-len("_scale")]]))
+    scale = fp8_ops.compute_scale(history.max(axis=-1, keepdims=True),
+                                  rows(scales, leaves.get), fmax)
+    new, start = {}, 0
+    for k in scales:
+        n = leaves[k].size
+        new[k] = scale[start:start + n].reshape(leaves[k].shape)
+        new[history_of[k]] = history[start:start + n].reshape(leaves[history_of[k]].shape)
+        start += n
+    return jax.tree_util.tree_unflatten(treedef, [new[k] for k in keys])
 
 
 def block_dense(din: int, dout: int, axes: tuple, std: float, policy, rngs, *,
