@@ -222,7 +222,7 @@ def test_step_compiles_for_accelerators_on_a_2x2x2_mesh(tmp_path, compile_target
     (forward E4M3 x E4M3, backward E5M2 gradients: 6 encoder Dense x 2 layers, 1 forward and
     2 backward GEMMs each), and every GEMM of the bf16 step, backward ones included, takes
     bf16 operands; fp8's work outside the GEMMs is found (jaxaccel.plan.kernels) in the fp8
-    step alone."""
+    step alone, and its scaling takes fewer kernels than it has operands."""
     target = compile_target(name)
     run = run_lib.build(tiny_cfg(tmp_path, f"precision.policy={policy}", "mesh.data=2",
                               "mesh.fsdp=2", "mesh.tensor=2"))
@@ -233,9 +233,14 @@ def test_step_compiles_for_accelerators_on_a_2x2x2_mesh(tmp_path, compile_target
     text = compile_only.compile_step(run, m)[0].as_text()
     if target.platform == "gpu":
         compile_only.assert_gemm_dtypes(text, policy, run.spec.architecture.num_hidden_layers)
-        split = kernels.summary(kernels.of(text))
+        found = kernels.of(text)
+        split = kernels.summary(found)
         assert (split["fp8_work"]["kernels"] > 0) == (policy == "fp8"), split
         assert (split["fp8_gemms"]["kernels"] > 0) == (policy == "fp8"), split
+        # Scales are made once per step for all operands (models.fp8.advance), not by small
+        # kernels of their own per operand in each layer (6 Dense x 3 operands x 2 layers).
+        scaling = [k for k in found if k.kinds & {"scale", "history"}]
+        assert len(scaling) < 6 * 3 * run.spec.architecture.num_hidden_layers, scaling
 
 
 @pytest.mark.gpu

@@ -127,6 +127,11 @@ def advance(state, amaxes):
     ``compute_scale``, margin 0, the old scale kept where the maximum is 0 or not finite).
     Leaves may carry leading axes (stacked layers). Every operand's scale and history is
     advanced in one [operands, history] array: a few kernels a step, not a few per operand."""
+    with jax.named_scope(SCOPE):
+        return _advance(state, amaxes)
+
+
+def _advance(state, amaxes):
     flat, treedef = jax.tree_util.tree_flatten_with_path(state)
     keys = [tuple(str(getattr(p, "key", p)) for p in path) for path, _ in flat]
     leaves = dict(zip(keys, (leaf for _, leaf in flat)))

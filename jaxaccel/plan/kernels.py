@@ -18,7 +18,8 @@ scanned layer body once per layer), with XLA's HloCostAnalysis bytes. A kernel i
   matmul (``jaxaccel.models.fp8`` runs it under the ``fp8`` name scope, which the op_name
   metadata keeps, forward and backward) or moves float8 arrays, tagged by what its instructions
   do (``KINDS``): ``amax`` (abs and max reductions), ``scale`` (the new scale from the history's
-  maximum), ``history`` (the roll that adds this step's amax), ``quantize`` (divide, clip,
+  maximum), ``history`` (the roll that adds this step's amax, and the histories gathered and
+  put back by ``models.fp8.advance``), ``quantize`` (divide, clip,
   convert to float8), ``dequantize``, ``transpose`` and ``fp8 copy`` (float8 arrays laid out
   again or stacked for the backward pass). ``alone`` says the kernel does nothing else (it was
   not fused into a producer or consumer of the model's own work).
@@ -55,16 +56,6 @@ class Kernel:
     amax_output: bool = False   # an fp8 GEMM's scalar f32 second output
 
 
-def _elements(shape: str) -> int:
-    dims = re.match(r"^\w+\[([\d,]*)\]", shape)
-    if not dims:
-        return 0
-    count = 1
-    for d in filter(None, dims.group(1).split(",")):
-        count *= int(d)
-    return count
-
-
 def _kind(i: loops_lib.Instruction, computation: dict) -> str | None:
     """What fp8 work instruction ``i`` (of ``computation``) does (``KINDS``), or None: model
     work, or bookkeeping (broadcasts, converts of scales, tuples)."""
@@ -73,11 +64,11 @@ def _kind(i: loops_lib.Instruction, computation: dict) -> str | None:
     if not _FP8.search(name):
         return "fp8 copy" if f8_out and i.opcode not in ("parameter", "bitcast") else None
     primitive = name.rsplit("/", 1)[-1]
-    small = _elements(i.shape) <= 1
     f8_in = any(_F8.match(computation[o].shape) for o in i.operands if o in computation)
-    if "_roll_static" in name or primitive in ("scatter", "dynamic_update_slice"):
+    if "_roll_static" in name or primitive in ("scatter", "dynamic_update_slice", "slice",
+                                               "concatenate"):
         return "history"
-    if primitive in ("is_finite", "gt", "select_n") or small and primitive in ("div", "mul"):
+    if primitive in ("is_finite", "gt", "select_n"):      # compute_scale's guards
         return "scale"
     if primitive in ("abs", "reduce_max"):
         return "amax"
