@@ -56,15 +56,24 @@ class Kernel:
     amax_output: bool = False   # an fp8 GEMM's scalar f32 second output
 
 
+def _op_name(i: loops_lib.Instruction) -> str:
+    return (_OP_NAME.search(i.attributes) or [None, ""])[1]
+
+
+def _operands(i: loops_lib.Instruction, computation: dict) -> list[str]:
+    """The shapes of ``i``'s operands that are instructions of its ``computation``."""
+    return [computation[o].shape for o in i.operands if o in computation]
+
+
 def _kind(i: loops_lib.Instruction, computation: dict) -> str | None:
     """What fp8 work instruction ``i`` (of ``computation``) does (``KINDS``), or None: model
     work, or bookkeeping (broadcasts, converts of scales, tuples)."""
-    name = (_OP_NAME.search(i.attributes) or [None, ""])[1]
+    name = _op_name(i)
     f8_out = bool(_F8.match(i.shape))
     if not _FP8.search(name):
         return "fp8 copy" if f8_out and i.opcode not in ("parameter", "bitcast") else None
     primitive = name.rsplit("/", 1)[-1]
-    f8_in = any(_F8.match(computation[o].shape) for o in i.operands if o in computation)
+    f8_in = any(_F8.match(s) for s in _operands(i, computation))
     if "_roll_static" in name or primitive in ("scatter", "dynamic_update_slice", "slice",
                                                "concatenate"):
         return "history"
@@ -92,11 +101,10 @@ def _inside(i: loops_lib.Instruction, computations: dict) -> list:
     return found
 
 
-def _gemm(i: loops_lib.Instruction, inside: list, computations: dict, comp: str):
+def _gemm(i: loops_lib.Instruction, inside: list, operands: list):
     """``(dtype, form)`` of a GEMM kernel, or None."""
     target = (_TARGET.search(i.attributes) or [None, ""])[1]
     if i.opcode == "custom-call" and "cublas" in target:
-        operands = [computations[comp][o].shape for o in i.operands if o in computations[comp]]
         dtype = "f8" if target.endswith("$f8") else operands[0].split("[")[0]
         form = "cublaslt fp8" if target.endswith("$f8") else \
             "cublaslt" if "$lt$" in target else "cublas"
@@ -117,12 +125,11 @@ def of(hlo: str) -> list[Kernel]:
     for i, comp, runs, cost in hlo_cost.by_instruction(hlo):
         inside = _inside(i, computations)
         step_bytes = cost["bytes accessed"] * runs
-        gemm = _gemm(i, inside, computations, comp)
+        operands = _operands(i, computations[comp])
+        gemm = _gemm(i, inside, operands)
         if gemm is not None:
             dtype, form = gemm
             outputs = re.findall(r"\w+\[[\d,]*\]", i.shape)
-            operands = [computations[comp][o].shape for o in i.operands
-                        if o in computations[comp]]
             found.append(Kernel(
                 i.name, runs, step_bytes, dtype, form, frozenset(), False,
                 scale_operands=sum(bool(_SCALAR.match(s)) for s in operands),
@@ -131,7 +138,7 @@ def of(hlo: str) -> list[Kernel]:
         work = inside or [(i, computations[comp])]
         kinds = {k for j, c in work if (k := _kind(j, c))}
         model_work = any(_kind(j, c) is None and j.opcode not in _MOVES
-                         and not _FP8.search((_OP_NAME.search(j.attributes) or [None, ""])[1])
+                         and not _FP8.search(_op_name(j))
                          for j, c in work)
         found.append(Kernel(i.name, runs, step_bytes, None, i.opcode, frozenset(kinds),
                             bool(kinds) and not model_work))
