@@ -12,8 +12,8 @@ scanned layer body once per layer), with XLA's HloCostAnalysis bytes. A kernel i
   fp8 one ``__cublas$lt$matmul$f8``) or a fusion around a ``dot`` (a Triton GEMM); its dtype is
   that of the operands it reads (``f8`` where they are float8). An fp8 GEMM says whether XLA
   fused its scaling into it: the scalar operands it takes (cuBLASLt's ``a_scale``, ``b_scale``,
-  ``c_scale``, ``d_scale``) and whether it returns a scalar beside its product (the output's
-  amax);
+  ``c_scale``, ``d_scale``; the constant 1 XLA's rewriter passes where it matched no scale is
+  left out) and whether it returns a scalar beside its product (the output's amax);
 - or **outside the GEMMs**, where it is **fp8 work** when it computes something of the fp8
   matmul (``jaxaccel.models.fp8`` runs it under the ``fp8`` name scope, which the op_name
   metadata keeps, forward and backward) or moves float8 arrays, tagged by what its instructions
@@ -56,7 +56,7 @@ class Kernel:
     form: str               # a GEMM's "cublaslt fp8", "cublaslt", "cublas", "triton"; else opcode
     kinds: frozenset        # fp8 work outside GEMMs (KINDS)
     alone: bool             # fp8 work that fused nothing else into its kernel
-    scale_operands: int = 0     # an fp8 GEMM's scalar f32 operands
+    scale_operands: int = 0     # an fp8 GEMM's scalar f32 operands, constants (1) left out
     amax_output: bool = False   # an fp8 GEMM's scalar f32 second output
 
 
@@ -147,9 +147,12 @@ def of(hlo: str) -> list[Kernel]:
             outputs = re.findall(r"\w+\[[\d,]*\]", i.shape)
             if i.opcode == "custom-call":
                 step_bytes = _bytes([*operands, i.shape]) * runs
+            scales = [o for o in i.operands if o in computations[comp]
+                      and computations[comp][o].opcode != "constant"
+                      and _SCALAR.match(computations[comp][o].shape)]
             found.append(Kernel(
                 i.name, runs, step_bytes, dtype, form, frozenset(), False,
-                scale_operands=sum(bool(_SCALAR.match(s)) for s in operands),
+                scale_operands=len(scales),
                 amax_output=i.shape.startswith("(") and any(_SCALAR.match(s) for s in outputs[1:])))
             continue
         work = inside or [(i, computations[comp])]
