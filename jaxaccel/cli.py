@@ -49,7 +49,8 @@ EXIT_ERROR, EXIT_NONFINITE, EXIT_DOES_NOT_FIT, EXIT_INTERRUPTED = 2, 3, 4, 130
 # `jaxaccel train ... && jaxaccel eval ...` and job schedulers do not go on as if it had finished.
 EXIT_PREEMPTED = 75
 BENCH_SUITES = ("train_step", "attention", "optimizer", "job", "scaling", "hf_flax", "hf_llama",
-                "pipeline", "backtest", "gpu_evidence", "data_prep", "scan", "bucket_io")
+                "pipeline", "backtest", "gpu_evidence", "data_prep", "scan", "bucket_io",
+                "fp8_cost")
 
 
 def _parser() -> argparse.ArgumentParser:

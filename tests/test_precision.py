@@ -16,8 +16,9 @@ from flax import nnx
 import compile_only
 from jaxaccel import config
 from jaxaccel.models import build_model, model_spec
-from jaxaccel.models.fp8 import Fp8Linear
+from jaxaccel.models.fp8 import Fp8Linear, advance
 from jaxaccel.models.stack import sequential
+from jaxaccel.plan import kernels
 from jaxaccel.precision import POLICIES, LossScale, get_policy
 from jaxaccel.train import loop
 from jaxaccel.train import run as run_lib
@@ -39,6 +40,9 @@ def _sim_quantize(x, history, fp8_dtype):
 
 
 def test_fp8_linear_equals_numpy_simulation():
+    """The layer quantizes with the scales the step before left (each from its history), and
+    ``advance`` makes the next state: histories rolled with this step's amaxes, scales from
+    them."""
     rng = np.random.default_rng(0)
     x = (rng.standard_normal((5, 8)) * 3).astype(np.float32)
     x[0, 0] = 40.0                      # beyond the history's amax: saturates at 448 * scale
@@ -46,34 +50,39 @@ def test_fp8_linear_equals_numpy_simulation():
     g = (rng.standard_normal((5, 6)) * 1e-3).astype(np.float32)
     hist = {"input": [2.0, 5.0, 0.0, 1.0], "kernel": [0.1, 0.0, 0.0, 0.0],
             "output_grad": [3e-3, 1e-3, 0.0, 0.0]}
+    dtypes = {"input": ml_dtypes.float8_e4m3fn, "kernel": ml_dtypes.float8_e4m3fn,
+              "output_grad": ml_dtypes.float8_e5m2}
     layer = Fp8Linear(8, 6, use_bias=False, dtype=jnp.float32, amax_history_length=4,
                       rngs=nnx.Rngs(0))
     layer.kernel[...] = w
     for role, h in hist.items():
         getattr(layer, f"{role}_amax_history")[...] = jnp.asarray(h, jnp.float32)
+        getattr(layer, f"{role}_scale")[...] = jnp.asarray(
+            [_sim_quantize(x, np.array(h), dtypes[role])[1]])
     graphdef, params, meta = nnx.split(layer, nnx.Param, ...)
+    meta = nnx.to_pure_dict(meta)
 
     def f(params, meta, x):
         y = nnx.merge(graphdef, params, meta)(x)
         return jnp.sum(y * g), y
 
-    (_, y), (_, new_meta, dx) = jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True)(
+    (_, y), (_, amaxes, dx) = jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True)(
         params, meta, jnp.asarray(x))
 
-    qx, sx = _sim_quantize(x, np.array(hist["input"]), ml_dtypes.float8_e4m3fn)
-    qw, sw = _sim_quantize(w, np.array(hist["kernel"]), ml_dtypes.float8_e4m3fn)
-    qg, sg = _sim_quantize(g, np.array(hist["output_grad"]), ml_dtypes.float8_e5m2)
+    qx, sx = _sim_quantize(x, np.array(hist["input"]), dtypes["input"])
+    qw, sw = _sim_quantize(w, np.array(hist["kernel"]), dtypes["kernel"])
+    qg, sg = _sim_quantize(g, np.array(hist["output_grad"]), dtypes["output_grad"])
     assert qx[0, 0] == 448.0            # saturated, not inf
     np.testing.assert_allclose(np.asarray(y), (qx.astype(np.float64) @ qw) * sx * sw,
                                rtol=1e-6, atol=1e-9)
     np.testing.assert_allclose(np.asarray(dx), (qg.astype(np.float64) @ qw.T) * sg * sw,
                                rtol=1e-6, atol=1e-12)
-    new = nnx.to_pure_dict(new_meta)
-    for role, value, scale in (("input", x, sx), ("kernel", w, sw), ("output_grad", g, sg)):
-        assert new[f"{role}_scale"][0] == scale, role
+    new = jax.device_get(advance(meta, amaxes))
+    for role, value in (("input", x), ("kernel", w), ("output_grad", g)):
         expected = np.roll(np.array(hist[role], np.float32), -1)
         expected[0] = np.abs(value).max()
         np.testing.assert_array_equal(new[f"{role}_amax_history"], expected)
+        assert new[f"{role}_scale"][0] == _sim_quantize(value, expected, dtypes[role])[1], role
 
 
 # ---- fp16: the loss-scale rule and skipped steps ----
@@ -212,7 +221,8 @@ def test_step_compiles_for_accelerators_on_a_2x2x2_mesh(tmp_path, compile_target
     autotuning without a GPU: XLA's default GEMM choices): fp8 operands reach the GEMMs
     (forward E4M3 x E4M3, backward E5M2 gradients: 6 encoder Dense x 2 layers, 1 forward and
     2 backward GEMMs each), and every GEMM of the bf16 step, backward ones included, takes
-    bf16 operands."""
+    bf16 operands; fp8's work outside the GEMMs is found (jaxaccel.plan.kernels) in the fp8
+    step alone, and its scaling takes fewer kernels than it has operands."""
     target = compile_target(name)
     run = run_lib.build(tiny_cfg(tmp_path, f"precision.policy={policy}", "mesh.data=2",
                               "mesh.fsdp=2", "mesh.tensor=2"))
@@ -223,6 +233,14 @@ def test_step_compiles_for_accelerators_on_a_2x2x2_mesh(tmp_path, compile_target
     text = compile_only.compile_step(run, m)[0].as_text()
     if target.platform == "gpu":
         compile_only.assert_gemm_dtypes(text, policy, run.spec.architecture.num_hidden_layers)
+        found = kernels.of(text)
+        split = kernels.summary(found)
+        assert (split["fp8_work"]["kernels"] > 0) == (policy == "fp8"), split
+        assert (split["fp8_gemms"]["kernels"] > 0) == (policy == "fp8"), split
+        # Scales are made once per step for all operands (models.fp8.advance), not by small
+        # kernels of their own per operand in each layer (6 Dense x 3 operands x 2 layers).
+        scaling = [k for k in found if k.kinds & {"scale", "history"}]
+        assert len(scaling) < 6 * 3 * run.spec.architecture.num_hidden_layers, scaling
 
 
 @pytest.mark.gpu

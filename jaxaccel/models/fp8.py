@@ -1,10 +1,11 @@
 """fp8 Dense layers with delayed scaling (NVIDIA Transformer Engine's recipe) for NNX models.
 
-``Fp8Linear`` is an ``nnx.Linear`` whose matmul is ``flax.linen.fp8_ops.fp8_scaled_dot_general``
-(Flax's maintained fp8 op, the path MaxText's "fp8" quantization uses on GPUs): the input ``x``
-and the kernel ``w`` are quantized to E4M3, the output gradient ``g`` to E5M2, each with its own
-per-tensor scale ``s`` taken from an amax history ``h`` (the last ``len(h)`` amaxes, newest at
-``h[0]``) *before* this step's amax is added (delayed scaling, margin 0):
+``Fp8Linear`` is an ``nnx.Linear`` whose matmul is ``fp8_dot`` (built from the pieces of
+``flax.linen.fp8_ops``, Flax's maintained fp8 op, which MaxText's "fp8" quantization uses on
+GPUs, with the same numerics): the input ``x`` and the kernel ``w`` are quantized to E4M3, the
+output gradient ``g`` to E5M2, each with its own per-tensor scale ``s`` taken from an amax
+history ``h`` (the last ``len(h)`` amaxes, newest at ``h[0]``) of the steps *before* this one
+(delayed scaling, margin 0):
 
     s   = max(h) / fmax            (kept when max(h) is 0 or not finite; fmax = 448 for E4M3,
                                     57344 for E5M2)
@@ -13,16 +14,23 @@ per-tensor scale ``s`` taken from an amax history ``h`` (the last ``len(h)`` ama
     h'  = roll(h, -1) with h'[0] = amax(x)       drops the oldest amax, adds this step's
 
 The forward GEMM runs on E4M3 operands and the two backward GEMMs on E5M2 x E4M3, so XLA's GPU
-compiler emits cuBLASLt fp8 matmuls (``__cublas$lt$matmul$f8``) on Hopper/Ada; on CPU and TPUs
-without an fp8 unit the same HLO is executed by upcasting the fp8 operands, i.e. the identical
-quantize-dequantize numerics.
+compiler emits fp8 GEMMs (cuBLASLt's ``__cublas$lt$matmul$f8``, or Triton's) on Hopper/Ada; on
+CPU and TPUs without an fp8 unit the same HLO is executed by upcasting the fp8 operands, i.e.
+the identical quantize-dequantize numerics.
 
 The scales and histories are ``Fp8Meta`` variables, not ``nnx.Param``: the optimizer never sees
-them. fp8_ops returns their new values as their "gradients" (the custom VJPs carry them out of
-the backward pass), so the train step differentiates with respect to them and *replaces* them
-by those outputs (``jaxaccel.train.step``).
+them. Each scale holds the scale of the step to come, made from its history once per step
+(``advance``, in the train step, for every layer at once), so a layer only reads its scales and
+measures its operands' amaxes: ``fp8_dot``'s custom VJP returns each operand's amax as the
+"gradient" of its scale (the train step differentiates with respect to the fp8 state and hands
+those to ``advance``). Flax's ``fp8_scaled_dot_general`` makes each scale from its history
+inside the layer, forward and backward, in small kernels of their own per operand and layer;
+the scales used at every step are the same either way (``advance`` makes at the end of step
+``t`` the scale Flax would make at the start of step ``t + 1``, from the same history).
 """
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +39,9 @@ from flax.linen import fp8_ops
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 _ROLES = ("input", "kernel", "output_grad")
+# The name scope of the fp8 matmul's work (scales, histories, quantize, the GEMM), forward and
+# backward: the compiled program's op_name metadata keeps it (``jaxaccel.plan.kernels``).
+SCOPE = "fp8"
 
 
 class Fp8Meta(nnx.Variable):
@@ -50,17 +61,96 @@ class Fp8Linear(nnx.Linear):
     def __call__(self, x):
         kernel = self.kernel[...].astype(self.dtype)
         x = x.astype(self.dtype)
-        y = fp8_ops.fp8_scaled_dot_general(
-            x, kernel, (((x.ndim - 1,), (0,)), ((), ())), preferred_element_type=self.dtype,
-            lhs_scale=self.input_scale[...], rhs_scale=self.kernel_scale[...],
-            grad_scale=self.output_grad_scale[...],
-            lhs_amax_history=self.input_amax_history[...],
-            rhs_amax_history=self.kernel_amax_history[...],
-            grad_amax_history=self.output_grad_amax_history[...],
-            quantize_compute_type=self.dtype)
+        with jax.named_scope(SCOPE):
+            y = fp8_dot(x, kernel, self.input_scale[...], self.kernel_scale[...],
+                        self.output_grad_scale[...], self.dtype)
         if self.bias is not None:
             y = y + self.bias[...].astype(self.dtype)
         return y
+
+
+def _amax(x):
+    """This step's amax of an operand, as Flax's ``compute_amax_history`` takes it."""
+    return jnp.max(jnp.abs(x)).astype(jnp.float32)
+
+
+def _contract_last(x):
+    """``x``'s last axis against a kernel's first: a Dense layer's dimension numbers."""
+    return ((x.ndim - 1,), (0,)), ((), ())
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def fp8_dot(x, kernel, x_scale, kernel_scale, grad_scale, dtype):
+    """``x @ kernel`` with both quantized to E4M3 by their scales (module docstring), the
+    product in ``dtype``; its VJP quantizes the output gradient to E5M2 by ``grad_scale`` and
+    returns, for the three scales, the amaxes of ``x``, ``kernel`` and the gradient."""
+    return _fp8_dot_fwd(x, kernel, x_scale, kernel_scale, grad_scale, dtype)[0]
+
+
+def _fp8_dot_fwd(x, kernel, x_scale, kernel_scale, grad_scale, dtype):
+    qx = fp8_ops.quantize(x, E4M3, x_scale, dtype)
+    qk = fp8_ops.quantize(kernel, E4M3, kernel_scale, dtype)
+    y = jax.lax.dot_general(qx, qk, _contract_last(x), preferred_element_type=dtype,
+                            precision=jax.lax.Precision.DEFAULT)
+    y = fp8_ops.dequantize(y, dtype, x_scale * kernel_scale)
+    return y, (qx, qk, x_scale, kernel_scale, grad_scale, _amax(x), _amax(kernel))
+
+
+def _fp8_dot_bwd(dtype, residuals, g):
+    qx, qk, x_scale, kernel_scale, grad_scale, x_amax, kernel_amax = residuals
+    qg = fp8_ops.quantize(g, E5M2, grad_scale, dtype)
+    dims = _contract_last(qx)
+    dx = fp8_ops.dot_general_transpose_lhs(qg, qx, qk, dimension_numbers=dims,
+                                           precision=jax.lax.Precision.HIGHEST,
+                                           preferred_element_type=dtype)
+    dk = fp8_ops.dot_general_transpose_rhs(qg, qx, qk, dimension_numbers=dims,
+                                           precision=jax.lax.Precision.HIGHEST,
+                                           preferred_element_type=dtype)
+    amaxes = [jnp.broadcast_to(a, s.shape) for a, s in
+              ((x_amax, x_scale), (kernel_amax, kernel_scale), (_amax(g), grad_scale))]
+    return (fp8_ops.dequantize(dx, dtype, kernel_scale * grad_scale),
+            fp8_ops.dequantize(dk, dtype, x_scale * grad_scale), *amaxes)
+
+
+fp8_dot.defvjp(_fp8_dot_fwd, _fp8_dot_bwd)
+
+FMAX = {"input": fp8_ops.get_fp8_max(E4M3, jnp.float32),
+        "kernel": fp8_ops.get_fp8_max(E4M3, jnp.float32),
+        "output_grad": fp8_ops.get_fp8_max(E5M2, jnp.float32)}
+
+
+def advance(state, amaxes):
+    """The fp8 state after a step (or micro-batch) whose matmuls saw ``amaxes`` (the state's
+    "gradient" from ``fp8_dot``: each scale's holds its operand's amax; its histories' are
+    unused): each history drops its oldest amax and takes this step's at ``[0]`` (Flax's roll),
+    each scale becomes the next step's, from its new history's maximum (Flax's
+    ``compute_scale``, margin 0, the old scale kept where the maximum is 0 or not finite).
+    Leaves may carry leading axes (stacked layers). Every operand's scale and history is
+    advanced in one [operands, history] array: a few kernels a step, not a few per operand."""
+    with jax.named_scope(SCOPE):
+        return _advance(state, amaxes)
+
+
+def _advance(state, amaxes):
+    flat, treedef = jax.tree_util.tree_flatten_with_path(state)
+    keys = [tuple(str(getattr(p, "key", p)) for p in path) for path, _ in flat]
+    leaves = dict(zip(keys, (leaf for _, leaf in flat)))
+    measured = dict(zip(keys, treedef.flatten_up_to(amaxes)))
+    scales = [k for k in keys if k[-1].endswith("_scale")]
+    history_of = {k: (*k[:-1], k[-1][:-len("_scale")] + "_amax_history") for k in scales}
+    rows = lambda ks, get: jnp.concatenate([get(k).reshape(-1, get(k).shape[-1]) for k in ks])
+    history = rows(scales, lambda k: leaves[history_of[k]])
+    history = jnp.roll(history, -1, axis=-1).at[:, :1].set(rows(scales, measured.get))
+    fmax = rows(scales, lambda k: jnp.full(leaves[k].shape, FMAX[k[-1][:-len("_scale")]]))
+    scale = fp8_ops.compute_scale(history.max(axis=-1, keepdims=True),
+                                  rows(scales, leaves.get), fmax)
+    new, start = {}, 0
+    for k in scales:
+        n = leaves[k].size
+        new[k] = scale[start:start + n].reshape(leaves[k].shape)
+        new[history_of[k]] = history[start:start + n].reshape(leaves[history_of[k]].shape)
+        start += n
+    return jax.tree_util.tree_unflatten(treedef, [new[k] for k in keys])
 
 
 def block_dense(din: int, dout: int, axes: tuple, std: float, policy, rngs, *,

@@ -109,10 +109,12 @@ def counted_cost(hlo: str) -> dict:
 
 
 def make_plan(config_path: str | None, sets: list[str], topology_name: str, *,
-              device_memory: float | None = None) -> Plan:
+              device_memory: float | None = None, compiler_options: dict | None = None) -> Plan:
     """Compile the configured steps for ``topology_name``; ``DoesNotFit`` when they do not.
     ``device_memory``: bytes per device to plan against instead of the target's (a device shared
-    with other work, or a budget of one's own)."""
+    with other work, or a budget of one's own). ``compiler_options``: XLA options to compile
+    the steps with (``CUBLAS_GEMMS``: the GEMMs as cuBLAS calls, which a GPU's autotuner may
+    choose where the compile-only target, without one, makes Triton GEMMs)."""
     target = topology.resolve(topology_name)
     cfg, notes = plannable(load_config(config_path, sets, target))
     attention.check_target(cfg.model.attention_impl, target.platform, target.name)
@@ -125,7 +127,9 @@ def make_plan(config_path: str | None, sets: list[str], topology_name: str, *,
     if run.resolved.data.absent:
         notes.append(f"the data is not on this machine ({run.resolved.data.absent.rstrip('.')})"
                      ": planned from the config alone")
-    compiled, compile_s = _compile_steps(run, target, batch, known, notes)
+    if compiler_options:
+        notes.append(f"compiled with the XLA options {compiler_options}")
+    compiled, compile_s = _compile_steps(run, target, batch, known, notes, compiler_options)
     memory = memory_of(compiled["train"], **known, batch=shard_bytes(batch))
     hlo = compiled["train"].as_text()
     cost, counted = xla_cost(compiled["train"]), counted_cost(hlo)
@@ -149,7 +153,8 @@ def make_plan(config_path: str | None, sets: list[str], topology_name: str, *,
         target, cfg, dict(run.mesh.shape), t.batch_size, t.eval_batch_size, seq, memory,
         memory_of(compiled["eval"]), room, room_source, compile_s, flops, estimate,
         cost_of(target, run, estimate), collectives_lib.by_kind(found), sent, tuple(notes),
-        pipeline, {**counted, "compiler": {k: cost.get(k) for k in ("flops", "bytes accessed")}}))
+        pipeline, {**counted, "compiler": {k: cost.get(k) for k in ("flops", "bytes accessed")}},
+        hlo))
 
 
 def _flops(shape, cfg, seq: int, cost: dict, counted: dict) -> dict:
@@ -163,7 +168,8 @@ def _flops(shape, cfg, seq: int, cost: dict, counted: dict) -> dict:
             "xla_per_device": cost.get("flops"), "counted_per_device": counted.get("flops")}
 
 
-def _compile_steps(run: Run, target, batch, known: dict, notes: list) -> tuple[dict, dict]:
+def _compile_steps(run: Run, target, batch, known: dict, notes: list,
+                   options: dict | None) -> tuple[dict, dict]:
     """The train and eval steps compiled (``{"train", "eval"}``) and the seconds each took;
     ``DoesNotFit`` where the compiler refuses a step for its memory."""
     state = run.state
@@ -175,7 +181,7 @@ def _compile_steps(run: Run, target, batch, known: dict, notes: list) -> tuple[d
         for step, (jitted, *args) in steps.items():
             t0 = time.perf_counter()
             try:
-                compiled[step] = _compile(jitted, args, step, target.platform, notes)
+                compiled[step] = _compile(jitted, args, step, target.platform, notes, options)
             except jax.errors.JaxRuntimeError as e:
                 if "RESOURCE_EXHAUSTED" not in str(e):
                     raise
@@ -189,20 +195,20 @@ def _compile_steps(run: Run, target, batch, known: dict, notes: list) -> tuple[d
     return compiled, seconds
 
 
-def _compile(jitted, args, step: str, platform: str, notes: list):
-    """``jitted`` lowered for ``args`` and compiled; ``StepRefused`` where tracing refuses the
-    step. A GPU GEMM without a Triton tiling is compiled with cuBLAS GEMMs (and ``notes`` say
-    so)."""
+def _compile(jitted, args, step: str, platform: str, notes: list, options: dict | None):
+    """``jitted`` lowered for ``args`` and compiled with XLA ``options``; ``StepRefused`` where
+    tracing refuses the step. A GPU GEMM without a Triton tiling is compiled with cuBLAS GEMMs
+    (and ``notes`` say so)."""
     try:
         lowered = jitted.lower(*args)
     except ValueError as e:
         raise StepRefused(str(e), step) from e
     try:
-        return lowered.compile()
+        return lowered.compile(compiler_options=options)
     except jax.errors.JaxRuntimeError as e:
         if platform != "gpu" or NO_TILING not in str(e):
             raise
-    compiled = lowered.compile(compiler_options=CUBLAS_GEMMS)
+    compiled = lowered.compile(compiler_options={**(options or {}), **CUBLAS_GEMMS})
     if CUBLAS_NOTE not in notes:
         notes.append(CUBLAS_NOTE)
     return compiled

@@ -39,6 +39,7 @@ class Plan:
     notes: tuple = ()       # what the plan assumed that the run may not (said in the report)
     pipeline: dict | None = None  # Stages.as_dict() + "permute_bytes" (per device, per step)
     hlo_cost: dict = dataclasses.field(default_factory=dict)  # counted_cost() + "compiler"
+    train_hlo: str = dataclasses.field(default="", repr=False)  # the compiled train step's HLO
 
     @property
     def time_s(self) -> float | None:

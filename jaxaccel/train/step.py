@@ -17,8 +17,9 @@ Precision policies add to the step (``jaxaccel.precision``):
   schedule position) come out bit-identical, only the loss scale and its counters change.
   ``state.step`` still advances: it is the data position, and the batch was consumed.
 * fp8 (``state.fp8``): the model's delayed-scaling state is differentiated alongside the
-  parameters; its "gradients" are its new values (``jaxaccel.models.fp8``), which replace it.
-  With gradient accumulation each micro-batch uses the state the previous one left.
+  parameters; its "gradients" are the amaxes its matmuls saw, from which
+  ``jaxaccel.models.fp8.advance`` makes the next state (histories and next scales, every layer
+  at once). With gradient accumulation each micro-batch uses the state the previous one left.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxaccel.models.fp8 import advance as fp8_advance
 from jaxaccel.models.fp8 import summary as fp8_summary
 from jaxaccel.models.stack import merge
 from jaxaccel.train.layout import Layout
@@ -77,8 +79,13 @@ def make_train_step(graphdef, tx, layout: Layout, *, task: Task, fp8_group,
         loss = ce_sum / denom
         return loss * scale, (loss, correct)
 
-    # d/d(x): gradients of what the layout differentiates; d/d(fp8): the fp8 state's new values.
-    grad_fn = jax.grad(loss_fn, argnums=(0, 1), has_aux=True)
+    # d/d(x): gradients of what the layout differentiates; d/d(fp8): the amaxes the fp8
+    # matmuls saw, from which the fp8 state advances.
+    differentiated = jax.grad(loss_fn, argnums=(0, 1), has_aux=True)
+
+    def grad_fn(x, fp8, *args):
+        (grads, amaxes), aux = differentiated(x, fp8, *args)
+        return (grads, None if fp8 is None else fp8_advance(fp8, amaxes)), aux
 
     def step(state: TrainState, batch):
         rng = jax.random.fold_in(state.rng, state.step)
