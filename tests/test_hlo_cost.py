@@ -79,6 +79,7 @@ def test_bytes_in_on_chip_memory_are_not_hbm_bytes():
     assert {name: cost["hbm bytes"] for name, cost in parts.items()} == {
         "cs": 4096, "a": 4096, "m": 8192}
     assert parts["a"]["bytes accessed"] == parts["m"]["bytes accessed"] == 3 * 4096
+    assert hlo_cost.hbm_bytes(hlo_cost.by_instruction(ON_CHIP)) == 4 * 4096
 
 
 ASYNC_ALL_REDUCE = """HloModule m, entry_computation_layout={(f32[8]{0})->f32[8]{0}}

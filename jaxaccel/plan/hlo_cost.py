@@ -194,6 +194,13 @@ def by_instruction(hlo: str):
                                             for key in KEYS.values()}, "hbm bytes": hbm}
 
 
+def hbm_bytes(parts) -> float:
+    """The bytes a program moves to or from HBM per run: the ``"hbm bytes"`` of
+    ``by_instruction``'s parts times their runs. On a TPU program about half its counted bytes
+    (XLA's cost analysis counts a VMEM access like an HBM one; docs/reports/maxtext.md)."""
+    return sum(runs * cost["hbm bytes"] for _, _, runs, cost in parts)
+
+
 # HloCostAnalysis's bytes of one operand or of the result, at a shape index:
 # "bytes accessed0{}", "bytes accessedout{1}".
 _PART = re.compile(r"bytes accessed(\d+|out)\{([\d,]*)\}")
