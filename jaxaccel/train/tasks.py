@@ -222,21 +222,25 @@ def with_loss_chunks(task: Task, chunks: int, length: int) -> Task:
 
 
 CHUNK_LOGITS_BYTES = 128 * 2 ** 20
+LOGITS_OVER_KEPT = 2.0
 
 
 def auto_loss_chunks(spec, policy, rows: int, length: int, vocab_shards: int = 1) -> int:
     """``train.loss_chunks=0``: the chunks a causal LM's loss is taken over by default, given
     ``rows`` of ``length`` tokens per device and the vocabulary split ``vocab_shards`` ways.
     Where the layers are rematerialised (each keeps little more than its input,
-    [rows, length, hidden] in the activations' dtype) and the whole float32 logits outweigh
-    those inputs of every layer, the logits and their gradient are the step's peak: then the
-    fewest chunks (a divisor of the length) whose float32 logits are at most
-    ``CHUNK_LOGITS_BYTES``; else 1 (other tasks, no remat, small logits: a CPU job's)."""
+    [rows, length, hidden] in the activations' dtype) and the whole float32 logits are more
+    than ``LOGITS_OVER_KEPT`` times those inputs of every layer, the logits and their gradient
+    are the step's peak: then the fewest chunks (a divisor of the length) whose float32 logits
+    are at most ``CHUNK_LOGITS_BYTES``; else 1 (other tasks, no remat, small logits: a CPU
+    job's). Compiled for a v5e-8 (docs/reports/maxtext.md): llama-350m's logits are 2.6 times
+    its layer inputs, and 8 chunks take its temporaries from 2.68 to 1.92 GB; llama-1b's are
+    1.4 times, and 8 chunks add 0.12 GB (its peak is in its layers)."""
     a = spec.architecture
     logits = 4 * rows * length * a.vocab_size / vocab_shards
     kept = rows * length * a.hidden_size * a.num_hidden_layers * \
         jnp.dtype(policy.activation_dtype).itemsize
-    if spec.task != "causal_lm" or spec.remat == "none" or logits <= kept:
+    if spec.task != "causal_lm" or spec.remat == "none" or logits <= LOGITS_OVER_KEPT * kept:
         return 1
     return next(c for c in range(1, length + 1)
                 if length % c == 0 and (logits / c <= CHUNK_LOGITS_BYTES or c == length))
@@ -298,5 +302,5 @@ def weight_sum(task: Task, batch) -> jax.Array:
     return jnp.maximum(jnp.sum(batch[task.weights].astype(jnp.float32)), 1.0)
 
 
-__all__ = ["CHUNK_LOGITS_BYTES", "LMHead", "TASKS", "Task", "auto_loss_chunks", "weight_sum",
+__all__ = ["CHUNK_LOGITS_BYTES", "LMHead", "LOGITS_OVER_KEPT", "TASKS", "Task", "auto_loss_chunks", "weight_sum",
            "with_loss_chunks"]
