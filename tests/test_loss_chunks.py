@@ -2,6 +2,8 @@
 the same losses, parameters and eval sums as over the whole logits, without the whole
 [batch, length, vocab] float32 logits in the compiled step's memory; refused where it cannot
 apply."""
+from types import SimpleNamespace
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -114,6 +116,12 @@ def test_the_loss_is_chunked_by_default_where_the_logits_would_be_the_peak(sets,
                              "model.remat=true", "data.max_len=2048", "train.batch_size=32",
                              *sets])
     assert run_lib.resolve(cfg, DEVICES).task.loss_chunks == chunks
+
+
+def test_other_tasks_keep_their_logits_whole():
+    """A rematerialised ViT's MAE step: no vocabulary, no chunks (its architecture is not read)."""
+    mae = SimpleNamespace(task="mae", remat="full", architecture=None)
+    assert tasks.auto_loss_chunks(mae, None, rows=64, length=513) == 1
 
 
 @pytest.mark.parametrize("sets,message", [

@@ -236,11 +236,13 @@ def auto_loss_chunks(spec, policy, rows: int, length: int, vocab_shards: int = 1
     job's). Compiled for a v5e-8 (docs/reports/maxtext.md): llama-350m's logits are 2.6 times
     its layer inputs, and 8 chunks take its temporaries from 2.68 to 1.92 GB; llama-1b's are
     1.4 times, and 8 chunks add 0.12 GB (its peak is in its layers)."""
+    if spec.task != "causal_lm" or spec.remat == "none":
+        return 1
     a = spec.architecture
     logits = 4 * rows * length * a.vocab_size / vocab_shards
     kept = rows * length * a.hidden_size * a.num_hidden_layers * \
         jnp.dtype(policy.activation_dtype).itemsize
-    if spec.task != "causal_lm" or spec.remat == "none" or logits <= LOGITS_OVER_KEPT * kept:
+    if logits <= LOGITS_OVER_KEPT * kept:
         return 1
     return next(c for c in range(1, length + 1)
                 if length % c == 0 and (logits / c <= CHUNK_LOGITS_BYTES or c == length))
