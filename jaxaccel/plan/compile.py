@@ -127,6 +127,10 @@ def make_plan(config_path: str | None, sets: list[str], topology_name: str, *,
     shape = flops_lib.model_shape(run.spec)
     seq = shape.row_tokens(_seq_len(run))
     known = {"params": shard_bytes(state.params), "opt_state": shard_bytes(state.opt_state)}
+    if not cfg.train.loss_chunks and run.task.loss_chunks > 1:
+        notes.append(f"the loss is taken over {run.task.loss_chunks} sequence chunks "
+                     "(train.loss_chunks=0: the whole float32 logits would be the step's peak; "
+                     "train.loss_chunks=1 keeps them whole)")
     if run.resolved.data.absent:
         notes.append(f"the data is not on this machine ({run.resolved.data.absent.rstrip('.')})"
                      ": planned from the config alone")

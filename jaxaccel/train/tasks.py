@@ -304,5 +304,5 @@ def weight_sum(task: Task, batch) -> jax.Array:
     return jnp.maximum(jnp.sum(batch[task.weights].astype(jnp.float32)), 1.0)
 
 
-__all__ = ["CHUNK_LOGITS_BYTES", "LMHead", "LOGITS_OVER_KEPT", "TASKS", "Task", "auto_loss_chunks", "weight_sum",
-           "with_loss_chunks"]
+__all__ = ["CHUNK_LOGITS_BYTES", "LMHead", "LOGITS_OVER_KEPT", "TASKS", "Task", "auto_loss_chunks",
+           "weight_sum", "with_loss_chunks"]
