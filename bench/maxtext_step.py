@@ -281,15 +281,17 @@ def analyse(side: str, a, target, cfg, spec) -> dict:
              "attention": flops_lib.attention_flops(shape, batch, seq),
              "recompute": flops_lib.recompute_flops(shape, batch, seq) if cfg.model.remat
              else 0.0}
+    hbm = hlo_cost.hbm_bytes(parts)
     estimate = plan.estimate_step(target, policy_of(cfg.precision),
                                   spec.attention_impl, flops,
-                                  {**kept["compiler_cost"], **counted.totals}, batch, seq, sent)
+                                  {**kept["compiler_cost"], **counted.totals, "hbm bytes": hbm},
+                                  batch, seq, sent)
     return {**kept, "name": name(side, a), "counted": counted.as_dict(),
             "collective_bytes": collectives_lib.by_kind(found), "collective_sent": sent,
             "analytic_flops": flops, "estimate": estimate,
             "largest_allocations": largest_temporaries(os.path.join(folder, "dump")),
             "peak": peak_groups(at_peak(os.path.join(folder, "dump"), hlo)),
-            "hbm_bytes": sum(runs * cost["hbm bytes"] for _, _, runs, cost in parts),
+            "hbm_bytes": hbm,
             "by_op": by_op(parts) if a.by_op else None}
 
 
@@ -403,7 +405,8 @@ ROWS = (("parameters", lambda r: f"{r['parameters']:,}"),
         ("collectives, least sent (GB)", lambda r: _gb(r["collective_sent"])),
         ("planner: roofline (ms)", lambda r: f"{r['estimate']['roofline_s'] * 1e3:.0f} "
                                              f"({r['estimate']['bound']})"),
-        ("planner: HBM bound (ms)", lambda r: f"{r['estimate']['memory_s'] * 1e3:.0f}"),
+        ("planner: HBM bound, HBM-only bytes (ms)",
+         lambda r: f"{r['estimate']['memory_s'] * 1e3:.0f}"),
         ("planner: interconnect bound (ms)",
          lambda r: f"{(r['estimate']['interconnect_s'] or 0) * 1e3:.0f}"))
 

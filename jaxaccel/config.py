@@ -151,9 +151,11 @@ BASE: dict[str, Any] = {
                                     # jaxaccel/train/layout.py); optimizer_impl then picks the
                                     # kernel: auto|xla|pallas|mosaic_gpu
         "grad_accum": 1,            # micro-batches per optimizer step
-        "loss_chunks": 1,           # causal LM: > 1 takes the loss over this many sequence
+        "loss_chunks": 0,           # causal LM: > 1 takes the loss over this many sequence
                                     # chunks, never the whole [batch, length, vocab] float32
-                                    # logits at once (train/tasks.py); must divide the length
+                                    # logits at once (train/tasks.py); must divide the length.
+                                    # 1: the whole logits; 0: chunks where, with remat, the
+                                    # logits would be the step's peak (tasks.auto_loss_chunks)
         "microbatches": 0,          # pipeline (mesh.stage > 1): micro-batches per pass through
                                     # the stages, >= mesh.stage; 0 = mesh.stage. The bubble
                                     # is (S-1)/(R*M+S-1)

@@ -125,14 +125,16 @@ def _check_mixture(d) -> None:
 def _check_train(t, model) -> None:
     _at_least({"train.batch_size": t.batch_size, "train.eval_batch_size": t.eval_batch_size,
                "train.grad_accum": t.grad_accum, "train.log_every": t.log_every,
-               "train.loss_chunks": t.loss_chunks, "train.keep_checkpoints": t.keep_checkpoints,
+               "train.keep_checkpoints": t.keep_checkpoints,
                "model.num_labels": model.num_labels,
                "model.pipeline_repeats": model.pipeline_repeats}, 1,
               {"train.keep_checkpoints": "a run keeps at least its latest checkpoint"})
-    _at_least({"train.microbatches": t.microbatches, "train.epochs": t.epochs,
+    _at_least({"train.microbatches": t.microbatches, "train.loss_chunks": t.loss_chunks,
+               "train.epochs": t.epochs,
                "train.max_steps": t.max_steps, "train.checkpoint_every": t.checkpoint_every,
                "train.weight_decay": t.weight_decay, "train.max_grad_norm": t.max_grad_norm}, 0,
               {"train.microbatches": "0: one per pipeline stage",
+               "train.loss_chunks": "0: chunks where the logits would be the peak",
                "train.epochs": "0 when train.max_steps > 0 sets the length",
                "train.max_steps": "0: train.epochs decides",
                "train.checkpoint_every": "0: epoch ends and the end only",

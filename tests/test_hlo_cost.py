@@ -79,6 +79,32 @@ def test_bytes_in_on_chip_memory_are_not_hbm_bytes():
     assert {name: cost["hbm bytes"] for name, cost in parts.items()} == {
         "cs": 4096, "a": 4096, "m": 8192}
     assert parts["a"]["bytes accessed"] == parts["m"]["bytes accessed"] == 3 * 4096
+    assert hlo_cost.hbm_bytes(hlo_cost.by_instruction(ON_CHIP)) == 4 * 4096
+
+
+# A fusion of no operands whose body holds a constant: the cost analysis numbers the constant
+# as an operand of its own (36 bytes) that the fusion's bytes accessed (its 16-byte result)
+# leave out.
+CONSTANT_IN_A_FUSION = """HloModule m
+
+%f () -> u32[4] {
+  %iota = u32[4]{0} iota(), iota_dimension=0
+  %c = u32[] constant(32)
+  %b = u32[4]{0} broadcast(%c), dimensions={}
+  ROOT %m = u32[4]{0} multiply(%iota, %b)
+}
+
+ENTRY %main () -> u32[4] {
+  ROOT %r = u32[4]{0} fusion(), kind=kLoop, calls=%f
+}
+"""
+
+
+def test_hbm_bytes_are_never_more_than_the_bytes_accessed():
+    """A TPU v4 plan of BERT counted more HBM-only bytes than bytes accessed (108 against 96
+    GB) before: a fusion's constants, numbered as operands, were added in."""
+    ((_, _, _, cost),) = hlo_cost.by_instruction(CONSTANT_IN_A_FUSION)
+    assert cost["hbm bytes"] == cost["bytes accessed"] == 16
 
 
 ASYNC_ALL_REDUCE = """HloModule m, entry_computation_layout={(f32[8]{0})->f32[8]{0}}

@@ -2,12 +2,18 @@
 the same losses, parameters and eval sums as over the whole logits, without the whole
 [batch, length, vocab] float32 logits in the compiled step's memory; refused where it cannot
 apply."""
+from types import SimpleNamespace
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxaccel import config, forms
+from jaxaccel import config, forms, sharding
+from jaxaccel.models.llama import head_logits
 from jaxaccel.train import run as run_lib
+from jaxaccel.train import tasks
 from support import DEVICES, TINY_LM, TINY_SETS, docs, lm_run, packed
 
 pytestmark = pytest.mark.usefixtures("on_eight_devices")   # DEVICES: the module's 8 devices
@@ -40,6 +46,38 @@ def test_chunked_loss_steps_equal_the_whole_logits_steps(tmp_path, sets):
         np.testing.assert_allclose(chunked[2][key], whole[2][key], rtol=1e-6)
 
 
+def test_chunked_sums_and_gradients_equal_the_whole_logits():
+    """The causal-LM sums over 4 chunks and their gradients in the hidden states and the head,
+    float32, against the whole logits': on one device, and jitted over data 2 x FSDP 4 with
+    the head split over FSDP as a run places it."""
+    rng = np.random.default_rng(0)
+    rows, length, hidden, vocab = 8, 16, 32, 64
+    h = jnp.asarray(rng.normal(size=(rows, length, hidden)), jnp.float32)
+    kernel = jnp.asarray(rng.normal(size=(hidden, vocab)) / hidden ** 0.5, jnp.float32)
+    batch = {"targets": jnp.asarray(rng.integers(0, vocab, (rows, length)), jnp.int32),
+             "target_weights": jnp.asarray(rng.integers(0, 2, (rows, length)), jnp.float32)}
+    lm = tasks.TASKS["causal_lm"]
+    chunked = tasks.with_loss_chunks(lm, 4, length)
+
+    def whole_loss(h, k):
+        return lm.sums(head_logits(h, k), batch)[0]
+
+    def chunked_loss(h, k):
+        return chunked.sums(tasks.LMHead(h, k), batch)[0]
+
+    want = jax.jit(jax.value_and_grad(whole_loss, argnums=(0, 1)))(h, kernel)
+    step = jax.jit(jax.value_and_grad(chunked_loss, argnums=(0, 1)))
+    mesh = sharding.make_mesh({"data": 2, "fsdp": 4}, DEVICES)
+    split = (jax.device_put(h, NamedSharding(mesh, P(("data", "fsdp")))),
+             jax.device_put(kernel, NamedSharding(mesh, P("fsdp"))))
+    with jax.set_mesh(mesh):
+        sharded = step(*split)
+    for got in (step(h, kernel), sharded):
+        np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
+        for g, w in zip(got[1], want[1]):
+            np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+
+
 def _temporaries(run, rows=16, length=64):
     batch = run.abstract_batch(rows, length)
     with jax.set_mesh(run.mesh):
@@ -58,6 +96,32 @@ def test_chunks_keep_the_whole_logits_out_of_the_step(tmp_path):
         .vocab_size
     logits = 16 * 64 * vocab * 4
     assert whole - chunked > logits, (whole, chunked, logits)
+
+
+@pytest.mark.parametrize("sets,chunks", [
+    ((), 8),                                        # 1,000 MiB of logits, 384 MiB kept
+    (("model.remat=false",), 1),                    # the layers keep far more than the logits
+    (("train.loss_chunks=1",), 1),                  # asked for the whole logits
+    (("train.batch_size=8",), 2),                   # 250 MiB of logits, 96 MiB kept
+    (("train.batch_size=16", "mesh.tensor=2"), 1),  # 4 rows, the vocabulary split: 500 MiB
+    (("model.name=llama-1b",), 1),                  # 1,000 MiB of logits, 704 MiB kept
+])
+def test_the_loss_is_chunked_by_default_where_the_logits_would_be_the_peak(sets, chunks):
+    """llama-350m (vocabulary 32,000, 24 layers of width 1,024), bf16 with remat, 32 rows of
+    2,048 tokens over 8 devices: each device's float32 logits (4 x 2,048 x 32,000 x 4 bytes)
+    are more than twice the bf16 layer inputs remat keeps (24 x 4 x 2,048 x 1,024 x 2): the
+    loss is taken over the fewest chunks of at most 128 MiB of logits. llama-1b's (22 layers
+    of width 2,048) are 1.4 times its inputs: its peak is in its layers, it keeps them whole."""
+    cfg = config.build(sets=[*TINY_LM, "model.name=llama-350m", "precision.policy=bf16",
+                             "model.remat=true", "data.max_len=2048", "train.batch_size=32",
+                             *sets])
+    assert run_lib.resolve(cfg, DEVICES).task.loss_chunks == chunks
+
+
+def test_other_tasks_keep_their_logits_whole():
+    """A rematerialised ViT's MAE step: no vocabulary, no chunks (its architecture is not read)."""
+    mae = SimpleNamespace(task="mae", remat="full", architecture=None)
+    assert tasks.auto_loss_chunks(mae, None, rows=64, length=513) == 1
 
 
 @pytest.mark.parametrize("sets,message", [

@@ -67,7 +67,7 @@ def test_a_program_xla_cannot_cost_falls_back_to_the_compilers_figures(monkeypat
     def refuse(hlo):
         raise ValueError("XLA could not cost computation 'body' on its own: ...")
     monkeypatch.setattr(plan.hlo_cost, "count", refuse)
-    assert plan.counted_cost("HloModule m") == {
+    assert plan.counted_cost("HloModule m", "tpu") == {
         "error": "XLA could not cost computation 'body' on its own: ..."}
 
 
@@ -84,6 +84,21 @@ def test_the_estimate_never_goes_below_the_roofline():
                                {"optimal_seconds": xla_s}, 16, 32, sent=0.8e9)
         assert e["bound"] == "interconnect" and e["interconnect_s"] == pytest.approx(4e-3)
         assert e["step_s"] == pytest.approx(step_s) and e["source"] == source
+
+
+@pytest.mark.parametrize("name,kind,bound_bytes", [
+    ("v5e:2x4", "TPU v5 lite", 40e9), ("h100:1x8", "NVIDIA H100 80GB HBM3", 100e9)])
+def test_the_hbm_bound_is_the_hbm_only_bytes_on_a_tpu(name, kind, bound_bytes):
+    """A step that counts 100 GB accessed per device, 40 GB of them to or from HBM (the rest
+    VMEM accesses, which XLA's cost analysis counts alike): a TPU's HBM bound is the 40 GB at
+    its bandwidth, a GPU's the 100 GB counted (its programs have no VMEM)."""
+    platform = "tpu" if kind.startswith("TPU") else "gpu"
+    chip = devices_lib.chip(kind)
+    target = topology.Target(name, platform, (SimpleNamespace(device_kind=kind),) * 8, chip, 1, 1)
+    e = plan.estimate_step(target, get_policy("bf16"), "xla", {"analytic": 1.0, "attention": 0.0},
+                           {"bytes accessed": 100e9, "hbm bytes": 40e9}, 16, 32, sent=0.0)
+    assert e["bound"] == "memory" and e["memory_bytes"] == bound_bytes
+    assert e["step_s"] == e["memory_s"] == pytest.approx(bound_bytes / chip.hbm_bandwidth)
 
 
 def test_planning_needs_neither_the_tokenizer_nor_the_dataset(monkeypatch):
@@ -319,6 +334,10 @@ def test_several_targets_are_planned_and_ranked_by_time_and_cost(capsys, tmp_pat
     assert sent >= 0.75 * moved["all-gather"]
     assert row["interconnect_s"] == pytest.approx(sent / 200e9)
     assert row["roofline_s"] >= row["interconnect_s"]
+    # Its HBM bound: the bytes to or from HBM, fewer than those counted (VMEM accesses).
+    assert 0 < row["hbm_only_bytes_per_device"] < row["hbm_bytes_per_device"]
+    assert row["memory_bound_s"] == pytest.approx(
+        row["hbm_only_bytes_per_device"] / devices_lib.chip(tpu["device"]).hbm_bandwidth)
     # The forecast: calibrated on v5e's published runs, never below the estimate, in its range.
     assert row["time_source"] == "estimate:forecast" and row["bound_source"].startswith(
         "estimate:")
@@ -336,6 +355,8 @@ def test_several_targets_are_planned_and_ranked_by_time_and_cost(capsys, tmp_pat
     assert "preallocation" in row["device_memory_source"]
     assert row["xla_flops_per_device"] is None and row["bound_source"] == "estimate:roofline"
     assert row["hbm_bytes_per_device"] > 0 and row["counted_flops_per_device"] > 0
+    assert row["hbm_only_bytes_per_device"] is None and row["memory_bound_s"] == pytest.approx(
+        row["hbm_bytes_per_device"] / devices_lib.chip(gpu["device"]).hbm_bandwidth)
     # compare reads the plan files (plans are estimates; ranked as one group of the same work)
     report = compare_lib.compare([str(p) for p in sorted(tmp_path.iterdir())],
                                  prices_file=None, weights=None)

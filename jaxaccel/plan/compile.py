@@ -93,19 +93,24 @@ def xla_cost(compiled) -> dict:
     return dict(cost or {})
 
 
-def counted_cost(hlo: str) -> dict:
+def counted_cost(hlo: str, platform: str) -> dict:
     """The train step's FLOPs and HBM bytes per device counted with loop trips
     (``jaxaccel.plan.hlo_cost``), under cost_analysis()'s keys, with their "source", the loops
-    and those whose trips could not be read; {} where this jaxlib cannot count them, or
-    {"error": why} where XLA refused (the plan then goes by the compiler's own figures)."""
+    and those whose trips could not be read; on a TPU also ``"hbm bytes"``, those of them that
+    move to or from HBM (``hlo_cost.hbm_bytes``: accesses to VMEM buffers left out); {} where
+    this jaxlib cannot count them, or {"error": why} where XLA refused (the plan then goes by
+    the compiler's own figures)."""
     try:
         counted = hlo_cost.count(hlo)
     except ValueError as e:
         return {"error": str(e)}
     if counted is None:
         return {}
-    return {**counted.totals, "source": counted.source, "loops": len(counted.loops),
-            "uncounted": list(counted.uncounted)}
+    out = {**counted.totals, "source": counted.source, "loops": len(counted.loops),
+           "uncounted": list(counted.uncounted)}
+    if platform == "tpu":
+        out["hbm bytes"] = hlo_cost.hbm_bytes(hlo_cost.by_instruction(hlo))
+    return out
 
 
 def make_plan(config_path: str | None, sets: list[str], topology_name: str, *,
@@ -124,6 +129,10 @@ def make_plan(config_path: str | None, sets: list[str], topology_name: str, *,
     shape = flops_lib.model_shape(run.spec)
     seq = shape.row_tokens(_seq_len(run))
     known = {"params": shard_bytes(state.params), "opt_state": shard_bytes(state.opt_state)}
+    if not cfg.train.loss_chunks and run.task.loss_chunks > 1:
+        notes.append(f"the loss is taken over {run.task.loss_chunks} sequence chunks "
+                     "(train.loss_chunks=0: the whole float32 logits would be the step's peak; "
+                     "train.loss_chunks=1 keeps them whole)")
     if run.resolved.data.absent:
         notes.append(f"the data is not on this machine ({run.resolved.data.absent.rstrip('.')})"
                      ": planned from the config alone")
@@ -132,7 +141,7 @@ def make_plan(config_path: str | None, sets: list[str], topology_name: str, *,
     compiled, compile_s = _compile_steps(run, target, batch, known, notes, compiler_options)
     memory = memory_of(compiled["train"], **known, batch=shard_bytes(batch))
     hlo = compiled["train"].as_text()
-    cost, counted = xla_cost(compiled["train"]), counted_cost(hlo)
+    cost, counted = xla_cost(compiled["train"]), counted_cost(hlo, target.platform)
     if "bytes accessed" not in counted:
         notes.append("HBM bytes and FLOPs were not counted with loop trips ("
                      + counted.get("error", "this jaxlib cannot cost HLO text") + "): the "

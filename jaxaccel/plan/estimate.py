@@ -24,6 +24,17 @@ def _interconnect_s(target, sent: float) -> tuple[float | None, str]:
         f"{link:.3g} B/s interconnect, both directions{between}"
 
 
+def memory_bytes(target, cost: dict) -> tuple[float, str]:
+    """``(bytes per device, which)`` the HBM bound divides by the chip's bandwidth: on a TPU the
+    bytes that move to or from HBM (``cost["hbm bytes"]``, ``compile.counted_cost``), since
+    XLA's cost analysis counts an access to a VMEM buffer like an HBM access (the counted
+    bytes are about twice the HBM traffic); elsewhere, or where that figure is missing, the
+    bytes accessed (loop trips counted where the plan could count them)."""
+    if target.platform == "tpu" and cost.get("hbm bytes"):
+        return cost["hbm bytes"], "hbm bytes (VMEM accesses left out)"
+    return cost.get("bytes accessed", 0.0), "bytes accessed"
+
+
 def estimate_step(target, policy, attention_impl: str, flops: dict, cost: dict, batch: int,
                   seq: int, sent: float, idle: float = 0.0) -> dict:
     """Estimated step time of a step under ``policy`` (its matmul dtype's peak) with
@@ -39,13 +50,14 @@ def estimate_step(target, policy, attention_impl: str, flops: dict, cost: dict, 
     bandwidth = target.chip.hbm_bandwidth
     link_s, link = _interconnect_s(target, sent)
     work = flops["analytic"] + flops.get("recompute", 0.0)
+    moved, moved_source = memory_bytes(target, cost)
     bounds = {"compute": work * per_chip / peak_flops / (1.0 - idle),
-              "memory": cost["bytes accessed"] * target.devices_per_chip / bandwidth
-              if cost.get("bytes accessed", 0) > 0 else 0.0,
+              "memory": max(moved, 0.0) * target.devices_per_chip / bandwidth,
               "interconnect": link_s or 0.0}
     bound = max(bounds, key=bounds.get)
     out = {"roofline_s": bounds[bound], "bound": bound, "idle": idle,
            "compute_s": bounds["compute"], "memory_s": bounds["memory"],
+           "memory_bytes": moved, "memory_bytes_source": moved_source,
            "work_per_chip": work * per_chip,
            "interconnect_s": link_s,
            "interconnect": link, "peak": f"{peak_flops:.4g} FLOP/s ({which}), "

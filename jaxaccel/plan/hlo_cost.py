@@ -158,7 +158,10 @@ def by_instruction(hlo: str):
     The ``-done`` half of an async pair is left out (its cost is its ``-start``'s), and so is
     an instruction the parser cannot take alone (e.g. an operand of a kind only its producer
     may feed); ``count`` stays the total. ``cost["hbm bytes"]`` is its bytes accessed less
-    those of operands and results the TPU compiler placed in on-chip memory (``on_chip``)."""
+    those of operands and results the TPU compiler placed in on-chip memory (``on_chip``):
+    the cost analysis's per-operand and result figures that are not on chip, at most the
+    bytes accessed (those figures number a fusion's constants as operands, which its bytes
+    accessed leave out)."""
     tools = _analysis()
     if tools is None:
         return
@@ -190,8 +193,17 @@ def by_instruction(hlo: str):
             hbm = sum(v for k, v in cost.items() if (part := _PART.fullmatch(k)) and not on_chip(
                 _element(i.shape if part.group(1) == "out" else _shape_of(
                     instructions, i.operands, int(part.group(1))), part.group(2))))
+            accessed = float(cost.get("bytes accessed", 0.0))
             yield i, name, times[name], {**{key: float(cost.get(key, 0.0))
-                                            for key in KEYS.values()}, "hbm bytes": hbm}
+                                            for key in KEYS.values()},
+                                         "hbm bytes": min(hbm, max(accessed, 0.0))}
+
+
+def hbm_bytes(parts) -> float:
+    """The bytes a program moves to or from HBM per run: the ``"hbm bytes"`` of
+    ``by_instruction``'s parts times their runs. On a TPU program about half its counted bytes
+    (XLA's cost analysis counts a VMEM access like an HBM one; docs/reports/maxtext.md)."""
+    return sum(runs * cost["hbm bytes"] for _, _, runs, cost in parts)
 
 
 # HloCostAnalysis's bytes of one operand or of the result, at a shape index:

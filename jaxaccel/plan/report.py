@@ -100,6 +100,9 @@ def _work(plan: Plan) -> list[str]:
                      + (f", {len(h['uncounted'])} of unreadable trips counted once"
                         if h["uncounted"] else "") + "); the compiler's own count "
                      + (f"{gb(own)} (loop bodies once)" if own else "not given"))
+    if h.get("hbm bytes"):
+        lines.append(f"  of them to or from HBM: {gb(h['hbm bytes'])} (accesses to buffers the "
+                     "TPU compiler placed in VMEM left out; the HBM bound's bytes)")
     return lines
 
 
@@ -120,7 +123,8 @@ def _step_time(plan: Plan) -> list[str]:
     else:
         lines.append(f"  forecast: {e.get('forecast_source', 'none')}")
     lines.append(f"  roofline {e['roofline_s'] * 1e3:.2f} ms ({e['bound']}-bound at "
-                 f"{e['peak']})")
+                 f"{e['peak']}); HBM bound {e['memory_s'] * 1e3:.2f} ms from the "
+                 f"{e['memory_bytes_source']}")
     if e.get("idle"):
         lines.append(f"  (the compute bound includes the pipeline's idle share, bubble and "
                      f"padding layers: / (1 - {e['idle']:.3f}))")

@@ -46,7 +46,7 @@ from jaxaccel.train.saved import init_from
 from jaxaccel.train.layout import Layout
 from jaxaccel.train.state import TrainState
 from jaxaccel.train.step import make_eval_step, make_train_step
-from jaxaccel.train.tasks import TASKS, Task, with_loss_chunks
+from jaxaccel.train.tasks import TASKS, Task, auto_loss_chunks, with_loss_chunks
 
 log = logging.getLogger("jaxaccel")
 
@@ -151,7 +151,10 @@ def resolve(cfg: Config, devices=None, *, training: bool = True,
     stacking = stages or Scan.of(cfg.model.scan_layers, spec.architecture.num_hidden_layers,
                                  mesh.devices.flat[0].platform)
     per_epoch = described.steps_per_epoch if training and described is not None else None
-    task = with_loss_chunks(TASKS[spec.task], cfg.train.loss_chunks, cfg.data.max_len)
+    task = with_loss_chunks(TASKS[spec.task], cfg.train.loss_chunks or auto_loss_chunks(
+        spec, policy, max(1, cfg.train.batch_size // (cfg.train.grad_accum
+                                                       * shd.batch_shards(mesh))),
+        cfg.data.max_len, mesh.shape["tensor"]), cfg.data.max_len)
     if training and filled:
         log.info("mesh %s over %d devices (%s: the devices the other axes leave)",
                  ", ".join(f"{a}={n}" for a, n in mesh.shape.items()), mesh.size,

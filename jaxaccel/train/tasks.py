@@ -22,7 +22,8 @@ count``; an evaluation adds the sums over every batch and ``report``\\s from the
   where ``targets`` is a real next token, else 0); logits [B, L, vocab]; the loss is the
   next-token cross entropy ``-sum_t w_t log p(targets_t) / sum_t w_t``; eval reports ``loss``,
   ``perplexity = exp(loss)``, token ``accuracy`` and ``tokens``. With ``train.loss_chunks``
-  = N > 1 (``with_loss_chunks``) the [B, L, vocab] float32 logits never exist whole: the
+  = N > 1 (``with_loss_chunks``; by default where the logits would be the step's peak,
+  ``auto_loss_chunks``) the [B, L, vocab] float32 logits never exist whole: the
   model gives its last hidden states and head (``LMHead``) and the sums are taken over N
   chunks of L / N positions, each chunk's logits made, used and dropped, and made again in
   the backward pass (MaxText's vocabulary tiling): the same sums and gradients.
@@ -73,6 +74,8 @@ class Task:
         metric); MAE predicts pixels, nothing is right or wrong.
       tallies: ``tallies(logits, batch)`` -> {name: int32 array} an evaluation sums over its
         batches besides the three sums (classification: the confusion matrix), or None.
+      loss_chunks: the sequence chunks a causal LM's loss is taken over
+        (``with_loss_chunks``; 1: the whole logits).
     """
 
     name: str
@@ -86,6 +89,7 @@ class Task:
     row_keys: tuple[str, ...] = ()
     counts_correct: bool = True
     tallies: Callable | None = None
+    loss_chunks: int = 1
 
     def batch_shapes(self, spec, rows: int, length: int) -> dict:
         """``{key: (shape, dtype)}`` of a batch of ``rows`` of the model of ``spec`` (its
@@ -214,7 +218,34 @@ def with_loss_chunks(task: Task, chunks: int, length: int) -> Task:
         raise ValueError(f"train.loss_chunks={chunks} does not divide the rows' length "
                          f"{length} (data.max_len); use a divisor of it.")
     return dataclasses.replace(task, logits=_lm_head, sums=lambda out, b: _chunked_sums(
-        out, b, chunks))
+        out, b, chunks), loss_chunks=chunks)
+
+
+CHUNK_LOGITS_BYTES = 128 * 2 ** 20
+LOGITS_OVER_KEPT = 2.0
+
+
+def auto_loss_chunks(spec, policy, rows: int, length: int, vocab_shards: int = 1) -> int:
+    """``train.loss_chunks=0``: the chunks a causal LM's loss is taken over by default, given
+    ``rows`` of ``length`` tokens per device and the vocabulary split ``vocab_shards`` ways.
+    Where the layers are rematerialised (each keeps little more than its input,
+    [rows, length, hidden] in the activations' dtype) and the whole float32 logits are more
+    than ``LOGITS_OVER_KEPT`` times those inputs of every layer, the logits and their gradient
+    are the step's peak: then the fewest chunks (a divisor of the length) whose float32 logits
+    are at most ``CHUNK_LOGITS_BYTES``; else 1 (other tasks, no remat, small logits: a CPU
+    job's). Compiled for a v5e-8 (docs/reports/maxtext.md): llama-350m's logits are 2.6 times
+    its layer inputs, and 8 chunks take its temporaries from 2.68 to 1.92 GB; llama-1b's are
+    1.4 times, and 8 chunks add 0.12 GB (its peak is in its layers)."""
+    if spec.task != "causal_lm" or spec.remat == "none":
+        return 1
+    a = spec.architecture
+    logits = 4 * rows * length * a.vocab_size / vocab_shards
+    kept = rows * length * a.hidden_size * a.num_hidden_layers * \
+        jnp.dtype(policy.activation_dtype).itemsize
+    if logits <= LOGITS_OVER_KEPT * kept:
+        return 1
+    return next(c for c in range(1, length + 1)
+                if length % c == 0 and (logits / c <= CHUNK_LOGITS_BYTES or c == length))
 
 
 def _lm_report(t: dict) -> dict:
@@ -273,4 +304,5 @@ def weight_sum(task: Task, batch) -> jax.Array:
     return jnp.maximum(jnp.sum(batch[task.weights].astype(jnp.float32)), 1.0)
 
 
-__all__ = ["LMHead", "TASKS", "Task", "weight_sum", "with_loss_chunks"]
+__all__ = ["CHUNK_LOGITS_BYTES", "LMHead", "LOGITS_OVER_KEPT", "TASKS", "Task", "auto_loss_chunks",
+           "weight_sum", "with_loss_chunks"]
