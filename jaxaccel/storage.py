@@ -105,7 +105,8 @@ def errors(url: str, doing: str):
     """Bucket errors of ``doing`` on ``url`` as one ``StorageError`` line."""
     try:
         yield
-    except (FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError):
+    except (FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError,
+            StorageError):
         raise
     except Exception as e:      # noqa: BLE001 -- each client raises its own types
         raise StorageError(_explain(url, doing, e)) from None

@@ -38,6 +38,7 @@ class RunLock:
     run_dir: str
     lease_s: float = LEASE_S
     _renewal: threading.Event | None = dataclasses.field(default=None, init=False, repr=False)
+    _renewer: threading.Thread | None = dataclasses.field(default=None, init=False, repr=False)
     _token: str | None = dataclasses.field(default=None, init=False, repr=False)
 
     @property
@@ -110,8 +111,9 @@ class RunLock:
             raise RunFolderError(f"another trainer took the lock {self.path} at the same "
                                  "moment; try again, or use another name=....")
         self._renewal = threading.Event()
-        threading.Thread(target=self._renew, args=(me, self._renewal), daemon=True,
-                         name="jaxaccel-run-lock").start()
+        self._renewer = threading.Thread(target=self._renew, args=(me, self._renewal),
+                                         daemon=True, name="jaxaccel-run-lock")
+        self._renewer.start()
 
     def _renew(self, me: dict, stop: threading.Event) -> None:
         """Renew the bucket lock every quarter lease until ``stop``; a failed renewal is tried
@@ -126,8 +128,10 @@ class RunLock:
 
     def release(self) -> None:
         if self._renewal is not None:
+            # a renewal under way would write the lock again after it is removed: let it end
             self._renewal.set()
-            self._renewal = None
+            self._renewer.join()
+            self._renewal = self._renewer = None
         holder = self._holder()
         ours = (holder.get("token") == self._token if storage.is_url(self.run_dir)
                 else holder.get("pid") == os.getpid()) if holder else False
