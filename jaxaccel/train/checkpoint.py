@@ -206,22 +206,19 @@ class Checkpointer:
         try:
             yield
         except Exception as e:  # noqa: BLE001 -- Orbax/TensorStore raise many types
-            if self._writing is None or not is_disk_full(e):
-                quiet_leftovers()
-                if self._writing is None or not storage.is_url(self.directory):
-                    raise
-                step, self._writing = self._writing[0], None
-                details.error("saving checkpoint step %d in %s failed", step, self.directory,
-                              exc_info=True)
-                with storage.errors(self.directory, f"saving checkpoint step {step} in"):
-                    raise
+            quiet_leftovers()
+            disk_full = is_disk_full(e)
+            if self._writing is None or not (disk_full or storage.is_url(self.directory)):
+                raise
             failed, self._writing = self._writing, None
             details.error("saving checkpoint step %d in %s failed", failed[0], self.directory,
                           exc_info=True)
+            if not disk_full:
+                with storage.errors(self.directory, f"saving checkpoint step {failed[0]} in"):
+                    raise
         if failed is None:
             return
         step, nbytes = failed
-        quiet_leftovers()
         unfinished = self._remove_unfinished(step)
         intact = sorted(int(n) for n in storage.listdir(self.directory)
                         if n.isdigit() and int(n) != step)
