@@ -18,9 +18,10 @@ import pytest
 
 from jaxaccel import cli, config
 from jaxaccel.train import loop
+from jaxaccel.train.inference import evaluate_run
 from jaxaccel.train.metrics import read_metrics
 from storage_servers import refusing_gcs_endpoint, start_moto_server
-from support import CLI, LONG_WAIT_S, TINY_CONFIG, cpu_env
+from support import ADAN, CLI, LONG_WAIT_S, TINY_CONFIG, cpu_env
 
 # The tiny BERT, a checkpoint every 2 steps, every step logged.
 SETS = ("train.checkpoint_every=2", "train.log_every=1", "train.progress=false",
@@ -89,15 +90,23 @@ def _port():
 
 
 def test_two_hosts_that_share_no_disk_stop_together_and_resume_exactly(s3_server, tmp_path):
-    """Two processes (2 CPU devices each, FSDP over all 4) whose HOME, TMPDIR and cache folders
-    are their own, the run folder in a bucket: SIGTERM to process 1 once a checkpoint is in the
-    bucket; both save and exit 75; two fresh processes (new empty folders) resume from the
-    bucket and finish, with the losses of one process run without a break."""
+    """Two processes (2 CPU devices each, gloo collectives, a (data=2, fsdp=2) mesh with the
+    fused Adan state sharded over it) whose HOME, TMPDIR and cache folders are their own, the
+    run folder in a bucket: SIGTERM to process 1 alone once a checkpoint is in the bucket; both
+    stop after the same step (JAX's preemption sync point), save it together and exit 75; two
+    fresh processes (new empty folders) resume from the bucket and finish, with the losses of
+    one process with 4 devices run without a break (metrics written once, by process 0), and
+    the checkpoint they wrote evaluates on one device to the accuracy that run reached.
+
+    The stop waits on events, not on time: JAX's notifier looks for the signal once a second,
+    so the run is long enough never to end first, and the learning rate constant, so that the
+    resumed run, ended two steps after the stop, and the reference of that length take the
+    same steps. (The same rules on a shared local disk: test_distributed.py, under -m slow.)"""
     cpu = jax.devices("cpu")
     if len(cpu) < 4:
         pytest.skip(f"the one-process reference needs 4 CPU devices; this process has {len(cpu)}")
     fs, bucket = s3_server.filesystem(), s3_server.create_bucket()
-    sets = ("train.max_steps=1000", "mesh.fsdp=2", "train.checkpoint_every=1")
+    sets = ("train.max_steps=1000", "mesh.fsdp=2", "train.checkpoint_every=1", *ADAN)
 
     def host(name, i, port):
         root = tmp_path / name
@@ -137,22 +146,35 @@ def test_two_hosts_that_share_no_disk_stop_together_and_resume_exactly(s3_server
         fs.invalidate_cache()
     procs[1].send_signal(signal.SIGTERM)
     stopped = finish(procs, cli.EXIT_PREEMPTED)
+    assert [r["status"] for r in stopped] == ["preempted"] * 2, stopped
     step = stopped[0]["step"]
     assert [r["step"] for r in stopped] == [step, step] and step < 1000, stopped
     steps = step + 2
-    finish(start_two("again", f"train.max_steps={steps}"), 0)
-    two = losses(fs, f"{run}/metrics.jsonl")
-    assert sorted(two) == list(range(1, steps + 1))
-    # The reference in this process (no third start-up of jax), on 4 of its CPU devices.
+    resumed = start_two("again", f"train.max_steps={steps}")
+    # The reference in this process (no third start-up of jax), on 4 of its CPU devices, while
+    # the two resume.
     with jax.default_device(cpu[0]):
         loop.train(config.load(TINY_CONFIG, [f"workdir={tmp_path / 'one'}", *SETS, "mesh.fsdp=2",
-                                             f"train.max_steps={steps}"], device_count=4),
+                                             *ADAN, f"train.max_steps={steps}"], device_count=4),
                    devices=cpu[:4])
-    one = {r["step"]: r["train/loss"] for r in read_metrics(str(tmp_path / "one" /
-                                                                "tiny_synthetic"))
-           if "train/loss" in r}
+    assert [r["status"] for r in finish(resumed, 0)] == ["completed"] * 2
+    two = losses(fs, f"{run}/metrics.jsonl")
+    assert sorted(two) == list(range(1, steps + 1))
+    one_rows = read_metrics(str(tmp_path / "one" / "tiny_synthetic"))
+    one = {r["step"]: r["train/loss"] for r in one_rows if "train/loss" in r}
     np.testing.assert_allclose([two[s] for s in sorted(two)], [one[s] for s in sorted(one)],
                                rtol=1e-5)
+    # The bucket's run folder, copied here, evaluated in this process on one CPU device; the
+    # confusion matrix the two counted over their shares of the eval split: exact.
+    local = tmp_path / "copied"
+    fs.get(run, str(local), recursive=True)
+    with jax.default_device(cpu[0]):
+        ev = evaluate_run(str(local), devices=cpu[:1])
+    final = [r["eval/accuracy"] for r in one_rows if "eval/accuracy" in r][-1]
+    assert ev["accuracy"] == pytest.approx(final, abs=1e-6)
+    gathered = [r for r in read_metrics(str(local)) if "eval/confusion_matrix" in r][-1]
+    assert gathered["eval/confusion_matrix"] == ev["confusion_matrix"]
+    assert sum(map(sum, ev["confusion_matrix"])) == ev["examples"]
 
 
 def test_a_process_killed_while_saving_leaves_the_last_complete_checkpoint(gcs_server, tmp_path):

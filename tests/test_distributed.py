@@ -68,6 +68,7 @@ def _port():
         return s.getsockname()[1]
 
 
+@pytest.mark.slow   # 60-70 s; test_buckets.py's two hosts without a shared disk hold these rules
 def test_two_processes_stop_together_on_sigterm_to_one_and_resume_like_one_process(tmp_path):
     """Two real processes (2 CPU devices each, gloo collectives) on a (data=2, fsdp=2) mesh with
     the fused Adan state sharded over it, against one process with 4 devices run without a
