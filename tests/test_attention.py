@@ -18,9 +18,10 @@ import compile_only
 from jaxaccel.models.attention import attention
 from kernels_pallas import attention as kernel
 from kernels_pallas import registry
-from kernels_pallas.attention import (DEFAULT_ORDER, REGISTRY, BlockSizes,
-                                      attention_reference, check_impl, default_block_sizes,
-                                      flash_attention)
+from kernels_pallas.attention import DEFAULT_ORDER, REGISTRY, check_impl
+from kernels_pallas.attention_blocks import BlockSizes, default_block_sizes
+from kernels_pallas.attention_pallas import flash_attention
+from kernels_pallas.attention_reference import attention_reference
 
 SMALL = BlockSizes(16, 32, 32, 16, 16, 32)   # uneven fwd/dq/dkv blocks: padding, multi-block
 
