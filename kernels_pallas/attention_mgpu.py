@@ -407,8 +407,8 @@ def mgpu_flash_attention(q, k, v, *, key_lengths=None, segment_ids=None, causal:
                          interpret: bool | None = None):
     """``attention_pallas.flash_attention``'s contract on Mosaic GPU (bf16/fp16 only).
 
-    ``segment_ids``: None or a (q [B, Sq], kv [B, Sk]) int32 pair (``attention_reference.segments``);
-    ``interpret``: run jax's Mosaic GPU interpreter; None: unless q, k, v live on a GPU."""
+    ``segment_ids``: None or a (q [B, Sq], kv [B, Sk]) int32 pair
+    (``attention_reference.segments``); ``interpret``: run jax's Mosaic GPU interpreter; None: unless q, k, v live on a GPU."""
     _check(q, k, v)
     b, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]

@@ -21,8 +21,8 @@ import compile_only
 from kernels_pallas import attention as kernel
 from kernels_pallas import mgpu
 from kernels_pallas.attention import check_impl
-from kernels_pallas.attention_reference import segments
 from kernels_pallas.attention_mgpu import BlockSizes, default_block_sizes, mgpu_flash_attention
+from kernels_pallas.attention_reference import segments
 from test_attention import inputs, on_platform, out_and_grads, reference_out_and_grads, rel
 
 pytestmark = pytest.mark.skipif(not mgpu.available(), reason="this jax has no Mosaic GPU")
