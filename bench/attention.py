@@ -30,7 +30,8 @@ from bench.common import (add_out_argument, device_kind, markdown,  # noqa: E402
                           time_fn, write_results)
 from jaxaccel.flops import peak_flops  # noqa: E402
 from kernels_pallas import registry  # noqa: E402
-from kernels_pallas.attention import REGISTRY, attention, attention_reference  # noqa: E402
+from kernels_pallas.attention import REGISTRY, attention  # noqa: E402
+from kernels_pallas.attention_reference import attention_reference  # noqa: E402
 
 SHAPES = {  # name: (B, S, H, D, causal, padded)
     "bert_base": (32, 512, 12, 64, False, True),

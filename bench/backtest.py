@@ -142,7 +142,7 @@ def main(argv=None):
     p.add_argument("--out", metavar="DIR", help="write DIR/backtest-calibration.json")
     args = p.parse_args(argv)
     if args.out:
-        from jaxaccel.cli import check_out_dir
+        from jaxaccel.storage import check_out_dir
         check_out_dir(args.out)
     res = result()
     print(report(res))

@@ -171,9 +171,10 @@ on purpose (``--out bench/results``)."""
 
 
 def out_dir(path: str) -> str:
-    """``--out``'s type: a folder that can be made and written (``jaxaccel.cli.check_out_dir``),
-    checked when the flags are read, before any measurement."""
-    from jaxaccel.cli import check_out_dir
+    """``--out``'s type: a folder that can be made and written
+    (``jaxaccel.storage.check_out_dir``), checked when the flags are read, before any
+    measurement."""
+    from jaxaccel.storage import check_out_dir
     try:
         check_out_dir(path)
     except ValueError as e:

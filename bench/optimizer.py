@@ -41,7 +41,7 @@ from jaxaccel.models import PRESETS, BertConfig, BertModel, ModelSpec  # noqa: E
 from jaxaccel.optim import decay_mask  # noqa: E402
 from jaxaccel.optim.adan import adan, adan_onepass  # noqa: E402
 from kernels_pallas import mgpu  # noqa: E402
-from kernels_pallas.adan import BlockSizes  # noqa: E402
+from kernels_pallas.adan_reference import BlockSizes  # noqa: E402
 
 # 4-byte words read + written per parameter by one update, at the least (analytic):
 #   adamw: g, m, v, p read; m, v, update written                           -> 7

@@ -352,32 +352,10 @@ def cmd_compare(args) -> int:
     return 0
 
 
-def check_out_dir(path: str) -> None:
-    """Refuse an output folder that cannot be made or written, before any work: a file of that
-    name (or above it), or a folder without write permission (``compile --out``, and every
-    ``bench`` suite's ``--out``); a bucket URL that cannot be written (``storage.writable``)."""
-    storage.check(path, "--out")
-    if storage.is_url(path):
-        try:
-            storage.writable(path)
-        except OSError as e:
-            raise ValueError(f"--out {path!r}: {e}") from None
-        return
-    here = os.path.abspath(path)
-    while not os.path.exists(here):
-        here = os.path.dirname(here)
-    if not os.path.isdir(here):
-        raise ValueError(f"--out {path!r}: {here!r} is a file, not a folder; --out names the "
-                         "folder the result file is written into (made if missing).")
-    if not os.access(here, os.W_OK | os.X_OK):
-        raise ValueError(f"--out {path!r}: the folder {here!r} is not writable; name a folder "
-                         "you can write to.")
-
-
 def cmd_compile(args) -> int:
     import jax
     if args.out:
-        check_out_dir(args.out)
+        storage.check_out_dir(args.out)
     if args.memory is not None and not (math.isfinite(args.memory) and args.memory > 0):
         raise ValueError(f"--memory {args.memory}: the memory per device to plan against, in GB, "
                          "must be a finite number > 0 (e.g. --memory 16).")

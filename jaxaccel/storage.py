@@ -390,3 +390,25 @@ def writable(url: str) -> None:
     with errors(url, "writing to"):
         fs.pipe_file(probe, b"")
         fs.rm_file(probe)
+
+
+def check_out_dir(path: str) -> None:
+    """Refuse an output folder that cannot be made or written, before any work: a file of that
+    name (or above it), or a folder without write permission (``compile --out``, and every
+    ``bench`` suite's ``--out``); a bucket URL that cannot be written (``writable``)."""
+    check(path, "--out")
+    if is_url(path):
+        try:
+            writable(path)
+        except OSError as e:
+            raise ValueError(f"--out {path!r}: {e}") from None
+        return
+    here = os.path.abspath(path)
+    while not os.path.exists(here):
+        here = os.path.dirname(here)
+    if not os.path.isdir(here):
+        raise ValueError(f"--out {path!r}: {here!r} is a file, not a folder; --out names the "
+                         "folder the result file is written into (made if missing).")
+    if not os.access(here, os.W_OK | os.X_OK):
+        raise ValueError(f"--out {path!r}: the folder {here!r} is not writable; name a folder "
+                         "you can write to.")

@@ -1,2 +1,4 @@
-"""Pallas kernels for jaxaccel: one file per kernel (reference math, Pallas kernels, and a public
-registry of implementations that dispatches), and ``registry`` (the registry type, platforms)."""
+"""Pallas kernels for jaxaccel: per kernel a public file (its registry of implementations, which
+dispatches), its reference (``<kernel>_reference``: the plain-XLA math every implementation
+keeps), and its kernels by backend (``_mgpu``: Mosaic GPU, imported only when it runs); and
+``registry`` (the registry type, platforms)."""

@@ -1,7 +1,8 @@
 """Flash attention for Hopper GPUs on Mosaic GPU: forward, dQ and dK/dV kernels.
 
 The semantics (masks, fully masked rows, grouped-query heads) and the base-2 online softmax are
-``kernels_pallas.attention``'s, whose docstring has the math; this file holds Mosaic GPU kernels
+``kernels_pallas.attention``'s, whose docstring has the math (the Pallas kernels for TPU and
+Triton: ``attention_blocks``); this file holds Mosaic GPU kernels
 that compute them, written for H100/H200 (sm_90a) after jax's FlashAttention-3 port
 (``jax/experimental/pallas/ops/gpu/attention_mgpu.py``) and tokamax's sm90 kernels:
 
@@ -33,9 +34,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from kernels_pallas import mgpu, registry
+from kernels_pallas.attention_reference import LOG2E, MASK_VALUE
 
-LOG2E = math.log2(math.e)
-MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)   # as kernels_pallas.attention's
 DTYPES = (jnp.bfloat16, jnp.float16)
 WGS = mgpu.COMPUTE_WGS
 
@@ -121,6 +121,14 @@ def _key_blocks(plan, kv_len, tile, rows, block):
     return jnp.int32(0), ub
 
 
+def _query_blocks(plan, kv_len, tile, bk, bq, n):
+    """Query blocks (of ``bq`` rows, ``n`` in all) a dK/dV program at key tile ``tile`` (of
+    ``WGS * bk`` keys) visits: [lb, ub), from the first that reaches its keys (causal), none
+    when its keys lie past the key length."""
+    lb = lax.div(tile * WGS * bk, jnp.int32(bq)) if plan.causal else jnp.int32(0)
+    return lb, lb + (tile * WGS * bk < kv_len).astype(jnp.int32) * (n - lb)
+
+
 def _stats(ref, interpret):
     return mgpu.load(ref, mgpu.ROW, interpret)
 
@@ -143,6 +151,16 @@ def _stream_kv(plan, refs, smems, bars, free, bi, hi, lb, ub, bk):
     blocks = lambda ref: lambda i: ref.at[bi, pl.ds(i * bk, bk), hk]
     mgpu.produce([(blocks(ref), smem) for ref, smem in zip(refs, smems)], bars, free, lb, ub,
                  plan.blocks.stages)
+
+
+def _stream_q(plan, refs, smems, ready, free, bi, hi, lb, ub, bq):
+    """The memory warpgroup of the dK/dV kernel: query blocks ``lb``..``ub`` (of ``bq`` rows)
+    of q, dO (``refs[:2]``) and their statistics lse, delta (``refs[2:]``) streamed into the
+    ``stages`` shared-memory slots."""
+    rows = lambda ref: lambda i: ref.at[bi, pl.ds(i * bq, bq), hi]
+    stats = lambda ref: lambda i: ref.at[bi, hi, pl.ds(i * bq, bq)]
+    blocks = [rows(r) for r in refs[:2]] + [stats(r) for r in refs[2:]]
+    mgpu.produce(list(zip(blocks, smems)), ready, free, lb, ub, plan.blocks.stages)
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -279,18 +297,11 @@ def _dkv(plan, q, k, v, do, lse, delta, kv_len, q_seg, kv_seg):
             (k_bar, v_bar, ready, free) = smem, bars
         bi, hi, ti, wg = _ids()
         kv_len = len_ref[bi]
-        # Query blocks [lb, ub): from the first that reaches this tile's keys (causal), none
-        # when the tile lies past the key length.
-        lb = lax.div(ti * WGS * bk, jnp.int32(bq)) if plan.causal else jnp.int32(0)
-        ub = lb + (ti * WGS * bk < kv_len).astype(jnp.int32) * (sq // bq - lb)
+        lb, ub = _query_blocks(plan, kv_len, ti, bk, bq, sq // bq)
 
-        @pl.when(wg == WGS)
-        def _memory():
-            rows = lambda ref: lambda i: ref.at[bi, pl.ds(i * bq, bq), hi]
-            stats = lambda ref: lambda i: ref.at[bi, hi, pl.ds(i * bq, bq)]
-            mgpu.produce([(rows(q_ref), q_smem), (rows(do_ref), do_smem),
-                          (stats(lse_ref), lse_smem), (stats(delta_ref), delta_smem)],
-                         ready, free, lb, ub, stages)
+        pl.when(wg == WGS)(lambda: _stream_q(
+            plan, (q_ref, do_ref, lse_ref, delta_ref), (q_smem, do_smem, lse_smem, delta_smem),
+            ready, free, bi, hi, lb, ub, bq))
 
         @pl.when(wg < WGS)
         def _compute():
@@ -329,15 +340,22 @@ def _dkv(plan, q, k, v, do, lse, delta, kv_len, q_seg, kv_seg):
             mgpu.plgpu.copy_smem_to_gmem(my_v, dv_ref.at[bi, keys, hi])
             mgpu.plgpu.wait_smem_to_gmem(0)
 
-    stats = mgpu.plgpu.SMEM((stages, bq), jnp.float32)
-    scratch = [(mgpu.smem((WGS, bk, d), dt), mgpu.smem((WGS, bk, d), dt),
-                mgpu.smem((stages, bq, d), dt), mgpu.smem((stages, bq, d), dt), stats, stats),
-               (mgpu.plgpu.Barrier(num_barriers=WGS), mgpu.plgpu.Barrier(num_barriers=WGS))
-               + mgpu.stream_barriers(4, stages),
-               mgpu.stage(it, (bk, bq), dt)]
     out = [jax.ShapeDtypeStruct((b, sk, hq, d), dt)] * 2
-    return _launch(plan, body, out, scratch, sk // (WGS * bk), "flash_attention_dkv_mgpu",
+    return _launch(plan, body, out, _dkv_scratch(plan, bq, bk, d, dt), sk // (WGS * bk),
+                   "flash_attention_dkv_mgpu",
                    q, k, v, do, lse, delta, kv_len, q_seg, kv_seg)
+
+
+def _dkv_scratch(plan, bq, bk, d, dt):
+    """The dK/dV kernel's shared memory: each compute warpgroup's K and V tiles, the streamed
+    q, dO, lse and delta slots; their barriers; the MMA staging buffer (interpreter)."""
+    stages = plan.blocks.stages
+    stats = mgpu.plgpu.SMEM((stages, bq), jnp.float32)
+    return [(mgpu.smem((WGS, bk, d), dt), mgpu.smem((WGS, bk, d), dt),
+             mgpu.smem((stages, bq, d), dt), mgpu.smem((stages, bq, d), dt), stats, stats),
+            (mgpu.plgpu.Barrier(num_barriers=WGS), mgpu.plgpu.Barrier(num_barriers=WGS))
+            + mgpu.stream_barriers(4, stages),
+            mgpu.stage(plan.interpret, (bk, bq), dt)]
 
 
 # ----------------------------------------------------------------------------- public
@@ -387,10 +405,10 @@ def _check(q, k, v):
 def mgpu_flash_attention(q, k, v, *, key_lengths=None, segment_ids=None, causal: bool = False,
                          scale: float | None = None, block_sizes: BlockSizes | None = None,
                          interpret: bool | None = None):
-    """``kernels_pallas.attention.flash_attention``'s contract on Mosaic GPU (bf16/fp16 only).
+    """``attention_pallas.flash_attention``'s contract on Mosaic GPU (bf16/fp16 only).
 
-    ``segment_ids``: None or a (q [B, Sq], kv [B, Sk]) int32 pair (``attention._segments``);
-    ``interpret``: run jax's Mosaic GPU interpreter; None: unless q, k, v live on a GPU."""
+    ``segment_ids``: None or a (q [B, Sq], kv [B, Sk]) int32 pair
+    (``attention_reference.segments``); ``interpret``: run jax's Mosaic GPU interpreter; None: unless q, k, v live on a GPU."""
     _check(q, k, v)
     b, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]

@@ -1,4 +1,4 @@
-"""Mosaic GPU building blocks of the Hopper kernels (``attention_mgpu.py``, ``adan.py``).
+"""Mosaic GPU building blocks of the Hopper kernels (``attention_mgpu.py``, ``adan_mgpu.py``).
 
 * ``available()``: whether the installed jax can build Mosaic GPU kernels at all;
 * the kernel launch (``kernel``): warp-specialised programs of ``COMPUTE_WGS`` compute

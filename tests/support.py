@@ -37,7 +37,7 @@ from jaxaccel.train import run as run_lib
 from jaxaccel.train.metrics import read_metrics
 from jaxaccel.train.preemption import Preemption
 from jaxaccel.train.tasks import TASKS
-from kernels_pallas.adan import LANES, make_scalars
+from kernels_pallas.adan_reference import LANES, make_scalars
 
 # ---- paths and the command ----
 

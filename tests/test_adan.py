@@ -19,9 +19,9 @@ from jaxaccel.forms.packing import Packer
 from jaxaccel.optim.adan import AdanState, adan, restart
 from kernels_pallas import registry
 from kernels_pallas import mgpu
-from kernels_pallas.adan import (DEFAULT_ORDER, LANES, ROW_ALIGN, UPDATE, BlockSizes,
-                                 adan_update, mgpu_apply_kernel, mgpu_update_kernel,
-                                 update_kernel)
+from kernels_pallas.adan import DEFAULT_ORDER, UPDATE, adan_update, update_kernel
+from kernels_pallas.adan_mgpu import mgpu_apply_kernel, mgpu_update_kernel
+from kernels_pallas.adan_reference import LANES, ROW_ALIGN, BlockSizes
 from support import CASES, Float64Adan, bert_tree, flat_args, grads_at, rel, small_tree
 
 IMPLS = ("per_leaf", "xla", "pallas")

@@ -1,7 +1,7 @@
 """Attention: interpret-mode flash kernels (output, dq, dk, dv) against the reference over a
 covering grid (each axis swept with the others small, plus combined cases), masking edge
 cases, the implementation registry (per-platform order, fallbacks, dropout only in the
-reference, checked when a model is built), the model's entry point (fully masked rows, per
+reference, checked when a model is built, Mosaic GPU imported only to run), the model's entry point (fully masked rows, per
 shard without ``jax.set_mesh``), input validation, compiles for TPU and GPU targets on
 compile-only devices (Mosaic, Triton), and real GPU runs (Triton kernels, cuDNN) when the
 default backend is a GPU.
@@ -9,6 +9,9 @@ default backend is a GPU.
 The reference always runs in float32 at ``precision="highest"``: a GPU's default float32
 matmul is TF32 (10-bit mantissa), which put the reference itself 4e-4 off on an H100, 40x the
 float32 bound. The interpret-mode tests run on the default device (the GPU on a GPU machine)."""
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,9 +21,10 @@ import compile_only
 from jaxaccel.models.attention import attention
 from kernels_pallas import attention as kernel
 from kernels_pallas import registry
-from kernels_pallas.attention import (DEFAULT_ORDER, REGISTRY, BlockSizes,
-                                      attention_reference, check_impl, default_block_sizes,
-                                      flash_attention)
+from kernels_pallas.attention import DEFAULT_ORDER, REGISTRY, check_impl
+from kernels_pallas.attention_blocks import BlockSizes, default_block_sizes
+from kernels_pallas.attention_pallas import flash_attention
+from kernels_pallas.attention_reference import attention_reference
 
 SMALL = BlockSizes(16, 32, 32, 16, 16, 32)   # uneven fwd/dq/dkv blocks: padding, multi-block
 
@@ -244,6 +248,20 @@ def test_gpu_order_has_triton_only_where_jax_does_not_deprecate_it(monkeypatch, 
             logs(q, k, v)
     picks = [r.getMessage() for r in caplog.records if r.name == "kernels_pallas"]
     assert picks == [f"logged: impl='auto' runs 'xla' (order xla for jax {jax.__version__})"]
+
+
+def test_mosaic_gpu_is_imported_only_when_its_kernels_run():
+    """Importing the training loop (every ``jaxaccel train``, every test subprocess) imports
+    no Mosaic GPU module: the attention and Adan registries import ``attention_mgpu`` /
+    ``adan_mgpu`` when their ``mosaic_gpu`` implementation runs (jax's Mosaic GPU modules took
+    0.6 s of the 4 s on an idle 2-core machine, about 2 s under load)."""
+    mosaic = ("jax.experimental.mosaic", "jax.experimental.pallas.mosaic_gpu",
+              "kernels_pallas.mgpu", "kernels_pallas.attention_mgpu", "kernels_pallas.adan_mgpu")
+    code = ("import sys, jaxaccel.train.loop; "
+            f"print([m for m in sys.modules if m.startswith({mosaic!r})])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.splitlines()[-1] == "[]"
 
 
 @pytest.mark.parametrize("name,order", [("v5e:2x2", ("pallas", "xla")),

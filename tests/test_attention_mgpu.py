@@ -20,8 +20,9 @@ import pytest
 import compile_only
 from kernels_pallas import attention as kernel
 from kernels_pallas import mgpu
-from kernels_pallas.attention import _segments, check_impl
+from kernels_pallas.attention import check_impl
 from kernels_pallas.attention_mgpu import BlockSizes, default_block_sizes, mgpu_flash_attention
+from kernels_pallas.attention_reference import segments
 from test_attention import inputs, on_platform, out_and_grads, reference_out_and_grads, rel
 
 pytestmark = pytest.mark.skipif(not mgpu.available(), reason="this jax has no Mosaic GPU")
@@ -66,7 +67,7 @@ def check(b=1, sq=77, sk=None, hq=1, hkv=None, d=64, dtype=jnp.bfloat16, causal=
     q, k, v, do = inputs(b, sq, sk, hq, hkv or hq, d, dtype)
     lengths = None if key_lengths is None else jnp.asarray(key_lengths, jnp.int32)
     kw = dict(key_lengths=lengths, causal=causal, scale=scale)
-    segs = _segments(segment_ids, sq, sk)
+    segs = segments(segment_ids, sq, sk)
     # Blocked on before the reference is dispatched: jax 0.10's interpreter dispatches
     # computations from its callbacks (kernels_pallas/mgpu.py).
     got = jax.block_until_ready(out_and_grads(lambda q, k, v: mgpu_flash_attention(

@@ -15,8 +15,8 @@ from jaxaccel.optim import decay_mask
 from jaxaccel.optim.adan import adan_onepass
 from jaxaccel.train.checkpoint import Checkpointer, on_disk, restore_state
 from jaxaccel.train.metrics import read_metrics
-from kernels_pallas.adan import (LANES, ROW_ALIGN, BlockSizes, adan_apply, adan_update,
-                                 apply_kernel)
+from kernels_pallas.adan import adan_apply, adan_update, apply_kernel
+from kernels_pallas.adan_reference import LANES, ROW_ALIGN, BlockSizes
 from support import (ADAN, CASES, DEVICES, TINY_CONFIG, Float64Adan, bert_tree, build,
                      flat_args, grads_at, rel, run_cli, small_tree, train_steps)
 

@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxaccel.forms import Form, restore
 from jaxaccel.forms.packing import Packing, pack_all, unpack_all
-from kernels_pallas.adan import LANES
+from kernels_pallas.adan_reference import LANES
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

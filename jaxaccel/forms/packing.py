@@ -30,7 +30,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxaccel.sharding import current_mesh, drop_trivial, entry_axes, per_shard
-from kernels_pallas.adan import LANES, ROW_ALIGN
+from kernels_pallas.adan_reference import LANES, ROW_ALIGN
 
 
 @dataclasses.dataclass(frozen=True)

@@ -52,7 +52,8 @@ from jaxaccel.forms.flat import FlatParams, Packed
 from jaxaccel.forms.packing import Packer, Packing, is_float, pack, unpack
 from jaxaccel.optim.clip import global_norm
 from kernels_pallas import adan as kernel
-from kernels_pallas.adan import adan_apply, adan_reference, adan_update, make_scalars
+from kernels_pallas.adan import adan_apply, adan_update
+from kernels_pallas.adan_reference import adan_reference, make_scalars
 
 PER_LEAF = "per_leaf"
 IMPLS = kernel.IMPLS + (PER_LEAF,)
