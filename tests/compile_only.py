@@ -34,6 +34,22 @@ def kernel_calls(hlo: str, platform: str) -> list[str]:
     return [line for line in hlo.splitlines() if KERNEL_CALL[platform] in line]
 
 
+def assert_spills_at_most(name: str, report: str, most: int = 0) -> None:
+    """Kernel ``name``'s ptxas report (the ``ptxas_reports`` fixture) says it was compiled for
+    sm_90a and spills at most ``most`` bytes of registers to local memory. An xfail, not a
+    pass, where that ptxas ignored the kernel's register reallocation between warpgroups
+    (C7504, "'setmaxnreg' ignored") and spilled: found on CI's second leg (torch's CUDA 13
+    packages beside jax's CUDA 12 plugin), a known defect of the kernels on that toolchain."""
+    import pytest
+    assert f"Compiling entry function '{name}_mosaic_gpu_kernel' for 'sm_90a'" in report, report
+    spilled = re.search(r"(\d+) bytes spill stores", report)
+    assert spilled, (name, report)
+    if int(spilled[1]) > most and "'setmaxnreg' ignored" in report:
+        pytest.xfail(f"{name}: this ptxas ignores setmaxnreg (C7504) and spills "
+                     f"{spilled[1]} bytes")
+    assert int(spilled[1]) <= most, (name, report)
+
+
 def mesh(target, shape=(1,), axis_names=("x",)) -> Mesh:
     """A mesh over ``target``'s first prod(``shape``) devices."""
     return Mesh(np.asarray(target.devices[:math.prod(shape)]).reshape(shape), axis_names)

@@ -223,3 +223,17 @@ def compile_target():
             pytest.skip(str(e))
     return resolve
 
+
+@pytest.fixture
+def ptxas_reports(tmp_path, monkeypatch):
+    """Mosaic GPU's ptxas reports of the kernels compiled in the test (``MOSAIC_GPU_DUMP_*``),
+    ``[(kernel name, report)]``, with jax's persistent compilation cache off so that every
+    kernel is compiled (``compile_only.assert_spills_at_most`` reads them)."""
+    monkeypatch.setenv("MOSAIC_GPU_DUMP_PTXAS", "1")
+    monkeypatch.setenv("MOSAIC_GPU_DUMP_TO", str(tmp_path))
+    enabled = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    yield lambda: sorted((f.name.rsplit("_", 1)[0], f.read_text())
+                         for f in tmp_path.iterdir() if f.name.endswith(".ptxas"))
+    jax.config.update("jax_enable_compilation_cache", enabled)
+

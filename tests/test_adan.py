@@ -347,11 +347,12 @@ def test_kernel_compiles_in_place_for_tpu_and_gpu(compile_target, name):
 
 
 @pytest.mark.skipif(not mgpu.available(), reason="this jax has no Mosaic GPU")
-def test_mosaic_gpu_kernels_compile_in_place_for_h100(compile_target):
+def test_mosaic_gpu_kernels_compile_in_place_for_h100(compile_target, ptxas_reports):
     """The Mosaic GPU update and one-pass apply on the group above, compiled for a
-    compile-only H100 (ptxas for sm_90a): one Mosaic GPU kernel each; the state (and, one
-    pass, the parameters) aliased in place; the one pass, donated in its output order, with no
-    copy of any buffer around the kernel (11 words per element: nothing else moves)."""
+    compile-only H100 (ptxas for sm_90a): one Mosaic GPU kernel each, neither spilling a
+    register to local memory; the state (and, one pass, the parameters) aliased in place; the
+    one pass, donated in its output order, with no copy of any buffer around the kernel (11
+    words per element: nothing else moves)."""
     target = compile_target("h100:1x1")
     rows = -(-1_000_003 // (ROW_ALIGN * LANES)) * ROW_ALIGN
     m = compile_only.mesh(target)
@@ -366,3 +367,7 @@ def test_mosaic_gpu_kernels_compile_in_place_for_h100(compile_target):
         assert text.count(compile_only.KERNEL_CALL["mosaic_gpu"]) == 1
         assert compiled.memory_analysis().alias_size_in_bytes == aliased * buffer
     assert " copy(" not in apply.as_text()
+    reports = ptxas_reports()
+    assert len(reports) == 2, sorted(reports)
+    for name, report in reports:
+        compile_only.assert_spills_at_most(name, report)
