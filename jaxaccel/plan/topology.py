@@ -148,9 +148,9 @@ def _tpu(name: str, slices: int = 1) -> Target:
                                             **kwargs).devices
     except jax.errors.JaxRuntimeError as e:
         raise _unknown(name, f"libtpu: {str(e).splitlines()[0]}") from None
-    first = devs[0]         # its chip's devices: the same coordinates in the same slice
-    per_chip = sum(d.coords == first.coords and d.slice_index == first.slice_index
-                   for d in devs)
+    # its chip's devices: the same coordinates in the same slice (one slice's have no index)
+    where = lambda d: (d.coords, getattr(d, "slice_index", 0))
+    per_chip = sum(where(d) == where(devs[0]) for d in devs)
     target = _with_chip(name, "tpu", devs, len({d.process_index for d in devs}), per_chip)
     return target._replace(name=f"{slices}x{name}", slices=slices) if slices > 1 else target
 
