@@ -3,6 +3,7 @@ the same model, batch, mesh and dtypes: what each program needs and does per chi
 
     python bench/maxtext_step.py --model llama-1b --topology v5e-8 --mesh fsdp=8
     python bench/maxtext_step.py --model llama-350m --topology v5e-8 --mesh data=2,fsdp=4
+    python bench/maxtext_step.py --topology 2xv5e-256 --mesh data=2,fsdp=256,dcn_data=2 --batch 512
     python bench/maxtext_step.py ... --sides jaxaccel --ours-set model.remat=false   # ours again
 
 The baseline is MaxText 0.2.5's ``train_compile`` (``pip install 'maxtext[tpu]==0.2.5'``, which
@@ -112,7 +113,8 @@ def our_config(model: str, batch: int, seq: int, mesh: dict, extra: list[str], t
     from jaxaccel import plan
     sets = [*OURS, f"model.name={model}", f"train.batch_size={batch}",
             f"data.max_len={seq}", f"train.eval_batch_size={batch}",
-            f"mesh.data={mesh.get('data', 1)}", f"mesh.fsdp={mesh.get('fsdp', 1)}", *extra]
+            *(f"mesh.{axis}={mesh.get(axis, 1)}" for axis in ("data", "fsdp", "dcn_data",
+                                                               "dcn_fsdp")), *extra]
     return plan.load_config(CONFIG, sets, target)
 
 
@@ -144,12 +146,15 @@ def maxtext_args(cfg, spec, target, topology: str, scan: bool) -> list[str]:
         f"remat_policy={remat.of(cfg.model.remat).name}",        # MaxText's names
         f"attention={'flash' if cfg.model.attention_impl == 'pallas' else 'dot_product'}",
         f"scan_layers={str(scan).lower()}",
-        f"ici_data_parallelism={m.data}", f"ici_fsdp_parallelism={m.fsdp}",
-        "dcn_data_parallelism=1", "opt_type=adamw", f"adam_b1={t.b1 or 0.9}",
+        f"ici_data_parallelism={m.data // m.dcn_data}",
+        f"ici_fsdp_parallelism={m.fsdp // m.dcn_fsdp}",
+        f"dcn_data_parallelism={m.dcn_data}", f"dcn_fsdp_parallelism={m.dcn_fsdp}",
+        "opt_type=adamw", f"adam_b1={t.b1 or 0.9}",
         f"adam_b2={t.b2 or 0.999}", f"adam_eps={t.eps or 1e-8}",
         f"adam_weight_decay={t.weight_decay}", f"gradient_clipping_threshold={t.max_grad_norm}",
         f"learning_rate={t.learning_rate}", "dataset_type=synthetic", "enable_checkpointing=false",
-        f"compile_topology={topology}", "compile_topology_num_slices=1",
+        f"compile_topology={topology.partition('x')[2] if target.slices > 1 else topology}",
+        f"compile_topology_num_slices={target.slices}",
         "base_output_directory=/tmp/jaxaccel-maxtext", "run_name=bench"]
 
 
@@ -273,8 +278,8 @@ def analyse(side: str, a, target, cfg, spec) -> dict:
         hlo = f.read()
     counted = hlo_cost.count(hlo)
     parts = list(hlo_cost.by_instruction(hlo))      # each instruction costed alone: minutes
-    found = collectives_lib.collectives(hlo, len(target.devices))
-    sent = sum(c.sent for c in found)
+    found = collectives_lib.collectives(hlo, len(target.devices) // target.slices)
+    sent, dcn = collectives_lib.ici_sent(found), collectives_lib.dcn_sent(found)
     shape = flops_lib.model_shape(spec)
     batch, seq = cfg.train.batch_size, cfg.data.max_len
     flops = {"analytic": flops_lib.train_flops(shape, batch, seq),
@@ -285,9 +290,10 @@ def analyse(side: str, a, target, cfg, spec) -> dict:
     estimate = plan.estimate_step(target, policy_of(cfg.precision),
                                   spec.attention_impl, flops,
                                   {**kept["compiler_cost"], **counted.totals, "hbm bytes": hbm},
-                                  batch, seq, sent)
+                                  batch, seq, sent, dcn_sent=dcn)
     return {**kept, "name": name(side, a), "counted": counted.as_dict(),
             "collective_bytes": collectives_lib.by_kind(found), "collective_sent": sent,
+            "dcn_sent": dcn,
             "analytic_flops": flops, "estimate": estimate,
             "largest_allocations": largest_temporaries(os.path.join(folder, "dump")),
             "peak": peak_groups(at_peak(os.path.join(folder, "dump"), hlo)),
@@ -403,6 +409,7 @@ ROWS = (("parameters", lambda r: f"{r['parameters']:,}"),
          lambda r: f"{r['compiler_cost'].get('flops', 0) / 1e12:.2f}"),
         ("collectives written (GB)", lambda r: _gb(sum(r["collective_bytes"].values()))),
         ("collectives, least sent (GB)", lambda r: _gb(r["collective_sent"])),
+        ("  and between slices, over DCN (GB)", lambda r: _gb(r.get("dcn_sent"))),
         ("planner: roofline (ms)", lambda r: f"{r['estimate']['roofline_s'] * 1e3:.0f} "
                                              f"({r['estimate']['bound']})"),
         ("planner: HBM bound, HBM-only bytes (ms)",
@@ -469,8 +476,10 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="llama-1b", help="a Llama preset (models/spec.py)")
-    p.add_argument("--topology", default="v5e-8", help="a Cloud TPU slice name (v5e-8, v6e-8)")
-    p.add_argument("--mesh", default="fsdp=8", help="data=N,fsdp=M (their product: the chips)")
+    p.add_argument("--topology", default="v5e-8", help="a Cloud TPU slice name (v5e-8, v6e-8; "
+                                                        "2xv5e-256: two slices)")
+    p.add_argument("--mesh", default="fsdp=8", help="data=N,fsdp=M (their product: the chips), "
+                                                    "dcn_data=K or dcn_fsdp=K across slices")
     p.add_argument("--batch", type=int, default=32, help="global batch (rows)")
     p.add_argument("--seq", type=int, default=2048, help="tokens per row")
     p.add_argument("--sides", default=",".join(SIDES), help=f"any of {','.join(SIDES)}")

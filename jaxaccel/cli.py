@@ -148,7 +148,7 @@ def _tool_commands(sub) -> None:
     k.add_argument("--config", help="Python config file (configs/NAME.py)")
     k.add_argument("--topology", required=True,
                    help="v5e-8, v5e:2x4, v5p:2x2x1, v4-8, v6e-8, h100:1x8 (hosts x GPUs), "
-                   "local, ...; several, comma-separated (v5e-8,v6e-8,h100:1x8), are each "
+                   "2xv5e-256 (2 slices), local, ...; several, comma-separated, are each "
                    "planned and ranked by time and cost")
     k.add_argument("--fit", nargs="?", type=int, const=12, default=0, metavar="N",
                    help="where the run does not fit, search by compiling (at most N, default "

@@ -187,6 +187,11 @@ BASE: dict[str, Any] = {
         "tensor": 1,                # Megatron tensor parallel: heads and MLP hidden split
         "stage": 1,                 # pipeline stages: the layers split into groups, run on
                                     # micro-batches (train/pipeline.py); 1 = no pipeline
+        "dcn_data": 1,              # several TPU slices: of mesh.data's ways, those between
+                                    # slices over the data-center network (DCN), the rest
+                                    # within a slice (MaxText's dcn_data_parallelism); must
+                                    # divide mesh.data
+        "dcn_fsdp": 1,              # the same for mesh.fsdp; dcn_data x dcn_fsdp = the slices
     },
     "sharding": {
         "zero1": False,             # ZeRO-1: also split the optimizer state over the batch

@@ -175,6 +175,9 @@ def _check_precision(p) -> None:
 
 
 def _check_mesh(mesh) -> None:
+    _at_least({"mesh.dcn_data": mesh.dcn_data, "mesh.dcn_fsdp": mesh.dcn_fsdp}, 1,
+              {"mesh.dcn_data": "mesh.data's ways between TPU slices",
+               "mesh.dcn_fsdp": "mesh.fsdp's ways between TPU slices"})
     for axis, size in mesh.items():
         if size == 0 or size < -1:
             raise ValueError(f"mesh.{axis}={size}: use a positive size or -1 (fill).")

@@ -26,9 +26,15 @@ class Chip(NamedTuple):
     flops: dict             # dtype ("bfloat16", "float32", "float8") -> dense FLOP/s per chip
     source: str
     interconnect: float | None = None   # chip-to-chip bytes/s, both directions (ICI, NVLink)
+    dcn: float | None = None    # bytes/s per chip out of its slice (data-center network, one
+                                # direction): the host's NICs' share per chip
 
 
 _TPU_DOC = "https://cloud.google.com/tpu/docs/"
+# Chip.dcn from the table of the v6e page (v5e beside v6e): NICs per 8-chip host 2 x 100 Gbps
+# (v5e) and 4 x 200 Gbps (v6e), i.e. 6.4 and 25.6 Tbps of data-center network per 256-chip
+# pod: 25 and 100 Gbps per chip. None here for v4 and v5p (a plan says so).
+DCN_SOURCE = f"{_TPU_DOC}v6e: host NICs / 8 chips"
 CHIPS = [
     Chip(("NVIDIA H100 80GB HBM3", "NVIDIA H100"), 80e9, 3.35e12,
          {"bfloat16": 989e12, "float16": 989e12, "float32": 494.7e12, "float8": 1979e12},
@@ -50,12 +56,12 @@ CHIPS = [
     Chip(("TPU v4",), 32 * GiB, 1.2e12, {"bfloat16": 275e12, "float32": 275e12},
          f"{_TPU_DOC}v4 (per chip: 2 TensorCores; no per-chip ICI figure there)"),
     Chip(("TPU v5 lite", "TPU v5e"), 16 * GiB, 0.82e12, {"bfloat16": 197e12, "float32": 197e12},
-         f"{_TPU_DOC}v5e (ICI 400 GB/s per chip, both directions)", 400e9),
+         f"{_TPU_DOC}v5e (ICI 400 GB/s per chip, both directions)", 400e9, 25e9 / 8),
     Chip(("TPU v5", "TPU v5p"), 95 * GiB, 2.76e12, {"bfloat16": 459e12, "float32": 459e12},
          f"{_TPU_DOC}v5p (per chip: 2 TensorCores as one megacore device; ICI 1,200 GB/s, "
          "both directions)", 1200e9),
     Chip(("TPU v6 lite", "TPU v6e"), 32 * GiB, 1.64e12, {"bfloat16": 918e12, "float32": 918e12},
-         f"{_TPU_DOC}v6e (ICI 800 GB/s per chip, both directions)", 800e9),
+         f"{_TPU_DOC}v6e (ICI 800 GB/s per chip, both directions)", 800e9, 100e9 / 8),
 ]
 
 

@@ -13,6 +13,10 @@ first to the second, MaxText-style:
 * pipeline: the layers split into groups over ``stage`` (outermost: the slowest links carry
   only the stage-to-stage activations); ``jaxaccel.train.pipeline``.
 
+Across TPU slices (MaxText's ``dcn_*_parallelism``): ``mesh.dcn_data`` / ``mesh.dcn_fsdp`` of
+the ``data`` / ``fsdp`` axis's ways run between slices, over the data-center network (DCN), the
+rest within a slice over ICI (``jax.experimental.mesh_utils.create_hybrid_device_mesh``).
+
 ``per_shard`` runs a function on each device's shards (``shard_map``): the one way both Pallas
 kernels (flash attention, the fused Adan on its flat layout) run on sharded operands. It finds
 the mesh itself (the ambient ``jax.set_mesh``, else the mesh the arguments are placed on), so a
@@ -29,6 +33,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 MESH_AXES = ("stage", "data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")
+DCN_AXES = ("data", "fsdp")         # the axes that may span slices: mesh.dcn_data, mesh.dcn_fsdp
 
 # logical axis -> mesh axis (or tuple of mesh axes, or None for replicated)
 DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
@@ -46,9 +51,10 @@ DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
 def mesh_shape(sizes: dict[str, int], num_devices: int) -> tuple[int, ...]:
     """Resolve -1 in ``{"data": -1, "fsdp": 1, "tensor": 1, "stage": 1}`` (absent axes: 1)
     and check the product."""
-    unknown = [a for a in sizes if a not in MESH_AXES]
+    unknown = [a for a in sizes if a not in MESH_AXES and a.removeprefix("dcn_") not in DCN_AXES]
     if unknown:
-        raise ValueError(f"mesh axes {unknown} are unknown; the mesh axes are {MESH_AXES}.")
+        raise ValueError(f"mesh axes {unknown} are unknown; the mesh axes are {MESH_AXES} "
+                         f"(and {tuple('dcn_' + a for a in DCN_AXES)}: their ways over DCN).")
     shape = [int(sizes.get(a, 1)) for a in MESH_AXES]
     fixed = math.prod(s for s in shape if s != -1)
     if -1 in shape:
@@ -76,15 +82,55 @@ def default_devices() -> list[jax.Device]:
 def make_mesh(sizes: dict[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:
     """A ('stage', 'data', 'fsdp', 'tensor') mesh over ``devices`` (default: all devices of
     all processes, of the default device's platform: the default backend's, or the one
-    ``jax.default_device`` names)."""
+    ``jax.default_device`` names). Over devices of several TPU slices (``slice_index``), a
+    hybrid mesh: ``sizes["dcn_data"]`` / ``["dcn_fsdp"]`` of those axes' ways between slices
+    (``dcn_shape``), each slice's devices adjacent along the rest."""
     devices = list(default_devices() if devices is None else devices)
     shape = mesh_shape(sizes, len(devices))
-    try:
-        from jax.experimental import mesh_utils
-        grid = mesh_utils.create_device_mesh(shape, devices)
-    except (ValueError, NotImplementedError, AssertionError):
-        grid = np.asarray(devices).reshape(shape)
+    dcn = dcn_shape(sizes, shape, devices)
+    from jax.experimental import mesh_utils
+    if math.prod(dcn) > 1:
+        ici = tuple(s // d for s, d in zip(shape, dcn))
+        granule = {"process_is_granule": not hasattr(devices[0], "slice_index")}
+        try:
+            grid = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices, **granule)
+        except (ValueError, NotImplementedError, AssertionError):
+            grid = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices, **granule,
+                                                        allow_split_physical_axes=True)
+    else:
+        try:
+            grid = mesh_utils.create_device_mesh(shape, devices)
+        except (ValueError, NotImplementedError, AssertionError):
+            grid = np.asarray(devices).reshape(shape)
     return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def slices_of(devices: Sequence[jax.Device]) -> int:
+    """How many TPU slices ``devices`` span (their distinct ``slice_index``; 1 without)."""
+    return len({getattr(d, "slice_index", 0) for d in devices})
+
+
+def dcn_shape(sizes: dict[str, int], shape: Sequence[int],
+              devices: Sequence[jax.Device]) -> tuple[int, ...]:
+    """Each mesh axis's ways between slices (``sizes["dcn_data"]``, ``["dcn_fsdp"]``; 1 for the
+    others), checked against the axes' sizes (``shape``) and the slices ``devices`` span: their
+    product is the slice count. Devices without slices (CPU, GPU) take DCN axes between their
+    processes (hosts)."""
+    dcn = tuple(int(sizes.get(f"dcn_{a}", 1)) if a in DCN_AXES else 1 for a in MESH_AXES)
+    for axis, size, ways in zip(MESH_AXES, shape, dcn):
+        if ways < 1 or size % ways:
+            raise ValueError(f"mesh.dcn_{axis}={ways} must be >= 1 and divide mesh.{axis}="
+                             f"{size} (its ways between slices, of the axis's {size}).")
+    wanted, sliced = math.prod(dcn), hasattr(devices[0], "slice_index")
+    granules = slices_of(devices) if sliced or wanted == 1 else \
+        len({d.process_index for d in devices})
+    if wanted != granules:
+        what = "TPU slices" if sliced else "processes (devices without TPU slices)"
+        raise ValueError(
+            f"the {len(devices)} devices span {granules} {what}, but mesh.dcn_data x "
+            f"mesh.dcn_fsdp = {wanted}: make the ways over DCN multiply to {granules}, e.g. "
+            f"mesh.dcn_data={granules} (data parallel between slices).")
+    return dcn
 
 
 def check_model_fits(config, mesh: Mesh) -> None:

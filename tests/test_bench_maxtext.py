@@ -10,8 +10,8 @@ sys.path.insert(0, ROOT)
 from bench import maxtext_step  # noqa: E402
 
 
-def args_of(model, mesh, *ours):
-    a = SimpleNamespace(model=model, topology="v5e-8", mesh=mesh, batch=32, seq=2048,
+def args_of(model, mesh, *ours, topology="v5e-8"):
+    a = SimpleNamespace(model=model, topology=topology, mesh=mesh, batch=32, seq=2048,
                         ours_set=list(ours))
     target, cfg, spec = maxtext_step.setting(a)
     return dict(kv.split("=", 1) for kv in maxtext_step.maxtext_args(
@@ -37,6 +37,15 @@ def test_maxtext_gets_our_model_batch_mesh_and_dtypes():
     tied = args_of("llama-350m", "data=2,fsdp=4", "model.remat=false")
     assert tied["logits_via_embedding"] == "true" and tied["remat_policy"] == "none"
     assert (tied["ici_data_parallelism"], tied["ici_fsdp_parallelism"]) == ("2", "4")
+    # Two slices, data parallel between them: MaxText's ICI and DCN sizes, one slice's topology.
+    two = args_of("llama-1b", "data=2,fsdp=8,dcn_data=2", topology="2xv5e-8")
+    assert {k: two[k] for k in ("ici_data_parallelism", "ici_fsdp_parallelism",
+                                "dcn_data_parallelism", "dcn_fsdp_parallelism",
+                                "compile_topology", "compile_topology_num_slices",
+                                "per_device_batch_size")} == {
+        "ici_data_parallelism": "1", "ici_fsdp_parallelism": "8", "dcn_data_parallelism": "2",
+        "dcn_fsdp_parallelism": "1", "compile_topology": "v5e-8",
+        "compile_topology_num_slices": "2", "per_device_batch_size": "2.0"}
 
 
 def test_the_largest_temporaries_come_from_the_memory_usage_report(tmp_path):

@@ -9,7 +9,8 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxaccel.plan import topology
-from jaxaccel.plan.collectives import Collective, collective_bytes, collectives, group_size
+from jaxaccel.plan.collectives import (Collective, collective_bytes, collectives, dcn_sent,
+                                        group_size, ici_sent)
 from support import needs_cuda_plugin, needs_libtpu
 
 
@@ -234,3 +235,43 @@ def test_a_scan_over_fsdp_layers_gathers_each_layer_once_each_way():
     kinds = [c.kind for c in collectives(hlo, mesh.size)]
     assert kinds.count("all-gather") == 2 * layers
     assert kinds.count("all-reduce") + kinds.count("reduce-scatter") == layers
+
+
+def test_transfers_between_slices_are_collectives_over_dcn():
+    """Across slices libtpu compiles one slice's program, each collective's part between the
+    slices a recv from the multi-slice runtime (its transfer type, its groups of devices
+    across slices in either notation): counted once each (not its send), as the collective it
+    is, over DCN; the rest within the slice."""
+    runtime = 'is_host_transfer=true, frontend_attributes={_xla_host_transfer_handler_name=' \
+              '"xla_megascale_runtime",_xla_host_transfer_rendezvous="r"'
+    hlo = f"""ENTRY %main {{
+  %ar = f32[4,256]{{1,0}} all-reduce(%x), channel_id=2, replica_groups={{{{0,4}},{{1,5}}}}
+  %s = (f32[2,256]{{1,0}}, u32[], token[]) send(%ar, %t), channel_id=3, {runtime},_xla_megascale_target="{{1,2}}x{{0:7}}",_xla_megascale_transfer_type="ALL_REDUCE"}}
+  %r = (f32[2,256]{{1,0}}, u32[], token[]) recv(%t), channel_id=4, {runtime},_xla_megascale_target="{{1,2}}x{{0:7}}",_xla_megascale_transfer_type="ALL_REDUCE"}}
+  %rd = (f32[2,256]{{1,0}}, token[]) recv-done(%r), channel_id=4, is_host_transfer=true
+  %g = (f32[128,64]{{1,0}}, u32[], token[]) recv(%t), channel_id=5, {runtime},_xla_megascale_target={{{{100000,200000,300000,400000}},{{100001,200001,300001,400001}}}},_xla_megascale_transfer_type="ALL_GATHER"}}
+}}"""
+    found = collectives(hlo, 8)
+    assert found == [Collective("all-reduce", 4 * 256 * 4, 2),
+                     Collective("all-reduce", 2 * 256 * 4, 2, dcn=True),
+                     Collective("all-gather", 128 * 64 * 4, 4, dcn=True)]
+    assert dcn_sent(found) == 2 * 256 * 4 + 3 / 4 * 128 * 64 * 4
+    assert ici_sent(found) == 4 * 256 * 4
+
+
+@needs_libtpu
+def test_data_parallel_between_slices_sums_over_dcn_and_fsdp_within():
+    """On 2 x v5e-4 with data over DCN, a gradient summed over the batch axes crosses the
+    slices (a transfer between them) while a sum over fsdp alone stays within each."""
+    from jaxaccel import sharding
+    mesh = sharding.make_mesh({"data": 2, "fsdp": 4, "dcn_data": 2},
+                              topology.resolve("2xv5e-4").devices)
+    x = jax.ShapeDtypeStruct((64, 256), jnp.float32,
+                             sharding=NamedSharding(mesh, P(("data", "fsdp"))))
+
+    def summed(axes):
+        f = jax.shard_map(lambda v: jax.lax.psum(v, axes), mesh=mesh, in_specs=P(("data", "fsdp")),
+                          out_specs=P(("data", "fsdp")))
+        return collectives(jax.jit(f).lower(x).compile().as_text(), 4)
+    assert dcn_sent(summed(("data", "fsdp"))) > 0
+    assert dcn_sent(summed("fsdp")) == 0 and ici_sent(summed("fsdp")) > 0

@@ -361,3 +361,22 @@ def test_several_targets_are_planned_and_ranked_by_time_and_cost(capsys, tmp_pat
     report = compare_lib.compare([str(p) for p in sorted(tmp_path.iterdir())],
                                  prices_file=None, weights=None)
     assert len(report["groups"]) == 1 and len(report["groups"][0].candidates) == 2
+
+
+@needs_libtpu
+def test_across_slices_the_plan_counts_dcn_at_the_dcn_bandwidth(capsys):
+    """Data parallel over two v5e-4 slices (`--topology 2xv5e-4`, data 8 of which 2 ways
+    between the slices): the gradient's sum between the slices is counted over DCN at the
+    chip's DCN share (devices.py), added to the collectives within the slices, and the report
+    and the result file say its share of the step."""
+    p = plan.make_plan(TINY_CONFIG, ["mesh.dcn_data=2"], "2xv5e-4")
+    e, chip = p.estimate, devices_lib.chip("TPU v5 lite")
+    assert p.target.slices == 2 and p.mesh["data"] == 8 and p.target.chips == 8
+    assert e["dcn_sent"] > 0 and e["dcn_s"] == pytest.approx(e["dcn_sent"] / chip.dcn)
+    assert e["interconnect_s"] == pytest.approx(p.sent / (chip.interconnect / 2) + e["dcn_s"])
+    text = plan.report(p)
+    assert "in 2 slices (over DCN: data 2, fsdp 1" in text
+    assert re.search(r"between the 2 slices \(DCN\): [\d.]+ GB per device at least, [\d.]+ ms, "
+                     r"[\d.]+% of the step", text), text
+    result = plan.result(p)
+    assert result["slices"] == 2 and result["rows"][0]["dcn_s"] == e["dcn_s"]

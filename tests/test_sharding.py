@@ -12,11 +12,12 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import compile_only
-from jaxaccel import config, plan
+from jaxaccel import config, plan, sharding
+from jaxaccel.plan import topology
 from jaxaccel.plan.collectives import collective_bytes
 from jaxaccel.train import loop
 from jaxaccel.train.checkpoint import Checkpointer, on_disk, restore_state
-from support import ADAN, TINY_SHARDED, build, logged_losses, train_steps
+from support import ADAN, TINY_SHARDED, build, logged_losses, needs_libtpu, train_steps
 
 pytestmark = pytest.mark.usefixtures("on_eight_devices")   # support.build's 8 devices
 
@@ -370,3 +371,33 @@ def test_pallas_attention_runs_per_shard(tmp_path, unsharded):
     assert "shard_map" in str(jax.make_jaxpr(run.train_step)(run.state, batch))
     losses, _ = train_steps(run, 2)
     np.testing.assert_allclose(losses, unsharded[0][:2], rtol=1e-5)
+
+
+@needs_libtpu
+def test_a_mesh_across_slices_puts_the_dcn_ways_between_the_slices():
+    """Two v5e-8 slices (compile-only devices, each with its slice_index): the ways of an axis
+    over DCN are its outermost, so each slice holds one contiguous block of it, laid out as
+    one slice alone would be; a mesh that ignores the slices, or does not match them, says
+    how to fix it."""
+    devices = topology.resolve("2xv5e-8").devices
+    slice_of = np.vectorize(lambda d: d.slice_index)
+    first = [d for d in devices if d.slice_index == 0]
+    mesh = sharding.make_mesh({"data": 4, "fsdp": -1, "dcn_data": 2}, devices)
+    s = slice_of(mesh.devices)                      # [stage, data, fsdp, tensor]
+    assert dict(mesh.shape) == {"stage": 1, "data": 4, "fsdp": 4, "tensor": 1}
+    assert (s[:, :2] == 0).all() and (s[:, 2:] == 1).all()
+    alone = sharding.make_mesh({"data": 2, "fsdp": 4}, first).devices
+    assert (mesh.devices[:, :2] == alone).all()
+    mesh = sharding.make_mesh({"data": 1, "fsdp": 16, "dcn_fsdp": 2}, devices)
+    s = slice_of(mesh.devices)
+    assert (s[:, :, :8] == 0).all() and (s[:, :, 8:] == 1).all()
+    for sizes, says in [({"data": -1}, "span 2 TPU slices, but mesh.dcn_data x mesh.dcn_fsdp "
+                                       "= 1: .* e.g. mesh.dcn_data=2"),
+                        ({"data": -1, "dcn_data": 4}, "span 2 TPU slices, but .* = 4"),
+                        ({"data": 2, "fsdp": -1, "dcn_data": 4}, "divide mesh.data=2")]:
+        with pytest.raises(ValueError, match=says):
+            sharding.make_mesh(sizes, devices)
+    with pytest.raises(ValueError, match=r"span 1 processes \(devices without TPU slices\)"):
+        sharding.make_mesh({"data": -1, "dcn_data": 2}, jax.devices())
+    with pytest.raises(ValueError, match="mesh.dcn_data=0 must be >= 1"):
+        config.build(None, ["mesh.dcn_data=0"])

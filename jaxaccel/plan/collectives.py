@@ -14,6 +14,14 @@ collective with the same ``channel_id``: a channel's collective is counted once.
 reduce-scatter as an all-reduce fused with the slice each device keeps (a fusion calling
 ``%all-reduce-scatter...``); that is counted as the reduce-scatter it is.
 
+Across TPU slices (``jaxaccel.plan.topology``'s ``2xv5e-256``) libtpu compiles one slice's
+program: its collectives' groups are within the slice (ICI), and each collective's part between
+slices is a host transfer to the multi-slice runtime over the data-center network (DCN): a
+``send``/``recv`` pair with ``_xla_megascale_transfer_type`` (ALL_REDUCE, ALL_GATHER, ...) and
+``_xla_megascale_target`` (the groups of devices across slices, one per slice in each). Each
+such ``recv`` is counted as the collective it is (``Collective.dcn``), its result the
+``recv``'s array, its group the slices it joins.
+
 ``Collective.sent`` is a lower bound: the bytes a bandwidth-optimal algorithm (ring or
 better) sends from each device of a group of n. Per byte of the result: all-reduce 2(n-1)/n,
 all-gather and all-to-all (n-1)/n, reduce-scatter n-1 (its result is 1/n of the input),
@@ -45,12 +53,18 @@ _MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\(\[[\d,]*\]
                    r"(?:T\([\d,]*\))?\))? \{([^}]*)\}")
 _FUSED_REDUCE_SCATTER = "all-reduce-scatter"      # libtpu's fused reduce-scatter computations
 _CHANNEL = re.compile(r"\bchannel_id=(\d+)")
+# A transfer between slices: "%name = (<array>, u32[], token[]) recv(...), ... frontend_attributes=
+# {..._xla_megascale_target={{100000,200000},...} or "{1,2}x{0:7}", ..._transfer_type="ALL_REDUCE"}"
+_DCN_RECV = re.compile(r"^\s*(?:ROOT )?%[\w.\-]+ = \((.*?)\) recv\(.*xla_megascale_runtime")
+_DCN_TARGET = re.compile(r'_xla_megascale_target="?\{\{?([\d,]+)\}')
+_DCN_TYPE = re.compile(r'_xla_megascale_transfer_type="(\w+)"')
 
 
 class Collective(NamedTuple):
     kind: str           # one of KINDS
     bytes: int          # its result on one device
-    group: int          # devices in its replica group
+    group: int          # devices in its replica group (slices, for one between slices)
+    dcn: bool = False   # between TPU slices, over the data-center network (module docstring)
 
     @property
     def sent(self) -> float:
@@ -92,6 +106,9 @@ def collectives(hlo: str, devices: int = 1) -> list[Collective]:
         if c := _COMPUTATION.match(line):
             computation = c.group(1)
             continue
+        if dcn := _dcn_transfer(line):
+            out += [dcn] * times.get(computation, 1)
+            continue
         if not (m := _INSTRUCTION.match(line)):
             continue
         name, shape, kind, phase, operands, attributes = m.groups()
@@ -109,6 +126,31 @@ def collectives(hlo: str, devices: int = 1) -> list[Collective]:
             kind, size = "reduce-scatter", size // max(n, 1)
         out += [Collective(kind, size, n)] * times.get(computation, 1)
     return out
+
+
+def _dcn_transfer(line: str) -> Collective | None:
+    """The collective between slices one ``recv`` of the multi-slice runtime completes (module
+    docstring), or None for any other line."""
+    if not (m := _DCN_RECV.match(line)):
+        return None
+    kind = _DCN_TYPE.search(line)
+    kind = kind.group(1).lower().replace("_", "-") if kind else "collective-permute"
+    target = _DCN_TARGET.search(line)
+    slices = target.group(1).count(",") + 1 if target else 2
+    array = _ARRAY.search(m.group(1))
+    return Collective(kind if kind in KINDS else "collective-permute",
+                      _bytes(array.group(0)) if array else 0, slices, dcn=True)
+
+
+def dcn_sent(found: list[Collective]) -> float:
+    """Bytes a device sends at least between slices (``Collective.sent`` of those over DCN)."""
+    return sum(c.sent for c in found if c.dcn)
+
+
+def ici_sent(found: list[Collective]) -> float:
+    """Bytes a device sends at least within its slice (or over its chip's interconnect, NVLink
+    on a GPU host): ``Collective.sent`` of the collectives not over DCN."""
+    return sum(c.sent for c in found if not c.dcn)
 
 
 def by_kind(found: list[Collective]) -> dict:

@@ -149,13 +149,15 @@ def make_plan(config_path: str | None, sets: list[str], topology_name: str, *,
     flops = _flops(shape, cfg, seq, cost, counted)
     room, room_source = capacity(target) if device_memory is None else \
         (device_memory, f"{device_memory / 1e9:g} GB given (--memory)")
-    found = collectives_lib.collectives(hlo, len(target.devices))
-    sent, stages = sum(c.sent for c in found), run.resolved.stages
+    # across slices the compiled program is one slice's (collectives.py)
+    found = collectives_lib.collectives(hlo, len(target.devices) // target.slices)
+    sent, stages = collectives_lib.ici_sent(found), run.resolved.stages
     pipeline = None if stages is None else {
         **stages.as_dict(), "permute_bytes": collectives_lib.by_kind(found)["collective-permute"]}
     estimate = estimate_step(target, run.resolved.policy, run.spec.attention_impl, flops,
                              {**cost, **counted}, t.batch_size, seq, sent,
-                             0.0 if stages is None else stages.idle)
+                             0.0 if stages is None else stages.idle,
+                             collectives_lib.dcn_sent(found))
     if estimate["step_s"] is not None:
         estimate.update(forecast_of(target, run, shape, seq, flops, memory, estimate))
     return check(Plan(

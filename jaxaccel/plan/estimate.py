@@ -24,6 +24,18 @@ def _interconnect_s(target, sent: float) -> tuple[float | None, str]:
         f"{link:.3g} B/s interconnect, both directions{between}"
 
 
+def _dcn_s(target, sent: float) -> tuple[float | None, str]:
+    """Least time the collectives' parts between slices take: the bytes a device must send
+    over the data-center network (``sent``) at its chip's DCN share (``Chip.dcn``, one
+    direction). (None, why) when unknown."""
+    if not sent:
+        return 0.0, ""
+    if target.chip.dcn is None:
+        return None, f"no DCN figure for {target.device_kind!r} in jaxaccel/devices.py"
+    return sent * target.devices_per_chip / target.chip.dcn, \
+        f"{target.chip.dcn:.3g} B/s DCN per chip, one direction ({devices_lib.DCN_SOURCE})"
+
+
 def memory_bytes(target, cost: dict) -> tuple[float, str]:
     """``(bytes per device, which)`` the HBM bound divides by the chip's bandwidth: on a TPU the
     bytes that move to or from HBM (``cost["hbm bytes"]``, ``compile.counted_cost``), since
@@ -36,11 +48,14 @@ def memory_bytes(target, cost: dict) -> tuple[float, str]:
 
 
 def estimate_step(target, policy, attention_impl: str, flops: dict, cost: dict, batch: int,
-                  seq: int, sent: float, idle: float = 0.0) -> dict:
+                  seq: int, sent: float, idle: float = 0.0, dcn_sent: float = 0.0) -> dict:
     """Estimated step time of a step under ``policy`` (its matmul dtype's peak) with
     ``attention_impl``: the roofline and, where XLA gives one, its cost model. ``idle``: the
     share of a pipeline schedule's layer computations that do no model work (its bubble and
-    padding layers, ``Stages.idle``), which the compute bound is divided by ``1 - idle`` for."""
+    padding layers, ``Stages.idle``), which the compute bound is divided by ``1 - idle`` for.
+    ``sent`` / ``dcn_sent``: bytes a device sends at least within its slice / between slices;
+    the interconnect bound is their times' sum (a collective across slices runs its phases in
+    turn: within the slices, between them, within them again)."""
     peak = devices_lib.peak_flops(target.device_kind, policy.matmul_dtype)
     if peak is None:
         return {"step_s": None, "source": f"none: no peak for {target.device_kind!r} in "
@@ -49,6 +64,9 @@ def estimate_step(target, policy, attention_impl: str, flops: dict, cost: dict, 
     per_chip = 1.0 / target.chips
     bandwidth = target.chip.hbm_bandwidth
     link_s, link = _interconnect_s(target, sent)
+    dcn_s, dcn = _dcn_s(target, dcn_sent)
+    if link_s is not None and dcn_s:
+        link_s, link = link_s + dcn_s, "; ".join(filter(None, (link, dcn)))
     work = flops["analytic"] + flops.get("recompute", 0.0)
     moved, moved_source = memory_bytes(target, cost)
     bounds = {"compute": work * per_chip / peak_flops / (1.0 - idle),
@@ -59,7 +77,7 @@ def estimate_step(target, policy, attention_impl: str, flops: dict, cost: dict, 
            "compute_s": bounds["compute"], "memory_s": bounds["memory"],
            "memory_bytes": moved, "memory_bytes_source": moved_source,
            "work_per_chip": work * per_chip,
-           "interconnect_s": link_s,
+           "interconnect_s": link_s, "dcn_s": dcn_s, "dcn_sent": dcn_sent, "dcn": dcn,
            "interconnect": link, "peak": f"{peak_flops:.4g} FLOP/s ({which}), "
                                          f"{bandwidth:.3g} B/s HBM ({target.chip.source})"}
     # XLA's cost model: absent on the compile-only GPU client, negative when it cannot cost

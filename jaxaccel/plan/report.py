@@ -37,6 +37,10 @@ def report(plan: Plan) -> str:
 def _header(plan: Plan) -> list[str]:
     t = plan.target
     hosts = f", {t.hosts} hosts" if t.hosts > 1 else ""
+    if t.slices > 1:
+        m = plan.cfg.mesh
+        hosts += (f" in {t.slices} slices (over DCN: data {m.dcn_data}, fsdp {m.dcn_fsdp} "
+                  "of the mesh's ways)")
     per_chip = f" ({t.devices_per_chip} devices per chip)" if t.devices_per_chip > 1 else ""
     return [f"target {t.name}: {len(t.devices)} x {t.device_kind}, {t.chips} chips{per_chip}"
             f"{hosts}; mesh {plan.mesh}",
@@ -133,6 +137,11 @@ def _step_time(plan: Plan) -> list[str]:
             f"{e['interconnect_s'] * 1e3:.2f} ms"
         lines.append(f"  collectives {link}: {gb(plan.sent)} sent per device at least "
                      f"({e['interconnect']})")
+    if e.get("dcn_sent"):
+        share = "no estimate" if e["dcn_s"] is None else \
+            f"{e['dcn_s'] * 1e3:.2f} ms, {e['dcn_s'] / plan.time_s:.1%} of the step"
+        lines.append(f"    of them between the {plan.target.slices} slices (DCN): "
+                     f"{gb(e['dcn_sent'])} per device at least, {share} ({e['dcn']})")
     if "xla_cost_model_s" in e:
         lines.append(f"  XLA cost model {e['xla_cost_model_s'] * 1e3:.2f} ms (+ Pallas "
                      "attention's analytic FLOPs at peak where used)")

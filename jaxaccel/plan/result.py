@@ -76,6 +76,7 @@ def result(plan: Plan) -> dict:
            "collective_bytes_per_device": plan.collectives,
            "collective_sent_bytes_per_device": plan.sent, "pipeline": plan.pipeline,
            "interconnect_s": e.get("interconnect_s"),
+           "dcn_sent_bytes_per_device": e.get("dcn_sent"), "dcn_s": e.get("dcn_s"),
            "compile_s": plan.compile_s, "model_flops": plan.flops["analytic"],
            "xla_flops_per_device": plan.flops["xla_per_device"],
            "counted_flops_per_device": plan.flops.get("counted_per_device"),
@@ -92,6 +93,7 @@ def result(plan: Plan) -> dict:
            "price": c.get("price")}
     return {"bench": "plan", "device": t.device_kind, "backend": t.platform,
             "topology": t.name, "device_count": t.chips, "devices": len(t.devices),
+            "slices": t.slices,
             "jax": jax.__version__, "jaxaccel": _git_sha(),
             "date": datetime.date.today().isoformat(), "model": plan.cfg.model.name,
             "seq": plan.seq, "mesh": plan.mesh, "config": plan.cfg.to_dict(),

@@ -12,6 +12,10 @@ Names:
   (its two cores as one megacore); libtpu's deviceless v4 gives one device per TensorCore
   (2 per chip): ``Target.devices_per_chip`` says which, and per-device HBM is the chip's
   share. Needs libtpu (``pip install "jax[tpu]==<jax>"``, the ``jaxaccel[aot]`` extra).
+- Several TPU slices: ``<N>x<slice>`` (``2xv5e-256``, ``2xv5e:2x4``): N slices joined by the
+  data-center network (DCN; MaxText's ``compile_topology_num_slices``); each device carries
+  its ``slice_index``, and ``mesh.dcn_data`` / ``mesh.dcn_fsdp`` (``jaxaccel.sharding``) say
+  which mesh axes run between them.
 - NVIDIA ``<gpu>:<hosts>x<gpus per host>`` (``h100:1x8`` = one 8-GPU host), from the target
   configs in ``jaxaccel/plan/targets/`` (GpuTargetConfigProto text; their header names the
   openxla/xla file and commit). Needs the CUDA plugin (``pip install
@@ -36,11 +40,13 @@ from jaxaccel import devices as devices_lib
 TPU_GENERATIONS = ("v4", "v5e", "v5p", "v6e")
 # Slices known to compile with libtpu 0.0.42 (jax 0.10.2); other grids of these generations
 # are passed to libtpu, which says whether it knows them.
-TPU_SLICES = ("v4:2x2x1", "v5e:1x1", "v5e:2x2", "v5e:2x4", "v5e:4x4", "v5p:2x2x1", "v5p:4x4x4",
-              "v6e:1x1", "v6e:2x2", "v6e:2x4", "v6e:8x8")
+TPU_SLICES = ("v4:2x2x1", "v5e:1x1", "v5e:2x2", "v5e:2x4", "v5e:4x4", "v5e:16x16", "v5p:2x2x1",
+              "v5p:4x4x4", "v6e:1x1", "v6e:2x2", "v6e:2x4", "v6e:8x8", "v6e:16x16")
 ALIASES = {"v4-8": "v4:2x2x1", "v5e-1": "v5e:1x1", "v5e-4": "v5e:2x2", "v5e-8": "v5e:2x4",
-           "v5e-16": "v5e:4x4", "v5p-8": "v5p:2x2x1", "v5p-128": "v5p:4x4x4",
-           "v6e-1": "v6e:1x1", "v6e-4": "v6e:2x2", "v6e-8": "v6e:2x4", "v6e-64": "v6e:8x8"}
+           "v5e-16": "v5e:4x4", "v5e-256": "v5e:16x16", "v5p-8": "v5p:2x2x1",
+           "v5p-128": "v5p:4x4x4", "v6e-1": "v6e:1x1", "v6e-4": "v6e:2x2", "v6e-8": "v6e:2x4",
+           "v6e-64": "v6e:8x8", "v6e-256": "v6e:16x16"}
+MULTI_SLICE_EXAMPLES = ("2xv5e-8", "2xv5e-256", "2xv6e-256")
 # Chips of the largest one-host VM: v5e/v6e slices up to 8 chips are one host (ct5lp-hightpu-8t,
 # ct6e-standard-8t), v4/v5p hosts have 4; libtpu's default host is 2x2x1 chips (so 1 chip or
 # 2x4 would not divide it).
@@ -61,6 +67,7 @@ class Target(NamedTuple):
     chip: devices_lib.Chip | None   # published facts; None when the table lacks the kind
     devices_per_chip: int       # 2 for libtpu's deviceless v4 (one device per TensorCore)
     hosts: int
+    slices: int = 1             # TPU slices joined by the data-center network (DCN)
 
     @property
     def device_kind(self) -> str:
@@ -77,13 +84,14 @@ class Target(NamedTuple):
 
 def known() -> list[str]:
     """Names to show a user: the TPU slices, their Cloud aliases, GPU examples, ``local``."""
-    return [*TPU_SLICES, *ALIASES, *GPU_EXAMPLES, "local"]
+    return [*TPU_SLICES, *ALIASES, *MULTI_SLICE_EXAMPLES, *GPU_EXAMPLES, "local"]
 
 
 def _unknown(name: str, why: str) -> TopologyError:
     return TopologyError(
         f"unknown topology {name!r} ({why}); known: {', '.join(known())}. TPU names are "
-        f"<generation>:<chip grid> with generation in {TPU_GENERATIONS}; GPU names "
+        f"<generation>:<chip grid> with generation in {TPU_GENERATIONS} (<N>x before one: N "
+        f"slices); GPU names "
         f"<gpu>:<hosts>x<gpus per host> with gpu in {tuple(GPU_CONFIGS)}.")
 
 
@@ -121,7 +129,7 @@ def _one_worker_host(environ=os.environ) -> None:
         environ.setdefault("TPU_HOST_BOUNDS", "1,1,1")
 
 
-def _tpu(name: str) -> Target:
+def _tpu(name: str, slices: int = 1) -> Target:
     if importlib.util.find_spec("libtpu") is None:
         raise _needs("libtpu (the TPU compiler)", "jax[tpu]", name)
     from jax.experimental import topologies
@@ -133,13 +141,18 @@ def _tpu(name: str) -> Target:
     dims = [*map(int, grid.split("x")), 1][:3]
     one_host = math.prod(dims) <= MAX_CHIPS_PER_HOST[generation]
     kwargs = {"chips_per_host_bounds": dims} if one_host else {}
+    if slices > 1:
+        kwargs["num_slices"] = slices
     try:
         devs = topologies.get_topology_desc(platform="tpu", topology_name=name,
                                             **kwargs).devices
     except jax.errors.JaxRuntimeError as e:
         raise _unknown(name, f"libtpu: {str(e).splitlines()[0]}") from None
-    per_chip = sum(d.coords == devs[0].coords for d in devs)
-    return _with_chip(name, "tpu", devs, len({d.process_index for d in devs}), per_chip)
+    # its chip's devices: the same coordinates in the same slice (one slice's have no index)
+    where = lambda d: (d.coords, getattr(d, "slice_index", 0))
+    per_chip = sum(where(d) == where(devs[0]) for d in devs)
+    target = _with_chip(name, "tpu", devs, len({d.process_index for d in devs}), per_chip)
+    return target._replace(name=f"{slices}x{name}", slices=slices) if slices > 1 else target
 
 
 def _gpu(name: str, gpu: str, hosts: int, per_host: int) -> Target:
@@ -162,7 +175,14 @@ def _gpu(name: str, gpu: str, hosts: int, per_host: int) -> Target:
 def resolve(name: str) -> Target:
     """The target called ``name`` (see the module docstring); ``TopologyError`` naming the
     known names, or the pip command of a missing compiler."""
-    name = ALIASES.get(name.strip().lower(), name.strip().lower())
+    name = name.strip().lower()
+    if m := re.fullmatch(r"(\d+)x((v\d\w*)[-:].+)", name):
+        slices, one = int(m[1]), ALIASES.get(m[2], m[2])
+        if slices < 1 or m[3] not in TPU_GENERATIONS or not re.fullmatch(
+                r"v\w+:\d+(x\d+){1,2}", one):
+            raise _unknown(name, "several slices are <N>x<TPU slice>, e.g. 2xv5e-256")
+        return _tpu(one, slices)
+    name = ALIASES.get(name, name)
     if name == "local":
         devs = jax.devices()
         return _with_chip("local", devs[0].platform, devs, jax.process_count())
