@@ -67,7 +67,9 @@ BASE: dict[str, Any] = {
         "scan_layers": None,        # the layers' parameters stacked [layers, ...] and run by
                                     # one jax.lax.scan: one compiled layer body (a pipeline
                                     # stacks them by stage instead); models/stack.py. None:
-                                    # on TPUs and GPUs, not on the CPU (slower steps there)
+                                    # on TPUs and GPUs where model.remat is set, not on the
+                                    # CPU (slower steps there) nor without remat (every
+                                    # residual kept, stacked: more memory and HBM traffic)
         "pipeline_repeats": 1,      # pipeline: layer groups per stage (R); R > 1 is the
                                     # circular (interleaved) schedule, a smaller bubble
     },

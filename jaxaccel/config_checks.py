@@ -145,7 +145,7 @@ def _check_train(t, model) -> None:
                          "of them >= 1.")
     if model.scan_layers not in (None, True, False):
         raise ValueError(f"model.scan_layers={model.scan_layers!r} must be true, false or "
-                         "None (scanned on TPUs and GPUs, not on the CPU).")
+                         "None (scanned on TPUs and GPUs with model.remat set).")
     unit = {"train.b1": t.b1, "train.b2": t.b2, "train.b3": t.b3,
             "model.hidden_dropout": model.hidden_dropout,
             "model.attention_dropout": model.attention_dropout}

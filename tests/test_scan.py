@@ -111,11 +111,25 @@ def test_the_scanned_step_holds_one_layer_body(tmp_path):
 
 
 @needs_libtpu
-def test_layers_are_scanned_by_default_on_tpus_not_on_the_cpu(tmp_path, compile_target):
-    cfg = config.build(sets=[*FAMILIES["llama"], f"workdir={tmp_path}"])
-    assert run_lib.resolve(cfg, DEVICES).stacking is None
-    tpu = run_lib.resolve(cfg, compile_target("v5e:2x2").devices).stacking
-    assert tpu == Scan(model_spec(cfg.model).architecture.num_hidden_layers)
+def test_layers_are_scanned_by_default_on_tpus_with_remat_not_on_the_cpu(tmp_path,
+                                                                          compile_target):
+    """Without remat a scan keeps every residual of its body, stacked (models.stack.Scan.of):
+    by default rematerialised layers are scanned on a TPU, layers without remat are not, and
+    nothing is on the CPU; an explicit setting is taken as it is."""
+    tpu = compile_target("v5e:2x2").devices
+
+    def stacking(*sets, devices):
+        cfg = config.build(sets=[*FAMILIES["llama"], f"workdir={tmp_path}", *sets])
+        return run_lib.resolve(cfg, devices).stacking
+
+    scan = Scan(model_spec(config.build(sets=FAMILIES["llama"]).model)
+                .architecture.num_hidden_layers)
+    assert stacking("model.remat=full", devices=tpu) == scan
+    assert stacking("model.remat=minimal", devices=tpu) == scan
+    assert stacking(devices=tpu) is None
+    assert stacking("model.remat=full", devices=DEVICES) is None
+    assert stacking("model.scan_layers=true", devices=tpu) == scan
+    assert stacking("model.scan_layers=false", "model.remat=full", devices=tpu) is None
 
 
 def test_a_pipeline_stacks_its_layers_by_stage_whatever_scan_layers_says(tmp_path):

@@ -76,7 +76,8 @@ class Resolved:
         while ``steps_per_epoch`` is.
       stages: the pipeline (``pipeline.Stages``: ``mesh.stage`` > 1, training), else None.
       stacking: how the state stacks the model's layers (``forms.stacked``): the pipeline's
-        stages, else the scan's (``model.scan_layers``, by default on TPUs and GPUs:
+        stages, else the scan's (``model.scan_layers``, by default on TPUs and GPUs
+        where the layers are rematerialised:
         ``models.stack.Scan``), else None (the per-layer tree, run by the model's own loop).
     """
 
@@ -149,7 +150,7 @@ def resolve(cfg: Config, devices=None, *, training: bool = True,
     layout = layout_lib.choose(cfg.train) if training else layout_lib.TREE
     stages = pipeline.of(cfg, spec.architecture.num_hidden_layers) if training else None
     stacking = stages or Scan.of(cfg.model.scan_layers, spec.architecture.num_hidden_layers,
-                                 mesh.devices.flat[0].platform)
+                                 mesh.devices.flat[0].platform, spec.remat)
     per_epoch = described.steps_per_epoch if training and described is not None else None
     task = with_loss_chunks(TASKS[spec.task], cfg.train.loss_chunks or auto_loss_chunks(
         spec, policy, max(1, cfg.train.batch_size // (cfg.train.grad_accum
