@@ -152,52 +152,10 @@ def recompute_flops(shape: Shape | ViTShape, batch: int, seq: int, parts=RECOMPU
     return shape.recompute_flops(batch, seq, parts)
 
 
-def bert_shape(spec) -> Shape:
-    """A BERT encoder (bidirectional, GELU MLP) with its classification or masked-LM head."""
-    a = spec.architecture
-    h = a.hidden_size
-    head = h * a.vocab_size + h * h if spec.mlm_head else h * h + h * (spec.num_labels or 0)
-    return Shape(hidden=h, layers=a.num_hidden_layers, heads=a.num_attention_heads,
-                 kv_heads=a.num_attention_heads, head_dim=a.head_dim,
-                 intermediate=a.intermediate_size, mlp_matrices=2, head_weights=head,
-                 causal=False)
-
-
-def llama_shape(spec) -> Shape:
-    """A Llama decoder (causal, grouped-query attention, SwiGLU MLP) with its vocabulary
-    projection (tied to the embedding or not: a matmul either way)."""
-    a = spec.architecture
-    return Shape(hidden=a.hidden_size, layers=a.num_hidden_layers,
-                 heads=a.num_attention_heads, kv_heads=a.num_key_value_heads,
-                 head_dim=a.head_dim, intermediate=a.intermediate_size, mlp_matrices=3,
-                 head_weights=a.hidden_size * a.vocab_size, causal=True)
-
-
-def vit_shape(spec) -> ViTShape:
-    """A ViT (bidirectional, GELU MLP): the encoder, and under MAE the decoder (its embedding
-    and its patch prediction counted as its head), else the classifier on one token per row
-    (counted per encoder token, as BERT's head)."""
-    a = spec.architecture
-    h, n = a.hidden_size, a.num_patches
-    mae = spec.task == "mae"
-    encoder = Shape(hidden=h, layers=a.num_hidden_layers, heads=a.num_attention_heads,
-                    kv_heads=a.num_attention_heads, head_dim=a.head_dim,
-                    intermediate=a.intermediate_size, mlp_matrices=2,
-                    head_weights=0 if mae else h * (spec.num_labels or 0), causal=False)
-    decoder = None
-    if mae:
-        d, heads = a.decoder_hidden_size, a.decoder_num_attention_heads
-        decoder = Shape(hidden=d, layers=a.decoder_num_hidden_layers, heads=heads,
-                        kv_heads=heads, head_dim=d // heads,
-                        intermediate=a.decoder_intermediate_size, mlp_matrices=2,
-                        head_weights=h * d + d * a.patch_dim, causal=False)
-    kept = 1 + int(n * (1 - a.mask_ratio)) if mae else 1 + n
-    return ViTShape(encoder, kept, decoder, n + 1 if mae else 0, n, a.patch_dim * h)
-
-
 def model_shape(spec) -> Shape | ViTShape:
-    """The FLOPs shape of a model spec, by its family's entry (``models.spec.FAMILIES``)."""
-    return spec.family.resolve("flops")(spec)
+    """The FLOPs shape of a model spec: its family's model class's ``flops_shape`` (each
+    family's shape lives beside its model; the formula is this module's)."""
+    return spec.family.model_class().flops_shape(spec)
 
 
 def peak_flops(device_kind: str, policy: str | Policy) -> float | None:
