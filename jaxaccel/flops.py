@@ -22,7 +22,7 @@ Rematerialisation's recomputed forward is not counted (model FLOPs, not hardware
 Tokens are counted twice in the metrics: ``processed_tokens_per_s`` (B x L, padding included:
 the work the FLOPs count) and ``tokens_per_s`` (non-padding tokens only: what a user means by
 throughput). MFU = model FLOP/s / (devices x the device's peak for the policy's dtype);
-``peak_flops`` returns None where no peak is known (CPUs, or a dtype a device has no units
+``mfu_peak`` returns None where no peak is known (CPUs, or a dtype a device has no units
 for), and then MFU is left out, never estimated.
 """
 from __future__ import annotations
@@ -158,12 +158,12 @@ def model_shape(spec) -> Shape | ViTShape:
     return spec.family.model_class().flops_shape(spec)
 
 
-def peak_flops(device_kind: str, policy: str | Policy) -> float | None:
+def mfu_peak(device_kind: str, policy: str | Policy) -> float | None:
     """MFU's denominator: peak FLOP/s of one device of ``device_kind`` (jax's) for the matmul
     dtype of ``policy`` (a ``Policy``, or its name: fp32 | bf16 | fp16 | fp8) from the one chip
-    table (``jaxaccel.devices.peak_flops``), or None when the chip is unknown (CPUs) or has no
+    table (``jaxaccel.devices.peak_rate``), or None when the chip is unknown (CPUs) or has no
     units of that dtype (fp16/fp8 on TPUs, fp8 on A100)."""
-    peak = devices.peak_flops(device_kind, get_policy(policy).matmul_dtype, own_units=True)
+    peak = devices.peak_rate(device_kind, get_policy(policy).matmul_dtype, own_units=True)
     return peak[0] if peak else None
 
 
@@ -188,7 +188,7 @@ class Throughput:
     def __init__(self, shape: Shape, policy: str | Policy, device_kind: str, devices: int,
                  processes: int = 1):
         self.shape, self.devices, self.processes = shape, devices, processes
-        self.peak = peak_flops(device_kind, policy)
+        self.peak = mfu_peak(device_kind, policy)
         self._skip_next = True
         self._sums = np.zeros(4)           # processed, real tokens, FLOPs, seconds
 

@@ -41,7 +41,7 @@ def estimate_step(target, policy, attention_impl: str, flops: dict, cost: dict, 
     ``attention_impl``: the roofline and, where XLA gives one, its cost model. ``idle``: the
     share of a pipeline schedule's layer computations that do no model work (its bubble and
     padding layers, ``Stages.idle``), which the compute bound is divided by ``1 - idle`` for."""
-    peak = devices_lib.peak_flops(target.device_kind, policy.matmul_dtype)
+    peak = devices_lib.peak_rate(target.device_kind, policy.matmul_dtype)
     if peak is None:
         return {"step_s": None, "source": f"none: no peak for {target.device_kind!r} in "
                                           "jaxaccel/devices.py"}

@@ -163,7 +163,7 @@ def step_of(shape, device: str, dtype: str, tokens: float, seq: int, recomputed:
     stacks = [shape] if isinstance(shape, flops_lib.Shape) else \
         [s for s in (shape.encoder, shape.decoder) if s is not None]
     rows = tokens / shape.row_tokens(seq)
-    peak = devices_lib.peak_flops(device, dtype)[0] * (1.0 - idle)
+    peak = devices_lib.peak_rate(device, dtype)[0] * (1.0 - idle)
     attention = flops_lib.attention_flops(shape, rows, seq)
     layers = sum(s.layers for s in stacks)
     full = flops_lib.recompute_flops(shape, rows, seq) / tokens
