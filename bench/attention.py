@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import (add_out_argument, device_kind, markdown,  # noqa: E402
                           time_fn, write_results)
-from jaxaccel.flops import peak_flops  # noqa: E402
+from jaxaccel.flops import mfu_peak  # noqa: E402
 from kernels_pallas import registry  # noqa: E402
 from kernels_pallas.attention import REGISTRY, attention  # noqa: E402
 from kernels_pallas.attention_reference import attention_reference  # noqa: E402
@@ -64,7 +64,7 @@ def measure(shapes: dict, n: int = 20, warmup: int = 3, only=None) -> list[dict]
     ``(B, S, H, D, causal, padded)``), bf16 inputs, every implementation this platform times
     (or those in ``only``)."""
     platform = registry.platform()
-    peak = peak_flops(device_kind(), "bf16")
+    peak = mfu_peak(device_kind(), "bf16")
     rows = []
     for shape_name, (b, s, h, d, causal, padded) in shapes.items():
         q, k, v, do, lengths = make_inputs(b, s, h, d, padded, jnp.bfloat16)

@@ -80,7 +80,7 @@ from bench import optimizer as optimizer_bench  # noqa: E402
 from bench import train_step as step_bench  # noqa: E402
 from bench.common import (add_out_argument, device_kind, markdown, time_fn,  # noqa: E402
                           write_results)
-from jaxaccel.flops import model_shape, peak_flops, train_flops  # noqa: E402
+from jaxaccel.flops import mfu_peak, model_shape, train_flops  # noqa: E402
 from jaxaccel.models import LLAMA_PRESETS, PRESETS, BertConfig, LlamaConfig, ModelSpec  # noqa
 from jaxaccel.models.architectures import VIT_PRESETS, ViTConfig  # noqa: E402
 from bench.torch_worker import TorchWorker  # noqa: E402
@@ -344,8 +344,8 @@ def prepare(ev: Evidence, parts: list[str]) -> None:
 # ---- the parts ----------------------------------------------------------------------------
 
 def _mfu(flops: float, seconds: float, policy: str) -> dict:
-    peak = peak_flops(device_kind(), policy)
-    bf16 = peak_flops(device_kind(), "bf16")
+    peak = mfu_peak(device_kind(), policy)
+    bf16 = mfu_peak(device_kind(), "bf16")
     return {"model_tflops": flops / seconds / 1e12,
             "mfu": flops / seconds / bf16 if bf16 else None,
             "mfu_of_policy_peak": flops / seconds / peak if peak else None}

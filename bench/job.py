@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import (add_out_argument, device_kind, markdown,  # noqa: E402
                           write_results)
 from jaxaccel import config as config_lib  # noqa: E402
-from jaxaccel.flops import model_shape, peak_flops, train_flops  # noqa: E402
+from jaxaccel.flops import mfu_peak, model_shape, train_flops  # noqa: E402
 from jaxaccel.compare import energy  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -143,7 +143,7 @@ def job(args: argparse.Namespace, workdir: str) -> None:
     tta = time_to_accuracy(result["metrics_file"], start, args.target)
     tokens, flops = padded_tokens_and_flops(cfg)
     seconds = meter.result["seconds"]
-    peak = peak_flops(device_kind(), cfg.precision.policy)
+    peak = mfu_peak(device_kind(), cfg.precision.policy)
     name = f"{cfg.name}.{cfg.precision.policy}.{cfg.train.optimizer}"
     row = {"name": name, "time_s": seconds, "n": 1, "steps": result["step"],
            "time_to_accuracy_s": tta, "target_accuracy": args.target,

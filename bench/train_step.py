@@ -31,7 +31,7 @@ on a GPU or TPU, none on a CPU) of the causal-LM step on packed rows of ``--lm-s
 Model FLOPs per step: ``jaxaccel.flops.train_flops`` (6 x matmul weights x tokens + 12 x
 layers x seq^2 x heads x head_dim x batch, halved for causal attention; the decoder rows' LM
 head, tied or not, is a matmul and counted); MFU = FLOPs / time / peak bf16 FLOP/s of the
-device (``jaxaccel.flops.peak_flops``, when known).
+device (``jaxaccel.flops.mfu_peak``, when known).
 """
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ from bench.common import (add_out_argument, device_kind, markdown, per_call,  # 
                           time_fn, write_results)
 from jaxaccel.compare import energy  # noqa: E402
 from bench.hlo_profile import profile_ops  # noqa: E402
-from jaxaccel.flops import model_shape, peak_flops, train_flops  # noqa: E402
+from jaxaccel.flops import mfu_peak, model_shape, train_flops  # noqa: E402
 from jaxaccel.models import (LLAMA_PRESETS, PRESETS, BertConfig, BertModel,  # noqa: E402
                              ModelSpec, build_model)
 from jaxaccel import config as config_lib  # noqa: E402
@@ -317,7 +317,7 @@ def main(argv=None):
     policies = ["fp32", "bf16", "fp16", "fp8"] if backend != "cpu" else ["fp32"]
     policies = args.policies.split(",") if args.policies else policies
     batches = [int(b) for b in args.batch.split(",")]
-    peak = peak_flops(device_kind(), "bf16")
+    peak = mfu_peak(device_kind(), "bf16")
     rows, profiles = [], {}
     lm = args.lm.split(",") if args.lm else ([] if backend == "cpu" else
                                             ["llama-125m", "llama-350m", "llama-1b"])

@@ -8,8 +8,8 @@ devices of ``jaxaccel.plan.topology`` report: v5e is "TPU v5 lite", v6e "TPU v6 
 Peaks are dense (no sparsity) datasheet figures for one chip. ``float32`` is the rate XLA's
 default matmul precision runs fp32 dots at: TF32 tensor cores on NVIDIA Ampere and newer,
 one bf16 pass on TPU. ``float16`` and ``float8`` are given where the chip has matrix units for
-them; elsewhere they run at the bf16 rate (``peak_flops`` says which figure it used), and MFU
-(``jaxaccel.flops.peak_flops``: ``own_units``) is left out rather than measured against another
+them; elsewhere they run at the bf16 rate (``peak_rate`` says which figure it used), and MFU
+(``jaxaccel.flops.mfu_peak``: ``own_units``) is left out rather than measured against another
 dtype's peak.
 """
 from __future__ import annotations
@@ -70,7 +70,7 @@ def chip(device_kind: str) -> Chip | None:
     return next((c for c in CHIPS if device_kind in c.kinds), None)
 
 
-def peak_flops(device_kind: str, dtype: str = "bfloat16", *,
+def peak_rate(device_kind: str, dtype: str = "bfloat16", *,
                own_units: bool = False) -> tuple[float, str] | None:
     """``(FLOP/s, which figure)`` of one chip for matmuls in ``dtype`` ("bfloat16", "float16",
     "float32", "float8"; a policy's ``matmul_dtype``). A dtype without its own figure runs at
@@ -89,7 +89,7 @@ def peak_flops(device_kind: str, dtype: str = "bfloat16", *,
 
 def peak_bf16(device_kind: str) -> float | None:
     """Dense bf16 FLOP/s of one chip, None when unknown."""
-    peak = peak_flops(device_kind)
+    peak = peak_rate(device_kind)
     return peak[0] if peak else None
 
 

@@ -22,7 +22,7 @@ Rematerialisation's recomputed forward is not counted (model FLOPs, not hardware
 Tokens are counted twice in the metrics: ``processed_tokens_per_s`` (B x L, padding included:
 the work the FLOPs count) and ``tokens_per_s`` (non-padding tokens only: what a user means by
 throughput). MFU = model FLOP/s / (devices x the device's peak for the policy's dtype);
-``peak_flops`` returns None where no peak is known (CPUs, or a dtype a device has no units
+``mfu_peak`` returns None where no peak is known (CPUs, or a dtype a device has no units
 for), and then MFU is left out, never estimated.
 """
 from __future__ import annotations
@@ -152,60 +152,18 @@ def recompute_flops(shape: Shape | ViTShape, batch: int, seq: int, parts=RECOMPU
     return shape.recompute_flops(batch, seq, parts)
 
 
-def bert_shape(spec) -> Shape:
-    """A BERT encoder (bidirectional, GELU MLP) with its classification or masked-LM head."""
-    a = spec.architecture
-    h = a.hidden_size
-    head = h * a.vocab_size + h * h if spec.mlm_head else h * h + h * (spec.num_labels or 0)
-    return Shape(hidden=h, layers=a.num_hidden_layers, heads=a.num_attention_heads,
-                 kv_heads=a.num_attention_heads, head_dim=a.head_dim,
-                 intermediate=a.intermediate_size, mlp_matrices=2, head_weights=head,
-                 causal=False)
-
-
-def llama_shape(spec) -> Shape:
-    """A Llama decoder (causal, grouped-query attention, SwiGLU MLP) with its vocabulary
-    projection (tied to the embedding or not: a matmul either way)."""
-    a = spec.architecture
-    return Shape(hidden=a.hidden_size, layers=a.num_hidden_layers,
-                 heads=a.num_attention_heads, kv_heads=a.num_key_value_heads,
-                 head_dim=a.head_dim, intermediate=a.intermediate_size, mlp_matrices=3,
-                 head_weights=a.hidden_size * a.vocab_size, causal=True)
-
-
-def vit_shape(spec) -> ViTShape:
-    """A ViT (bidirectional, GELU MLP): the encoder, and under MAE the decoder (its embedding
-    and its patch prediction counted as its head), else the classifier on one token per row
-    (counted per encoder token, as BERT's head)."""
-    a = spec.architecture
-    h, n = a.hidden_size, a.num_patches
-    mae = spec.task == "mae"
-    encoder = Shape(hidden=h, layers=a.num_hidden_layers, heads=a.num_attention_heads,
-                    kv_heads=a.num_attention_heads, head_dim=a.head_dim,
-                    intermediate=a.intermediate_size, mlp_matrices=2,
-                    head_weights=0 if mae else h * (spec.num_labels or 0), causal=False)
-    decoder = None
-    if mae:
-        d, heads = a.decoder_hidden_size, a.decoder_num_attention_heads
-        decoder = Shape(hidden=d, layers=a.decoder_num_hidden_layers, heads=heads,
-                        kv_heads=heads, head_dim=d // heads,
-                        intermediate=a.decoder_intermediate_size, mlp_matrices=2,
-                        head_weights=h * d + d * a.patch_dim, causal=False)
-    kept = 1 + int(n * (1 - a.mask_ratio)) if mae else 1 + n
-    return ViTShape(encoder, kept, decoder, n + 1 if mae else 0, n, a.patch_dim * h)
-
-
 def model_shape(spec) -> Shape | ViTShape:
-    """The FLOPs shape of a model spec, by its family's entry (``models.spec.FAMILIES``)."""
-    return spec.family.resolve("flops")(spec)
+    """The FLOPs shape of a model spec: its family's model class's ``flops_shape`` (each
+    family's shape lives beside its model; the formula is this module's)."""
+    return spec.family.model_class().flops_shape(spec)
 
 
-def peak_flops(device_kind: str, policy: str | Policy) -> float | None:
+def mfu_peak(device_kind: str, policy: str | Policy) -> float | None:
     """MFU's denominator: peak FLOP/s of one device of ``device_kind`` (jax's) for the matmul
     dtype of ``policy`` (a ``Policy``, or its name: fp32 | bf16 | fp16 | fp8) from the one chip
-    table (``jaxaccel.devices.peak_flops``), or None when the chip is unknown (CPUs) or has no
+    table (``jaxaccel.devices.peak_rate``), or None when the chip is unknown (CPUs) or has no
     units of that dtype (fp16/fp8 on TPUs, fp8 on A100)."""
-    peak = devices.peak_flops(device_kind, get_policy(policy).matmul_dtype, own_units=True)
+    peak = devices.peak_rate(device_kind, get_policy(policy).matmul_dtype, own_units=True)
     return peak[0] if peak else None
 
 
@@ -230,7 +188,7 @@ class Throughput:
     def __init__(self, shape: Shape, policy: str | Policy, device_kind: str, devices: int,
                  processes: int = 1):
         self.shape, self.devices, self.processes = shape, devices, processes
-        self.peak = peak_flops(device_kind, policy)
+        self.peak = mfu_peak(device_kind, policy)
         self._skip_next = True
         self._sums = np.zeros(4)           # processed, real tokens, FLOPs, seconds
 

@@ -36,7 +36,7 @@ def test_bert_base_shape():
     ("TPU v6 lite", "bf16", 918e12), ("TPU v5 lite", "fp16", None), ("cpu", "fp32", None),
 ])
 def test_peak_table(kind, dtype, peak):
-    assert flops.peak_flops(kind, dtype) == peak
+    assert flops.mfu_peak(kind, dtype) == peak
 
 
 def test_throughput_skips_the_compile_step_and_reports_mfu_only_with_a_peak():

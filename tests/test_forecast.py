@@ -77,7 +77,7 @@ def test_the_flop_formula_of_a_point_is_the_planners(points):
     point = next(p for p in points if p.id == "jaxaccel-h100x1-bert-base-bf16")
     shape = flops.model_shape(ModelSpec(PRESETS["bert-base"], num_labels=2))
     seq = measured["seq"]
-    per_token = point.step.compute_s * devices_lib.peak_flops(H100)[0] / point.step.tokens
+    per_token = point.step.compute_s * devices_lib.peak_rate(H100)[0] / point.step.tokens
     assert per_token == pytest.approx(flops.train_flops(shape, 1, seq) / seq, rel=1e-12)
     row = next(r for r in measured["rows"] if r["name"] == "jax.bf16.adamw.xla")
     assert point.step.tokens / point.published_s == pytest.approx(row["tokens_per_s"], rel=1e-6)
@@ -98,7 +98,7 @@ def test_the_h200_points_are_the_evidence_files_rows(raw, points):
         row = evidence["rows"][int(re.match(r"rows\[(\d+)\]", p["where"]).group(1))]
         assert row["name"] in p["where"] and row["work"]["batch"] == p["global_batch"]
         assert p["tokens_per_s_per_chip"] == pytest.approx(row["tokens_per_s"], rel=1e-6)
-        peak = devices_lib.peak_flops("NVIDIA H200", forecast.DTYPES[p["precision"]])[0]
+        peak = devices_lib.peak_rate("NVIDIA H200", forecast.DTYPES[p["precision"]])[0]
         assert point.step.compute_s * peak == pytest.approx(
             row["model_tflops"] * 1e12 * row["median_s"], rel=1e-9)
         assert p["power_limit_w"] == 700 and not point.step.power_limited
@@ -149,7 +149,7 @@ def test_a_bf16_step_never_takes_the_fp8_efficiency(points):
     assert runs and all(p.step.precision == "fp8" for p in runs)
     assert eff != pytest.approx(no_bf16.efficiency(fp8)[0])
     # The peak of a bf16 step is the bf16 one, whatever runs calibrate it.
-    peaks = [devices_lib.peak_flops(H100, d)[0] for d in ("bfloat16", "float8")]
+    peaks = [devices_lib.peak_rate(H100, d)[0] for d in ("bfloat16", "float8")]
     assert bf16.compute_s == pytest.approx(fp8.compute_s * peaks[1] / peaks[0])
 
 

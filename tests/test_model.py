@@ -17,7 +17,7 @@ from safetensors.numpy import load_file, save_file
 
 from jaxaccel import config
 from jaxaccel.models import (PRESETS, ModelSpec, architecture_of, architectures, bert,
-                             create_model, from_pretrained, hf, load_checkpoint,
+                             create_model, from_pretrained, hf, layers, load_checkpoint,
                              save_checkpoint)
 from kernels_pallas import registry
 from support import assert_custom_code_not_loaded_silently
@@ -261,7 +261,7 @@ def test_writer_custom_code_writes_a_mean_pooling_classifier_transformers_runs(t
 
 
 def test_every_hidden_act_has_an_implementation():
-    assert set(bert._ACTIVATIONS) == set(architectures.HIDDEN_ACTS)
+    assert set(layers.ACTIVATIONS) == set(architectures.HIDDEN_ACTS)
 
 
 def test_every_parameter_has_logical_axes():

@@ -84,7 +84,7 @@ def test_the_config_takes_the_names_and_true_and_false():
 def test_the_planner_counts_what_each_policy_recomputes():
     """``full`` recomputes the layers' whole forward (a third of their training FLOPs);
     ``save_dot_except_mlp`` the MLP and attention's core; ``minimal`` the core only."""
-    shape = flops.llama_shape(ModelSpec(LLAMA_PRESETS["llama-1b"]))
+    shape = flops.model_shape(ModelSpec(LLAMA_PRESETS["llama-1b"]))
     b, s = 4, 2048
     got = {name: flops.recompute_flops(shape, b, s, remat.of(name).recomputes)
            for name in remat.POLICIES}

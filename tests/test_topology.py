@@ -70,12 +70,12 @@ def test_a_missing_compiler_names_the_pip_command(monkeypatch, name, package, pi
 
 
 def test_peak_table_per_dtype():
-    assert devices.peak_flops("NVIDIA H100 80GB HBM3", "float8")[0] == 1979e12
-    assert devices.peak_flops("TPU v5 lite", "bfloat16")[0] == 197e12
+    assert devices.peak_rate("NVIDIA H100 80GB HBM3", "float8")[0] == 1979e12
+    assert devices.peak_rate("TPU v5 lite", "bfloat16")[0] == 197e12
     # No fp8 units on A100: fp8 runs at the bf16 rate, and the answer says so.
-    flops, which = devices.peak_flops("NVIDIA A100-SXM4-80GB", "float8")
+    flops, which = devices.peak_rate("NVIDIA A100-SXM4-80GB", "float8")
     assert flops == 312e12 and "bf16 peak" in which
-    assert devices.peak_flops("cpu") is None and devices.peak_bf16("TPU v4") == 275e12
+    assert devices.peak_rate("cpu") is None and devices.peak_bf16("TPU v4") == 275e12
 
 
 def test_the_cpu_is_chosen_only_where_nothing_else_is(monkeypatch):

@@ -37,7 +37,7 @@ def architecture_of(path):
 
 def build_model(spec: ModelSpec, policy=None, seed: int = 0):
     """The model of ``spec`` (its family's model class), initialised randomly from ``seed``."""
-    return family_of(spec).resolve("model")(spec, policy, nnx.Rngs(params=seed))
+    return family_of(spec).model_class()(spec, policy, nnx.Rngs(params=seed))
 
 
 def load_checkpoint(path, spec: ModelSpec, policy=None, seed: int = 0):

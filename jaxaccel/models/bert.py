@@ -7,8 +7,8 @@ tanh(dense(first token))). Every parameter carries logical axis names (``vocab``
 ``policy.param_dtype``, the hidden states (the layer norms' outputs) in
 ``policy.activation_dtype``; the embeddings' sum, the layer norms' statistics and softmax run in
 float32. Under the fp8 policy the encoder's Dense layers (QKV, attention output, MLP in/out)
-are ``fp8.Fp8Linear`` (same parameters plus non-trainable ``Fp8Meta`` scales); attention,
-pooler and heads stay bf16.
+are ``fp8.Fp8Linear`` (``layers.dense``: same parameters plus non-trainable ``Fp8Meta``
+scales); attention, pooler and heads stay bf16.
 
     model = BertModel(ModelSpec(architectures.PRESETS["tiny"], num_labels=2), policy="bf16")
     out = model(input_ids, attention_mask=mask)      # out.last_hidden_state, .pooler_output, .logits
@@ -23,23 +23,18 @@ import jax.numpy as jnp
 from flax import nnx
 from flax import struct
 
+from jaxaccel.flops import Shape
 from jaxaccel.models.architectures import BertConfig
 from jaxaccel.models.attention import ATTENTION_IMPLS, attention, check_impl
 from jaxaccel.models.dropout import Dropout
-from jaxaccel.models.fp8 import Fp8Linear
+from jaxaccel.models.family import FamilyModel
+from jaxaccel.models.layers import ACTIVATIONS, dense, layer_norm, partitioned
 from jaxaccel.models.remat import tag
 from jaxaccel.models.spec import ModelSpec
 from jaxaccel.models.stack import layers_key, sequential, token_rows
 from jaxaccel.models.unpad import Unpadded
 from jaxaccel.precision import Policy, get_policy
 from jaxaccel.sharding import by_batch
-
-_ACTIVATIONS = {                   # one for each of architectures.HIDDEN_ACTS
-    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
-    "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
-    "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
-    "relu": jax.nn.relu,
-}
 
 
 @struct.dataclass
@@ -49,49 +44,26 @@ class BertOutput:
     logits: jax.Array | None = None
 
 
-def _init(std: float, axes: tuple):
-    """BERT's normal(0, std) initializer, annotated with logical axis names."""
-    return nnx.with_partitioning(nnx.initializers.normal(std), axes, eager_sharding=False)
-
-
-def _const(fn, axes: tuple):
-    return nnx.with_partitioning(fn, axes, eager_sharding=False)
-
-
 # fp8 layer groups: in-layer path of each encoder Dense -> group name (metrics).
 FP8_GROUPS = {("attention", "query"): "qkv", ("attention", "key"): "qkv",
               ("attention", "value"): "qkv", ("attention", "output"): "attn_out",
               ("intermediate",): "mlp_in", ("output",): "mlp_out"}
 
 
-def fp8_group(path: tuple) -> str | None:
-    """The FP8_GROUPS group of a layer path such as ``("layers", "3", "attention", "query")``."""
-    return FP8_GROUPS.get(tuple(path[2:])) if path[:1] == ("layers",) else None
-
-
 def _dense(din, dout, axes, cfg: BertConfig, policy: Policy, rngs, encoder: bool = False):
-    """A Dense layer; an encoder matmul (``encoder=True``) is fp8 under the fp8 policy."""
-    extra = {}
-    linear = nnx.Linear
-    if encoder and policy.fp8:
-        linear, extra = Fp8Linear, {"amax_history_length": policy.amax_history_length}
-    return linear(
-        din, dout, **extra, dtype=policy.compute_dtype, param_dtype=policy.param_dtype,
-        kernel_init=_init(cfg.initializer_range, axes),
-        bias_init=_const(nnx.initializers.zeros_init(), (axes[1],)), rngs=rngs)
+    """A Dense layer (``layers.dense``); an encoder matmul (``encoder=True``) is fp8 under the
+    fp8 policy."""
+    return dense(din, dout, axes, cfg.initializer_range, policy, rngs, block=encoder)
 
 
 def _layer_norm(cfg: BertConfig, policy: Policy, rngs):
-    return nnx.LayerNorm(
-        cfg.hidden_size, epsilon=cfg.layer_norm_eps, dtype=policy.activation_dtype,
-        param_dtype=policy.param_dtype, use_fast_variance=False,
-        scale_init=_const(nnx.initializers.ones_init(), ("embed",)),
-        bias_init=_const(nnx.initializers.zeros_init(), ("embed",)), rngs=rngs)
+    return layer_norm(cfg.hidden_size, cfg.layer_norm_eps, policy, rngs)
 
 
 def _embed(n, cfg: BertConfig, policy: Policy, axes, rngs):
     return nnx.Embed(n, cfg.hidden_size, dtype=jnp.float32, param_dtype=policy.param_dtype,
-                     embedding_init=_init(cfg.initializer_range, axes), rngs=rngs)
+                     embedding_init=partitioned(nnx.initializers.normal(cfg.initializer_range),
+                                                axes), rngs=rngs)
 
 
 class BertEmbeddings(nnx.Module):
@@ -165,7 +137,7 @@ class BertLayer(nnx.Module):
                              cfg, policy, rngs, True)
         self.layer_norm = _layer_norm(cfg, policy, rngs)
         self.dropout = Dropout(cfg.hidden_dropout_prob)
-        self.act = _ACTIVATIONS[cfg.hidden_act]
+        self.act = ACTIVATIONS[cfg.hidden_act]
 
     def __call__(self, x, attention_mask, deterministic, rngs, tokens: Unpadded | None = None,
                  rows=None):
@@ -184,7 +156,7 @@ class BertMLMHead(nnx.Module):
         self.layer_norm = _layer_norm(cfg, policy, rngs)
         self.bias = nnx.Param(jnp.zeros((cfg.vocab_size,), policy.param_dtype),
                               out_sharding=("vocab",), eager_sharding=False)
-        self.act = _ACTIVATIONS[cfg.hidden_act]
+        self.act = ACTIVATIONS[cfg.hidden_act]
         self.policy = policy
 
     def __call__(self, x, word_embeddings):
@@ -203,7 +175,7 @@ def _masked_mean(x, attention_mask):
     return (x * w).sum(axis=1) / jnp.maximum(w.sum(axis=1), 1.0)
 
 
-class BertModel(nnx.Module):
+class BertModel(FamilyModel):
     """BERT encoder with pooler and the heads ``spec`` asks for.
 
     Args:
@@ -212,19 +184,26 @@ class BertModel(nnx.Module):
       rngs: parameter initialisation RNGs (default ``nnx.Rngs(params=0)``).
     """
 
-    fp8_group = staticmethod(fp8_group)
+    FP8_GROUPS = FP8_GROUPS
     input_keys = ("input_ids", "attention_mask", "token_type_ids")   # the batch keys it reads
-
-    @staticmethod
-    def input_shapes(config: BertConfig, length: int) -> dict:
-        """{key: (shape of one row, dtype)} of the inputs of rows of ``length`` tokens."""
-        return {k: ((length,), jnp.int32) for k in BertModel.input_keys}
 
     @staticmethod
     def layer_call(layer, x, args, deterministic, rngs, rows=None):
         """One layer on ``x`` with ``args`` = (attention mask, unpadding plan) (``stack``)."""
         attention_mask, tokens = args
         return layer(x, attention_mask, deterministic, rngs, tokens, rows)
+
+    @staticmethod
+    def flops_shape(spec: ModelSpec) -> Shape:
+        """A BERT encoder (bidirectional, GELU MLP) with its classification or masked-LM
+        head."""
+        a = spec.architecture
+        h = a.hidden_size
+        head = h * a.vocab_size + h * h if spec.mlm_head else h * h + h * (spec.num_labels or 0)
+        return Shape(hidden=h, layers=a.num_hidden_layers, heads=a.num_attention_heads,
+                     kv_heads=a.num_attention_heads, head_dim=a.head_dim,
+                     intermediate=a.intermediate_size, mlp_matrices=2, head_weights=head,
+                     causal=spec.family.causal)
 
     def __init__(self, spec: ModelSpec, policy: str | Policy | None = None,
                  rngs: nnx.Rngs | None = None):

@@ -153,22 +153,6 @@ def _advance(state, amaxes):
     return jax.tree_util.tree_unflatten(treedef, [new[k] for k in keys])
 
 
-def block_dense(din: int, dout: int, axes: tuple, std: float, policy, rngs, *,
-                bias: bool = True, block: bool = True):
-    """A Dense layer (normal(``std``) kernel, zero bias; matmul in the policy's compute dtype,
-    parameters in its param dtype) whose parameters carry the logical ``axes`` (the bias the
-    output's); a block matmul (``block=True``) is an ``Fp8Linear`` under the fp8 policy. The
-    Llama and ViT families' Dense layers."""
-    linear, extra = nnx.Linear, {}
-    if block and policy.fp8:
-        linear, extra = Fp8Linear, {"amax_history_length": policy.amax_history_length}
-    partitioned = lambda init, names: nnx.with_partitioning(init, names, eager_sharding=False)
-    return linear(din, dout, **extra, use_bias=bias, dtype=policy.compute_dtype,
-                  param_dtype=policy.param_dtype,
-                  kernel_init=partitioned(nnx.initializers.normal(std), axes),
-                  bias_init=partitioned(nnx.initializers.zeros_init(), (axes[1],)), rngs=rngs)
-
-
 def summary(fp8_state, group_of) -> dict[str, jax.Array]:
     """Mean latest amax and mean scale per layer group and operand role, for the metrics:
     ``{"fp8/<group>_<role>_amax": ..., "fp8/<group>_<role>_scale": ...}``, role one of

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxaccel.models.family import FamilyModel
 from jaxaccel.padding import padded_length
 
 
@@ -73,12 +74,12 @@ def check_sampling(temperature: float, top_k: int, vocab_size: int, seed: int = 
 
 
 class Sampler:
-    """Batched sampling from ``model`` (a model with ``init_cache`` and a ``cache`` argument,
-    e.g. ``llama.LlamaForCausalLM``); prompt batches are padded as training batches are
-    (``jaxaccel.padding.padded_length``, to a multiple of ``pad_multiple``: the run's
-    ``data.pad_multiple``), so few prefill lengths are compiled."""
+    """Batched sampling from ``model`` (a model that ``generates``: ``init_cache`` and a
+    ``cache`` argument, e.g. ``llama.LlamaForCausalLM``); prompt batches are padded as
+    training batches are (``jaxaccel.padding.padded_length``, to a multiple of
+    ``pad_multiple``: the run's ``data.pad_multiple``), so few prefill lengths are compiled."""
 
-    def __init__(self, model, pad_multiple: int = 16):
+    def __init__(self, model: FamilyModel, pad_multiple: int = 16):
         self.config, self.pad_multiple = model.config, pad_multiple
         self.init_cache = model.init_cache
         graphdef, self.state = nnx.split(model)

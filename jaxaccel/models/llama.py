@@ -44,9 +44,11 @@ import jax.numpy as jnp
 from flax import nnx
 from flax import struct
 
+from jaxaccel.flops import Shape
 from jaxaccel.models.architectures import LlamaConfig
 from jaxaccel.models.attention import attention, check_impl
-from jaxaccel.models.fp8 import block_dense
+from jaxaccel.models.family import FamilyModel
+from jaxaccel.models.layers import dense, partitioned, rms_norm
 from jaxaccel.models.remat import tag
 from jaxaccel.models.spec import ModelSpec
 from jaxaccel.models.stack import layer_rngs, layers_key, sequential
@@ -79,14 +81,9 @@ class LlamaOutput:
     hidden: jax.Array | None = None     # the normed last hidden states (``head=False``)
 
 
-def _partitioned(init, axes: tuple):
-    return nnx.with_partitioning(init, axes, eager_sharding=False)
-
-
 def _dense(din, dout, axes, cfg: LlamaConfig, policy: Policy, rngs, bias: bool = False,
            block: bool = True):
-    return block_dense(din, dout, axes, cfg.initializer_range, policy, rngs, bias=bias,
-                       block=block)
+    return dense(din, dout, axes, cfg.initializer_range, policy, rngs, bias=bias, block=block)
 
 
 def _per_token(dense, x, flat: bool):
@@ -103,10 +100,7 @@ def _per_token(dense, x, flat: bool):
 
 
 def _rms_norm(cfg: LlamaConfig, policy: Policy, rngs):
-    return nnx.RMSNorm(cfg.hidden_size, epsilon=cfg.rms_norm_eps, dtype=policy.activation_dtype,
-                       param_dtype=policy.param_dtype, use_fast_variance=False,
-                       scale_init=_partitioned(nnx.initializers.ones_init(), ("embed",)),
-                       rngs=rngs)
+    return rms_norm(cfg.hidden_size, cfg.rms_norm_eps, policy, rngs)
 
 
 def rope_frequencies(cfg: LlamaConfig):
@@ -243,7 +237,7 @@ class LlamaDecoderLayer(nnx.Module):
         return x + self.mlp(self.post_attention_layernorm(x)), kv
 
 
-class LlamaForCausalLM(nnx.Module):
+class LlamaForCausalLM(FamilyModel):
     """The decoder with its LM head.
 
     Args:
@@ -266,20 +260,17 @@ class LlamaForCausalLM(nnx.Module):
         self.embed_tokens = nnx.Embed(
             cfg.vocab_size, cfg.hidden_size, dtype=policy.activation_dtype,
             param_dtype=policy.param_dtype,
-            embedding_init=_partitioned(nnx.initializers.normal(cfg.initializer_range),
-                                        ("vocab", "embed")), rngs=rngs)
+            embedding_init=partitioned(nnx.initializers.normal(cfg.initializer_range),
+                                       ("vocab", "embed")), rngs=rngs)
         self.layers = nnx.List([LlamaDecoderLayer(cfg, policy, spec, rngs)
                                 for _ in range(cfg.num_hidden_layers)])
         self.norm = _rms_norm(cfg, policy, rngs)
         self.lm_head = nnx.data(None if cfg.tie_word_embeddings else _dense(
             cfg.hidden_size, cfg.vocab_size, ("embed", "vocab"), cfg, policy, rngs, block=False))
 
+    FP8_GROUPS = FP8_GROUPS
     input_keys = ("input_ids", "positions", "segment_ids")    # the batch keys it reads
-
-    @staticmethod
-    def input_shapes(config: LlamaConfig, length: int) -> dict:
-        """{key: (shape of one row, dtype)} of the inputs of rows of ``length`` tokens."""
-        return {k: ((length,), jnp.int32) for k in LlamaForCausalLM.input_keys}
+    generates = True
 
     @staticmethod
     def layer_call(layer, x, args, deterministic, rngs, rows=None):
@@ -288,9 +279,14 @@ class LlamaForCausalLM(nnx.Module):
         return layer(x, positions, segment_ids, deterministic, rngs, rows=rows)[0]
 
     @staticmethod
-    def fp8_group(path: tuple) -> str | None:
-        """The FP8_GROUPS group of a layer path such as ``("layers", "3", "mlp", "up_proj")``."""
-        return FP8_GROUPS.get(tuple(path[2:])) if path[:1] == ("layers",) else None
+    def flops_shape(spec: ModelSpec) -> Shape:
+        """A Llama decoder (causal, grouped-query attention, SwiGLU MLP) with its vocabulary
+        projection (tied to the embedding or not: a matmul either way)."""
+        a = spec.architecture
+        return Shape(hidden=a.hidden_size, layers=a.num_hidden_layers,
+                     heads=a.num_attention_heads, kv_heads=a.num_key_value_heads,
+                     head_dim=a.head_dim, intermediate=a.intermediate_size, mlp_matrices=3,
+                     head_weights=a.hidden_size * a.vocab_size, causal=spec.family.causal)
 
     def init_cache(self, batch: int, length: int, dtype=None) -> KVCache:
         """An empty cache of ``length`` slots per row (keys/values in ``dtype``, default the

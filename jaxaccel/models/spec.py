@@ -7,7 +7,8 @@ checkpoint's config.json holds), the presets ``model.name`` can name, the traini
 model has a head for, the ``ModelSpec`` options it takes, and where its model class and
 Hugging Face checkpoint reader/writer live (``"module:name"``, imported when first used, so
 this module stays plain data, no JAX). A new family is one entry here plus its architecture
-and model file; nothing else branches on the family.
+and its model file (a class of the contract ``models.family.FamilyModel``); nothing else
+branches on the family.
 
 ``from_config(cfg.model, architecture)`` is the one place a config's ``model`` section
 becomes a spec; the spec is saved beside every checkpoint (``to_dict`` / ``from_dict``, plain
@@ -17,7 +18,7 @@ the dropout options (``model.hidden_dropout``, ``model.attention_dropout``) are 
 the architecture.
 
     family = family_of(spec)                     # FAMILIES entry of the spec's architecture
-    model = family.resolve("model")(spec, policy, nnx.Rngs(params=seed))
+    model = family.model_class()(spec, policy, nnx.Rngs(params=seed))   # a FamilyModel
     model = family.resolve("reader")(path, spec, policy, seed)      # a HF checkpoint's weights
 """
 from __future__ import annotations
@@ -25,11 +26,14 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from jaxaccel.models.architectures import (BERT_MODEL_TYPES, BERT_PRESETS, DROPOUTS,
                                            LLAMA_MODEL_TYPES, LLAMA_PRESETS, VIT_MODEL_TYPES,
                                            VIT_PRESETS, BertConfig, LlamaConfig, ViTConfig)
+
+if TYPE_CHECKING:
+    from jaxaccel.models.family import FamilyModel
 
 POOLINGS = ("cls", "mean")
 # Rematerialisation policies (models/remat.py), and what the config's true/false/None name.
@@ -53,15 +57,19 @@ class Family:
       dropouts: config key -> architecture field the configured dropout goes to.
       hf_model_types: the config.json ``model_type`` values it reads.
       model, reader, writer: ``"module:name"`` of the model class (``Model(spec, policy,
-        rngs)``), the checkpoint reader (``load(path, spec, policy, seed) -> model``) and
-        writer (``save(model, path, max_shard_size=None, *, exact=False)``: ``exact`` refuses
-        a model that transformers' class would run with other outputs, e.g. a head it does
-        not have; None: none yet); ``resolve`` imports them.
-      flops: ``"module:name"`` of ``shape(spec) -> jaxaccel.flops.Shape``, what the model
-        FLOPs formula (tokens/s, TFLOP/s and MFU of every run) reads from a spec.
+        rngs)``, a ``models.family.FamilyModel``: the contract every caller relies on), the
+        checkpoint reader (``load(path, spec, policy, seed) -> model``) and writer
+        (``save(model, path, max_shard_size=None, *, exact=False)``: ``exact`` refuses a
+        model that transformers' class would run with other outputs, e.g. a head it does not
+        have; None: none yet); ``resolve`` imports them.
       embeddings: the top-level parameter collections below the first layer (the layers are
         ``layers[i]`` in every family; anything else is the head), which layer-wise
         learning-rate decay (``train.layer_decay``, ``optim.scale_by_layer``) reads.
+      causal: whether its attention is causal (a decoder), which halves attention's FLOPs
+        (``jaxaccel.flops``; the forecast reads it for a published run of the family).
+      encoder_writer: ``"module:name"`` of ``save(model, path)`` writing the model's encoder
+        alone as a transformers checkpoint (``jaxaccel export --encoder``); None: the family
+        has none.
     """
 
     name: str
@@ -73,16 +81,22 @@ class Family:
     model: str
     reader: str
     writer: str | None
-    flops: str
     embeddings: tuple[str, ...]
+    causal: bool = False
+    encoder_writer: str | None = None
 
     @property
     def tasks(self) -> tuple[str, ...]:
         """The training tasks its model has a head for; the first is the default."""
         return tuple(self.options)
 
+    def model_class(self) -> type[FamilyModel]:
+        """The family's model class, imported."""
+        return self.resolve("model")
+
     def resolve(self, part: str):
-        """The object ``part`` ("model", "reader" or "writer") names, imported."""
+        """The object ``part`` ("model", "reader", "writer" or "encoder_writer") names,
+        imported."""
         if getattr(self, part) is None:
             raise NotImplementedError(f"the {self.name} family has no checkpoint {part} yet.")
         module, name = getattr(self, part).split(":")
@@ -96,8 +110,7 @@ FAMILIES = {
                    dropouts=DROPOUTS, hf_model_types=BERT_MODEL_TYPES,
                    model="jaxaccel.models.bert:BertModel",
                    reader="jaxaccel.models.hf:load_checkpoint",
-                   writer="jaxaccel.models.hf:save_checkpoint", flops="jaxaccel.flops:bert_shape",
-                   embeddings=("embeddings",)),
+                   writer="jaxaccel.models.hf:save_checkpoint", embeddings=("embeddings",)),
     "llama": Family("llama", LlamaConfig, LLAMA_PRESETS,
                     options={"causal_lm": ("attention_impl", "remat", "flat_tokens")},
                     dropouts={"attention_dropout": "attention_dropout"},
@@ -105,7 +118,7 @@ FAMILIES = {
                     model="jaxaccel.models.llama:LlamaForCausalLM",
                     reader="jaxaccel.models.hf_llama:load_checkpoint",
                     writer="jaxaccel.models.hf_llama:save_checkpoint",
-                    flops="jaxaccel.flops:llama_shape", embeddings=("embed_tokens",)),
+                    embeddings=("embed_tokens",), causal=True),
     "vit": Family("vit", ViTConfig, VIT_PRESETS,
                   options={"mae": ("attention_impl", "remat"),
                            "classification": ("num_labels", "pooling", "attention_impl",
@@ -113,8 +126,8 @@ FAMILIES = {
                   dropouts=DROPOUTS, hf_model_types=VIT_MODEL_TYPES,
                   model="jaxaccel.models.vit:ViTModel",
                   reader="jaxaccel.models.hf_vit:load_checkpoint",
-                  writer="jaxaccel.models.hf_vit:save_checkpoint",
-                  flops="jaxaccel.flops:vit_shape", embeddings=("embeddings",)),
+                  writer="jaxaccel.models.hf_vit:save_checkpoint", embeddings=("embeddings",),
+                  encoder_writer="jaxaccel.models.hf_vit:save_encoder"),
 }
 ARCHITECTURES = tuple(f.architecture for f in FAMILIES.values())
 

@@ -12,10 +12,10 @@ Every family's forward is embeddings -> layers -> head, and its ``__call__`` run
   deterministic). Layer ``i`` draws from its own stream ``fold_in(key, i)`` (``layer_rngs``):
   its masks depend on its index alone, not on the draws of the layers before it, so a schedule
   that runs layer groups on different devices draws the masks the plain loop draws;
-* a family's model class has ``layer_call(layer, x, args, deterministic, rngs, rows) -> x``,
-  where ``rows`` (int [batch], or None for the whole batch) numbers the rows of ``x`` within
-  the whole batch: a micro-batch given its rows' numbers draws exactly its rows' part of the
-  whole batch's dropout masks (``kernels_pallas.dropout.keep_mask``), so a pipelined step
+* a family's model class (``models.family.FamilyModel``) has ``layer_call(layer, x, args,
+  deterministic, rngs, rows) -> x``, where ``rows`` (int [batch], or None for the whole batch)
+  numbers the rows of ``x`` within the whole batch: a micro-batch given its rows' numbers
+  draws exactly its rows' part of the whole batch's dropout masks (``kernels_pallas.dropout.keep_mask``), so a pipelined step
   equals the plain one with dropout on.
 """
 from __future__ import annotations
@@ -28,6 +28,7 @@ from flax import nnx
 
 from jaxaccel.forms.stacked import LAYERS, Stacked, Stacking
 from jaxaccel.models import remat as remat_lib
+from jaxaccel.models.family import FamilyModel
 from jaxaccel.sharding import by_batch
 
 
@@ -131,7 +132,7 @@ class Scan(Stacking):
     def layer(self, i: int) -> int:
         return i
 
-    def stack(self, model, layers, fp8):
+    def stack(self, model: FamilyModel, layers, fp8):
         fn = layer_fn(nnx.graphdef(model.layers[0]), type(model).layer_call, model.spec.remat)
 
         def run(x, args, key, deterministic):

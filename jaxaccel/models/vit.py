@@ -47,21 +47,18 @@ import numpy as np
 from flax import nnx
 from flax import struct
 
+from jaxaccel.flops import Shape, ViTShape
 from jaxaccel.models.architectures import ViTConfig
 from jaxaccel.models.attention import attention, check_impl
 from jaxaccel.models.dropout import Dropout
+from jaxaccel.models.family import FamilyModel
+from jaxaccel.models.layers import ACTIVATIONS, dense, layer_norm
 from jaxaccel.models import remat as remat_lib
 from jaxaccel.models.remat import tag
-from jaxaccel.models.fp8 import block_dense
 from jaxaccel.models.spec import ModelSpec
 from jaxaccel.models.stack import layer_rngs, layers_key, sequential, token_rows
 from jaxaccel.precision import Policy, get_policy
 from jaxaccel.sharding import by_batch
-
-_ACTIVATIONS = {"gelu": lambda x: jax.nn.gelu(x, approximate=False),
-                "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
-                "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
-                "relu": jax.nn.relu}
 
 # fp8 layer groups: in-layer path of each block Dense -> group name (metrics).
 FP8_GROUPS = {("attention", "query"): "qkv", ("attention", "key"): "qkv",
@@ -79,22 +76,13 @@ class ViTOutput:
     mask: jax.Array | None = None
 
 
-def _partitioned(init, axes: tuple):
-    return nnx.with_partitioning(init, axes, eager_sharding=False)
-
-
 def _dense(din, dout, axes, cfg: ViTConfig, policy: Policy, rngs, bias: bool = True,
            block: bool = True):
-    return block_dense(din, dout, axes, cfg.initializer_range, policy, rngs, bias=bias,
-                       block=block)
+    return dense(din, dout, axes, cfg.initializer_range, policy, rngs, bias=bias, block=block)
 
 
 def _layer_norm(size: int, cfg: ViTConfig, policy: Policy, rngs):
-    return nnx.LayerNorm(size, epsilon=cfg.layer_norm_eps, dtype=policy.activation_dtype,
-                         param_dtype=policy.param_dtype, use_fast_variance=False,
-                         scale_init=_partitioned(nnx.initializers.ones_init(), ("embed",)),
-                         bias_init=_partitioned(nnx.initializers.zeros_init(), ("embed",)),
-                         rngs=rngs)
+    return layer_norm(size, cfg.layer_norm_eps, policy, rngs)
 
 
 def sincos_positions(dim: int, rows: int, cols: int) -> np.ndarray:
@@ -173,7 +161,7 @@ class ViTLayer(nnx.Module):
         self.intermediate = _dense(hidden, intermediate, ("embed", "mlp"), cfg, policy, rngs)
         self.output = _dense(intermediate, hidden, ("mlp", "embed"), cfg, policy, rngs)
         self.dropout = Dropout(cfg.hidden_dropout_prob)
-        self.act = _ACTIVATIONS[cfg.hidden_act]
+        self.act = ACTIVATIONS[cfg.hidden_act]
 
     def __call__(self, x, segment_ids, deterministic, rngs, rows=None):
         x = x + self.attention(self.layernorm_before(x), segment_ids, deterministic, rngs, rows)
@@ -220,8 +208,6 @@ class ViTEmbeddings(nnx.Module):
 
 def _decoder_call(layer, x, segments, rngs, deterministic):
     return layer(x, segments, deterministic, rngs)
-
-
 
 
 class ViTMAEDecoder(nnx.Module):
@@ -286,7 +272,7 @@ def random_masking(x, noise, mask_ratio: float):
     return kept, jnp.take_along_axis(mask, ids_restore, axis=1), ids_restore
 
 
-class ViTModel(nnx.Module):
+class ViTModel(FamilyModel):
     """The encoder with the head of ``spec.task``: ``mae`` (the decoder) or ``classification``
     (``spec.num_labels`` classes).
 
@@ -318,10 +304,12 @@ class ViTModel(nnx.Module):
         self.classifier = nnx.data(None if spec.task != "classification" else _dense(
             cfg.hidden_size, spec.num_labels, ("embed", None), cfg, policy, rngs, block=False))
 
+    FP8_GROUPS = FP8_GROUPS
+    fp8_stacks = (("layers",), ("decoder", "decoder_layers"))
     input_keys = ("pixels",)          # the batch key it reads
 
-    @staticmethod
-    def input_shapes(config: ViTConfig, length: int | None = None) -> dict:
+    @classmethod
+    def input_shapes(cls, config: ViTConfig, length: int | None = None) -> dict:
         """{"pixels": (shape of one row, float32)}: [height, width] for one channel, else
         [height, width, channels] (``length``, a text row's, is unused)."""
         channels = () if config.num_channels == 1 else (config.num_channels,)
@@ -333,14 +321,26 @@ class ViTModel(nnx.Module):
         return layer(x, None, deterministic, rngs, rows)
 
     @staticmethod
-    def fp8_group(path: tuple) -> str | None:
-        """The FP8_GROUPS group of a block path (``("layers", "3", "attention", "query")`` or
-        the decoder's ``("decoder", "decoder_layers", "0", ...)``)."""
-        if path[:1] == ("layers",):
-            return FP8_GROUPS.get(tuple(path[2:]))
-        if path[:2] == ("decoder", "decoder_layers"):
-            return FP8_GROUPS.get(tuple(path[3:]))
-        return None
+    def flops_shape(spec: ModelSpec) -> ViTShape:
+        """A ViT (bidirectional, GELU MLP): the encoder, and under MAE the decoder (its
+        embedding and its patch prediction counted as its head), else the classifier on one
+        token per row (counted per encoder token, as BERT's head)."""
+        a = spec.architecture
+        h, n = a.hidden_size, a.num_patches
+        mae, causal = spec.task == "mae", spec.family.causal
+        encoder = Shape(hidden=h, layers=a.num_hidden_layers, heads=a.num_attention_heads,
+                        kv_heads=a.num_attention_heads, head_dim=a.head_dim,
+                        intermediate=a.intermediate_size, mlp_matrices=2,
+                        head_weights=0 if mae else h * (spec.num_labels or 0), causal=causal)
+        decoder = None
+        if mae:
+            d, heads = a.decoder_hidden_size, a.decoder_num_attention_heads
+            decoder = Shape(hidden=d, layers=a.decoder_num_hidden_layers, heads=heads,
+                            kv_heads=heads, head_dim=d // heads,
+                            intermediate=a.decoder_intermediate_size, mlp_matrices=2,
+                            head_weights=h * d + d * a.patch_dim, causal=causal)
+        kept = 1 + int(n * (1 - a.mask_ratio)) if mae else 1 + n
+        return ViTShape(encoder, kept, decoder, n + 1 if mae else 0, n, a.patch_dim * h)
 
     def target(self, x) -> jax.Array:
         """MAE's regression target of inputs ``x``: the patches [B, N, p*p*C] (float32),

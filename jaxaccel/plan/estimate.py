@@ -56,7 +56,7 @@ def estimate_step(target, policy, attention_impl: str, flops: dict, cost: dict, 
     ``sent`` / ``dcn_sent``: bytes a device sends at least within its slice / between slices;
     the interconnect bound is their times' sum (a collective across slices runs its phases in
     turn: within the slices, between them, within them again)."""
-    peak = devices_lib.peak_flops(target.device_kind, policy.matmul_dtype)
+    peak = devices_lib.peak_rate(target.device_kind, policy.matmul_dtype)
     if peak is None:
         return {"step_s": None, "source": f"none: no peak for {target.device_kind!r} in "
                                           "jaxaccel/devices.py"}

@@ -15,9 +15,10 @@ asked for in one of two explicit ways:
   (``models.remote_code``: a ``modeling_*.py`` in the folder, named by config.json's
   ``auto_map``), which ``AutoModelFor...from_pretrained(out, trust_remote_code=True)`` loads;
   without ``trust_remote_code`` transformers refuses the folder.
-* ``encoder``: a ViT run's encoder alone as transformers' ``ViTModel``
-  (``hf_vit.save_encoder``), exact for any grid: what an MAE pretraining run is exported for
-  (its windowed or non-square decoder, which transformers' ViT-MAE cannot run, left out).
+* ``encoder``: a ViT run's encoder alone as transformers' ``ViTModel`` (its family's
+  ``encoder_writer``, ``hf_vit.save_encoder``), exact for any grid: what an MAE pretraining
+  run is exported for (its windowed or non-square decoder, which transformers' ViT-MAE cannot
+  run, left out).
 
 The checkpoint holds the per-parameter form whatever layout or pipeline trained it
 (``forms.portable``), so every run exports. Parameters are float32 under every policy and
@@ -42,8 +43,8 @@ import shutil
 import tempfile
 
 from jaxaccel import storage
-from jaxaccel.models import hf, hf_vit, save_checkpoint
-from jaxaccel.models.architectures import ViTConfig
+from jaxaccel.models import hf, save_checkpoint
+from jaxaccel.models.family import FamilyModel
 from jaxaccel.data.images import PROCESSOR_FILE
 from jaxaccel.train.inference import kept_processor, tokenizer_dir
 from jaxaccel.train.saved import load_run
@@ -97,17 +98,19 @@ def run_label_names(meta: dict) -> tuple[str, ...]:
     return tuple(meta.get("label_names") or ())
 
 
-def _write_model(model, path: str, custom_code: bool, encoder: bool) -> None:
+def _write_model(model: FamilyModel, path: str, custom_code: bool, encoder: bool) -> None:
     """The run's model as a transformers checkpoint at ``path``: whole, exactly (a model of
-    mean pooling with its own class under ``custom_code``), or its ViT encoder alone."""
+    mean pooling with its own class under ``custom_code``), or its encoder alone (its family's
+    ``encoder_writer``: a ViT's)."""
     if not encoder:
         save_checkpoint(model, path, exact=True, custom_code=custom_code)
         return
-    if not isinstance(model.spec.architecture, ViTConfig):
+    family = model.spec.family
+    if family.encoder_writer is None:
         raise ValueError("--encoder writes a ViT run's encoder alone (as transformers' "
-                         f"ViTModel); this run is a {model.spec.family.name} model: export it "
-                         "whole (without --encoder).")
-    hf_vit.save_encoder(model, path)
+                         f"ViTModel); this run is a {family.name} model, whose family writes "
+                         "no encoder alone: export it whole (without --encoder).")
+    family.resolve("encoder_writer")(model, path)
 
 
 def _real(path: str) -> str:

@@ -110,7 +110,7 @@ def checkpoint_run(run_dir: str, sets=(), devices=None, *, data: bool = True):
 
 def reads_arrays(spec) -> bool:
     """Whether the model of ``spec`` reads arrays (``pixels``) rather than tokens."""
-    return "pixels" in spec.family.resolve("model").input_keys
+    return "pixels" in spec.family.model_class().input_keys
 
 
 def kept_processor(run_dir: str) -> str | None:
@@ -226,7 +226,7 @@ class Generator:
         run, _ = checkpoint_run(run_dir, ["model.scan_layers=false"], jax.devices()[:1],
                                 data=False)
         model, _ = merge(run.graphdef, run.state.params, run.state.fp8)
-        if not hasattr(model, "init_cache"):
+        if not model.generates:
             raise ValueError(f"run {run_dir!r} trained a {run.spec.task} model, which does "
                              "not generate text; use `jaxaccel predict` or `jaxaccel eval`.")
         self.tokenizer = load_tokenizer(tokenizer_dir(run_dir), light=True)

@@ -396,7 +396,7 @@ def _throughput(run: Run) -> flops.Throughput:
                              jax.process_count())
     if meter.peak is None:
         log.info("MFU: no peak FLOP/s known for device %r under policy %s (jaxaccel.flops."
-                 "peak_flops, jaxaccel/devices.py); metrics carry tokens/s and model TFLOP/s "
+                 "mfu_peak, jaxaccel/devices.py); metrics carry tokens/s and model TFLOP/s "
                  "only", kind, policy.name)
     return meter
 

@@ -56,6 +56,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxaccel import config as config_lib
 from jaxaccel import sharding as shd
 from jaxaccel.forms.stacked import Stacking
+from jaxaccel.models.family import FamilyModel
 from jaxaccel.models.stack import layer_fn, scan_layers
 from kernels_pallas import registry
 
@@ -122,7 +123,7 @@ class Stages(Stacking):
                              f"would wait for its own output; use at least {s} micro-batches "
                              f"(more shrink the bubble (S-1)/(R*M+S-1)).")
 
-    def stack(self, model, layers, fp8):
+    def stack(self, model: FamilyModel, layers, fp8):
         layer = model.layers[0]
         fn = layer_fn(nnx.graphdef(layer), type(model).layer_call, model.spec.remat)
         return stack(self, layers, fp8, fn,

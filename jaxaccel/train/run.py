@@ -100,8 +100,8 @@ class Resolved:
 
     @property
     def fp8_group(self):
-        """The model class's fp8 metric grouping (``models.bert.fp8_group``, ...)."""
-        return self.spec.family.resolve("model").fp8_group
+        """The model class's fp8 metric grouping (``FamilyModel.fp8_group``)."""
+        return self.spec.family.model_class().fp8_group
 
     def length(self, steps_per_epoch: int) -> int:
         """The run's total steps given the epoch's (``total_steps`` once known)."""

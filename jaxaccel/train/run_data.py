@@ -22,7 +22,7 @@ def model_input(cfg: Config, spec: ModelSpec, tokenizer: str | None = None) -> M
     run's; else ``model.tokenizer`` or the checkpoint's; None: the model's default, or a
     corpus's own BPE); for pixels, the folder of the image processor's config
     (``tokenizer``: a trained run's folder; else ``model.checkpoint``)."""
-    model_cls = spec.family.resolve("model")
+    model_cls = spec.family.model_class()
     arch = spec.architecture
     if "pixels" in model_cls.input_keys:
         shape = tuple(model_cls.input_shapes(arch, None)["pixels"][0])

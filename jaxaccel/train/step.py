@@ -23,6 +23,8 @@ Precision policies add to the step (``jaxaccel.precision``):
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -62,12 +64,12 @@ def _all_finite(tree) -> jax.Array:
     return jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree_util.tree_leaves(tree)]))
 
 
-def make_train_step(graphdef, tx, layout: Layout, *, task: Task, fp8_group,
-                    grad_accum: int = 1, unpad=None):
+def make_train_step(graphdef, tx, layout: Layout, *, task: Task,
+                    fp8_group: Callable[[tuple], str | None], grad_accum: int = 1, unpad=None):
     """``step(state, batch) -> (state, metrics)`` of ``task`` with the optimizer ``tx`` of
     ``layout``; jit it with the state donated. ``fp8_group`` names the metric group of an fp8
-    layer path (the model class's); ``unpad`` the run's unpadding plan (``grad_accum`` 1 only:
-    the plan is made for whole batches)."""
+    layer path (the model class's ``FamilyModel.fp8_group``); ``unpad`` the run's unpadding
+    plan (``grad_accum`` 1 only: the plan is made for whole batches)."""
     if unpad is not None and grad_accum != 1:
         raise ValueError(f"unpadding is planned for whole batches; grad_accum={grad_accum} "
                          "needs unpad=None (config: train.unpad=false).")

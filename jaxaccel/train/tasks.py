@@ -46,6 +46,7 @@ import numpy as np
 import optax
 from flax import struct
 
+from jaxaccel.models.family import FamilyModel
 from jaxaccel.models.llama import head_logits
 from jaxaccel.train import confusion
 from kernels_pallas import registry
@@ -95,7 +96,7 @@ class Task:
         """``{key: (shape, dtype)}`` of a batch of ``rows`` of the model of ``spec`` (its
         inputs: ``input_shapes`` of its class) with ``length`` tokens (text): what a step
         compiled ahead of its data (``jaxaccel compile``) is given."""
-        inputs = spec.family.resolve("model").input_shapes(spec.architecture, length)
+        inputs = spec.family.model_class().input_shapes(spec.architecture, length)
         shapes = {k: ((rows, *shape), dtype) for k, (shape, dtype) in inputs.items()}
         shapes.update({k: ((rows,) if k in self.row_keys else (rows, length),
                            jnp.float32 if k == self.weights else jnp.int32)
@@ -142,7 +143,7 @@ def argmax(x, has_nan=None):
     return jax.lax.cond(has_nan, lambda x: jnp.argmax(x, -1).astype(jnp.int32), blockwise, x)
 
 
-def _classification_logits(model, batch, deterministic, rngs, unpad=None, stack=None):
+def _classification_logits(model: FamilyModel, batch, deterministic, rngs, unpad=None, stack=None):
     extra = {} if unpad is None else {"tokens": unpad.tokens(batch["attention_mask"])}
     out = model(*(batch[k] for k in model.input_keys), deterministic=deterministic, rngs=rngs,
                 stack=stack, **extra)
@@ -161,7 +162,7 @@ def _classification_tallies(logits, batch) -> dict:
                                           logits.shape[-1])}
 
 
-def _lm_logits(model, batch, deterministic, rngs, stack=None):
+def _lm_logits(model: FamilyModel, batch, deterministic, rngs, stack=None):
     out = model(batch["input_ids"], positions=batch["positions"],
                 segment_ids=batch["segment_ids"], deterministic=deterministic, rngs=rngs,
                 stack=stack)
@@ -177,7 +178,7 @@ class LMHead:
     kernel: jax.Array
 
 
-def _lm_head(model, batch, deterministic, rngs, stack=None):
+def _lm_head(model: FamilyModel, batch, deterministic, rngs, stack=None):
     out = model(batch["input_ids"], positions=batch["positions"],
                 segment_ids=batch["segment_ids"], deterministic=deterministic, rngs=rngs,
                 stack=stack, head=False)
@@ -255,7 +256,7 @@ def _lm_report(t: dict) -> dict:
             "tokens": int(t["count"])}
 
 
-def _mae_logits(model, batch, deterministic, rngs, stack=None):
+def _mae_logits(model: FamilyModel, batch, deterministic, rngs, stack=None):
     """``(predicted patches, mask, target patches)``, float32."""
     out = model(batch["pixels"], deterministic=deterministic, rngs=rngs, stack=stack)
     return out.logits.astype(jnp.float32), out.mask, model.target(batch["pixels"])

@@ -11,6 +11,7 @@ import os
 from jaxaccel import devices as devices_lib
 from jaxaccel import flops as flops_lib
 from jaxaccel.compare import energy
+from jaxaccel.models.spec import FAMILIES
 from jaxaccel.precision import MATMUL_DTYPES
 
 CALIBRATION_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
@@ -125,14 +126,15 @@ class Point:
 
 
 def shape_of(point: dict) -> flops_lib.Shape:
-    """The published model's shape as ``jaxaccel.flops`` reads an architecture."""
+    """The published model's shape as ``jaxaccel.flops`` reads an architecture; its attention
+    causal as its family's (``models.spec.FAMILIES``: a published ``llama`` is a decoder)."""
     d = point["d_model"]
     head = point["head_weights"] if "head_weights" in point else point["vocab"] * d
     return flops_lib.Shape(
         hidden=d, layers=point["layers"], heads=point["heads"], kv_heads=point["kv_heads"],
         head_dim=point.get("head_dim") or d // point["heads"], intermediate=point["d_ff"],
         mlp_matrices=3 if point["gated_mlp"] else 2, head_weights=head,
-        causal=point["family"] == "llama")
+        causal=FAMILIES[point["family"]].causal)
 
 
 def recompute_flops(shape: flops_lib.Shape, parts, seq: int) -> float:
@@ -161,7 +163,7 @@ def step_of(shape, device: str, dtype: str, tokens: float, seq: int, recomputed:
     stacks = [shape] if isinstance(shape, flops_lib.Shape) else \
         [s for s in (shape.encoder, shape.decoder) if s is not None]
     rows = tokens / shape.row_tokens(seq)
-    peak = devices_lib.peak_flops(device, dtype)[0] * (1.0 - idle)
+    peak = devices_lib.peak_rate(device, dtype)[0] * (1.0 - idle)
     attention = flops_lib.attention_flops(shape, rows, seq)
     layers = sum(s.layers for s in stacks)
     full = flops_lib.recompute_flops(shape, rows, seq) / tokens
