@@ -56,7 +56,7 @@ def tokenizer_folder(data: DataSpec, absent_ok: bool = False) -> str | None:
 
 def describe_data(cfg: Config, spec: ModelSpec, devices: int, tokenizer: str | None = None,
                   label_names: tuple[str, ...] | None = None, absent_ok: bool = False,
-                  training: bool = True) -> DataSpec:
+                  training: bool = False) -> DataSpec:
     """The run's data (``data.sources.describe``): the config's ``data`` section for the model
     of ``spec``, batched as the ``train`` section says over ``devices`` devices, with the run's
     tokenizer folder (``tokenizer_folder``), checked against the model's task; for a run that
