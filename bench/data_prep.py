@@ -158,7 +158,7 @@ def _tokenizer() -> str:
     from jaxaccel.data import run_tokenizer
     from jaxaccel.train.run import resolve
     cfg = config.load(os.path.join(ROOT, "configs", "canterbury_lm.py"), [])
-    return run_tokenizer.tokenizer_dir(resolve(cfg).data, None)
+    return run_tokenizer.tokenizer_dir(resolve(cfg).data)
 
 
 def main(argv=None) -> None:

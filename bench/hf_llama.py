@@ -143,7 +143,7 @@ def packed_batches(resolved, n: int) -> list[dict]:
     """The first ``n`` training batches the resolved run's loop would step on (packed rows of
     the corpus, numpy), across epochs if one has fewer."""
     from jaxaccel.data import load_tokenizer, run_tokenizer, splits
-    tokenizer = load_tokenizer(run_tokenizer.tokenizer_dir(resolved.data, None))
+    tokenizer = load_tokenizer(run_tokenizer.tokenizer_dir(resolved.data))
     data, _ = splits.train_batches(resolved.data, tokenizer)
     epochs = (data.batches(e) for e in itertools.count())
     return list(itertools.islice(itertools.chain.from_iterable(epochs), n))
@@ -565,7 +565,7 @@ def jobs(config: str, sets: list[str], seeds: str | None, sides: list[str], adam
             "max_len": d.max_len, "batch": t.batch_size, "eval_batch": t.eval_batch_size}
     arch = model_spec(base.model).architecture
     recipe = recipe_of(base, t.max_steps)
-    tokenizer_dir = run_tokenizer.tokenizer_dir(resolve(base).data, None)   # the BPE, built once,
+    tokenizer_dir = run_tokenizer.tokenizer_dir(resolve(base).data)   # the BPE, built once,
     # outside timing
     rows, speedups = [], extra.setdefault("job_speedup", {})
     for seed in ([base.seed] if seeds is None else [int(s) for s in seeds.split(",")]):

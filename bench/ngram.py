@@ -46,7 +46,7 @@ def documents(cfg) -> tuple[list[np.ndarray], list[np.ndarray], np.ndarray]:
     from jaxaccel.train.run import resolve
 
     d = cfg.data
-    tokenizer = load_tokenizer(tokenizer_dir(resolve(cfg).data, None))
+    tokenizer = load_tokenizer(tokenizer_dir(resolve(cfg).data))
     corpus = load_corpus(d.name, data_dir=d.data_dir or None, splits=("train", d.eval_split))
     special = set(tokenizer.all_special_ids)
     nbytes = np.array([0 if i in special else len(tokenizer.decode([i]).encode())

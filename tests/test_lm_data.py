@@ -48,7 +48,7 @@ def lm_data(*sets):
 @pytest.fixture(scope="session")
 def bpe_dir(corpus_dir):
     data = lm_data(f"data.data_dir={corpus_dir}", "data.tokenizer_vocab=1024")
-    return run_tokenizer.tokenizer_dir(data, "unused: the corpus's BPE is chosen")
+    return run_tokenizer.tokenizer_dir(data)
 
 
 def test_corpus_texts_and_documents(brotli_sdist):
@@ -123,10 +123,10 @@ def test_bpe_is_deterministic_cached_and_round_trips(bpe_dir, corpus_dir):
     assert tok.decode(tok(text)["input_ids"]) == text
     mtime = os.path.getmtime(os.path.join(bpe_dir, "tokenizer.json"))
     data = lm_data(f"data.data_dir={corpus_dir}", "data.tokenizer_vocab=1024")
-    assert run_tokenizer.tokenizer_dir(data, "") == bpe_dir            # trained once
+    assert run_tokenizer.tokenizer_dir(data) == bpe_dir            # trained once
     assert os.path.getmtime(os.path.join(bpe_dir, "tokenizer.json")) == mtime
     named = lm_data("model.tokenizer=/my/llama")
-    assert run_tokenizer.tokenizer_dir(named, "/my/llama") == "/my/llama"
+    assert run_tokenizer.tokenizer_dir(named) == "/my/llama"
 
 
 def test_tokenize_documents_adds_eos(bpe_dir):
@@ -224,7 +224,7 @@ def test_config_picks_packed_lm_batches(corpus_dir, bpe_dir):
     data = lm_data(f"data.data_dir={corpus_dir}", "data.tokenizer_vocab=1024",
                    "data.max_len=64", "data.eval_split=validation", "train.batch_size=8",
                    "train.eval_batch_size=16")
-    tok = load_tokenizer(run_tokenizer.tokenizer_dir(data, ""), light=True)
+    tok = load_tokenizer(run_tokenizer.tokenizer_dir(data), light=True)
     train, labels = splits.train_batches(data, tok)
     ev, _ = splits.eval_batches(data, tok)
     assert labels == ()

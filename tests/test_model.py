@@ -143,7 +143,7 @@ def test_config_spec_loads_the_checkpoint_and_its_architecture_is_checked(minilm
     (dropouts overridden), ``load_checkpoint`` takes it; a spec of another architecture is
     refused before any weight is read."""
     cfg = config.build(sets=["model.hidden_dropout=0.0", "model.pooling=mean"])
-    model, _ = create_model(cfg.model, None, 1)
+    model = create_model(cfg.model, None, 1)
     arch = architecture_of(minilm_dir)
     assert model.spec == ModelSpec(dataclasses.replace(arch, hidden_dropout_prob=0.0),
                                    num_labels=2, pooling="mean")

@@ -86,7 +86,7 @@ def test_load_run_rebuilds_the_trained_model_from_its_spec(tmp_path):
     ckpt = Checkpointer(os.path.join(run_dir, "checkpoints"), read_only=True)
     params, _ = ckpt.restore_params()
     ckpt.close()
-    trained, _ = create_model(cfg.model, None, cfg.seed)
+    trained = create_model(cfg.model, None, cfg.seed)
     fresh = _logits(trained, *_ids())
     state = nnx.state(trained, nnx.Param)
     nnx.replace_by_pure_dict(state, params)

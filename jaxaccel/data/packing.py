@@ -29,13 +29,16 @@ it, and ``batches(epoch, start_step)`` resumes mid-epoch with the same batches. 
 rows depends only on the total number of tokens, so every epoch has the same steps. Rows are
 made as they are asked for (``_window``: where each document of the epoch's order ends in the
 stream says which pieces a row holds), from documents in memory or in a token cache
-(``splits.CachedDocs``): an epoch costs 12 bytes a document, not its tokens.
+(``cached.CachedDocs``): an epoch costs 12 bytes a document, not its tokens.
 """
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
 import numpy as np
+
+from jaxaccel.data.batches import (Batches, caches_of, check_start, decoded, epoch_order,
+                                   whole_steps)
 
 KEYS = ("input_ids", "positions", "segment_ids", "targets", "target_weights")
 
@@ -69,6 +72,9 @@ class ChainedDocs:
     def part(self, i: int, lo: int, hi: int) -> np.ndarray:
         s = int(np.searchsorted(self._starts, i, "right")) - 1
         return self.stores[s].part(i - int(self._starts[s]), lo, hi)
+
+    def caches(self) -> list:
+        return [c for s in self.stores for c in caches_of(s)]
 
 
 def _window(docs, order: np.ndarray, ends: np.ndarray, first: int, count: int,
@@ -112,7 +118,7 @@ def pack(docs: Sequence[np.ndarray], seq_len: int) -> dict[str, np.ndarray]:
                    seq_len)
 
 
-class PackedBatches:
+class PackedBatches(Batches):
     """Epochs of packed causal-LM batches (module doc) of this process.
 
     docs: the documents' token ids (a list), or a store of them with ``lengths`` (int [n])
@@ -124,21 +130,12 @@ class PackedBatches:
                  process_index: int = 0, process_count: int = 1):
         if len(docs) == 0:
             raise ValueError("PackedBatches: no documents; expected a non-empty split.")
-        if seq_len < 1 or global_batch_size < 1:
-            raise ValueError(f"PackedBatches: seq_len={seq_len}, global_batch_size="
-                             f"{global_batch_size}; expected both >= 1.")
-        if process_count < 1 or not 0 <= process_index < process_count:
-            raise ValueError(f"PackedBatches: process_index={process_index}, process_count="
-                             f"{process_count}; expected 0 <= process_index < process_count.")
-        if global_batch_size % process_count:
-            raise ValueError(f"PackedBatches: global_batch_size={global_batch_size} does not "
-                             f"divide by process_count={process_count}; use a multiple of "
-                             f"{process_count}.")
+        if seq_len < 1:
+            raise ValueError(f"PackedBatches: seq_len={seq_len}; expected >= 1.")
+        self._share("PackedBatches", global_batch_size, process_index, process_count)
         self.docs = docs if hasattr(docs, "part") else ListDocs(docs)
-        self.seq_len, self.global_batch_size = seq_len, global_batch_size
-        self.local_batch_size = global_batch_size // process_count
+        self.seq_len = seq_len
         self.shuffle, self.seed, self.drop_remainder = shuffle, seed, drop_remainder
-        self.process_index = process_index
         self.tokens = int(self.docs.lengths.sum())
         self.rows_per_epoch = -(-self.tokens // seq_len)
         self._epoch: tuple[int, np.ndarray, np.ndarray] | None = None
@@ -150,8 +147,7 @@ class PackedBatches:
 
     @property
     def steps_per_epoch(self) -> int:
-        r, b = self.rows_per_epoch, self.global_batch_size
-        return r // b if self.drop_remainder else -(-r // b)
+        return whole_steps(self.rows_per_epoch, self.global_batch_size, self.drop_remainder)
 
     def batch_lengths(self, start: int, stop: int) -> set[int]:
         """The lengths of the batches ``start`` to ``stop``: every row is ``seq_len`` long."""
@@ -160,12 +156,8 @@ class PackedBatches:
     def _order(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
         """The documents' order in ``epoch`` (a permutation drawn from (seed, epoch)) and where
         each ends in the epoch's stream."""
-        if epoch < 0:
-            raise ValueError(f"epoch={epoch}; expected >= 0.")
         if self._epoch is None or self._epoch[0] != epoch:
-            n = len(self.docs)
-            order = np.random.default_rng((self.seed, epoch)).permutation(n) \
-                if self.shuffle else np.arange(n)
+            order, _ = epoch_order(len(self.docs), self.seed, epoch, self.shuffle)
             self._epoch = (epoch, order, np.cumsum(self.docs.lengths[order]))
         return self._epoch[1], self._epoch[2]
 
@@ -181,8 +173,7 @@ class PackedBatches:
     def batches(self, epoch: int, start_step: int = 0) -> Iterator[dict[str, np.ndarray]]:
         """This process's rows of each batch of ``epoch``, from ``start_step`` on; without
         drop_remainder the last batch is completed with padding rows (all weights 0)."""
-        if not 0 <= start_step <= self.steps_per_epoch:
-            raise ValueError(f"start_step={start_step}; expected 0..{self.steps_per_epoch}.")
+        check_start(start_step, self.steps_per_epoch)
         order, ends = self._order(epoch)
         b, lo = self.global_batch_size, self.process_index * self.local_batch_size
         for step in range(start_step, self.steps_per_epoch):
@@ -194,6 +185,32 @@ class PackedBatches:
                 batch = {k: np.concatenate([v, np.zeros((short, self.seq_len), v.dtype)])
                          for k, v in batch.items()}
             yield batch
+
+    def describe(self, label_names) -> list[str]:
+        return [f"{len(self.docs):,} documents, {self.tokens:,} tokens, {self.rows_per_epoch:,} "
+                f"rows of {self.seq_len}; {self.steps_per_epoch:,} steps an epoch"]
+
+    def show_row(self, batch: dict, i: int, tokenizer, label_names) -> list[str]:
+        return packed_row(batch, i, tokenizer)
+
+    def caches(self) -> list:
+        return caches_of(self.docs)
+
+
+def packed_row(batch: dict, r: int, tokenizer) -> list[str]:
+    """Row ``r`` of a packed batch as ``data show`` prints it: its segments, decoded, and their
+    targets."""
+    seg, w = batch["segment_ids"][r], batch["target_weights"][r]
+    out = [f"  {int((seg > 0).sum())} tokens in {int(seg.max())} segment(s), "
+           f"{int(w.sum())} targets"]
+    for s in range(1, int(seg.max()) + 1):
+        where = np.flatnonzero(seg == s)
+        last = where[-1]
+        end = ("its last token's target is the next row's first token" if w[last] else
+               "ends its document (no target after its EOS)")
+        out.append(f"  segment {s} (positions 0-{len(where) - 1}; {end}): "
+                   f"{decoded(tokenizer, batch['input_ids'][r][where])}")
+    return out
 
 
 def tokenize_documents(tokenizer, texts: Sequence[str]) -> list[np.ndarray]:

@@ -24,6 +24,8 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
+from jaxaccel.data.batches import (Batches, caches_of, check_start, decoded, epoch_order,
+                                   label_counts, whole_steps)
 from jaxaccel.padding import padded_length
 
 
@@ -32,7 +34,7 @@ class Tokenized:
     """Token ids of every example (int32, variable length <= max_len) and their labels.
 
     input_ids: a list of arrays, or any sequence of them (rows read from a token cache as
-      they are asked for: ``splits.CachedRows``).
+      they are asked for: ``cached.CachedRows``).
     lengths: each row's length where known without reading the rows (a cache's index).
     """
 
@@ -156,7 +158,7 @@ def tokenize(
     return Tokenized(ids, np.asarray(labels, np.int32), max_len, tokenizer.pad_token_id or 0)
 
 
-class BatchIterator:
+class BatchIterator(Batches):
     """Epochs of dict batches: input_ids, attention_mask, token_type_ids, labels (int32
     [b, L] / [b]) and weights (float32 [b], 0 for filler rows); b = global_batch_size /
     process_count."""
@@ -176,21 +178,10 @@ class BatchIterator:
     ):
         if len(data) == 0:
             raise ValueError("BatchIterator: empty dataset; expected at least one example.")
-        if global_batch_size < 1 or pad_multiple < 1 or bucket_window < 0:
-            raise ValueError(
-                f"BatchIterator: global_batch_size={global_batch_size}, pad_multiple="
-                f"{pad_multiple}, bucket_window={bucket_window}; expected >= 1, >= 1, >= 0."
-            )
-        if process_count < 1 or not 0 <= process_index < process_count:
-            raise ValueError(
-                f"BatchIterator: process_index={process_index}, process_count="
-                f"{process_count}; expected 0 <= process_index < process_count."
-            )
-        if global_batch_size % process_count:
-            raise ValueError(
-                f"BatchIterator: global_batch_size={global_batch_size} does not divide "
-                f"by process_count={process_count}; use a multiple of {process_count}."
-            )
+        if pad_multiple < 1 or bucket_window < 0:
+            raise ValueError(f"BatchIterator: pad_multiple={pad_multiple}, bucket_window="
+                             f"{bucket_window}; expected >= 1 and >= 0.")
+        self._share("BatchIterator", global_batch_size, process_index, process_count)
         if drop_remainder and len(data) < global_batch_size:
             raise ValueError(
                 f"BatchIterator: {len(data)} examples < global_batch_size="
@@ -198,11 +189,8 @@ class BatchIterator:
                 "smaller batch or drop_remainder=False."
             )
         self.data = data
-        self.global_batch_size = global_batch_size
-        self.local_batch_size = global_batch_size // process_count
         self.shuffle, self.seed, self.drop_remainder = shuffle, seed, drop_remainder
         self.pad_multiple, self.bucket_window = pad_multiple, bucket_window
-        self.process_index = process_index
         self.lengths = data.row_lengths()
         if self.lengths.max() > data.max_len:
             raise ValueError(
@@ -212,16 +200,12 @@ class BatchIterator:
 
     @property
     def steps_per_epoch(self) -> int:
-        n, b = len(self.data), self.global_batch_size
-        return n // b if self.drop_remainder else -(-n // b)
+        return whole_steps(len(self.data), self.global_batch_size, self.drop_remainder)
 
     def plan(self, epoch: int) -> list[np.ndarray]:
         """Example indices of each global batch of `epoch` (last one may be short)."""
-        if epoch < 0:
-            raise ValueError(f"epoch={epoch}; expected >= 0.")
         b = self.global_batch_size
-        rng = np.random.default_rng((self.seed, epoch))
-        order = rng.permutation(len(self.data)) if self.shuffle else np.arange(len(self.data))
+        order, rng = epoch_order(len(self.data), self.seed, epoch, self.shuffle)
         order = order[: self.steps_per_epoch * b] if self.drop_remainder else order
         if self.bucket_window:
             w = self.bucket_window * b
@@ -239,8 +223,7 @@ class BatchIterator:
 
     def batches(self, epoch: int, start_step: int = 0) -> Iterator[dict[str, np.ndarray]]:
         """This process's rows of each batch of `epoch`, from `start_step` on."""
-        if not 0 <= start_step <= self.steps_per_epoch:
-            raise ValueError(f"start_step={start_step}; expected 0..{self.steps_per_epoch}.")
+        check_start(start_step, self.steps_per_epoch)
         for idx in self.plan(epoch)[start_step:]:
             yield self._assemble(idx)
 
@@ -268,6 +251,19 @@ class BatchIterator:
                 shape = (b, self.padded_length(idx))
                 out[shape] = max(out.get(shape, 0), most)
         return out
+
+    def describe(self, label_names) -> list[str]:
+        return [f"{len(self.data):,} examples, {int(self.lengths.sum()):,} tokens; labels: "
+                f"{label_counts(self.data.labels, label_names)}; {self.steps_per_epoch:,} "
+                "steps an epoch"]
+
+    def show_row(self, batch: dict, i: int, tokenizer, label_names) -> list[str]:
+        length = int(batch["attention_mask"][i].sum())
+        return [f"  label {label_names[batch['labels'][i]]!r}, {length} tokens: "
+                f"{decoded(tokenizer, batch['input_ids'][i][:length])}"]
+
+    def caches(self) -> list:
+        return caches_of(self.data.input_ids)
 
     def padded_length(self, idx: np.ndarray) -> int:
         """The [b, L] length of the batch of examples ``idx``: its longest row rounded up to

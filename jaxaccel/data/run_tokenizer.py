@@ -1,8 +1,10 @@
-"""The run's tokenizer: the one the model names (``model.tokenizer``, a checkpoint's), else
-for a corpus its own byte-level BPE of ``data.tokenizer_vocab`` tokens, trained on its training
-split the first time and cached beside its token cache.
+"""The run's tokenizer folder, as ``resolve`` decided it (``DataSpec.tokenizer``:
+``train.run_data.tokenizer_folder``): the one the model names (``model.tokenizer``, a
+checkpoint's, a trained run's), else for a corpus its own byte-level BPE of
+``data.tokenizer_vocab`` tokens (``bpe_folder``), trained on its training split the first time
+and cached beside its token cache, else the model's default vocabulary.
 
-    folder = tokenizer_dir(data, model_default)     # None for array data
+    folder = tokenizer_dir(data)     # the BPE trained there if it is not yet; None for arrays
 """
 from __future__ import annotations
 
@@ -55,17 +57,12 @@ def _texts(data: DataSpec, split: str):
         yield from reader.read(chunk).texts
 
 
-def tokenizer_dir(data: DataSpec, model_tokenizer_dir: str | None) -> str | None:
-    """The run's tokenizer folder: the one the model names (``ModelInput.tokenizer``), else
-    ``model_tokenizer_dir`` (the model's default, from ``create_model``), except for a corpus
-    the model names none for: its BPE of ``data.tokenizer_vocab`` tokens, trained on its
-    training split the first time. None for arrays."""
-    if data.holds != "text":
-        return None
-    if not trains_bpe(data):
-        return data.model.tokenizer or model_tokenizer_dir
-    folder = bpe_folder(data)
-    if not os.path.isfile(os.path.join(folder, "tokenizer.json")):
+def tokenizer_dir(data: DataSpec) -> str | None:
+    """The run's tokenizer folder (``DataSpec.tokenizer``); a corpus's BPE
+    (``trains_bpe``) is trained on its training split there the first time. None for arrays."""
+    if data.tokenizer is None or not trains_bpe(data):
+        return data.tokenizer
+    if not os.path.isfile(os.path.join(data.tokenizer, "tokenizer.json")):
         tokencache.require_writable(tokencache.cache_root(data.settings),
                                     f"the BPE of data.name={data.name!r} (data.tokenizer_vocab)")
     return bpe.cached(_bpe_home(data), data.settings.tokenizer_vocab,

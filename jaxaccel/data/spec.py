@@ -100,7 +100,8 @@ class ModelInput:
     max_positions: the longest token sequence the model takes; None for arrays.
     num_labels: a classifier's classes; None otherwise.
     tokenizer: the tokenizer folder a model that reads tokens names (``model.tokenizer``, the
-      checkpoint's, a run folder's), or None: the model's default, or a corpus's own BPE.
+      checkpoint's, a run folder's), or None: it names none (the run's tokenizer is then a
+      corpus's own BPE or the model's default: ``DataSpec.tokenizer``).
     vocab_size: the model's embedding rows (what token ids must stay below).
     processor: the checkpoint folder whose ``preprocessor_config.json`` says how images
       become the model's pixels (``model.checkpoint``), or None (random init).
@@ -207,6 +208,12 @@ class DataSpec:
       must hold none of the examples it trained on (``splits.split_rows``); None otherwise.
     parts: a mixture's sources (``data.mixture``), each ``(DataSpec, weight)``; () for one
       source.
+    tokenizer: the folder of the run's tokenizer, decided once when the run is resolved
+      (``train.run_data.tokenizer_folder``) and read by all that tokenizes (the token cache,
+      ``data prepare/show``, eval, predict, generate: ``run_tokenizer.tokenizer_dir``): the
+      one the model names (``model.tokenizer``), else a corpus's own BPE (trained there the
+      first time it is read), else the model's default; None for arrays, and for a plan (no
+      tokens read) of a model that names none.
     """
 
     name: str
@@ -225,6 +232,7 @@ class DataSpec:
     absent: str = ""
     trained: Settings | None = None
     parts: tuple = ()
+    tokenizer: str | None = None
 
     @property
     def tasks(self) -> tuple[str, ...]:

@@ -31,9 +31,9 @@ Batching, per process (its ``share`` of every batch: part i of n, ``sharding.bat
   packed rows (``mixing.MixedBatches``) or examples (``mixing.MixedExamples``, classes learnt
   from all its sources), eval every source's eval split in turn.
 
-A corpus without ``model.tokenizer`` or ``model.checkpoint`` is tokenized by a byte-level BPE
-of ``data.tokenizer_vocab`` tokens trained on its training split
-(``run_tokenizer.tokenizer_dir``).
+Text is tokenized by the run's tokenizer, decided when the run is resolved
+(``DataSpec.tokenizer``: a corpus without ``model.tokenizer`` or ``model.checkpoint`` has a
+byte-level BPE of ``data.tokenizer_vocab`` tokens trained on its training split).
 """
 from __future__ import annotations
 
@@ -41,16 +41,15 @@ import dataclasses
 import logging
 import math
 import os
-from collections.abc import Sequence
 
 import numpy as np
 
 from jaxaccel.data import encode, mixture, tokencache
 from jaxaccel.data.arrays import ArrayBatches
+from jaxaccel.data.cached import CachedDocs, CachedRows
 from jaxaccel.data.mixing import MixedBatches, MixedExamples, chained
 from jaxaccel.data.packing import ChainedDocs, PackedBatches
 from jaxaccel.data.pipeline import BatchIterator, Tokenized
-from jaxaccel.data.run_tokenizer import bpe_folder, trains_bpe
 from jaxaccel.data.spec import DataError, DataMissing, DataSpec, held_rows, holdout_size
 
 TRAIN_BUCKET_WINDOW = 50     # global batches sorted by length together (data.bucket)
@@ -138,36 +137,6 @@ def _rows(data: DataSpec, split: str, n: int) -> np.ndarray | None:
 
 
 # ----------------------------------------------------------------------------- token caches
-
-
-class CachedRows(Sequence):
-    """Rows ``rows`` of a token cache, each read as it is asked for (``Tokenized.input_ids``)."""
-
-    def __init__(self, cache: tokencache.TokenCache, rows: np.ndarray):
-        self.cache, self.rows = cache, rows
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def __getitem__(self, i):
-        return self.cache.read(int(self.rows[i]))
-
-
-class CachedDocs:
-    """Documents ``rows`` of a token cache, as ``packing.PackedBatches`` reads them: their
-    ``lengths`` and ``part(i, lo, hi)``."""
-
-    def __init__(self, cache: tokencache.TokenCache, rows: np.ndarray):
-        self.cache, self.rows = cache, rows
-        self.lengths = cache.lengths()[rows]
-        self._starts = np.asarray(cache.offsets[:-1])[rows]
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def part(self, i: int, lo: int, hi: int) -> np.ndarray:
-        start = int(self._starts[i])
-        return self.cache.span(start + lo, start + hi)
 
 
 def _cache(data: DataSpec, split: str, tokenizer) -> tuple[tokencache.TokenCache, np.ndarray]:
@@ -317,24 +286,26 @@ def _mixed(data: DataSpec, split: str, tokenizer, share, names, training: bool):
     its sources' by weight (``mixing``); its eval split, every source's own eval split one after
     another."""
     parts, weights, b = [p for p, _ in data.parts], [w for _, w in data.parts], data.batching
+    mix = dict(seed=b.seed, source_names=[part.name for part in parts], **_share(share))
     own = ["train" if training else part.eval_split for part in parts]
     if data.batches == "packed":
         docs = [_docs(part, s, tokenizer, training) for part, s in zip(parts, own)]
         if not training:
             return _packed(data, split, ChainedDocs(docs), False, share), ()
-        return MixedBatches(docs, weights, data.max_len, b.batch_size, seed=b.seed,
-                            **_share(share)), ()
+        return MixedBatches(docs, weights, data.max_len, b.batch_size, **mix), ()
     names = _mixed_names(data, tokenizer) if names is None else names
     examples = [_labelled(part, s, tokenizer, names)[0] for part, s in zip(parts, own)]
     if not training:
-        return _eval_rows(data, chained(examples), share), names
-    return MixedExamples(examples, weights, b.batch_size, seed=b.seed,
-                         pad_multiple=data.settings.pad_multiple, **_share(share)), names
+        return eval_rows(data, chained(examples), share), names
+    return MixedExamples(examples, weights, b.batch_size,
+                         pad_multiple=data.settings.pad_multiple, **mix), names
 
 
-def _eval_rows(data: DataSpec, examples: Tokenized, share) -> BatchIterator:
-    """Labelled eval batches: every example once, sorted by length over the whole split."""
-    size = data.batching.eval_batch_size
+def eval_rows(data: DataSpec, examples: Tokenized, share, size: int | None = None
+              ) -> BatchIterator:
+    """Labelled eval batches of ``size`` rows (default ``train.eval_batch_size``): every
+    example once, sorted by length over the whole split."""
+    size = data.batching.eval_batch_size if size is None else size
     return BatchIterator(examples, size, shuffle=False, drop_remainder=False,
                          bucket_window=len(examples) // size + 1,
                          pad_multiple=data.settings.pad_multiple, **_share(share))
@@ -383,7 +354,7 @@ def _batches(data: DataSpec, split: str, tokenizer, share, names, training: bool
                              seed=data.batching.seed, drop_remainder=True,
                              bucket_window=TRAIN_BUCKET_WINDOW if d.bucket else 0,
                              pad_multiple=d.pad_multiple, **_share(share)), names
-    return _eval_rows(data, examples, share), names
+    return eval_rows(data, examples, share), names
 
 
 def train_batches(data: DataSpec, tokenizer, share: tuple[int, int] | None = None):
@@ -419,16 +390,15 @@ def check_batch_fits(train_cfg, batch_axes: dict[str, int], *, training: bool = 
                 f"{-(-size // shards) * shards}), or set the mesh (mesh.data=...).")
 
 
-def prepared(data: DataSpec, load_tokenizer) -> DataSpec:
+def prepared(data: DataSpec, tokenizer) -> DataSpec:
     """``data`` with the training rows read from its prepared token cache's index (``jaxaccel
     data prepare``, or an earlier run) where the count was unknown; nothing is tokenized or
-    built (``load_tokenizer(folder)`` only loads the tokenizer)."""
+    built (``tokenizer()`` loads the run's tokenizer, ``DataSpec.tokenizer``, once there)."""
     if data.rows is not None or not data.tokenized or data.reader is None:
         return data
-    folder = data.model.tokenizer if not trains_bpe(data) else bpe_folder(data)
-    if not folder or not os.path.isdir(folder):
+    if not data.tokenizer or not os.path.isdir(data.tokenizer):
         return data
-    fingerprint = encode.fingerprint(load_tokenizer(folder))
+    fingerprint = encode.fingerprint(tokenizer())
     if data.parts:      # each source's cache, of the mixture's tokenizer
         return mixture.counted(dataclasses.replace(data, parts=tuple(
             (_prepared_rows(part, fingerprint), w) for part, w in data.parts)))
@@ -452,20 +422,5 @@ def _prepared_rows(data: DataSpec, fingerprint: str) -> DataSpec:
     return dataclasses.replace(data, rows=n, count_source=f"the prepared cache {found.folder}")
 
 
-def input_features(data: DataSpec, paths: list[str]) -> list:
-    """Per path, ``(x float32 [*input shape], facts)`` or the ``DataError`` refusing that file:
-    the model's inputs made from files (recordings) as the array data makes its examples
-    (``ArrayReader.features``), for ``jaxaccel predict``."""
-    if data.holds != "arrays":
-        raise ValueError(f"data.name={data.name!r} makes no inputs from files; predict takes "
-                         "files for array data that reads them (e.g. bfsong, audio: WAV "
-                         "recordings).")
-    if data.reader is None:
-        raise DataError(f"predict makes its inputs as the run's training data made its examples "
-                        f"(their normalisation), and that data is not here ({data.absent}); "
-                        "predict where it is.")
-    return data.reader.features(paths)
-
-
-__all__ = ["CachedDocs", "CachedRows", "check_batch_fits", "check_rows", "eval_batches",
-           "input_features", "prepared", "source_split", "split_rows", "train_batches"]
+__all__ = ["check_batch_fits", "check_rows", "eval_batches",
+           "eval_rows", "prepared", "source_split", "split_rows", "train_batches"]

@@ -83,26 +83,25 @@ def model_spec(model_cfg) -> ModelSpec:
     return spec_lib.from_config(model_cfg, architecture_of(checkpoint) if checkpoint else None)
 
 
-def create_model(model_cfg, policy, seed: int, spec: ModelSpec | None = None, *,
-                 tokenizer: bool = True):
-    """``(model, tokenizer_dir)`` from the ``model`` section of a config.
+def default_tokenizer_dir() -> str:
+    """The vocabulary of a model that reads tokens where nothing names one (a random-init
+    preset without ``model.tokenizer``): the packaged MiniLM's uncased BERT WordPiece."""
+    return packaged_minilm_dir()
 
-    A checkpoint directory (``checkpoint_of``) is loaded with its weights; other presets are
-    initialised randomly from ``seed``, with ``model.tokenizer`` or the packaged MiniLM's
-    (None for a model that reads no tokens, e.g. a ViT, and where ``tokenizer`` is False: a
-    run that reads no data, such as a plan, needs the preset's shapes only, so not the MiniLM
-    package either). The model's spec is ``spec``, default ``model_spec(model_cfg)``.
-    """
+
+def create_model(model_cfg, policy, seed: int, spec: ModelSpec | None = None):
+    """The model of the ``model`` section of a config: a checkpoint directory's
+    (``checkpoint_of``) with its weights, else initialised randomly from ``seed``. The model's
+    spec is ``spec``, default ``model_spec(model_cfg)``. (Its tokenizer is the run's, decided
+    with its data: ``train.run_data.tokenizer_folder``.)"""
     checkpoint = checkpoint_of(model_cfg)
     spec = model_spec(model_cfg) if spec is None else spec
     if checkpoint:
-        return load_checkpoint(checkpoint, spec, policy, seed), model_cfg.tokenizer or checkpoint
-    reads_tokens = tokenizer and "input_ids" in spec.family.resolve("model").input_keys
-    return build_model(spec, policy, seed), model_cfg.tokenizer or (
-        packaged_minilm_dir() if reads_tokens else None)
+        return load_checkpoint(checkpoint, spec, policy, seed)
+    return build_model(spec, policy, seed)
 
 
 __all__ = ["BertConfig", "BertModel", "FAMILIES", "LLAMA_PRESETS", "LlamaConfig", "ModelSpec",
            "PRESETS", "architecture_of", "build_model", "check_vocab", "checkpoint_of",
-           "create_model", "model_spec",
+           "create_model", "default_tokenizer_dir", "model_spec",
            "from_pretrained", "load_checkpoint", "packaged_minilm_dir", "save_checkpoint"]

@@ -10,15 +10,16 @@ import jax
 import numpy as np
 
 from jaxaccel import config as config_lib, storage
-from jaxaccel.data import BatchIterator, load_tokenizer, sources, splits, tokenize
-from jaxaccel.data.arrays import ArrayBatches
+from jaxaccel.data import sources
 from jaxaccel.data.images import PROCESSOR_FILE
+from jaxaccel.data.inputs import input_batches, input_features
 from jaxaccel.data.spec import Settings
-from jaxaccel.models import check_vocab, spec as spec_lib
+from jaxaccel.models import spec as spec_lib
 from jaxaccel.models.generate import Sampler
 from jaxaccel.models.stack import merge
 from jaxaccel.train import rundir
 from jaxaccel.train.run import assemble, resolve
+from jaxaccel.train.run_data import tokenizer_of
 from jaxaccel.train.saved import load_run
 from jaxaccel.train.step import forward
 
@@ -105,7 +106,7 @@ def checkpoint_run(run_dir: str, sets=(), devices=None, *, data: bool = True):
                        label_names=meta.get("label_names") or None, absent_ok=not data)
     resolved = dataclasses.replace(resolved, data=dataclasses.replace(
         resolved.data, trained=Settings(trained.data)))
-    return assemble(resolved, model=model, tokenizer_dir=folder, data=data), meta
+    return assemble(resolved, model=model, data=data), meta
 
 
 def reads_arrays(spec) -> bool:
@@ -133,10 +134,10 @@ class Predictor:
     """``Predictor(run_dir)(inputs) -> [(label_name, probability, facts) or ValueError,
     ...]`` (``__call__``), at most ``batch_size`` inputs per forward pass, classified by the
     task's forward pass (``step.forward``); a non-finite probability comes back as ``nan``. A
-    text model's inputs are texts, batched as evaluation batches are (``BatchIterator``:
+    text model's inputs are texts, batched as evaluation batches are (``inputs.input_batches``:
     sorted by length, each batch padded by the run's ``data.pad_multiple``, the last one
     completed with filler rows); an array model's are files (e.g. WAV recordings), made into
-    its inputs as its data makes its examples (``splits.input_features``, which reads the
+    its inputs as its data makes its examples (``inputs.input_features``, which reads the
     training data's normalisation). With ``top_k`` = K, each input's ``facts`` also hold
     ``top_k``: the K likeliest labels, most likely first, each ``{"label", "probability"}``."""
 
@@ -152,7 +153,7 @@ class Predictor:
             raise ValueError(f"run {run_dir!r} trained a {task.name} model; predict "
                              f"classifies {'files' if self.arrays else 'texts'}. Use {use}.")
         data = run.resolved.data
-        self.batch_size, self.pad_multiple = batch_size, data.settings.pad_multiple
+        self.batch_size = batch_size
         self.label_names = meta.get("label_names") or [str(i) for i in
                                                       range(cfg.model.num_labels)]
         if top_k is not None and not 1 <= top_k <= len(self.label_names):
@@ -160,10 +161,8 @@ class Predictor:
                              f"{len(self.label_names)} labels; give a K from 1 to "
                              f"{len(self.label_names)}.")
         self.top_k = top_k
-        self._features = lambda paths: splits.input_features(data, paths)
-        if not self.arrays:
-            self.tokenizer = load_tokenizer(tokenizer_dir(run_dir), light=True)
-            self.max_len = data.max_len
+        self._data = data
+        self.tokenizer = tokenizer_of(data, run.spec.architecture, light=True)
         self._state = run.state
 
         @jax.jit
@@ -176,26 +175,17 @@ class Predictor:
     def _batches(self, inputs: list, size: int):
         """``(rows of inputs, batch)`` pairs covering every input once, ``size`` rows a batch:
         ``inputs`` are texts, or an array model's inputs (float32 arrays)."""
-        zeros = np.zeros(len(inputs), np.int32)
-        if self.arrays:
-            data = ArrayBatches(np.stack(inputs), zeros, size, shuffle=False,
-                                drop_remainder=False)
-            rows = np.arange(len(inputs))
-            return ((rows[i * size:(i + 1) * size], batch)
-                    for i, batch in enumerate(data.batches(0)))
-        examples = tokenize(self.tokenizer, inputs, zeros, max_len=self.max_len)
-        batches = BatchIterator(examples, size, shuffle=False, drop_remainder=False,
-                                pad_multiple=self.pad_multiple,
-                                bucket_window=len(inputs) // size + 1)
+        batches = input_batches(self._data, inputs, size, self.tokenizer)
         return zip(batches.plan(0), batches.batches(0))
 
     def __call__(self, inputs: list[str]) -> list:
         """Per input, ``(label, probability, facts)`` or the ``ValueError`` refusing it (an
-        array model's file that its dataset cannot make an input of: ``splits.input_features``;
+        array model's file that its dataset cannot make an input of: ``inputs.input_features``;
         ``facts`` says what was read of it, ``{}`` for a text). A batch holds at most
         ``batch_size`` inputs, and no more than there are."""
         inputs = list(inputs)
-        made = self._features(inputs) if self.arrays and inputs else [(t, {}) for t in inputs]
+        made = input_features(self._data, inputs) if self.arrays and inputs else \
+            [(t, {}) for t in inputs]
         out = list(made)
         good = [i for i, m in enumerate(made) if not isinstance(m, ValueError)]
         if not good:
@@ -229,8 +219,7 @@ class Generator:
         if not model.generates:
             raise ValueError(f"run {run_dir!r} trained a {run.spec.task} model, which does "
                              "not generate text; use `jaxaccel predict` or `jaxaccel eval`.")
-        self.tokenizer = load_tokenizer(tokenizer_dir(run_dir), light=True)
-        check_vocab(len(self.tokenizer), model.config, tokenizer_dir(run_dir))
+        self.tokenizer = tokenizer_of(run.resolved.data, run.spec.architecture, light=True)
         self.sampler = Sampler(model, run.cfg.data.pad_multiple)
 
     def __call__(self, texts: list[str], max_new_tokens: int = 64, **options) -> list[str]:

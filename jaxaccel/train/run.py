@@ -3,7 +3,7 @@ command assembles its ``Run`` from that description through ``assemble``.
 
     r = resolve(cfg)                      # mesh, policy, model spec, task, layout, steps
     run = assemble(r)                     # jaxaccel train: model, data, optimizer, state
-    run = assemble(resolve(cfg, training=False), model=model, tokenizer_dir=d)  # eval
+    run = assemble(resolve(cfg, training=False, tokenizer=d), model=model)  # eval
     run = assemble(resolve(cfg, target.devices), abstract=True)  # jaxaccel compile
 
 ``resolve`` checks everything that can be known before a weight, a batch or a program exists
@@ -28,9 +28,8 @@ from jaxaccel import config as config_lib
 from jaxaccel import optim
 from jaxaccel import sharding as shd, storage
 from jaxaccel.config import Config
-from jaxaccel.data import BatchIterator, load_tokenizer, run_tokenizer, splits
-from jaxaccel.data import sources as data_sources
-from jaxaccel.data.packing import PackedBatches
+from jaxaccel.data import splits
+from jaxaccel.data.batches import Batches
 from jaxaccel.data.spec import DataSpec
 from jaxaccel.forms.packing import Packer
 from jaxaccel.forms.stacked import Stacked, Stacking, stacked_shardings
@@ -138,12 +137,7 @@ def resolve(cfg: Config, devices=None, *, training: bool = True,
         if filled else cfg
     remat.check(spec.remat, list(mesh.devices.flat))
     described = run_data.describe_data(cfg, spec, mesh.size, tokenizer, label_names,
-                              absent_ok) if data else None
-    if described is not None:
-        data_sources.check_task(described)
-    if training and described is not None:
-        run_tokenizer.check_tokenizer_vocab(described)
-        described = splits.prepared(described, load_tokenizer)
+                                       absent_ok, training) if data else None
     splits.check_batch_fits(cfg.train, {a: mesh.shape[a] for a in shd.BATCH_AXES},
                             training=training)
     shd.check_model_fits(spec.architecture, mesh)
@@ -188,10 +182,10 @@ class Run:
     graphdef: nnx.GraphDef
     state: TrainState
     state_shardings: TrainState
-    eval_data: BatchIterator | PackedBatches | None = None
+    eval_data: Batches | None = None
     tokenizer: object = None
     label_names: tuple = ()
-    train_data: BatchIterator | PackedBatches | None = None
+    train_data: Batches | None = None
     tx: object = None
     schedule: object = None
     total_steps: int = 0
@@ -323,54 +317,55 @@ def _unpad_plan(r: Resolved, eval_data, train_data=None,
     """The run's unpadding plan (``models.unpad``) over one pass of ``eval_data`` and the
     first ``train_steps`` batches of ``train_data`` (if any), or None: ``train.unpad`` off, a
     task without padded rows, gradient accumulation or a pipeline (micro-batches), or batches
-    from an iterator that cannot plan (packed LM rows)."""
+    without padded rows to plan (``Batches.token_capacity`` None: packed LM rows)."""
     cfg = r.cfg
     if not (cfg.train.unpad and r.task.unpads and cfg.train.grad_accum == 1
             and r.stages is None):
         return None
     sources = [eval_data] + ([] if train_data is None else [train_data])
-    if not all(isinstance(data, BatchIterator) for data in sources):
-        return None
     groups = shd.batch_shards(r.mesh)
+    capacities = [data.token_capacity(0, stop, groups)
+                  for data, stop in zip(sources, (eval_data.steps_per_epoch, train_steps))]
+    if any(c is None for c in capacities):
+        return None
     largest = {}
-    for data, stop in zip(sources, (eval_data.steps_per_epoch, train_steps)):
-        for shape, most in data.token_capacity(0, stop, groups).items():
+    for capacity in capacities:
+        for shape, most in capacity.items():
             largest[shape] = max(largest.get(shape, 0), most)
     return Capacity.of(groups, largest)
 
 
-def assemble(r: Resolved, *, model=None, tokenizer_dir: str | None = None,
-             abstract: bool = False, data: bool = True) -> Run:
+def assemble(r: Resolved, *, model=None, abstract: bool = False, data: bool = True) -> Run:
     """The ``Run`` of ``r``:
 
     * training (``r.training``): the model (``create_model``: a checkpoint's weights or random
-      from the seed, then a run's weights where ``model.init_from`` names one; or ``model``), its tokenizer, both splits' batches, the layout's
-      optimizer and the sharded train state; ``data=False``: no tokenizer and no batches (a
-      benchmark feeding its own, ``bench/train_step.py``), the schedule over
-      ``r.total_steps``;
+      from the seed, then a run's weights where ``model.init_from`` names one; or ``model``),
+      its tokenizer (``DataSpec.tokenizer``), both splits' batches, the layout's optimizer and
+      the sharded train state; ``data=False``: no tokenizer and no batches (a benchmark feeding
+      its own, ``bench/train_step.py``), the schedule over ``r.total_steps``;
     * evaluation only: ``model`` (e.g. a checkpoint's, ``inference.load_run``) and the eval
-      split tokenized by ``tokenizer_dir``'s tokenizer (``data=False``: no split; predict
-      brings its texts); no optimizer state, and the training split is neither read nor
-      tokenized;
+      split tokenized by the run's tokenizer (``resolve``'s ``tokenizer``: a trained run's;
+      ``data=False``: no split; predict brings its texts); no optimizer state, and the
+      training split is neither read nor tokenized;
     * ``abstract`` (``jaxaccel compile``): the training run's state as ShapeDtypeStructs with
       the trainer's shardings, and no data: what the jitted steps need to be compiled.
     """
     if abstract:
         # Outside the mesh: under one, nnx.eval_shape reads the logical axis names as mesh axes.
         shapes = nnx.eval_shape(lambda: create_model(r.cfg.model, r.policy, r.cfg.seed,
-                                                     r.spec, tokenizer=False)[0])
+                                                     r.spec))
         with jax.set_mesh(r.mesh):
             return _abstract(r, shapes)
     if r.training and model is None:
-        model, tokenizer_dir = _new_model(r, data)
+        model = _new_model(r)
     with jax.set_mesh(r.mesh):
         if not r.training:
-            return _eval_only(r, model, tokenizer_dir, data)
-        return _training(r, model, tokenizer_dir, data)
+            return _eval_only(r, model, data)
+        return _training(r, model, data)
 
 
-def _new_model(r: Resolved, data: bool):
-    """``(model, tokenizer_dir)`` of a training run (``create_model``, then the weights of
+def _new_model(r: Resolved):
+    """The model of a training run (``create_model``, then the weights of
     ``model.init_from``'s run where it names one), built by one process outside the run's mesh:
     under it every eager operation of the initialisation runs on each of the mesh's devices
     (replicated), 8 times the work on 8 devices of one CPU (1.5 s instead of 0.2 s for the tiny
@@ -379,11 +374,10 @@ def _new_model(r: Resolved, data: bool):
     processes."""
     cfg = r.cfg
     with jax.set_mesh(r.mesh) if jax.process_count() > 1 else contextlib.nullcontext():
-        model, tokenizer_dir = create_model(cfg.model, r.policy, cfg.seed, r.spec,
-                                            tokenizer=data)
+        model = create_model(cfg.model, r.policy, cfg.seed, r.spec)
         if cfg.model.init_from:
             init_from(model, cfg.model.init_from)
-    return model, tokenizer_dir
+    return model
 
 
 def build(cfg: Config, devices=None) -> Run:
@@ -403,10 +397,10 @@ def _abstract(r: Resolved, model) -> Run:
     return Run(r, graphdef, state, shardings, tx=tx, schedule=schedule, total_steps=total)
 
 
-def _training(r: Resolved, model, tokenizer_dir: str | None, data: bool) -> Run:
+def _training(r: Resolved, model, data: bool) -> Run:
     graphdef, params, fp8, param_shardings = split_model(model, r.mesh)
     fp8 = fp8 if r.policy.fp8 else None
-    sources = run_data.batches(r, tokenizer_dir) if data else {}
+    sources = run_data.batches(r) if data else {}
     total = r.total_steps if r.total_steps is not None else \
         r.length(sources["train_data"].steps_per_epoch)
     tx, schedule, create, shardings = optimizer_state(r, params, fp8, param_shardings, total)
@@ -418,7 +412,7 @@ def _training(r: Resolved, model, tokenizer_dir: str | None, data: bool) -> Run:
                total_steps=total, unpad=unpad)
 
 
-def _eval_only(r: Resolved, model, tokenizer_dir: str | None, data: bool) -> Run:
+def _eval_only(r: Resolved, model, data: bool) -> Run:
     graphdef, params, fp8, param_shardings = split_model(model, r.mesh)
     replicated = lambda tree: jax.tree_util.tree_map(lambda _: shd.replicated(r.mesh), tree)
     fp8 = fp8 if r.policy.fp8 else None
@@ -433,7 +427,8 @@ def _eval_only(r: Resolved, model, tokenizer_dir: str | None, data: bool) -> Run
                                       fp8=fp8), shardings)
     if not data:
         return Run(r, graphdef, state, shardings)
-    tokenizer = run_data.tokenizer_of(r, tokenizer_dir, light=True) if r.data.tokenized else None
+    tokenizer = run_data.tokenizer_of(r.data, r.spec.architecture, light=True) \
+        if r.data.tokenized else None
     eval_data, label_names = splits.eval_batches(r.data, tokenizer, shd.batch_share(r.mesh),
                                                  r.data.label_names)
     return Run(r, graphdef, state, shardings, eval_data, tokenizer, label_names,
