@@ -56,6 +56,9 @@ def test_the_calibration_set_is_sourced_and_spans_what_decides_efficiency(raw, p
             assert p["power_limit_w"] == 500, p["id"]
     families = {p.chip_family for p in points}
     assert {"A100", "H100", "TPU v4", "TPU v5e", "TPU v5p", "TPU v6e"} <= families
+    # Each TPU generation has runs of at least two publishers, so holding one out leaves one.
+    for family in ("TPU v4", "TPU v5e", "TPU v5p", "TPU v6e"):
+        assert len({p.source_group for p in points if p.chip_family == family}) >= 2, family
     small = {p.step.platform for p in points if p.params < 1e9}
     assert small == {"gpu", "tpu"}
     assert any(p.task == "fine-tuning" for p in points)
