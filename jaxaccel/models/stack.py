@@ -114,10 +114,11 @@ class Scan(Stacking):
         reads every residual of the layer body, stacked for all layers, where an unrolled
         stack lets XLA drop, fuse or recompute them across layers; BERT-base's step on v5e-8
         needs 12.87 GB of temporaries and 63.3 GB of HBM traffic a chip scanned against 5.28
-        and 37.3 unrolled. With remat each layer keeps what its policy names either way, and
-        one compiled layer body compiles several times faster (MaxText's ``llama-1b`` step on
-        v5e-8, full remat: 61 against 261 CPU seconds, 4.22 against 5.45 GB of temporaries;
-        docs/reports/scale-out.md)."""
+        and 37.3 unrolled. With remat a layer keeps what its policy names, and one compiled
+        layer body compiles several times faster (MaxText's ``llama-1b`` step on v5e-8, full
+        remat: 61 against 261 CPU seconds, 4.22 against 5.45 GB of temporaries); a shallow
+        model may still need less memory unrolled (BERT-base, full remat: 1.31 against 2.24
+        GB), where ``model.scan_layers=false`` says so (docs/reports/scale-out.md)."""
         scan = platform != "cpu" and remat != "none" if setting is None else setting
         return cls(layers) if scan else None
 
