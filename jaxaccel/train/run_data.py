@@ -49,7 +49,7 @@ def tokenizer_folder(data: DataSpec, absent_ok: bool = False) -> str | None:
         return None
     if data.model.tokenizer:
         return data.model.tokenizer
-    if data.kind == "corpus":
+    if run_tokenizer.trains_bpe(data):
         return run_tokenizer.bpe_folder(data) if data.reader is not None else None
     return None if absent_ok else default_tokenizer_dir()
 
