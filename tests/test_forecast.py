@@ -255,14 +255,18 @@ def assert_close(old, new, where="backtest"):
 
 def test_the_backtest_range_is_the_printed_one_and_covers_unseen_sources(committed):
     """The range of each held-out run is the forecast's own (the quantiles of the other
-    sources' held-out errors); it holds 70-90% of the published steps, the forecast beats the
-    roofline, and within GPUs and TPUs the median error of unseen sources is at most 20%."""
+    sources' held-out errors on its platform); it holds 70-90% of the published steps, and of
+    each platform's, the forecast beats the roofline, and the median error of unseen sources
+    is at most 20% within GPUs and 15% within TPUs."""
     s = committed["summary"]
     loso = s["leave_one_source_out"]
     assert 0.7 <= loso["coverage"] <= 0.9
     assert loso["median_abs_error"] < s["roofline"]["median_abs_error"]
     by = {g["platform"]: g for g in committed["by"]["platform"]}
-    assert by["gpu"]["median_abs_error"] <= 0.2 and by["tpu"]["median_abs_error"] <= 0.2
+    assert by["gpu"]["median_abs_error"] <= 0.2 and by["tpu"]["median_abs_error"] <= 0.15
+    # Each platform's range holds 70-90% of its own runs (issue 58: a TPU range drawn from
+    # GPU runs' errors too held 96% of the TPU runs).
+    assert all(0.7 <= g["coverage"] <= 0.9 for g in by.values()), by
     points = forecast.load()
     source = "MosaicML llm-foundry A100 (2023-2024)"
     rest = [p for p in points if p.source_group != source]
@@ -270,6 +274,6 @@ def test_the_backtest_range_is_the_printed_one_and_covers_unseen_sources(committ
     row = next(r for r in committed["rows"] if r["source_group"] == source)
     point = next(p for p in points if p.id == row["id"])
     f = sum(model.terms(point.step).values())
-    low, high = forecast._range(f, inner, model.calibrated(point.step))
+    low, high = forecast._range(f, inner, model.calibrated(point.step), point.step.platform)
     assert (row["forecast_s"], row["forecast_low_s"], row["forecast_high_s"]) == \
         pytest.approx((f, low, high))

@@ -29,8 +29,9 @@ runs cannot test it, being compute-bound). No forecast goes below the plan's est
 Fit: ``alpha`` and ``kappa`` on a grid, the rest by non-negative least squares on relative
 error, over every published run. Range: the 10th-90th percentile of the errors the method made
 on runs of sources it had not seen (leave-one-source-out: all runs of one publisher's chip held
-out together), each source weighing one, taken separately for steps whose chip and precision
-have their own runs within 2x of their width ("calibrated") and the rest ("extrapolated").
+out together), each source weighing one, taken on runs of the step's platform (GPU or TPU),
+and of those separately for steps whose chip and precision have their own runs within 2x of
+their width ("calibrated") and the rest ("extrapolated").
 ``backtest`` measures leave-one-out, leave-one-source-out, and the coverage of exactly that
 range on sources the range itself had not seen.
 
@@ -74,8 +75,8 @@ def forecast(step: Step, floor_s: float, interconnect_s: float = 0.0,
     modelled = sum(terms.values())
     total = max(modelled, interconnect_s)
     calibrated = model.calibrated(step)
-    low, high = _range(total, held_out, calibrated)
-    n = band(held_out, calibrated)[2]
+    low, high = _range(total, held_out, calibrated, step.platform)
+    n = band(held_out, calibrated, step.platform)[2]
     shown = ", ".join(f"{k.replace('_', ' ')} {v * 1e3:.3g} ms" for k, v in terms.items() if v)
     notes = []
     if interconnect_s > modelled:
@@ -89,11 +90,10 @@ def forecast(step: Step, floor_s: float, interconnect_s: float = 0.0,
                                f"{step.chip}: {how}; {shown}"
                                + "".join(f"; {n_}" for n_ in notes) + ")",
             "forecast_confidence": (
-                "80% range: the spread of the method's errors on " + str(n) + " runs of "
-                "sources it had not seen" + ("" if calibrated else
-                                             ", of steps like this one with no run of their "
-                                             "own chip and precision at this width (range "
-                                             "widened)")),
+                f"80% range: the spread of the method's errors on {n} "
+                f"{step.platform.upper()} runs of sources it had not seen"
+                + ("" if calibrated else ", of steps like this one with no run of their own "
+                   "chip and precision at this width (range widened)")),
             "calibration": [p.id for p in runs]}
 
 

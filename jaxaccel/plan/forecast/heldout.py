@@ -18,7 +18,8 @@ MIN_BAND_POINTS = 8
 def _error(model: Model, p: Point) -> dict:
     terms = model.terms(p.step)
     s = None if terms is None else sum(terms.values())
-    return {"id": p.id, "source_group": p.source_group, "forecast_s": s,
+    return {"id": p.id, "source_group": p.source_group, "platform": p.step.platform,
+            "forecast_s": s,
             "error": None if s is None else s / p.published_s - 1,
             "calibrated": model.calibrated(p.step), "how": model.efficiency(p.step)[1]}
 
@@ -47,12 +48,21 @@ def _weighted_quantile(values, weights, q: float) -> float:
     return float(np.interp(q, cum, v))
 
 
-def band(held_out: list[dict], calibrated: bool) -> tuple[float, float, int]:
-    """(10th, 90th percentile, points) of held-out errors of steps like this one (calibrated
-    or not; all where those are fewer than ``MIN_BAND_POINTS``), each source weighing one."""
+def _like(rows: list[dict], key: str, value) -> list[dict]:
+    """The rows whose ``key`` is ``value``, or all where those are fewer than
+    ``MIN_BAND_POINTS``."""
+    like = [r for r in rows if r[key] == value]
+    return like if len(like) >= MIN_BAND_POINTS else rows
+
+
+def band(held_out: list[dict], calibrated: bool, platform: str) -> tuple[float, float, int]:
+    """(10th, 90th percentile, points) of held-out errors of steps like this one, each source
+    weighing one: of its platform's steps (a TPU's range from TPU runs: GPU runs' errors are
+    wider, and a TPU range from both held 96% of the TPU runs), and of those the calibrated or
+    the extrapolated ones as this step is; at each narrowing, all where those are fewer than
+    ``MIN_BAND_POINTS``."""
     rows = [r for r in held_out if r["error"] is not None]
-    like = [r for r in rows if r["calibrated"] == calibrated]
-    rows = like if len(like) >= MIN_BAND_POINTS else rows
+    rows = _like(_like(rows, "platform", platform), "calibrated", calibrated)
     count = {}
     for r in rows:
         count[r["source_group"]] = count.get(r["source_group"], 0) + 1
@@ -62,10 +72,10 @@ def band(held_out: list[dict], calibrated: bool) -> tuple[float, float, int]:
     return lo, hi, len(rows)
 
 
-def published_range(forecast_s: float, held_out: list[dict],
-                    calibrated: bool) -> tuple[float, float]:
+def published_range(forecast_s: float, held_out: list[dict], calibrated: bool,
+                    platform: str) -> tuple[float, float]:
     """The published step's 80% range for a forecast: errors are forecast / published - 1."""
-    lo, hi, _ = band(held_out, calibrated)
+    lo, hi, _ = band(held_out, calibrated, platform)
     return forecast_s / (1 + hi), forecast_s / (1 + lo)
 
 
@@ -93,7 +103,7 @@ def backtest(points: list[Point] | None = None) -> list[dict]:
         for p in (p for p in points if p.source_group == s):
             r = _error(model, p)
             low, high = (None, None) if r["forecast_s"] is None else \
-                published_range(r["forecast_s"], inner, r["calibrated"])
+                published_range(r["forecast_s"], inner, r["calibrated"], p.step.platform)
             rows[p.id] = {
                 "id": p.id, "source_group": s, "chip": p.step.chip,
                 "chip_family": p.chip_family, "platform": p.step.platform,
