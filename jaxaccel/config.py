@@ -38,7 +38,8 @@ BASE: dict[str, Any] = {
     "model": {
         "name": "minilm-l6",        # preset: minilm-l6, bert-base, bert-large, tiny (BERT:
                                     # classification); llama-tiny, llama-cpu, llama-125m,
-                                    # llama-350m, llama-1b (decoders: causal LM); vit-tiny,
+                                    # llama-350m, llama-1b, llama3-8b, llama2-70b (decoders:
+                                    # causal LM); vit-tiny,
                                     # vit-audio-cpu, vit-b16-mae, audiomae-b16 (ViT: MAE,
                                     # classification); models/spec.py
         "checkpoint": "",           # HF checkpoint dir (local or gs://, s3://); "" = the

@@ -457,3 +457,20 @@ def test_a_tokenizer_larger_than_the_vocabulary_is_refused():
     with pytest.raises(ValueError, match=r"the tokenizer 'tok' has 257 tokens but the model's "
                                          r"vocab_size is 256"):
         check_vocab(257, TINY, "tok")
+
+
+@pytest.mark.parametrize("name,published", [("llama3-8b", 8_030_261_248),
+                                            ("llama2-70b", 68_976_648_192)])
+def test_the_presets_at_scale_have_the_published_parameter_counts(name, published):
+    """Meta-Llama-3-8B and Llama-2-70b-hf's parameter counts (their safetensors index's
+    total_size / 2 bytes), from the abstract parameters (nothing allocated) of the preset with
+    one and two of its identical layers (80 built abstractly take ~15 CPU s)."""
+    arch = LLAMA_PRESETS[name]
+
+    def count(layers):
+        spec = ModelSpec(dataclasses.replace(arch, num_hidden_layers=layers))
+        state = nnx.state(nnx.eval_shape(lambda: build_model(spec, "bf16")), nnx.Param)
+        return sum(x.size for x in jax.tree_util.tree_leaves(state))
+
+    one, two = count(1), count(2)
+    assert one + (arch.num_hidden_layers - 1) * (two - one) == published

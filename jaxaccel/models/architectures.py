@@ -228,6 +228,17 @@ LLAMA_PRESETS = {
     "llama-1b": LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632,
                             num_hidden_layers=22, num_attention_heads=32, num_key_value_heads=4,
                             rms_norm_eps=1e-5),
+    # At scale, for plans and the MaxText comparison (bench/maxtext_step.py), not for a CPU:
+    # Meta-Llama-3-8B's config.json (32 layers, d=4096, 32 query / 8 key-value heads, SwiGLU
+    # 14336, a 128,256-token vocabulary, RoPE base 500,000, 8k context) and Llama-2-70b-hf's
+    # (80 layers, d=8192, 64 / 8 heads, SwiGLU 28672, 32k vocabulary, 4k context).
+    "llama3-8b": LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                             num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                             max_position_embeddings=8192, rms_norm_eps=1e-5,
+                             rope_theta=500000.0),
+    "llama2-70b": LlamaConfig(vocab_size=32000, hidden_size=8192, intermediate_size=28672,
+                              num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
+                              max_position_embeddings=4096, rms_norm_eps=1e-5),
 }
 
 
