@@ -20,9 +20,9 @@ import re
 
 import jax
 import numpy as np
-from flax import nnx
 
 from jaxaccel.models import hf
+from jaxaccel.models.abstract import build_abstract
 from jaxaccel.models.architectures import LlamaConfig
 from jaxaccel.models.llama import LlamaForCausalLM
 from jaxaccel.models.spec import ModelSpec
@@ -92,11 +92,11 @@ def load_checkpoint(path, spec: ModelSpec, policy: str | Policy | None = None,
     if missing:
         raise ValueError(f"{path}: the checkpoint lacks tensors the model needs: "
                          f"{missing[:10]}{' ...' if len(missing) > 10 else ''}")
-    # Shapes only, outside any ambient mesh (the trainer loads under its mesh): nnx.eval_shape
+    # Shapes only, outside any ambient mesh (the trainer loads under its mesh): eval_shape
     # would otherwise lay the abstract parameters out by their logical axis names, which are
     # no mesh axes.
     with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
-        model = nnx.eval_shape(lambda: LlamaForCausalLM(spec, policy))
+        model = build_abstract(lambda: LlamaForCausalLM(spec, policy))
     hf.assign(model, tensors, mapping, f"{path}: ")     # every parameter: none is missing
     return model
 

@@ -34,6 +34,7 @@ from jaxaccel.data.spec import DataSpec
 from jaxaccel.forms.packing import Packer
 from jaxaccel.forms.stacked import Stacked, Stacking, stacked_shardings
 from jaxaccel.models import ModelSpec, attention, create_model, model_spec, remat
+from jaxaccel.models.abstract import build_abstract
 from jaxaccel.models.fp8 import Fp8Meta
 from jaxaccel.models.stack import Scan
 from jaxaccel.models.unpad import Capacity
@@ -352,8 +353,7 @@ def assemble(r: Resolved, *, model=None, abstract: bool = False, data: bool = Tr
     """
     if abstract:
         # Outside the mesh: under one, nnx.eval_shape reads the logical axis names as mesh axes.
-        shapes = nnx.eval_shape(lambda: create_model(r.cfg.model, r.policy, r.cfg.seed,
-                                                     r.spec))
+        shapes = build_abstract(lambda: create_model(r.cfg.model, r.policy, r.cfg.seed, r.spec))
         with jax.set_mesh(r.mesh):
             return _abstract(r, shapes)
     if r.training and model is None:

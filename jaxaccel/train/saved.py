@@ -12,6 +12,7 @@ from flax.traverse_util import flatten_dict, unflatten_dict
 
 from jaxaccel import config as config_lib, storage
 from jaxaccel.models import build_model, spec
+from jaxaccel.models.abstract import build_abstract
 from jaxaccel.models.fp8 import Fp8Meta
 from jaxaccel.precision import policy_of
 from jaxaccel.train import rundir
@@ -33,7 +34,7 @@ def load_run(run_dir: str):
         # Shapes only, no random initialisation: every value comes from the checkpoint; outside
         # any ambient mesh (init_from runs under the trainer's), whose axes are no logical ones.
         with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
-            model = nnx.eval_shape(
+            model = build_abstract(
                 lambda: build_model(spec.from_saved(meta["architecture"], cfg.model), policy))
         restored = [(nnx.Param, saved["params"])]
         if policy.fp8:
