@@ -106,6 +106,8 @@ class Sizes:
     plan_models: tuple = ("bert-base", "llama-125m")   # the planner's presets (bert, llama)
     compile_threads: int = 4  # XLA compilations at a time (a GPU host has the cores)
     torch_workers: int = 2    # PyTorch processes compiling at once (one per model family)
+    compiler_options: dict | None = None  # XLA options of every step, plan and bench here
+    torch_threads: int | None = None      # the PyTorch workers' CPU threads (None: torch's)
 
 
 GPU = Sizes(bert=PRESETS["bert-base"], bert_name="bert-base", bert_batches=(32, 256),
@@ -115,6 +117,9 @@ GPU = Sizes(bert=PRESETS["bert-base"], bert_name="bert-base", bert_batches=(32, 
             warmup=3)
 # One layer of everything: the dry run checks code paths, and compiling is its cost. Batches
 # of 8 rows split over the 8 CPU devices the test suite forces (the planner uses them all).
+# XLA:CPU's older fusion emitters compile these programs ~3x faster than its MLIR ones (the
+# fp8 MAE step: 4.6 s of CPU against 13 s), and one PyTorch thread runs the tiny eager steps
+# in ~25 ms where two, spinning on a busy 2-core CI machine, took ~400 ms.
 DRY = Sizes(bert=BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
                             intermediate_size=64),
             bert_name="bert-dry", bert_batches=(8,), bert_seq=8,
@@ -131,7 +136,8 @@ DRY = Sizes(bert=BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_h
             vit_batch=2, attention={"tiny": (1, 64, 2, 32, False, True),
                                     "tiny_causal": (1, 64, 2, 32, True, False)},
             torch_mode="eager", n=2, warmup=1, plan_models=("tiny", "llama-cpu"),
-            compile_threads=2, torch_workers=1)
+            compile_threads=2, torch_workers=1,
+            compiler_options={"xla_cpu_use_fusion_emitters": False}, torch_threads=1)
 
 
 class OutOfTime(Exception):
@@ -175,7 +181,7 @@ class Evidence:
             failed.set_exception(e)
             self.steps[key] = failed
             return
-        self.steps[key] = self.pool.submit(step.compile)
+        self.steps[key] = self.pool.submit(step.compile, self.sizes.compiler_options)
 
     def quiet(self) -> None:
         """Wait until nothing started ahead still runs (compilations, the PyTorch workers'
@@ -307,6 +313,8 @@ def prepare(ev: Evidence, parts: list[str]) -> None:
     if "smoke" in parts:
         start_smoke(ev)
     env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
+    if s.torch_threads:
+        env["OMP_NUM_THREADS"] = str(s.torch_threads)
     specs = {"bert": [{"key": f"bert/{b}/torch", "kind": "bert", "batch": b,
                        "seq": s.bert_seq, "mode": s.torch_mode, "attention_dropout": 0.0,
                        "config": dataclasses.asdict(s.bert)} for b in s.bert_batches],
@@ -338,7 +346,7 @@ def prepare(ev: Evidence, parts: list[str]) -> None:
                 step_bench.mae_lowered, s.vit[1], policy, mae_attention(), s.vit_batch))
     if "planner" in parts:
         for part, config, sets, _ in plan_cases(s):
-            ev.plans[part] = ev.pool.submit(make_plan, config, sets)
+            ev.plans[part] = ev.pool.submit(make_plan, config, sets, s.compiler_options)
 
 
 # ---- the parts ----------------------------------------------------------------------------
@@ -456,9 +464,10 @@ def plan_cases(s: Sizes) -> list[tuple]:
          {"model": lm, "batch": s.lm_batch, "seq": s.lm_seq})]
 
 
-def make_plan(config: str, sets: list[str]):
+def make_plan(config: str, sets: list[str], compiler_options: dict | None):
     from jaxaccel import plan
-    return plan.make_plan(os.path.join(ROOT, config), sets, "local")
+    return plan.make_plan(os.path.join(ROOT, config), sets, "local",
+                          compiler_options=compiler_options)
 
 
 def planner(ev: Evidence) -> None:
@@ -494,7 +503,8 @@ def attention(ev: Evidence) -> None:
     ev.quiet()
     for shape, dims in ev.sizes.attention.items():
         ev.need(20, f"attention {shape}")
-        for row in attention_bench.measure({shape: dims}, ev.sizes.n, ev.sizes.warmup):
+        for row in attention_bench.measure({shape: dims}, ev.sizes.n, ev.sizes.warmup,
+                                           compiler_options=ev.sizes.compiler_options):
             ev.add("attention", {k: row[k] for k in ("shape", "mode", "B", "S", "H", "D",
                                                      "causal", "dtype")}, lambda row=row: row)
 
@@ -503,7 +513,8 @@ def adan(ev: Evidence) -> None:
     """The optimizer bench on the BERT-base tree (bench/optimizer.py)."""
     ev.quiet()
     ev.need(45, "adan")
-    rows, about = optimizer_bench.measure(ev.sizes.bert, ev.sizes.n, warmup=ev.sizes.warmup)
+    rows, about = optimizer_bench.measure(ev.sizes.bert, ev.sizes.n, warmup=ev.sizes.warmup,
+                                          compiler_options=ev.sizes.compiler_options)
     for row in rows:
         ev.add("adan", {"model": ev.sizes.bert_name, **about}, lambda row=row: row)
 
