@@ -147,6 +147,16 @@ DRY = Sizes(bert=BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_h
             compiler_options={"xla_cpu_use_fusion_emitters": False}, torch_threads=1)
 
 
+def dry_sizes() -> Sizes:
+    """``DRY``, without its XLA options where this jaxlib lacks them (jax 0.12's XLA:CPU has
+    only the MLIR fusion emitters)."""
+    try:
+        jax.jit(lambda: 0, compiler_options=DRY.compiler_options).lower().compile()
+    except jax.errors.JaxRuntimeError:
+        return dataclasses.replace(DRY, compiler_options=None)
+    return DRY
+
+
 class OutOfTime(Exception):
     """The budget leaves no room for the next row."""
 
@@ -587,7 +597,8 @@ def main(argv=None) -> int:
     if not args.cpu_dry_run and jax.default_backend() != "gpu":
         ap.error(f"the default backend is {jax.default_backend()!r}, not a GPU: run with "
                  "--cpu-dry-run to check the script without one")
-    ev = Evidence(args.out, args.budget_s, DRY if args.cpu_dry_run else GPU, args.cpu_dry_run)
+    ev = Evidence(args.out, args.budget_s, dry_sizes() if args.cpu_dry_run else GPU,
+                  args.cpu_dry_run)
     try:
         prepare(ev, parts)
         run_parts(ev, parts)
