@@ -59,10 +59,11 @@ def implementations(platform, only=None):
             if only is None or name in only}
 
 
-def measure(shapes: dict, n: int = 20, warmup: int = 3, only=None) -> list[dict]:
+def measure(shapes: dict, n: int = 20, warmup: int = 3, only=None,
+            compiler_options: dict | None = None) -> list[dict]:
     """One row per shape, implementation and mode (fwd, fwd+bwd) of ``shapes`` (name ->
     ``(B, S, H, D, causal, padded)``), bf16 inputs, every implementation this platform times
-    (or those in ``only``)."""
+    (or those in ``only``), compiled with the XLA options ``compiler_options``."""
     platform = registry.platform()
     peak = mfu_peak(device_kind(), "bf16")
     rows = []
@@ -73,8 +74,9 @@ def measure(shapes: dict, n: int = 20, warmup: int = 3, only=None) -> list[dict]
         flops_fwd = 4 * b * h * s * s * d / (2 if causal else 1)
         for impl_name, impl in implementations(platform, only).items():
             attn = functools.partial(impl, key_lengths=lengths, causal=causal)
-            fwd = jax.jit(attn)
-            fwd_bwd = jax.jit(lambda q, k, v, do: jax.vjp(attn, q, k, v)[1](do))
+            fwd = jax.jit(attn, compiler_options=compiler_options)
+            fwd_bwd = jax.jit(lambda q, k, v, do: jax.vjp(attn, q, k, v)[1](do),
+                              compiler_options=compiler_options)
             try:
                 out = fwd(q, k, v).astype(jnp.float32)
             except NotImplementedError as e:

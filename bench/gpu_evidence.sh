@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# GPU evidence on a GPU machine, from any folder (bench/gpu_evidence.py says what it measures):
+# GPU evidence on a GPU machine, from any folder (bench/gpu_evidence.py says what it measures
+# and, per part, its plan within the 7 minutes of device time the default --budget-s 400 keeps):
 #
 #   bash bench/gpu_evidence.sh OUT_DIR [--budget-s 400] [--parts smoke,bert,...]
 #

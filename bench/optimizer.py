@@ -116,10 +116,11 @@ def kernel_sweep(args) -> list:
 
 
 def measure(config: BertConfig, n: int = 20, interpret: bool = False, sweep=(None,),
-            warmup: int = 3, only=("",)) -> tuple[list[dict], dict]:
+            warmup: int = 3, only=("",), compiler_options: dict | None = None
+            ) -> tuple[list[dict], dict]:
     """``(rows, about)``: one row per optimizer implementation updating the tree of
     ``config`` (``about``: parameters, leaves); ``only``: the prefixes of the rows' names to
-    time."""
+    time; ``compiler_options``: XLA options the updates are compiled with."""
     params = bert_params(config)
     leaves = jax.tree_util.tree_leaves(params)
     num = sum(x.size for x in leaves)
@@ -145,7 +146,8 @@ def measure(config: BertConfig, n: int = 20, interpret: bool = False, sweep=(Non
         def train_update(g, state, p, tx=tx):
             u, state = tx.update(g, state, p)
             return optax.apply_updates(p, u), state
-        update = jax.jit(train_update, donate_argnums=(1, 2))
+        update = jax.jit(train_update, donate_argnums=(1, 2),
+                         compiler_options=compiler_options)
         box = [tx.init(params), jax.tree_util.tree_map(jnp.copy, params)]
         compiled = update.lower(grads, *box).compile()
 
@@ -157,7 +159,7 @@ def measure(config: BertConfig, n: int = 20, interpret: bool = False, sweep=(Non
     for name, tx in onepass_rows(kernels(interpret), list(sweep)).items():
         if not name.startswith(tuple(only)):
             continue
-        apply = jax.jit(tx.apply, donate_argnums=(1, 2))
+        apply = jax.jit(tx.apply, donate_argnums=(1, 2), compiler_options=compiler_options)
         flat_params = tx.flatten(params)
         flat_grads = tx.flatten(grads).buffers     # in a training step the gradient is flat
         box = [tx.init(flat_params), flat_params]

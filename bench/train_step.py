@@ -86,15 +86,16 @@ def lm_batch_of(config, batch, seq):
 
 class Step:
     """The trainer's train step lowered for one fixed batch, holding its state: ``compile()``
-    (may run in a thread: XLA compiles without the GIL), then ``run(data)`` steps the state with
-    the compiled executable (donated, as the trainer does)."""
+    (may run in a thread: XLA compiles without the GIL; ``compiler_options``: XLA options to
+    compile with), then ``run(data)`` steps the state with the compiled executable (donated, as
+    the trainer does)."""
 
     def __init__(self, trainer, data, lowered):
         self.state, self.data, self.lowered = trainer.state, data, lowered
         self.compiled = self.hlo = None
 
-    def compile(self) -> "Step":
-        self.compiled = self.lowered.compile()
+    def compile(self, compiler_options: dict | None = None) -> "Step":
+        self.compiled = self.lowered.compile(compiler_options)
         self.hlo = self.compiled.as_text()
         return self
 
