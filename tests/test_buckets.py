@@ -48,14 +48,30 @@ def losses(fs, run_url) -> dict[int, float]:
     return {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}
 
 
+@pytest.fixture(scope="module")
+def trained_in_bucket(gcs_server, s3_server, tmp_path_factory):
+    """``trained_in_bucket(scheme)``: the tiny run trained 4 steps into a new bucket of that
+    scheme's server by a command run in a new empty folder, once a module (the tests that read
+    such a run share it): (server, bucket, the command's result, that folder)."""
+    runs = {}
+
+    def trained(scheme):
+        if scheme not in runs:
+            server = gcs_server if scheme == "gs" else s3_server
+            bucket, cwd = server.create_bucket(), tmp_path_factory.mktemp(f"cwd-{scheme}")
+            out = train(server, f"{bucket}/runs", "train.max_steps=4", cwd=cwd)[0]
+            runs[scheme] = server, bucket, json.loads(out), cwd
+        return runs[scheme]
+    return trained
+
+
 @pytest.mark.parametrize("scheme", ["gs", "s3"])
-def test_a_run_lives_in_a_bucket(scheme, request, tmp_path):
+def test_a_run_lives_in_a_bucket(scheme, trained_in_bucket):
     """Trained, resumed (a longer run; gs), evaluated, asked to predict (gs) and exported with
     every file in the bucket; nothing is written to the local folder the commands run in."""
-    server = request.getfixturevalue("gcs_server" if scheme == "gs" else "s3_server")
-    fs, bucket = server.filesystem(), server.create_bucket()
+    server, bucket, first, tmp_path = trained_in_bucket(scheme)
+    fs = server.filesystem()
     run = f"{bucket}/runs/tiny_synthetic"
-    first = json.loads(train(server, f"{bucket}/runs", "train.max_steps=4", cwd=tmp_path)[0])
     assert first["status"] == "completed" and first["checkpoint_dir"] == f"{run}/checkpoints"
     end = 4
     if scheme == "gs":      # s3's resume: the two processes' test below
@@ -296,15 +312,18 @@ def test_gcs_without_credentials_or_a_role_is_one_line_naming_which(status, tmp_
         assert "permission denied on gs://a-bucket" in err and "roles/storage" in err
 
 
-def test_a_read_only_bucket_is_refused_for_training_and_read_for_eval(s3_server, tmp_path):
-    bucket = s3_server.create_bucket()
-    train(s3_server, f"{bucket}/runs", "train.max_steps=2")
+def test_a_read_only_bucket_is_refused_for_training_and_read_for_eval(trained_in_bucket):
+    """The module's S3 run (4 steps), copied into a bucket of its own that is then made
+    read-only: a longer run is refused before anything is compiled; eval reads it."""
+    s3_server, source, _, _ = trained_in_bucket("s3")
+    fs, bucket = s3_server.filesystem(), s3_server.create_bucket()
+    fs.copy(f"{source}/runs/tiny_synthetic", f"{bucket}/runs/tiny_synthetic", recursive=True)
     s3_server.deny_writes(bucket.split("://")[1])
-    _, err = train(s3_server, f"{bucket}/runs", "train.max_steps=4", status=cli.EXIT_ERROR)
+    _, err = train(s3_server, f"{bucket}/runs", "train.max_steps=6", status=cli.EXIT_ERROR)
     assert "permission denied" in err and "compiled" not in err, err[-2000:]
     evaluated = json.loads(jaxaccel(s3_server, "eval", "--checkpoint",
                                     f"{bucket}/runs/tiny_synthetic")[0])
-    assert evaluated["step"] == 2
+    assert evaluated["step"] == 4
 
 
 def test_an_unreachable_endpoint_is_one_line(s3_server, tmp_path):

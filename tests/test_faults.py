@@ -56,6 +56,15 @@ def evaluate(run_dir):
     return json.loads(proc.stdout), proc.stderr.decode()
 
 
+def evaluate_here(run_dir, capsys, caplog):
+    """``jaxaccel eval`` in this process, where no trainer runs (the process boundary is not
+    what the caller tests): its result, and its stderr and log lines."""
+    code = cli.main(["eval", "--checkpoint", run_dir])
+    out, err = capsys.readouterr()
+    assert code == 0, err + caplog.text
+    return json.loads(out), err + caplog.text
+
+
 def steps(run_dir):
     return sorted(int(s) for s in os.listdir(os.path.join(run_dir, "checkpoints"))
                   if s.isdigit())
@@ -271,11 +280,11 @@ def _truncate_largest(folder):
         f.truncate(os.path.getsize(victim) // 3)
 
 
-def test_corrupt_latest_checkpoint_falls_back(run_copy):
+def test_corrupt_latest_checkpoint_falls_back(run_copy, capsys, caplog):
     """Item 4: a truncated data file of the newest step: eval and resume use step 16, naming
     the skipped step; resume sets it aside and saves step 32 again."""
     _truncate_largest(os.path.join(run_copy, "checkpoints", "32", "state"))
-    ev, err = evaluate(run_copy)
+    ev, err = evaluate_here(run_copy, capsys, caplog)
     assert ev["step"] == 16 and "step 32" in err and "skipped" in err, err
     proc = jaxaccel(*train_args(os.path.dirname(run_copy)))
     assert proc.returncode == 0, text(proc)
@@ -376,20 +385,21 @@ def test_second_ctrl_c_aborts():
     assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
 
 
-def test_predict_at_scale(trained, tmp_path):
+def test_predict_at_scale(trained, tmp_path, capsys):
     """Items 8 and 11: texts from a file, batched, JSON lines in input order; a non-UTF-8 line
-    is reported and the other texts are still classified."""
+    is reported and the other texts are still classified. (In process: no trainer runs.)"""
     lines = [f'review "{i}"\t' + "word " * (i % 40) for i in range(300)]
     data = "\n".join(lines[:150]).encode() + b"\nbad \xff\xfe bytes\n" + \
         "\n".join(lines[150:]).encode() + b"\n"
     path = tmp_path / "texts.txt"
     path.write_bytes(data)
-    proc = jaxaccel("predict", "--checkpoint", trained, "--input", str(path),
-                    "--batch-size", "64")
-    assert proc.returncode == cli.EXIT_ERROR, text(proc)
-    records = [json.loads(line) for line in proc.stdout.decode().splitlines()]
+    code = cli.main(["predict", "--checkpoint", trained, "--input", str(path),
+                     "--batch-size", "64"])
+    out, err = capsys.readouterr()
+    assert code == cli.EXIT_ERROR, out + err
+    records = [json.loads(line) for line in out.splitlines()]
     assert [r["index"] for r in records] == list(range(301))
-    assert "not valid UTF-8" in records[150]["error"] and "input 150" in proc.stderr.decode()
+    assert "not valid UTF-8" in records[150]["error"] and "input 150" in err
     good = records[:150] + records[151:]
     assert [r["text"] for r in good] == lines
     assert all(r["label"] in ("0", "1") and 0.5 <= r["probability"] <= 1 for r in good)
@@ -459,7 +469,8 @@ def test_occupied_output_path_is_a_clear_error(capsys, tmp_path):
 FP16_DIVERGING = ("precision.policy=fp16", "train.learning_rate=1e30")
 
 
-def test_fp16_nan_loss_is_divergence_and_the_last_good_checkpoint_evaluates(tmp_path):
+def test_fp16_nan_loss_is_divergence_and_the_last_good_checkpoint_evaluates(tmp_path, capsys,
+                                                                            caplog):
     """Item 1: under fp16 a NaN loss was taken for an overflow (skipped step), 25 of them
     stopped the run and the NaN-giving checkpoint of step 26 was called good."""
     proc = jaxaccel(*train_args(tmp_path, *FP16_DIVERGING, "train.checkpoint_every=1"))
@@ -469,7 +480,7 @@ def test_fp16_nan_loss_is_divergence_and_the_last_good_checkpoint_evaluates(tmp_
     run_dir = str(tmp_path / "tiny_synthetic")
     assert result["last_good_checkpoint"] == 1 and steps(run_dir) == [1], result
     assert os.path.isdir(os.path.join(run_dir, "skipped_checkpoints", "2"))
-    ev, _ = evaluate(run_dir)
+    ev, _ = evaluate_here(run_dir, capsys, caplog)
     assert ev["step"] == 1 and math.isfinite(ev["loss"]), ev
 
 
