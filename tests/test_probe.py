@@ -153,13 +153,10 @@ LM_CONFIG = os.path.join(CONFIGS, "canterbury_lm.py")
 
 
 @pytest.fixture(scope="module")
-def corpus_dir(tmp_path_factory):
+def corpus_dir(tmp_path_factory, brotli_sdist):
     from jaxaccel.data import canterbury
     tmp = tmp_path_factory.mktemp("canterbury")
-    sdist = canterbury.pip_download(canterbury.SDIST_REQUIREMENT, canterbury.SDIST_NAME,
-                                    canterbury.SDIST_SHA256, canterbury.SOURCE_ENV,
-                                    str(tmp / "brotli"))
-    canterbury.prepare(str(tmp / "tfds"), source=sdist)
+    canterbury.prepare(str(tmp / "tfds"), source=brotli_sdist)
     return str(tmp / "tfds")
 
 

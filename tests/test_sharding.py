@@ -27,6 +27,25 @@ def first_batch(run):
 
 
 @pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """``built(mesh, devices, *sets)``: ``build``'s run, built once for the module, so that the
+    tests of one mesh trace and compile its steps once; each call hands it back with a fresh
+    copy of the state it was built with (the train step donates the state it is given)."""
+    runs = {}
+
+    def get(mesh, devices=8, *sets):
+        key = (mesh, devices, sets)
+        if key not in runs:
+            run = build(tmp_path_factory.mktemp("built"), mesh, devices, *sets)
+            runs[key] = run, run.state
+        run, state = runs[key]
+        run.state = jax.tree_util.tree_map(
+            lambda x: jax.device_put(x, x.sharding, may_alias=False), state)
+        return run
+    return get
+
+
+@pytest.fixture(scope="module")
 def unsharded(tmp_path_factory):
     run = build(tmp_path_factory.mktemp("one"), (1, 1, 1), 1)
     losses, state = train_steps(run)
@@ -56,8 +75,8 @@ def assert_same_training(run, reference):
 
 @pytest.mark.parametrize("mesh,devices", [((8, 1, 1), 8), ((1, 8, 1), 8), ((1, 1, 4), 4),
                                           ((2, 2, 2), 8)])
-def test_sharded_steps_equal_unsharded(tmp_path, unsharded, mesh, devices):
-    assert_same_training(build(tmp_path, mesh, devices), unsharded)
+def test_sharded_steps_equal_unsharded(built, unsharded, mesh, devices):
+    assert_same_training(built(mesh, devices), unsharded)
 
 
 def adan_buffers(state):
@@ -72,11 +91,11 @@ def adan_buffers(state):
     ((1, 1, 4), 4, [], 4),                           # Megatron tensor parallel
     ((2, 2, 2), 8, ["sharding.zero1=true"], 8),      # all three, ZeRO-1 over data
 ])
-def test_fused_adan_under_every_strategy_equals_one_device(tmp_path, unsharded_adan, mesh,
+def test_fused_adan_under_every_strategy_equals_one_device(built, unsharded_adan, mesh,
                                                           devices, sets, blocks):
     """The Pallas Adan kernel runs on each device's own shards: the flat state is split over
     the devices (``blocks`` distinct pieces, none replicated), and training equals 1 device."""
-    run = build(tmp_path, mesh, devices, *ADAN, *sets)
+    run = built(mesh, devices, *ADAN, *sets)
     for buf in adan_buffers(run.state):
         pieces = {s.index[0].start for s in buf.addressable_shards}
         assert len(pieces) == blocks, (buf.sharding, pieces)
@@ -85,11 +104,11 @@ def test_fused_adan_under_every_strategy_equals_one_device(tmp_path, unsharded_a
 
 
 @pytest.mark.parametrize("mesh,devices", [((1, 8, 1), 8), ((1, 1, 4), 4), ((2, 2, 2), 8)])
-def test_fused_adan_update_gathers_nothing(tmp_path, mesh, devices):
+def test_fused_adan_update_gathers_nothing(built, mesh, devices):
     """Under FSDP / tensor parallelism the optimizer update is local: its compiled program has
     no all-gather (only the gradient norm's all-reduce), and each device holds 1/(fsdp x tensor)
     of the state (replicated over data, like the parameters)."""
-    run = build(tmp_path, mesh, devices, *ADAN)
+    run = built(mesh, devices, *ADAN)
     p_sh = run.state_shardings.params
     update = jax.jit(run.tx.update, in_shardings=(p_sh, run.state_shardings.opt_state, p_sh))
     hlo = update.lower(run.state.params, run.state.opt_state, run.state.params).compile() \
@@ -113,8 +132,8 @@ def test_zero1_shards_only_the_optimizer_state(tmp_path, unsharded):
     assert state.params["layers"][0]["intermediate"]["kernel"].sharding.is_fully_replicated
 
 
-def test_parameter_shardings_follow_the_rules(tmp_path):
-    run = build(tmp_path, (2, 2, 2))
+def test_parameter_shardings_follow_the_rules(built):
+    run = built((2, 2, 2))
     p = run.state.params
     layer = p["layers"][0]
     expected = {
@@ -136,12 +155,12 @@ def test_parameter_shardings_follow_the_rules(tmp_path):
     assert mu.sharding.spec == P("fsdp", "tensor")
 
 
-def test_fsdp_lowers_memory_per_device(tmp_path):
+def test_fsdp_lowers_memory_per_device(built):
     """Per-device argument bytes of the compiled step: FSDP-8 holds < 1/4 of what
     data-parallel-8 holds, and a tensor-parallel (1, 2, 4) mesh less than half."""
     sizes = {}
     for mesh in ((8, 1, 1), (1, 8, 1), (1, 2, 4)):
-        run = build(tmp_path, mesh)
+        run = built(mesh)
         sizes[mesh] = run.train_step.lower(run.state, first_batch(run)).compile() \
             .memory_analysis().argument_size_in_bytes
     assert sizes[(1, 8, 1)] < sizes[(8, 1, 1)] / 4, sizes
@@ -292,16 +311,16 @@ def test_bert_base_train_step_compiles_for_8_chips_with_per_chip_memory_as_shard
 
 
 @pytest.mark.parametrize("sets,source", [((), (8, 1, 1)), (ADAN, (1, 8, 1))])
-def test_checkpoint_restores_onto_another_mesh(tmp_path, sets, source):
+def test_checkpoint_restores_onto_another_mesh(tmp_path, built, sets, source):
     """Parameters and optimizer state (for the flat Adan state: its per-parameter form) come
     back identical on other meshes and device counts, laid out for the target mesh."""
-    run = build(tmp_path, source, 8, *sets)
+    run = built(source, 8, *sets)
     _, state = train_steps(run, 2)
     ckpt = Checkpointer(str(tmp_path / "ck"))
     ckpt.save(2, on_disk(state), {"epoch": 0})
     saved = jax.device_get(on_disk(state))
     for mesh, devices in (((2, 2, 2), 8), ((1, 1, 4), 4)):
-        target = build(tmp_path, mesh, devices, *sets)
+        target = built(mesh, devices, *sets)
         restored, meta = restore_state(ckpt, target.state, target.state_shardings)
         kernel = restored.params["layers"][0]["intermediate"]["kernel"]
         assert kernel.sharding == target.state_shardings.params["layers"][0]["intermediate"][
