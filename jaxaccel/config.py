@@ -183,6 +183,9 @@ BASE: dict[str, Any] = {
         "max_consecutive_skips": 25,  # fp16: stop the run after this many skipped steps in a
                                     # row (non-finite gradients at every scale tried)
         "fp8_amax_history": 1024,   # fp8: steps of amax history per scale (Transformer Engine)
+        "logits_dtype": "float32",  # causal LM: float32 | bfloat16, the dtype the head's matmul
+                                    # writes the logits (and their gradient) in; the loss is
+                                    # float32 either way (bfloat16: MaxText's default)
     },
     "mesh": {                       # device mesh; -1 fills the remaining devices
         "data": -1,                 # pure data parallel: batch split, params replicated

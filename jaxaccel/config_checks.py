@@ -172,6 +172,9 @@ def _check_precision(p) -> None:
     if p.loss_scale_init <= 0:
         raise ValueError(f"precision.loss_scale_init={p.loss_scale_init} must be > 0 "
                          "(e.g. 32768.0).")
+    if p.logits_dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"precision.logits_dtype={p.logits_dtype!r}: use 'float32' or "
+                         "'bfloat16'.")
 
 
 def _check_mesh(mesh) -> None:

@@ -62,6 +62,10 @@ class Policy:
         although its other compute is bfloat16.
       compute_activations: the activations in ``compute_dtype`` (``activation_dtype``), else
         float32.
+      logits_dtype: the dtype a causal LM's head matmul writes its logits in
+        (``precision.logits_dtype``): float32, or bfloat16 as MaxText's default (its
+        ``logits_dense`` in the compute dtype, then ``cast_logits_to_fp32``), which halves the
+        logits and their gradient; the log-softmax and the loss read them in float32 either way.
     """
 
     name: str
@@ -73,6 +77,7 @@ class Policy:
     amax_history_length: int = 1024
     matmul_dtype: str = "float32"
     compute_activations: bool = False
+    logits_dtype: jnp.dtype = jnp.float32
 
     @property
     def activation_dtype(self):
@@ -119,9 +124,10 @@ def get_policy(policy: str | Policy | None) -> Policy:
 
 def policy_of(precision) -> Policy:
     """The run's policy from the config's ``precision`` section: the named policy with the
-    section's fp8 amax history. The one place a run's ``Policy`` is made."""
+    section's fp8 amax history and logits dtype. The one place a run's ``Policy`` is made."""
     return dataclasses.replace(get_policy(precision.policy),
-                               amax_history_length=precision.fp8_amax_history)
+                               amax_history_length=precision.fp8_amax_history,
+                               logits_dtype=jnp.dtype(precision.logits_dtype))
 
 
 class LossScale(struct.PyTreeNode):

@@ -131,3 +131,26 @@ def test_other_tasks_keep_their_logits_whole():
 def test_chunks_that_cannot_apply_are_refused(sets, message):
     with pytest.raises(ValueError, match=message):
         run_lib.resolve(config.build(sets=sets), DEVICES[:1])
+
+
+def test_bf16_logits_are_opt_in_and_the_loss_stays_float32(tmp_path):
+    """``precision.logits_dtype``: float32 by default, whose head is the float32 matmul alone
+    (the same program, so the same numbers, as before the setting); bfloat16 (MaxText's
+    default) writes the head matmul's output and its gradient in bf16 and the loss reads them
+    in float32: the step's losses move by a rounding, whole logits or chunked alike."""
+    assert config.build(sets=[]).precision.logits_dtype == "float32"
+    h, kernel = jnp.ones((2, 4, 8), jnp.bfloat16), jnp.ones((8, 32), jnp.bfloat16)
+    matmul = lambda h, k: jnp.einsum("th,hv->tv", h.reshape(-1, 8), k,
+                                     preferred_element_type=jnp.float32).reshape(2, 4, -1)
+    assert str(jax.make_jaxpr(head_logits)(h, kernel)) == str(jax.make_jaxpr(matmul)(h, kernel))
+    grads = jax.make_jaxpr(jax.grad(lambda h, k: head_logits(h, k, jnp.bfloat16)
+                                    .astype(jnp.float32).sum(), argnums=(0, 1)))(h, kernel)
+    assert "bf16[8,32] = convert_element_type" in str(grads)      # logits, then their gradient
+    whole, chunked = (_steps(_run(tmp_path, "precision.logits_dtype=bfloat16", *sets))
+                      for sets in ((), ("train.loss_chunks=4",)))
+    fp32 = _steps(_run(tmp_path))
+    assert whole[0] != fp32[0]
+    np.testing.assert_allclose(whole[0], fp32[0], rtol=1e-2)
+    np.testing.assert_allclose(chunked[0], whole[0], rtol=1e-5)
+    with pytest.raises(ValueError, match="use 'float32' or 'bfloat16'"):
+        config.build(sets=["precision.logits_dtype=float16"])

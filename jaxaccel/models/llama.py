@@ -301,7 +301,8 @@ class LlamaForCausalLM(FamilyModel):
     def __call__(self, input_ids, positions=None, segment_ids=None, *,
                  cache: KVCache | None = None, deterministic: bool = True,
                  rngs: nnx.Rngs | None = None, stack=None, head: bool = True) -> LlamaOutput:
-        """float32 logits [batch, seq, vocab] of every position (``head=False``: none, but
+        """Logits [batch, seq, vocab] of every position (``policy.logits_dtype``: float32
+        unless set) (``head=False``: none, but
         the normed last hidden states in the compute dtype, ``hidden``, whose logits are
         ``hidden @ head_kernel()``: a loss taken over chunks of them, ``train.tasks``).
 
@@ -343,7 +344,8 @@ class LlamaForCausalLM(FamilyModel):
             tuple(k for k, _ in new_kv), tuple(v for _, v in new_kv), kv_segments, start + s)
         if not head:
             return LlamaOutput(logits=None, cache=new_cache, hidden=h)
-        return LlamaOutput(logits=head_logits(h, self.head_kernel()), cache=new_cache)
+        return LlamaOutput(logits=head_logits(h, self.head_kernel(), self.policy.logits_dtype),
+                           cache=new_cache)
 
     def head_kernel(self):
         """The LM head's [hidden, vocab] matrix in the compute dtype (the embeddings' transpose
@@ -353,11 +355,13 @@ class LlamaForCausalLM(FamilyModel):
         return self.policy.cast_to_compute(head)
 
 
-def head_logits(h, kernel):
-    """float32 logits [..., vocab] of hidden states ``h`` [..., hidden], one [tokens, hidden]
-    matmul (``_per_token``'s reason)."""
+def head_logits(h, kernel, dtype=jnp.float32):
+    """Logits [..., vocab] of hidden states ``h`` [..., hidden], one [tokens, hidden] matmul
+    (``_per_token``'s reason) accumulated in float32 and written in ``dtype``
+    (``Policy.logits_dtype``; their gradient is rounded to it too)."""
     return jnp.einsum("th,hv->tv", h.reshape(-1, h.shape[-1]), kernel,
-                      preferred_element_type=jnp.float32).reshape(*h.shape[:-1], -1)
+                      preferred_element_type=jnp.float32).astype(dtype) \
+        .reshape(*h.shape[:-1], -1)
 
 
 __all__ = ["FP8_GROUPS", "KVCache", "LlamaForCausalLM", "LlamaOutput", "head_logits", "rope",

@@ -172,17 +172,18 @@ def _lm_logits(model: FamilyModel, batch, deterministic, rngs, stack=None):
 @struct.dataclass
 class LMHead:
     """A causal LM's last hidden states [B, L, hidden] and head [hidden, vocab] (compute
-    dtype): its logits, not yet made (``with_loss_chunks``)."""
+    dtype): its logits in ``logits_dtype``, not yet made (``with_loss_chunks``)."""
 
     hidden: jax.Array
     kernel: jax.Array
+    logits_dtype: jnp.dtype = struct.field(pytree_node=False, default=jnp.float32)
 
 
 def _lm_head(model: FamilyModel, batch, deterministic, rngs, stack=None):
     out = model(batch["input_ids"], positions=batch["positions"],
                 segment_ids=batch["segment_ids"], deterministic=deterministic, rngs=rngs,
                 stack=stack, head=False)
-    return LMHead(out.hidden, model.head_kernel())
+    return LMHead(out.hidden, model.head_kernel(), model.policy.logits_dtype)
 
 
 def _chunked_sums(out: LMHead, batch, chunks: int):
@@ -195,7 +196,8 @@ def _chunked_sums(out: LMHead, batch, chunks: int):
     @jax.checkpoint
     def body(total, xs):
         h, targets, weights = xs
-        sums = _weighted_sums(head_logits(h, out.kernel), targets, weights)
+        logits = head_logits(h, out.kernel, out.logits_dtype).astype(jnp.float32)
+        sums = _weighted_sums(logits, targets, weights)
         return tuple(t + s for t, s in zip(total, sums)), None
     zero = jnp.zeros((), jnp.float32)
     total, _ = jax.lax.scan(body, (zero, zero, zero),
