@@ -253,6 +253,16 @@ def name(side: str, a) -> str:
     return f"{side}[{','.join(a.ours_set)}]" if side == "jaxaccel" and a.ours_set else side
 
 
+def result_name(a, sides: list[str]) -> str:
+    """The result file's name: the model, target and mesh, then the sides where not all ran
+    and each ``--ours-set``'s last key and value (``...-fsdp16-jaxaccel-loss_chunks8.json``),
+    so a run of one variant does not overwrite the comparison."""
+    parts = [a.model, a.topology, a.mesh.replace(",", "-")]
+    parts += ["+".join(sides)] if sides != list(SIDES) else []
+    parts += [s.rpartition(".")[2] for s in a.ours_set]
+    return "maxtext-" + "-".join(parts).replace("=", "") + ".json"
+
+
 def setting(a):
     """``(target, our config, our model spec)`` of the flags."""
     from jaxaccel.plan import topology
@@ -542,8 +552,7 @@ def report(a, argv: list[str], sides: list[str], reused: list[str]) -> None:
                                                                    a.topology, scan=True),
               "commands": commands([x for x in argv if x != "--reuse"]), "rows": rows}
     os.makedirs(a.out, exist_ok=True)
-    path = os.path.join(a.out, f"maxtext-{a.model}-{a.topology}-{a.mesh.replace(',', '-')}"
-                               .replace("=", "") + ".json")
+    path = os.path.join(a.out, result_name(a, sides))
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
     print(table(rows) + "\n\n" + peaks(rows))

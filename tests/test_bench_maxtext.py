@@ -70,3 +70,14 @@ Total bytes: 4604925440 (4.29GiB)
         {"bytes": 704 * 2 ** 20, "values": "5×bf16[22,4,2048,2048]"},
         {"bytes": 500 * 2 ** 20, "values": "bf16[4,2048,32000]"}]
     assert maxtext_step._bytes("1.50GiB") == 3 * 2 ** 29
+
+
+def test_a_variant_of_one_side_does_not_overwrite_the_comparison():
+    """The result file names the sides that ran and our settings, so rerunning our side with
+    ``--ours-set`` leaves the side-by-side file as it was (issue 58 lost one that way)."""
+    a = SimpleNamespace(model="llama3-8b", topology="v5p-32", mesh="fsdp=16", ours_set=[])
+    both = maxtext_step.result_name(a, list(maxtext_step.SIDES))
+    assert both == "maxtext-llama3-8b-v5p-32-fsdp16.json"
+    a.ours_set = ["train.loss_chunks=8"]
+    assert maxtext_step.result_name(a, ["jaxaccel"]) == \
+        "maxtext-llama3-8b-v5p-32-fsdp16-jaxaccel-loss_chunks8.json"
