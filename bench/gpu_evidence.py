@@ -474,9 +474,11 @@ def plan_cases(s: Sizes) -> list[tuple]:
     bert_model, lm = s.plan_models
     batch = s.bert_batches[-1]
     common = ["precision.policy=bf16", "train.max_steps=100", "model.attention_dropout=0.0"]
+    # Whole rows (train.unpad=false), as the measured step (bench/train_step.py) runs them: the
+    # same work.
     return [("bert", "configs/bert_base_imdb.py", [
         f"model.name={bert_model}", f"train.batch_size={batch}", f"data.max_len={s.bert_seq}",
-        f"model.attention_impl={'pallas' if gpu else 'xla'}", *common],
+        f"model.attention_impl={'pallas' if gpu else 'xla'}", "train.unpad=false", *common],
         {"model": s.bert_name, "batch": batch, "seq": s.bert_seq}),
         ("decoder", "configs/canterbury_lm.py", [
             f"model.name={lm}", f"train.batch_size={s.lm_batch}", f"data.max_len={s.lm_seq}",
