@@ -54,8 +54,8 @@ which the GPU image lacks, so ours at fp8 stands beside PyTorch at bf16.
 In ``--cpu-dry-run`` every part runs its code on tiny one-layer models (BERT, Llama, ViT-MAE),
 PyTorch eager in one single-threaded worker, ``pytest --collect-only`` for the smoke tests,
 everything compiled with XLA:CPU's faster-compiling older fusion emitters (``DRY``), and writes
-its rows; none of its times is a result. It takes ~75 s of CPU (the test,
-tests/test_bench.py), not 130 s as before these choices.
+its rows; none of its times is a result. It takes ~65 s of CPU, 36 s of wall time on an idle
+2-core VM (the test, tests/test_bench.py), not 130 s of CPU as before these choices.
 """
 from __future__ import annotations
 

@@ -15,17 +15,16 @@ swallows either, so only the message of an error nobody sees changes.
 from __future__ import annotations
 
 import contextlib
-import functools
-import inspect
 
 from flax import nnx
 from jax._src import core
 
 
-@functools.lru_cache(maxsize=None)
 def _walks_the_trace() -> bool:
+    """Whether this jax's ``Tracer.sharding`` builds the origin message (reads its code's
+    names: a jax whose getter does something else is left alone)."""
     getter = getattr(core.Tracer, "sharding", None)
-    return isinstance(getter, property) and "_origin_msg" in inspect.getsource(getter.fget)
+    return isinstance(getter, property) and "_origin_msg" in getter.fget.__code__.co_names
 
 
 def _no_sharding(self):

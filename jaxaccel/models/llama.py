@@ -301,10 +301,10 @@ class LlamaForCausalLM(FamilyModel):
     def __call__(self, input_ids, positions=None, segment_ids=None, *,
                  cache: KVCache | None = None, deterministic: bool = True,
                  rngs: nnx.Rngs | None = None, stack=None, head: bool = True) -> LlamaOutput:
-        """Logits [batch, seq, vocab] of every position (``policy.logits_dtype``: float32
-        unless set) (``head=False``: none, but
-        the normed last hidden states in the compute dtype, ``hidden``, whose logits are
-        ``hidden @ head_kernel()``: a loss taken over chunks of them, ``train.tasks``).
+        """Logits [batch, seq, vocab] of every position, in ``policy.logits_dtype`` (float32
+        by default; ``head=False``: none, but the normed last hidden states in the compute
+        dtype, ``hidden``, whose logits are ``hidden @ head_kernel()``: a loss taken over
+        chunks of them, ``train.tasks``).
 
         ``positions`` [batch, seq] (default 0, 1, ...; the cache's ``index`` onwards with a
         cache), ``segment_ids`` [batch, seq] (default one document per row). With ``cache``
