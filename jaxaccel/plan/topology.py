@@ -11,7 +11,8 @@ Names:
   slices in TensorCores (v5p-8 is 4 chips), v5e and v6e in chips. A v5p chip is one device
   (its two cores as one megacore); libtpu's deviceless v4 gives one device per TensorCore
   (2 per chip): ``Target.devices_per_chip`` says which, and per-device HBM is the chip's
-  share. Needs libtpu (``pip install "jax[tpu]==<jax>"``, the ``jaxaccel[aot]`` extra).
+  share. Their wraparound links are the real slice's (``wraparound``: a v5p-128's 4x4x4 is
+  a torus). Needs libtpu (``pip install "jax[tpu]==<jax>"``, the ``jaxaccel[aot]`` extra).
 - Several TPU slices: ``<N>x<slice>`` (``2xv5e-256``, ``2xv5e:2x4``): N slices joined by the
   data-center network (DCN; MaxText's ``compile_topology_num_slices``); each device carries
   its ``slice_index``, and ``mesh.dcn_data`` / ``mesh.dcn_fsdp`` (``jaxaccel.sharding``) say
@@ -131,6 +132,20 @@ def _one_worker_host(environ=os.environ) -> None:
         environ.setdefault("TPU_HOST_BOUNDS", "1,1,1")
 
 
+def wraparound(generation: str, dims: list[int]) -> tuple[bool, bool, bool]:
+    """Which dimensions of a TPU slice's chip grid ``dims`` (x, y, z) close into rings, as on
+    the real slice: v4 and v5p slices of whole 4x4x4 cubes are 3D tori, v5e and v6e rows and
+    columns of 16 chips are rings; smaller grids are open meshes. libtpu's compile-only
+    devices otherwise have no wraparound links, and its compiler then turns every all-gather
+    over a whole v5p-128 or larger into a zero-padded all-reduce (twice the bytes sent, full-size
+    buffers), which the real torus gathers with a 3D all-gather (docs/reports/maxtext.md, "At
+    scale"). The rule gives MaxText's ``wrap`` for every TPU slice of its
+    ``accelerator_to_spec_map`` (0.2.5)."""
+    if generation in ("v4", "v5p"):
+        return (all(d % 4 == 0 for d in dims),) * 3
+    return (dims[0] == 16, dims[1] == 16, False)
+
+
 def _tpu(name: str, slices: int = 1) -> Target:
     if importlib.util.find_spec("libtpu") is None:
         raise _needs("libtpu (the TPU compiler)", "jax[tpu]", name)
@@ -143,6 +158,7 @@ def _tpu(name: str, slices: int = 1) -> Target:
     dims = [*map(int, grid.split("x")), 1][:3]
     one_host = math.prod(dims) <= MAX_CHIPS_PER_HOST[generation]
     kwargs = {"chips_per_host_bounds": dims} if one_host else {}
+    kwargs["wrap"] = wraparound(generation, dims)
     if slices > 1:
         kwargs["num_slices"] = slices
     try:
