@@ -10,6 +10,7 @@ import pytest
 from jaxaccel import devices
 from jaxaccel.distributed import cpu_without_accelerator
 from jaxaccel.plan import topology
+from jaxaccel.sharding import make_mesh
 from support import needs_cuda_plugin, needs_libtpu
 
 
@@ -43,6 +44,28 @@ def test_gpu_targets_resolve(name, n, kind, hosts):
 def test_local_is_the_devices_at_hand():
     t = topology.resolve("local")
     assert t.devices == tuple(jax.devices()) and t.device_kind == jax.devices()[0].device_kind
+
+
+@pytest.mark.parametrize("generation,dims,wrap", [
+    ("v5p", [2, 2, 4], (False,) * 3), ("v5p", [2, 4, 4], (False,) * 3),
+    ("v5p", [4, 4, 4], (True,) * 3), ("v5p", [4, 4, 8], (True,) * 3), ("v4", [4, 8, 8], (True,) * 3),
+    ("v5e", [4, 8, 1], (False,) * 3), ("v6e", [8, 16, 1], (False, True, False)),
+    ("v5e", [16, 16, 1], (True, True, False))])
+def test_slices_wrap_around_as_the_real_ones(generation, dims, wrap):
+    """MaxText's ``wrap`` for these slices (``accelerator_to_spec_map``)."""
+    assert topology.wraparound(generation, dims) == wrap
+
+
+@needs_libtpu
+def test_a_whole_v5p_128_gathers_with_an_all_gather():
+    """FSDP over its 4x4x4 torus (the trainer's mesh): without the wraparound links libtpu
+    made a zero-padded all-reduce."""
+    mesh = make_mesh({"fsdp": 64}, topology.resolve("v5p-128").devices)
+    sharded = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("fsdp"))
+    x = jax.ShapeDtypeStruct((64, 128), jax.numpy.bfloat16, sharding=sharded)
+    gather = jax.jit(lambda x: x * 2, out_shardings=sharded.update(spec=()))
+    hlo = gather.lower(x).compile().as_text()
+    assert " all-gather(" in hlo and " all-reduce(" not in hlo
 
 
 @pytest.mark.parametrize("name,why", [
