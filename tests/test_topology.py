@@ -48,7 +48,8 @@ def test_local_is_the_devices_at_hand():
 
 @pytest.mark.parametrize("generation,dims,wrap", [
     ("v5p", [2, 2, 4], (False,) * 3), ("v5p", [2, 4, 4], (False,) * 3),
-    ("v5p", [4, 4, 4], (True,) * 3), ("v5p", [4, 4, 8], (True,) * 3), ("v4", [4, 8, 8], (True,) * 3),
+    ("v5p", [4, 4, 4], (True,) * 3), ("v5p", [4, 4, 8], (True,) * 3),
+    ("v4", [4, 8, 8], (True,) * 3),
     ("v5e", [4, 8, 1], (False,) * 3), ("v6e", [8, 16, 1], (False, True, False)),
     ("v5e", [16, 16, 1], (True, True, False))])
 def test_slices_wrap_around_as_the_real_ones(generation, dims, wrap):

@@ -136,10 +136,10 @@ def wraparound(generation: str, dims: list[int]) -> tuple[bool, bool, bool]:
     """Which dimensions of a TPU slice's chip grid ``dims`` (x, y, z) close into rings, as on
     the real slice: v4 and v5p slices of whole 4x4x4 cubes are 3D tori, v5e and v6e rows and
     columns of 16 chips are rings; smaller grids are open meshes. libtpu's compile-only
-    devices otherwise have no wraparound links, and its compiler then turns every all-gather
-    over a whole v5p-128 or larger into a zero-padded all-reduce (twice the bytes sent, full-size
-    buffers), which the real torus gathers with a 3D all-gather (docs/reports/maxtext.md, "At
-    scale"). The rule gives MaxText's ``wrap`` for every TPU slice of its
+    devices otherwise have no wraparound links, and its compiler then turns an all-gather over
+    all the chips of a v5p-128 or v5p-256 into a zero-padded all-reduce (twice the bytes sent,
+    full-size buffers), where with them it compiles a 3D all-gather (docs/reports/maxtext.md,
+    "At scale"). The rule gives MaxText's ``wrap`` for every TPU slice of its
     ``accelerator_to_spec_map`` (0.2.5)."""
     if generation in ("v4", "v5p"):
         return (all(d % 4 == 0 for d in dims),) * 3
