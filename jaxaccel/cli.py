@@ -285,6 +285,7 @@ def cmd_predict(args) -> int:
 
 
 def cmd_generate(args) -> int:
+    from jaxaccel.models.generate import check_sampling
     from jaxaccel.train import rundir
     from jaxaccel.train.inference import Generator
     for i, prompt in enumerate(args.prompts):
@@ -292,12 +293,15 @@ def cmd_generate(args) -> int:
         if bad:
             raise ValueError(f"prompt {i} is not valid UTF-8 ({bad.reason} at byte {bad.start}); "
                              "give prompts as UTF-8 text.")
+    temperature = 0.0 if args.greedy else args.temperature
+    # The temperature and the seed refused before the checkpoint is read (seconds); top_k's
+    # bound is the model's vocabulary, checked by the sampler.
+    check_sampling(temperature, 0, 0, args.seed)
     run_dir = _run_dir(args.checkpoint)
     with rundir.library_log(run_dir):
         generator = Generator(run_dir)
-    texts = generator(
-        args.prompts, args.max_new_tokens, temperature=0.0 if args.greedy else args.temperature,
-        top_k=args.top_k, seed=args.seed)
+    texts = generator(args.prompts, args.max_new_tokens, temperature=temperature,
+                      top_k=args.top_k, seed=args.seed)
     for i, (prompt, text) in enumerate(zip(args.prompts, texts)):
         print(json.dumps({"index": i, "prompt": prompt, "text": text}, ensure_ascii=False),
               file=console.result())

@@ -30,10 +30,25 @@ import tempfile
 
 # scheme -> (the fsspec implementation's module, the jaxaccel extra that installs it)
 SCHEMES = {"gs": ("gcsfs", "gcs"), "s3": ("s3fs", "s3"), "memory": ("fsspec", None)}
-# How often an S3 request is tried before its error is reported (botocore's standard retries
-# with backoff); gcsfs tries a GCS request 6 times (fixed in gcsfs), TensorStore (checkpoints)
-# by its own context.
-RETRIES = 5
+# How often a failing S3 request is retried before its error is reported (botocore's standard
+# retries with backoff: 5 tries); gcsfs tries a GCS request 6 times (fixed in gcsfs), TensorStore
+# (checkpoints) by its own context (``train/orbax_buckets.py``).
+RETRIES = 4
+RETRIES_ENV = "JAXACCEL_BUCKET_RETRIES"
+"""Where set, how many times botocore and TensorStore retry a failing bucket request instead of
+their defaults (gcsfs's count is fixed): fewer end a run whose bucket stopped answering sooner
+(the tests' servers), 0 reports the first failure."""
+
+
+def retries(default: int) -> int:
+    """``$JAXACCEL_BUCKET_RETRIES`` (``RETRIES_ENV``) where set, else ``default``."""
+    raw = os.environ.get(RETRIES_ENV, "").strip()
+    if not raw:
+        return default
+    if not raw.isdigit():
+        raise ValueError(f"{RETRIES_ENV}={raw!r} is not a whole number of retries; set it to "
+                         f"0 or more (e.g. {RETRIES_ENV}=1) or unset it.")
+    return int(raw)
 
 
 class StorageError(OSError):
@@ -89,7 +104,7 @@ def basename(path: str) -> str:
 @functools.lru_cache(maxsize=None)
 def _filesystem(protocol: str):
     import fsspec
-    options = {"s3": {"config_kwargs": {"retries": {"max_attempts": RETRIES,
+    options = {"s3": {"config_kwargs": {"retries": {"max_attempts": retries(RETRIES) + 1,
                                                     "mode": "standard"}}}}.get(protocol, {})
     return fsspec.filesystem(protocol, **options)
 

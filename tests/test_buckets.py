@@ -16,7 +16,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxaccel import cli, config
+from jaxaccel import cli, config, storage
 from jaxaccel.train import loop
 from jaxaccel.train.inference import evaluate_run
 from jaxaccel.train.metrics import read_metrics
@@ -235,7 +235,8 @@ def test_a_process_killed_while_saving_leaves_the_last_complete_checkpoint(gcs_s
 
 def test_a_bucket_that_stops_answering_mid_run_ends_it_with_one_line_soon(tmp_path):
     """The storage server dies once checkpoints are being written every step: the next save
-    fails after the clients' bounded retries, not Orbax's 300 s coordination time-out; the
+    fails after the clients' bounded retries (one each here, ``JAXACCEL_BUCKET_RETRIES=1``:
+    the defaults wait up to a minute), not Orbax's 300 s coordination time-out; the
     console gets one error line naming the step (clean-ups that fail after it are warnings),
     no traceback, no Orbax thread's report, and the metrics not uploaded are kept locally."""
     with start_moto_server() as server:
@@ -244,7 +245,8 @@ def test_a_bucket_that_stops_answering_mid_run_ends_it_with_one_line_soon(tmp_pa
         proc = subprocess.Popen(
             [*CLI, "train", "--config", TINY_CONFIG, f"--set=workdir={bucket}/runs",
              *(f"--set={s}" for s in (*SETS, "train.checkpoint_every=1", "train.max_steps=1000"))],
-            env=cpu_env(**server.env, TMPDIR=str(tmp_path)), stdout=subprocess.PIPE,
+            env=cpu_env(**server.env, TMPDIR=str(tmp_path), JAXACCEL_BUCKET_RETRIES="1"),
+            stdout=subprocess.PIPE,
             stderr=subprocess.PIPE, text=True)
         while not fs.exists(f"{run}/checkpoints/2/commit_success.txt"):
             assert proc.poll() is None, proc.communicate()[1][-3000:]
@@ -327,13 +329,24 @@ def test_a_read_only_bucket_is_refused_for_training_and_read_for_eval(trained_in
 
 
 def test_an_unreachable_endpoint_is_one_line(s3_server, tmp_path):
+    """Said once botocore's retries are spent (one here: its default backs off 4 times)."""
     closed = f"http://127.0.0.1:{_port()}"
     t0 = time.monotonic()
     _, err = train(s3_server, "s3://bucket/runs", status=cli.EXIT_ERROR, cwd=tmp_path,
                    AWS_ENDPOINT_URL=closed, AWS_ENDPOINT_URL_S3=closed,
-                   FSSPEC_S3_ENDPOINT_URL=closed)
+                   FSSPEC_S3_ENDPOINT_URL=closed, JAXACCEL_BUCKET_RETRIES="1")
     assert "could not be reached" in err and err.count("error:") == 1, err[-2000:]
     assert time.monotonic() - t0 < 300
+
+
+def test_the_bucket_retries_are_the_clients_own_unless_the_environment_sets_them(monkeypatch):
+    monkeypatch.delenv(storage.RETRIES_ENV, raising=False)
+    assert storage.retries(storage.RETRIES) == storage.RETRIES
+    monkeypatch.setenv(storage.RETRIES_ENV, "0")
+    assert storage.retries(storage.RETRIES) == 0
+    monkeypatch.setenv(storage.RETRIES_ENV, "-1")
+    with pytest.raises(ValueError, match="JAXACCEL_BUCKET_RETRIES='-1' is not a whole number"):
+        storage.retries(storage.RETRIES)
 
 
 def test_a_run_folder_another_trainer_holds_is_refused_until_its_lease_ends(s3_server):

@@ -5,19 +5,20 @@ through whole runs."""
 import math
 import types
 
+import jax
 import numpy as np
 import pytest
 from tqdm.auto import tqdm
 
-from jaxaccel import config
+from jaxaccel import config, optim
 from jaxaccel.models import model_spec
 from jaxaccel.precision import policy_of
 from jaxaccel.train import loop
 from jaxaccel.train.checkpoint import NonFiniteState
 from jaxaccel.train.outcome import Completed, Diverged, Preempted
 from jaxaccel.train.state import TrainState
-from jaxaccel.train.steplog import (NonFiniteLoss, TooManySkippedSteps, check_step, log_due,
-                                    window_mean)
+from jaxaccel.train.steplog import (NonFiniteLoss, TooManySkippedSteps, check_step,
+                                    learning_rate, log_due, window_mean)
 from support import TINY
 
 T = types.SimpleNamespace
@@ -51,6 +52,16 @@ def test_the_logged_window_averages_values_and_keeps_the_latest_state():
     window = [{"loss": 1.0, "loss_scale": 4.0, "fp8/x_amax": 1.0},
               {"loss": 3.0, "loss_scale": 2.0, "fp8/x_amax": 5.0}]
     assert window_mean(window) == {"loss": 2.0, "loss_scale": 2.0, "fp8/x_amax": 5.0}
+
+
+@pytest.mark.parametrize("kind", ["linear", "cosine", "constant"])
+def test_the_logged_learning_rate_is_the_schedule_s_own_number_under_the_run_s_mesh(kind):
+    """Computed outside the mesh (one device, not every device's dispatch): the same float
+    the schedule gives eagerly under the mesh: in the warm-up, at its end, in the decay, at
+    the run's end and past it."""
+    schedule, steps = optim.make_schedule(kind, 3e-3, 40, 4), (0, 1, 3, 4, 5, 17, 39, 40, 41)
+    with jax.set_mesh(jax.make_mesh((jax.device_count(),), ("data",))):
+        assert [learning_rate(schedule, s) for s in steps] == [float(schedule(s)) for s in steps]
 
 
 class FakeCheckpoints:

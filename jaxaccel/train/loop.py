@@ -58,7 +58,7 @@ from jaxaccel.train.preemption import Preemption
 from jaxaccel.train.runlock import RunLock
 from jaxaccel.train.run import Run, assemble, resolve
 from jaxaccel.train.state import TrainState
-from jaxaccel.train.steplog import NonFiniteLoss, StepLog, TooManySkippedSteps
+from jaxaccel.train.steplog import NonFiniteLoss, StepLog, TooManySkippedSteps, learning_rate
 
 log = logging.getLogger("jaxaccel")
 
@@ -379,7 +379,7 @@ def _resume_note(run: Run, start: int, changes: dict) -> None:
         log.info("the learning-rate schedule (%s) is defined over the run's total of %d steps "
                  "(warm-up %d); continuing at step %d with learning rate %.3g", t.schedule,
                  run.total_steps, int(t.warmup_ratio * run.total_steps), start,
-                 float(run.schedule(start)))
+                 learning_rate(run.schedule, start))
 
 
 def _training_data(run: Run) -> dict | None:

@@ -15,19 +15,27 @@ from jaxaccel import storage
 from jaxaccel.train import confusion
 
 
+UNUSED_BY_TENSORBOARDX = ("torch", "boto3", "google.cloud.storage")
+"""What tensorboardX imports at its own import where installed, and never uses here: torch
+(to accept torch tensors: over a second with torch the size it is; the values written here are
+floats and numpy arrays), boto3 and Google's storage client (its writers of ``s3://`` and
+``gs://`` event files: 0.4-0.8 s; a run in a bucket writes its events locally and uploads
+them)."""
+
+
 def _summary_writer():
-    """tensorboardX's ``SummaryWriter``, imported without torch: tensorboardX imports torch
-    where it is installed only to accept torch tensors (over a second at every run's start,
-    with torch the size it is); the values written here are floats. Where torch or tensorboardX
-    is already imported, nothing changes."""
-    if "torch" in sys.modules or "tensorboardX" in sys.modules:
-        from tensorboardX import SummaryWriter
-        return SummaryWriter
-    sys.modules["torch"] = None         # `import torch` raises ImportError, which it catches
+    """tensorboardX's ``SummaryWriter``, imported without ``UNUSED_BY_TENSORBOARDX`` (each
+    ``import`` of them raises ImportError, which tensorboardX catches). What is imported
+    already stays; where tensorboardX is, nothing changes."""
+    blocked = [] if "tensorboardX" in sys.modules else [
+        m for m in UNUSED_BY_TENSORBOARDX if m not in sys.modules]
+    for module in blocked:
+        sys.modules[module] = None
     try:
         from tensorboardX import SummaryWriter
     finally:
-        del sys.modules["torch"]
+        for module in blocked:
+            del sys.modules[module]
     return SummaryWriter
 
 

@@ -19,13 +19,16 @@ instance role).
 TensorStore retries a failed GCS or S3 request 32 times by default, its delay doubling from 1 s
 to 32 s: a bucket that stops answering mid-save holds the run for about a quarter of an hour
 before the error. ``RETRIES`` bounds that (about a minute) through the TensorStore context Orbax
-opens its stores with; the save then fails with one line and the earlier checkpoints are
-untouched (a step is a checkpoint only once its commit file is written, last).
+opens its stores with (``$JAXACCEL_BUCKET_RETRIES``, ``storage.RETRIES_ENV``, sets another
+count); the save then fails with one line and the earlier checkpoints are untouched (a step is
+a checkpoint only once its commit file is written, last).
 """
 from __future__ import annotations
 
 import os
 import posixpath
+
+from jaxaccel import storage
 
 _enabled = False
 RETRIES = {"max_retries": 6, "initial_delay": "1s", "max_delay": "16s"}
@@ -47,6 +50,12 @@ def kvstore(path: str) -> dict:
     return spec
 
 
+def _retries() -> dict:
+    """``RETRIES``, its count of tries (TensorStore's ``max_retries``: 1 or more) one more than
+    ``$JAXACCEL_BUCKET_RETRIES`` where that is set (``storage.retries``)."""
+    return {**RETRIES, "max_retries": storage.retries(RETRIES["max_retries"] - 1) + 1}
+
+
 def enable(scheme: str) -> None:
     """Let Orbax write and read ``scheme://`` checkpoints in this process (idempotent): bounded
     retries for both, the ``s3`` mapping for S3."""
@@ -54,7 +63,8 @@ def enable(scheme: str) -> None:
     for context in (getattr(ts_utils, "_BASE_TS_CONTEXT", None),
                     getattr(ts_utils, "_DEFAULT_OCDBT_TS_CONTEXT", None)):
         if isinstance(context, dict):
-            context.setdefault(f"{'gcs' if scheme == 'gs' else 's3'}_request_retries", RETRIES)
+            context.setdefault(f"{'gcs' if scheme == 'gs' else 's3'}_request_retries",
+                               _retries())
     if scheme == "s3":
         _enable_s3()
 

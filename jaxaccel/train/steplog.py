@@ -78,6 +78,14 @@ def window_mean(window: list[dict]) -> dict:
             for k in window[0]}
 
 
+def learning_rate(schedule, step: int) -> float:
+    """``schedule(step)``, computed outside the ambient mesh: the same eager operations on one
+    device, the same number (under the run's mesh each operation took a dispatch to every
+    device: 25 ms a call on 8 CPU devices, 1.2 ms outside)."""
+    with jax.set_mesh(None):
+        return float(schedule(step))
+
+
 class StepLog:
     """``add(step, metrics, batch)`` after each dispatched step holds its metrics and fetches,
     checks and logs the step held before (``flush`` does so at once: before a checkpoint is
@@ -114,12 +122,12 @@ class StepLog:
                              ex_s=f"{rows / dt:.0f}")
         if log_due(self.cfg.train.log_every, step, self.total_steps):
             mean = window_mean(self._window)
-            mean["learning_rate"] = float(self.schedule(step - 1))
+            mean["learning_rate"] = learning_rate(self.schedule, step - 1)
             mean["examples_per_s"] = rows / dt
             mean.update(self.meter.flush())
             self.writer.write(step, mean, prefix="train/")
             self._window.clear()
 
 
-__all__ = ["NonFiniteLoss", "StepLog", "TooManySkippedSteps", "check_step", "log_due",
-           "skips_message", "window_mean"]
+__all__ = ["NonFiniteLoss", "StepLog", "TooManySkippedSteps", "check_step", "learning_rate",
+           "log_due", "skips_message", "window_mean"]
