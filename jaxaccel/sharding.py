@@ -181,6 +181,18 @@ def tree_shardings(mesh: Mesh, logical_specs, shapes, rules=DEFAULT_RULES):
                                   is_leaf=lambda s: s is None or isinstance(s, (tuple, P)))
 
 
+def constrain(x, logical_spec: Sequence[str | None], rules=DEFAULT_RULES):
+    """``x`` constrained to the mesh layout of its logical spec (``tree_shardings``' mapping:
+    mesh axes that do not divide a dimension dropped) on its mesh (``current_mesh``);
+    unchanged without one. A dimension the spec leaves None is whole on every device: a
+    weight FSDP splits, constrained so before a loop that uses it, is gathered once."""
+    mesh = current_mesh(x)
+    if mesh is None:
+        return x
+    spec = _fits(x.shape, logical_to_mesh(logical_spec, rules), mesh)
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
 def batch_sharding(mesh: Mesh, rules=DEFAULT_RULES) -> NamedSharding:
     """Sharding of [batch, ...] arrays: the batch dimension over the batch axes."""
     return NamedSharding(mesh, logical_to_mesh(("batch",), rules))
