@@ -272,6 +272,7 @@ def with_loss_chunks(task: Task, chunks: int, length: int) -> Task:
 
 
 CHUNK_LOGITS_BYTES = 128 * 2 ** 20
+CHUNK_OF_KEPT = 0.25
 LOGITS_OVER_KEPT = 1.7
 
 
@@ -282,13 +283,15 @@ def auto_loss_chunks(spec, policy, rows: int, length: int, vocab_shards: int = 1
     [rows, length, hidden] in the activations' dtype) and the whole float32 logits are more
     than ``LOGITS_OVER_KEPT`` times those inputs of every layer, the logits and their gradient
     are the step's peak: then the fewest chunks (a divisor of the length) whose float32 logits
-    are at most ``CHUNK_LOGITS_BYTES``; else 1 (other tasks, no remat, small logits: a CPU
-    job's). ``LOGITS_OVER_KEPT`` lies between two compiled steps (docs/reports/maxtext.md):
-    llama-1b's logits on a v5e-8 are 1.4 times its layer inputs, its peak is in its layers
-    and 8 chunks add 0.12 GB; Llama-3 8B's on a v5p-32 (one row of 8,192) are 1.96 times, its
-    peak is their gradient and 8 chunks take its temporaries from 12.95 to 10.49 GB, at no
-    cost in collectives (the head gathered once, ``_chunked_sums``). llama-350m's on a v5e-8
-    are 2.6 times: 8 chunks, 2.68 to 1.92 GB."""
+    are at most ``CHUNK_OF_KEPT`` of those inputs or ``CHUNK_LOGITS_BYTES``, the larger; else
+    1 (other tasks, no remat, small logits: a CPU job's). Each chunk reads the whole head and
+    its gradient, so no more chunks than memory needs. From compiled steps
+    (docs/reports/maxtext.md): llama-1b's logits on a v5e-8 are 1.4 times its layer inputs,
+    its peak is in its layers and 8 chunks add 0.12 GB; Llama-3 8B's on a v5p-32 (one row of
+    8,192) are 1.96 times, its peak is their gradient and 8 chunks (a quarter of the inputs
+    each) take its temporaries from 12.95 to 10.49 GB at no cost in collectives (the head
+    gathered once, ``_chunked_sums``); 32 chunks of 128 MiB take as much memory and move 126
+    GB more HBM bytes. llama-350m's on a v5e-8 are 2.6 times: 8 chunks, 2.68 to 1.87 GB."""
     if spec.task != "causal_lm" or spec.remat == "none":
         return 1
     a = spec.architecture
@@ -297,8 +300,9 @@ def auto_loss_chunks(spec, policy, rows: int, length: int, vocab_shards: int = 1
         jnp.dtype(policy.activation_dtype).itemsize
     if logits <= LOGITS_OVER_KEPT * kept:
         return 1
+    chunk = max(CHUNK_LOGITS_BYTES, CHUNK_OF_KEPT * kept)
     return next(c for c in range(1, length + 1)
-                if length % c == 0 and (logits / c <= CHUNK_LOGITS_BYTES or c == length))
+                if length % c == 0 and (logits / c <= chunk or c == length))
 
 
 def _lm_report(t: dict) -> dict:
@@ -357,5 +361,5 @@ def weight_sum(task: Task, batch) -> jax.Array:
     return jnp.maximum(jnp.sum(batch[task.weights].astype(jnp.float32)), 1.0)
 
 
-__all__ = ["CHUNK_LOGITS_BYTES", "LMHead", "LOGITS_OVER_KEPT", "TASKS", "Task", "auto_loss_chunks",
-           "weight_sum", "with_loss_chunks"]
+__all__ = ["CHUNK_LOGITS_BYTES", "CHUNK_OF_KEPT", "LMHead", "LOGITS_OVER_KEPT", "TASKS", "Task",
+           "auto_loss_chunks", "weight_sum", "with_loss_chunks"]
