@@ -17,6 +17,9 @@ Across TPU slices (MaxText's ``dcn_*_parallelism``): ``mesh.dcn_data`` / ``mesh.
 the ``data`` / ``fsdp`` axis's ways run between slices, over the data-center network (DCN), the
 rest within a slice over ICI (``jax.experimental.mesh_utils.create_hybrid_device_mesh``).
 
+``constrain`` puts an array in its logical spec's layout on its mesh (a weight made whole
+before a loop, so it is gathered once).
+
 ``per_shard`` runs a function on each device's shards (``shard_map``): the one way both Pallas
 kernels (flash attention, the fused Adan on its flat layout) run on sharded operands. It finds
 the mesh itself (the ambient ``jax.set_mesh``, else the mesh the arguments are placed on), so a

@@ -26,7 +26,8 @@ count``; an evaluation adds the sums over every batch and ``report``\\s from the
   ``auto_loss_chunks``) the [B, L, vocab] float32 logits never exist whole: the
   model gives its last hidden states and head (``LMHead``) and the sums are taken over N
   chunks of L / N positions, each chunk's logits made, used and dropped, and made again in
-  the backward pass (MaxText's vocabulary tiling): the same sums and gradients.
+  the backward pass (MaxText's vocabulary tiling), the head gathered once for all chunks
+  (``_chunked_sums``): the same sums and gradients.
 * ``mae`` (masked-autoencoder pretraining, ``models.vit``): batch ``pixels`` [B, H, W] and
   ``weights`` [B]; the model masks each row's patches at random and predicts them; a row's
   loss is the mean squared error over its masked patches (of the normalised patches under
