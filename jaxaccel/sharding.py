@@ -17,6 +17,9 @@ Across TPU slices (MaxText's ``dcn_*_parallelism``): ``mesh.dcn_data`` / ``mesh.
 the ``data`` / ``fsdp`` axis's ways run between slices, over the data-center network (DCN), the
 rest within a slice over ICI (``jax.experimental.mesh_utils.create_hybrid_device_mesh``).
 
+``constrain`` puts an array in its logical spec's layout on its mesh (a weight made whole
+before a loop, so it is gathered once).
+
 ``per_shard`` runs a function on each device's shards (``shard_map``): the one way both Pallas
 kernels (flash attention, the fused Adan on its flat layout) run on sharded operands. It finds
 the mesh itself (the ambient ``jax.set_mesh``, else the mesh the arguments are placed on), so a
@@ -179,6 +182,18 @@ def tree_shardings(mesh: Mesh, logical_specs, shapes, rules=DEFAULT_RULES):
         return NamedSharding(mesh, _fits(x.shape, logical_to_mesh(spec, rules), mesh))
     return jax.tree_util.tree_map(one, logical_specs, shapes,
                                   is_leaf=lambda s: s is None or isinstance(s, (tuple, P)))
+
+
+def constrain(x, logical_spec: Sequence[str | None], rules=DEFAULT_RULES):
+    """``x`` constrained to the mesh layout of its logical spec (``tree_shardings``' mapping:
+    mesh axes that do not divide a dimension dropped) on its mesh (``current_mesh``);
+    unchanged without one. A dimension the spec leaves None is whole on every device: a
+    weight FSDP splits, constrained so before a loop that uses it, is gathered once."""
+    mesh = current_mesh(x)
+    if mesh is None:
+        return x
+    spec = _fits(x.shape, logical_to_mesh(logical_spec, rules), mesh)
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 
 def batch_sharding(mesh: Mesh, rules=DEFAULT_RULES) -> NamedSharding:

@@ -105,13 +105,17 @@ def test_chunks_keep_the_whole_logits_out_of_the_step(tmp_path):
     (("train.batch_size=8",), 2),                   # 250 MiB of logits, 96 MiB kept
     (("train.batch_size=16", "mesh.tensor=2"), 1),  # 4 rows, the vocabulary split: 500 MiB
     (("model.name=llama-1b",), 1),                  # 1,000 MiB of logits, 704 MiB kept
+    (("model.name=llama3-8b", "train.batch_size=8", "data.max_len=8192"), 8),  # 1.96 times
 ])
 def test_the_loss_is_chunked_by_default_where_the_logits_would_be_the_peak(sets, chunks):
     """llama-350m (vocabulary 32,000, 24 layers of width 1,024), bf16 with remat, 32 rows of
     2,048 tokens over 8 devices: each device's float32 logits (4 x 2,048 x 32,000 x 4 bytes)
-    are more than twice the bf16 layer inputs remat keeps (24 x 4 x 2,048 x 1,024 x 2): the
-    loss is taken over the fewest chunks of at most 128 MiB of logits. llama-1b's (22 layers
-    of width 2,048) are 1.4 times its inputs: its peak is in its layers, it keeps them whole."""
+    are 2.6 times the bf16 layer inputs remat keeps (24 x 4 x 2,048 x 1,024 x 2), more than
+    ``LOGITS_OVER_KEPT`` (1.7): the loss is taken over the fewest chunks of at most 128 MiB of
+    logits (more than a quarter of the inputs). llama-1b's (22 layers of width 2,048) are 1.4
+    times its inputs: its peak is in its layers, it keeps them whole. Llama-3 8B's, one row of
+    8,192 tokens (vocabulary 128,256, 32 layers of width 4,096), are 1.96 times: chunks of at
+    most a quarter of its 2.1 GB of inputs, 8."""
     cfg = config.build(sets=[*TINY_LM, "model.name=llama-350m", "precision.policy=bf16",
                              "model.remat=true", "data.max_len=2048", "train.batch_size=32",
                              *sets])
