@@ -146,6 +146,7 @@ def _fp8_dot_bwd(dtype, residuals, g):
 
 fp8_dot.defvjp(_fp8_dot_fwd, _fp8_dot_bwd)
 
+
 def quantize_kernels(layer, params, fp8):
     """``(graphdef, fp8)`` for a stack of layers of ``layer``'s structure whose parameters and
     fp8 state are ``params`` and ``fp8`` (pure dicts of [L, ...] arrays): every ``Fp8Linear``'s
