@@ -3,6 +3,7 @@ skips overflowing steps bit-exactly and grows/backs off its scale, fp16/fp8 runs
 exactly after SIGTERM, both lower for TPU and GPU on a 2x2x2 mesh, bad input fails early."""
 import json
 import os
+import re
 import subprocess
 import time
 
@@ -16,9 +17,9 @@ from flax import nnx
 import compile_only
 from jaxaccel import config
 from jaxaccel.models import build_model, model_spec
-from jaxaccel.models.fp8 import Fp8Linear, advance
+from jaxaccel.models.fp8 import KERNEL_SCOPE, SCOPE, Fp8Linear, advance
 from jaxaccel.models.stack import sequential
-from jaxaccel.plan import kernels
+from jaxaccel.plan import kernels, loops
 from jaxaccel.precision import POLICIES, LossScale, get_policy
 from jaxaccel.train import loop
 from jaxaccel.train import run as run_lib
@@ -241,6 +242,29 @@ def test_step_compiles_for_accelerators_on_a_2x2x2_mesh(tmp_path, compile_target
         # kernels of their own per operand in each layer (6 Dense x 3 operands x 2 layers).
         scaling = [k for k in found if k.kinds & {"scale", "history"}]
         assert len(scaling) < 6 * 3 * run.spec.architecture.num_hidden_layers, scaling
+
+
+def test_scanned_fp8_kernels_are_quantized_once_before_the_layer_loop(tmp_path,
+                                                                     compile_target):
+    """With the layers scanned, each fp8 Dense kernel is quantized (amax, divide, clip,
+    convert to E4M3) for all layers at once before the layer loop (models.fp8
+    .quantize_kernels): in the step compiled for an H100 that work runs once a step, none of
+    it in the loop's body, which runs once per layer."""
+    target = compile_target("h100:1x1")
+    run = run_lib.build(tiny_cfg(tmp_path, "precision.policy=fp8", "model.scan_layers=true"),
+                        jax.devices()[:1])
+    m = compile_only.mesh(target, run.mesh.devices.shape, run.mesh.axis_names)
+    text = compile_only.compile_step(run, m)[0].as_text()
+    runs = loops.runs(text)
+    assert run.spec.architecture.num_hidden_layers in runs.values(), runs    # the layer loop
+    # op_name ".../jvp(fp8)/quantize_kernel/div" (".../fp8/quantize_kernel/..." in the loop);
+    # the reducers XLA clones from the kernel's amax serve other reductions too: left out.
+    scope = re.compile(rf"[(/]{SCOPE}\)?/{KERNEL_SCOPE}/")
+    quantize = [(c, runs[c], i.shape) for c, body in loops.parse(text)[0].items()
+                for i in body.values()
+                if i.opcode in ("reduce", "divide", "convert") and scope.search(i.attributes)]
+    assert any(shape.startswith("f8e4m3fn[") for _, _, shape in quantize), quantize
+    assert {n for _, n, _ in quantize} == {1}, quantize
 
 
 @pytest.mark.gpu

@@ -27,6 +27,13 @@ those to ``advance``). Flax's ``fp8_scaled_dot_general`` makes each scale from i
 inside the layer, forward and backward, in small kernels of their own per operand and layer;
 the scales used at every step are the same either way (``advance`` makes at the end of step
 ``t`` the scale Flax would make at the start of step ``t + 1``, from the same history).
+
+A kernel's quantization and amax depend on no input, so where the layers are scanned
+(``models.stack.Scan``) every layer's kernel is quantized before the loop, all layers at once
+(``quantize_kernels``), and the loop reads each layer's E4M3 kernel instead of reading its
+float32 one and quantizing it there; ``fp8_dot`` takes the kernel quantized (whether before
+the loop or in the layer, ``quantize_kernel``: the same numbers) and gives the kernel its
+gradient straight through.
 """
 from __future__ import annotations
 
@@ -42,10 +49,16 @@ _ROLES = ("input", "kernel", "output_grad")
 # The name scope of the fp8 matmul's work (scales, histories, quantize, the GEMM), forward and
 # backward: the compiled program's op_name metadata keeps it (``jaxaccel.plan.kernels``).
 SCOPE = "fp8"
+KERNEL_SCOPE = "quantize_kernel"    # the kernels' quantization, inside SCOPE
 
 
 class Fp8Meta(nnx.Variable):
     """Delayed-scaling state of one fp8 matmul operand (a scale or an amax history)."""
+
+
+class Fp8Kernel(nnx.Variable):
+    """A kernel quantized ahead of its layer, or its amax (``quantize_kernels``): held by the
+    layers a scan runs, never by a train state."""
 
 
 class Fp8Linear(nnx.Linear):
@@ -62,7 +75,12 @@ class Fp8Linear(nnx.Linear):
         kernel = self.kernel[...].astype(self.dtype)
         x = x.astype(self.dtype)
         with jax.named_scope(SCOPE):
-            y = fp8_dot(x, kernel, self.input_scale[...], self.kernel_scale[...],
+            # A layer of a scanned stack is handed its kernel quantized before the loop
+            # (``quantize_kernels``); any other quantizes it here.
+            quantized = ((self.kernel_fp8[...], self.kernel_amax[...])
+                         if hasattr(self, "kernel_fp8") else
+                         quantize_kernel(kernel, self.kernel_scale[...], self.dtype))
+            y = fp8_dot(x, kernel, *quantized, self.input_scale[...], self.kernel_scale[...],
                         self.output_grad_scale[...], self.dtype)
         if self.bias is not None:
             y = y + self.bias[...].astype(self.dtype)
@@ -79,21 +97,35 @@ def _contract_last(x):
     return ((x.ndim - 1,), (0,)), ((), ())
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def fp8_dot(x, kernel, x_scale, kernel_scale, grad_scale, dtype):
-    """``x @ kernel`` with both quantized to E4M3 by their scales (module docstring), the
-    product in ``dtype``; its VJP quantizes the output gradient to E5M2 by ``grad_scale`` and
-    returns, for the three scales, the amaxes of ``x``, ``kernel`` and the gradient."""
-    return _fp8_dot_fwd(x, kernel, x_scale, kernel_scale, grad_scale, dtype)[0]
+def quantize_kernel(kernel, scale, dtype):
+    """``(q, amax)``: ``kernel`` [..., in, out] (any leading axes: stacked layers) quantized to
+    E4M3 by ``scale`` [..., 1] in ``dtype``, and its amax [..., 1]; both without gradient:
+    ``fp8_dot`` gives the kernel its gradient straight through and the amax to its scale.
+    Named ``KERNEL_SCOPE`` in the compiled program (under ``SCOPE``)."""
+    with jax.named_scope(KERNEL_SCOPE):
+        q = fp8_ops.quantize(kernel, E4M3, scale[..., None], dtype)
+        amax = jnp.max(jnp.abs(kernel), axis=(-2, -1)).astype(jnp.float32)[..., None]
+    return jax.lax.stop_gradient(q), jax.lax.stop_gradient(amax)
 
 
-def _fp8_dot_fwd(x, kernel, x_scale, kernel_scale, grad_scale, dtype):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def fp8_dot(x, kernel, kernel_q, kernel_amax, x_scale, kernel_scale, grad_scale, dtype):
+    """``x @ kernel`` with ``x`` quantized to E4M3 by its scale and the kernel given quantized
+    (``kernel_q``, ``kernel_amax``: ``quantize_kernel`` by ``kernel_scale``), the product in
+    ``dtype``; its VJP quantizes the output gradient to E5M2 by ``grad_scale``, gives
+    ``kernel`` the quantized kernel's gradient and returns, for the three scales, the amaxes
+    of ``x``, the kernel and the gradient."""
+    return _fp8_dot_fwd(x, kernel, kernel_q, kernel_amax, x_scale, kernel_scale, grad_scale,
+                        dtype)[0]
+
+
+def _fp8_dot_fwd(x, kernel, kernel_q, kernel_amax, x_scale, kernel_scale, grad_scale, dtype):
+    del kernel                  # its gradient's shape only: the GEMMs read kernel_q
     qx = fp8_ops.quantize(x, E4M3, x_scale, dtype)
-    qk = fp8_ops.quantize(kernel, E4M3, kernel_scale, dtype)
-    y = jax.lax.dot_general(qx, qk, _contract_last(x), preferred_element_type=dtype,
+    y = jax.lax.dot_general(qx, kernel_q, _contract_last(x), preferred_element_type=dtype,
                             precision=jax.lax.Precision.DEFAULT)
     y = fp8_ops.dequantize(y, dtype, x_scale * kernel_scale)
-    return y, (qx, qk, x_scale, kernel_scale, grad_scale, _amax(x), _amax(kernel))
+    return y, (qx, kernel_q, x_scale, kernel_scale, grad_scale, _amax(x), kernel_amax)
 
 
 def _fp8_dot_bwd(dtype, residuals, g):
@@ -109,10 +141,31 @@ def _fp8_dot_bwd(dtype, residuals, g):
     amaxes = [jnp.broadcast_to(a, s.shape) for a, s in
               ((x_amax, x_scale), (kernel_amax, kernel_scale), (_amax(g), grad_scale))]
     return (fp8_ops.dequantize(dx, dtype, kernel_scale * grad_scale),
-            fp8_ops.dequantize(dk, dtype, x_scale * grad_scale), *amaxes)
+            fp8_ops.dequantize(dk, dtype, x_scale * grad_scale), None, None, *amaxes)
 
 
 fp8_dot.defvjp(_fp8_dot_fwd, _fp8_dot_bwd)
+
+
+def quantize_kernels(layer, params, fp8):
+    """``(graphdef, fp8)`` for a stack of layers of ``layer``'s structure whose parameters and
+    fp8 state are ``params`` and ``fp8`` (pure dicts of [L, ...] arrays): every ``Fp8Linear``'s
+    kernel quantized for all L layers at once, before a loop over them, which then reads each
+    layer's E4M3 kernel (not its float32 one) and quantizes none; ``graphdef`` a copy of
+    ``layer`` whose ``Fp8Linear`` layers hold them (``Fp8Kernel`` variables ``kernel_fp8`` and
+    ``kernel_amax``), ``fp8`` the state with their stacked values beside each scale."""
+    layer, fp8 = nnx.merge(*nnx.split(layer)), jax.tree_util.tree_map(lambda a: a, fp8)
+    at = lambda tree, path: functools.reduce(lambda t, k: t[k], path, tree)
+    with jax.named_scope(SCOPE):
+        for path, module in list(nnx.iter_graph(layer)):
+            if isinstance(module, Fp8Linear):
+                state = at(fp8, path)
+                q, amax = quantize_kernel(at(params, path)["kernel"].astype(module.dtype),
+                                          state["kernel_scale"], module.dtype)
+                state.update(kernel_fp8=q, kernel_amax=amax)
+                module.kernel_fp8, module.kernel_amax = Fp8Kernel(q[0]), Fp8Kernel(amax[0])
+    return nnx.graphdef(layer), fp8
+
 
 FMAX = {"input": fp8_ops.get_fp8_max(E4M3, jnp.float32),
         "kernel": fp8_ops.get_fp8_max(E4M3, jnp.float32),

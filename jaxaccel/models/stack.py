@@ -29,6 +29,7 @@ from flax import nnx
 from jaxaccel.forms.stacked import LAYERS, Stacked, Stacking
 from jaxaccel.models import remat as remat_lib
 from jaxaccel.models.family import FamilyModel
+from jaxaccel.models.fp8 import quantize_kernels
 from jaxaccel.sharding import by_batch
 
 
@@ -134,10 +135,12 @@ class Scan(Stacking):
         return i
 
     def stack(self, model: FamilyModel, layers, fp8):
-        fn = layer_fn(nnx.graphdef(model.layers[0]), type(model).layer_call, model.spec.remat)
-
         def run(x, args, key, deterministic):
-            return scan_layers(fn, x, layers, fp8, args, None, key, 0, deterministic,
+            # fp8: the kernels quantized once for all layers, before the loop.
+            graphdef, f = ((nnx.graphdef(model.layers[0]), None) if fp8 is None else
+                           quantize_kernels(model.layers[0], layers, fp8))
+            fn = layer_fn(graphdef, type(model).layer_call, model.spec.remat)
+            return scan_layers(fn, x, layers, f, args, None, key, 0, deterministic,
                                place=by_batch)
         return run
 
