@@ -11,9 +11,13 @@ pick their implementation and Pallas target from the mesh of their operands
 from __future__ import annotations
 
 import collections
+import ctypes
 import dataclasses
 import math
+import os
 import re
+import shutil
+import subprocess
 import time
 
 import jax
@@ -34,20 +38,75 @@ def kernel_calls(hlo: str, platform: str) -> list[str]:
     return [line for line in hlo.splitlines() if KERNEL_CALL[platform] in line]
 
 
-def assert_spills_at_most(name: str, report: str, most: int = 0) -> None:
-    """Kernel ``name``'s ptxas report (the ``ptxas_reports`` fixture) says it was compiled for
-    sm_90a and spills at most ``most`` bytes of registers to local memory. An xfail, not a
-    pass, where that ptxas ignored the kernel's register reallocation between warpgroups
-    (C7504, "'setmaxnreg' ignored") and spilled: found on CI's second leg (torch's CUDA 13
-    packages beside jax's CUDA 12 plugin), a known defect of the kernels on that toolchain."""
+def assert_spills_at_most(name: str, report: str, most: int = 0, entry: str | None = None):
+    """Kernel ``name``'s ptxas report (the ``ptxas_reports`` fixture, or ``ptxas_report``)
+    says its entry function (``entry``; by default the Mosaic GPU kernel's,
+    ``<name>_mosaic_gpu_kernel``) was compiled for sm_90a and spills at most ``most`` bytes of
+    registers to local memory. An xfail, not a pass, where that ptxas ignored the kernel's
+    register reallocation between warpgroups (C7504, "'setmaxnreg' ignored") and spilled:
+    found on CI's second leg (torch's CUDA 13 packages beside jax's CUDA 12 plugin), a known
+    defect of the Mosaic GPU kernels on that toolchain."""
     import pytest
-    assert f"Compiling entry function '{name}_mosaic_gpu_kernel' for 'sm_90a'" in report, report
+    entry = entry or f"{name}_mosaic_gpu_kernel"
+    assert f"Compiling entry function '{entry}' for 'sm_90a'" in report, report
     spilled = re.search(r"(\d+) bytes spill stores", report)
     assert spilled, (name, report)
     if int(spilled[1]) > most and "'setmaxnreg' ignored" in report:
         pytest.xfail(f"{name}: this ptxas ignores setmaxnreg (C7504) and spills "
                      f"{spilled[1]} bytes")
     assert int(spilled[1]) <= most, (name, report)
+
+
+def ptxas_report(ptx: str, arch: str = "sm_90a") -> str:
+    """ptxas's verbose report (registers and spills of each entry function) of the PTX file
+    ``ptx`` assembled for ``arch``, by the assembler XLA's GPU compiler runs: a ptxas (under
+    jax's CUDA path, ``CUDA_ROOT`` or the nvidia-cuda-nvcc package, else on PATH) that reads
+    the file's PTX ISA, else libnvJitLink (jax 0.12's XLA writes PTX 9.4, which CUDA 13.0's
+    ptxas cannot read, and hands it to libnvJitLink 13.5). A skip naming why where neither
+    is here."""
+    import pytest
+    from jax._src import lib
+    folders = [os.path.join(lib.cuda_path, "bin")] if lib.cuda_path else []
+    found = shutil.which("ptxas", path=os.pathsep.join(folders + [os.environ.get("PATH", "")]))
+    why = "no ptxas (the nvidia-cuda-nvcc package or a CUDA toolkit)"
+    if found:
+        done = subprocess.run([found, "-v", f"-arch={arch}", ptx, "-o", os.devnull],
+                              capture_output=True, text=True)
+        if "Unsupported .version" not in done.stderr:
+            assert done.returncode == 0, done.stderr
+            return done.stdout + done.stderr
+        why = f"{found}: {done.stderr.splitlines()[0]}"
+    with open(ptx, "rb") as f:
+        report = _nvjitlink_report(f.read(), arch)
+    if report is None:
+        pytest.skip(f"nothing here assembles the PTX XLA wrote ({why}; no libnvJitLink)")
+    return report
+
+
+def _nvjitlink_report(ptx: bytes, arch: str) -> str | None:
+    """libnvJitLink's info log (ptxas's report within it) of linking ``ptx`` alone for
+    ``arch``, by the library of CUDA 13 or 12 that this process can load (XLA loads it when
+    it uses it); None where there is none."""
+    for major in (13, 12):
+        try:
+            nvjitlink = ctypes.CDLL(f"libnvJitLink.so.{major}")
+        except OSError:
+            continue
+        call = lambda name, *args: getattr(nvjitlink, f"__nvJitLink{name}_{major}_0")(*args)
+        handle, size = ctypes.c_void_p(), ctypes.c_size_t()
+        options = (ctypes.c_char_p * 2)(f"-arch={arch}".encode(), b"-verbose")
+        assert call("Create", ctypes.byref(handle), 2, options) == 0
+        try:
+            assert call("AddData", handle, 2, ptx, ctypes.c_size_t(len(ptx)), b"ptx") == 0  # 2: PTX
+            done = call("Complete", handle)
+            call("GetInfoLogSize", handle, ctypes.byref(size))
+            log = ctypes.create_string_buffer(size.value)
+            call("GetInfoLog", handle, log)
+        finally:
+            call("Destroy", ctypes.byref(handle))
+        assert done == 0, (done, log.value.decode())
+        return log.value.decode()
+    return None
 
 
 def mesh(target, shape=(1,), axis_names=("x",)) -> Mesh:
@@ -65,16 +124,17 @@ def replicated(m: Mesh, *xs):
     return tuple(placed(x, NamedSharding(m, P())) for x in xs)
 
 
-def compile_timed(fn, *args, mesh: Mesh, **jit_kwargs):
+def compile_timed(fn, *args, mesh: Mesh, compiler_options: dict | None = None, **jit_kwargs):
     """``(compiled, seconds)``: ``jax.jit(fn, **jit_kwargs)`` traced, lowered and compiled for
-    ``args`` (placed on ``mesh``) under ``jax.set_mesh(mesh)``, as the trainer runs its steps
+    ``args`` (placed on ``mesh``; XLA's debug options ``compiler_options`` set for this
+    compile alone) under ``jax.set_mesh(mesh)``, as the trainer runs its steps
     (on jax 0.12 Pallas Triton reads its GPU from the ambient mesh when lowering); the CPU
     seconds this process spent in the compile alone (not the trace or lowering): not wall
     time, which on a machine loaded by other work counts the others' time too."""
     with jax.set_mesh(mesh):
         lowered = jax.jit(fn, **jit_kwargs).trace(*args).lower()
         start = time.process_time()
-        compiled = lowered.compile()
+        compiled = lowered.compile(compiler_options)
     return compiled, time.process_time() - start
 
 

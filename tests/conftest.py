@@ -244,15 +244,22 @@ def compile_target():
 
 
 @pytest.fixture
-def ptxas_reports(tmp_path, monkeypatch):
+def no_compilation_cache():
+    """jax's persistent compilation cache off for the test: every program is compiled, so its
+    compiler's dumps and checks run, none is read back from the cache."""
+    enabled = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    yield
+    jax.config.update("jax_enable_compilation_cache", enabled)
+
+
+@pytest.fixture
+def ptxas_reports(tmp_path, monkeypatch, no_compilation_cache):
     """Mosaic GPU's ptxas reports of the kernels compiled in the test (``MOSAIC_GPU_DUMP_*``),
     ``[(kernel name, report)]``, with jax's persistent compilation cache off so that every
     kernel is compiled (``compile_only.assert_spills_at_most`` reads them)."""
     monkeypatch.setenv("MOSAIC_GPU_DUMP_PTXAS", "1")
     monkeypatch.setenv("MOSAIC_GPU_DUMP_TO", str(tmp_path))
-    enabled = jax.config.jax_enable_compilation_cache
-    jax.config.update("jax_enable_compilation_cache", False)
-    yield lambda: sorted((f.name.rsplit("_", 1)[0], f.read_text())
-                         for f in tmp_path.iterdir() if f.name.endswith(".ptxas"))
-    jax.config.update("jax_enable_compilation_cache", enabled)
+    return lambda: sorted((f.name.rsplit("_", 1)[0], f.read_text())
+                          for f in tmp_path.iterdir() if f.name.endswith(".ptxas"))
 

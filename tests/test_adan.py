@@ -5,6 +5,7 @@ The Adan math is elementwise (no matmuls), so a GPU's TF32 default does not touc
 ``impl="pallas"`` runs the Triton kernel, whose float32 division is Triton's approximate
 ``div.full.f32`` (<= 2 ulp) where XLA divides correctly rounded: see ``KERNEL_TOL``."""
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -19,9 +20,9 @@ from jaxaccel.forms.packing import Packer
 from jaxaccel.optim.adan import AdanState, adan, restart
 from kernels_pallas import registry
 from kernels_pallas import mgpu
-from kernels_pallas.adan import DEFAULT_ORDER, UPDATE, adan_update, update_kernel
+from kernels_pallas.adan import DEFAULT_ORDER, UPDATE, adan_update, apply_kernel, update_kernel
 from kernels_pallas.adan_mgpu import mgpu_apply_kernel, mgpu_update_kernel
-from kernels_pallas.adan_reference import LANES, ROW_ALIGN, BlockSizes
+from kernels_pallas.adan_reference import BLOCK_SIZES, LANES, ROW_ALIGN, SCALARS, BlockSizes
 from support import CASES, Float64Adan, bert_tree, flat_args, grads_at, rel, small_tree
 
 IMPLS = ("per_leaf", "xla", "pallas")
@@ -371,3 +372,42 @@ def test_mosaic_gpu_kernels_compile_in_place_for_h100(compile_target, ptxas_repo
     assert len(reports) == 2, sorted(reports)
     for name, report in reports:
         compile_only.assert_spills_at_most(name, report)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_triton_kernel_compiles_for_h100_without_register_spills(compile_target, tmp_path,
+                                                                  no_compilation_cache, dtype):
+    """The one-pass Triton kernel (``impl="pallas"`` on a GPU) as XLA compiles it for a
+    compile-only H100, on a small group of ``dtype`` (n stays float32): XLA's own assembler
+    (ptxas, or libnvJitLink on jax 0.12) fails the compile if a kernel spills registers
+    (``xla_gpu_fail_ptx_compilation_on_register_spilling``); one Triton launch with no copy
+    around it, the five updated buffers aliased; the PTX XLA wrote (dumped) moves each
+    buffer's bytes once, no more: per thread, its elements of the six inputs loaded and of
+    the five outputs stored, plus the scalars; and ptxas's report of that PTX names the
+    kernel's entry function and no spilled byte."""
+    target = compile_target("h100:1x1")
+    m = compile_only.mesh(target)
+    s, g, mm, v, n, prev, p = compile_only.replicated(
+        m, *jax.eval_shape(lambda: flat_args(ROW_ALIGN, dtype)))
+    compiled, _ = compile_only.compile_timed(
+        apply_kernel, s, g, p, mm, v, n, prev, mesh=m, donate_argnums=(2, 3, 4, 5, 6),
+        compiler_options={"xla_dump_to": str(tmp_path), "xla_dump_emitter_re": "ptx",
+                          "xla_gpu_fail_ptx_compilation_on_register_spilling": True})
+    text = compiled.as_text()
+    assert len(compile_only.kernel_calls(text, "gpu")) == 1 and " copy(" not in text
+    outputs = (p, mm, v, n, prev)
+    assert compiled.memory_analysis().alias_size_in_bytes == \
+        sum(x.size * x.dtype.itemsize for x in outputs)
+    ptx = [f for f in tmp_path.iterdir() if f.suffix == ".ptx"
+           and ".entry adan_apply(" in f.read_text()]
+    assert len(ptx) == 1, sorted(f.name for f in tmp_path.iterdir())
+    moved = {"ld": 0, "st": 0}
+    for op, width, bits in re.findall(r"\b(ld|st)\.global(?:\.v(\d))?\.b(\d+)",
+                                      ptx[0].read_text()):
+        moved[op] += int(width or 1) * int(bits) // 8
+    blocks = BLOCK_SIZES["gpu"]
+    per_thread = blocks.rows * LANES // (32 * blocks.num_warps)    # elements of each buffer
+    size = lambda xs: per_thread * sum(x.dtype.itemsize for x in xs)
+    assert moved == {"ld": size((g,) + outputs) + 4 * len(SCALARS), "st": size(outputs)}
+    compile_only.assert_spills_at_most("adan_apply", compile_only.ptxas_report(str(ptx[0])),
+                                       entry="adan_apply")
