@@ -137,7 +137,8 @@ def test_block_sizes_are_checked():
 @pytest.mark.parametrize("name", ["v5e:2x2", "h100:1x1"])
 def test_apply_kernel_compiles_in_place_for_tpu_and_gpu(compile_target, name):
     """Compiled by the target's compiler (the kernel chosen from the buffers' mesh): the
-    donated p, m, v, n, prev are updated in place, aliased to the kernel's outputs."""
+    donated p, m, v, n, prev are updated in place, aliased to the kernel's outputs, with no
+    copy of any buffer around it."""
     target = compile_target(name)
     rows = 2 * ROW_ALIGN
     m = compile_only.mesh(target)
@@ -147,6 +148,7 @@ def test_apply_kernel_compiles_in_place_for_tpu_and_gpu(compile_target, name):
     text = compiled.as_text()
     assert compile_only.KERNEL_CALL[target.platform] in text and "adan_apply" in text
     assert compiled.memory_analysis().alias_size_in_bytes == 5 * rows * LANES * 4
+    assert " copy(" not in text             # donated in the kernel's output order: no copy
 
 
 def _losses_and_params(run, k=3):
