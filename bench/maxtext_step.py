@@ -32,8 +32,9 @@ FLOPs counted with loop trips (``jaxaccel.plan.hlo_cost``) beside the compiler's
 (loop bodies once) and those of them that move to or from HBM (each instruction costed alone,
 ``hlo_cost.by_instruction``, its accesses to buffers the TPU compiler placed in VMEM left out:
 ``hlo_cost.on_chip``), the bytes each kind of collective writes and the least a chip sends
-(``jaxaccel.plan.collectives``), and the planner's estimate of the step
-(``jaxaccel.plan.estimate_step``) from those numbers; what is live at the step's peak (XLA's
+(``jaxaccel.plan.collectives``) and how much of each kind the schedule overlaps with compute,
+leaves exposed or runs synchronously (``jaxaccel.plan.overlap``), and the planner's estimate
+of the step (``jaxaccel.plan.estimate_step``) from those numbers; what is live at the step's peak (XLA's
 live-range dump), by origin and in its largest groups of one shape; with ``--by-op``, the HBM
 bytes by jax operation (``jaxaccel.plan.hlo_cost.by_instruction``). Writes
 ``<out>/maxtext-<model>-<topology>.json`` and prints a Markdown table and the two commands that
@@ -279,7 +280,7 @@ def analyse(side: str, a, target, cfg, spec) -> dict:
     from jaxaccel import flops as flops_lib
     from jaxaccel import plan
     from jaxaccel.plan import collectives as collectives_lib
-    from jaxaccel.plan import hlo_cost
+    from jaxaccel.plan import hlo_cost, overlap
     from jaxaccel.precision import policy_of
     folder = os.path.join(a.work, name(side, a))
     with open(os.path.join(folder, "side.json")) as f:
@@ -288,7 +289,8 @@ def analyse(side: str, a, target, cfg, spec) -> dict:
         hlo = f.read()
     counted = hlo_cost.count(hlo)
     parts = list(hlo_cost.by_instruction(hlo))      # each instruction costed alone: minutes
-    found = collectives_lib.collectives(hlo, len(target.devices) // target.slices)
+    devices = len(target.devices) // target.slices
+    found = collectives_lib.collectives(hlo, devices)
     sent, dcn = collectives_lib.ici_sent(found), collectives_lib.dcn_sent(found)
     shape = flops_lib.model_shape(spec)
     batch, seq = cfg.train.batch_size, cfg.data.max_len
@@ -303,7 +305,7 @@ def analyse(side: str, a, target, cfg, spec) -> dict:
                                   batch, seq, sent, dcn_sent=dcn)
     return {**kept, "name": name(side, a), "counted": counted.as_dict(),
             "collective_bytes": collectives_lib.by_kind(found), "collective_sent": sent,
-            "dcn_sent": dcn,
+            "dcn_sent": dcn, "collective_overlap": overlap.overlap(hlo, devices),
             "analytic_flops": flops, "estimate": estimate,
             "largest_allocations": largest_temporaries(os.path.join(folder, "dump")),
             "peak": peak_groups(at_peak(os.path.join(folder, "dump"), hlo)),
@@ -428,16 +430,32 @@ ROWS = (("parameters", lambda r: f"{r['parameters']:,}"),
          lambda r: f"{(r['estimate']['interconnect_s'] or 0) * 1e3:.0f}"))
 
 
+def _overlapped(row: dict, kind: str) -> str:
+    """A kind of collective's bytes the schedule overlaps with compute, leaves exposed and runs
+    synchronously (``jaxaccel.plan.overlap``); "-" where the side has none of that kind."""
+    got = (row.get("collective_overlap") or {}).get(kind)
+    if not got or not got["bytes"]:
+        return "-"
+    return " / ".join(_gb(got[k]) for k in ("overlapped", "exposed", "synchronous"))
+
+
 def _gb(x) -> str:
     return "-" if x is None else f"{x / 1e9:.2f}"
 
 
 def table(rows: list[dict]) -> str:
-    """Metrics down, sides across (per chip)."""
+    """Metrics down, sides across (per chip); after the collectives, each kind's bytes by how
+    the schedule runs them (``_overlapped``)."""
     lines = ["| per chip | " + " | ".join(r["name"] + (" (earlier run)" if r.get("reused")
                                                       else "") for r in rows) + " |",
              "|---|" + "---|" * len(rows)]
-    lines += [f"| {label} | " + " | ".join(get(r) for r in rows) + " |" for label, get in ROWS]
+    kinds = {k: None for r in rows for k, v in (r.get("collective_overlap") or {}).items()
+             if v["bytes"]}
+    overlap_rows = [(f"  {kind}: overlapped / exposed / synchronous (GB)",
+                     lambda r, kind=kind: _overlapped(r, kind)) for kind in kinds]
+    at = 1 + next(k for k, (label, _) in enumerate(ROWS) if "over DCN" in label)
+    lines += [f"| {label} | " + " | ".join(get(r) for r in rows) + " |"
+              for label, get in (*ROWS[:at], *overlap_rows, *ROWS[at:])]
     return "\n".join(lines)
 
 
