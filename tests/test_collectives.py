@@ -184,6 +184,35 @@ ENTRY %main (x: bf16[1,64,512]) -> bf16[1,512,512] {
     assert collectives(hlo, 8) == [Collective("all-gather", 512 * 512 * 2, 8)] * 2
 
 
+def test_a_chain_repeated_outside_its_loop_with_the_same_channel_counts_in_each():
+    """The compiler repeats a loop's overlapped collective (a peeled trip in the entry) with
+    the loop body's channel ids: each computation that runs a chain counts it once."""
+    chain = """%start_{s} (p: bf16[1,64,512]) -> bf16[1,512,512] {{
+  %ag.{s}1 = bf16[1,512,512]{{2,1,0}} all-gather(%p), channel_id=7, replica_groups=mesh['axis_0'=8] {{'axis_0'}}, dimensions={{1}}
+  ROOT %cc.{s} = bf16[1,512,512]{{2,1,0}} custom-call(%ag.{s}1), custom_call_target="AsyncCollectiveStart"
+}}
+
+%done_{s} (p: bf16[1,512,512]) -> bf16[1,512,512] {{
+  %ag.{s}2 = bf16[1,512,512]{{2,1,0}} all-gather(%p), channel_id=7, replica_groups=mesh['axis_0'=8] {{'axis_0'}}, dimensions={{1}}
+  ROOT %cd.{s} = bf16[1,512,512]{{2,1,0}} custom-call(%p, %ag.{s}2), custom_call_target="AsyncCollectiveDone"
+}}
+"""
+    hlo = chain.format(s="body") + chain.format(s="entry") + """
+%body (x: bf16[1,64,512]) -> bf16[1,512,512] {
+  %x = bf16[1,64,512]{2,1,0} parameter(0)
+  %s = bf16[1,512,512]{2,1,0} fusion(%x), kind=kCustom, calls=%start_body
+  ROOT %d = bf16[1,512,512]{2,1,0} fusion(%s), kind=kCustom, calls=%done_body
+}
+
+ENTRY %main (x: bf16[1,64,512]) -> bf16[1,512,512] {
+  %x = bf16[1,64,512]{2,1,0} parameter(0)
+  %looped = bf16[1,512,512]{2,1,0} call(%x), to_apply=%body
+  %s = bf16[1,512,512]{2,1,0} fusion(%x), kind=kCustom, calls=%start_entry
+  ROOT %d = bf16[1,512,512]{2,1,0} fusion(%s), kind=kCustom, calls=%done_entry
+}"""
+    assert collectives(hlo, 8) == [Collective("all-gather", 512 * 512 * 2, 8)] * 2
+
+
 def _reduced(target: str, micro: int) -> int:
     """Gradient-reduction bytes of a compiled scan over ``micro`` micro-batches (the trainer's
     `train.grad_accum`) with FSDP-sharded weights, on ``target``'s devices."""

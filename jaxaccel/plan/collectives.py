@@ -10,7 +10,9 @@ micro-batches, the TPU compiler's windowed FSDP matmuls) once per trip of every 
 (``jaxaccel.plan.loops``: XLA's ``known_trip_count``, else the loop's counter, signed or
 unsigned, its start, bound and step). The TPU compiler overlaps a collective with other work
 as a chain of fusions (start, the overlapped computation, done), each holding a clone of the
-collective with the same ``channel_id``: a channel's collective is counted once. It writes a
+collective with the same ``channel_id``: a channel's collective is counted once in each
+computation that runs such a chain (the fusions' caller: a loop body, the entry), as the
+compiler repeats a loop's chains outside it (a peeled trip) with the same ids. It writes a
 reduce-scatter as an all-reduce fused with the slice each device keeps (a fusion calling
 ``%all-reduce-scatter...``); that is counted as the reduce-scatter it is.
 
@@ -53,6 +55,7 @@ _MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\(\[[\d,]*\]
                    r"(?:T\([\d,]*\))?\))? \{([^}]*)\}")
 _FUSED_REDUCE_SCATTER = "all-reduce-scatter"      # libtpu's fused reduce-scatter computations
 _CHANNEL = re.compile(r"\bchannel_id=(\d+)")
+_CALLS = re.compile(r"\bcalls=%([\w.\-]+)")
 # A transfer between slices: "%name = (<array>, u32[], token[]) recv(...), ... frontend_attributes=
 # {..._xla_megascale_target={{100000,200000},...} or "{1,2}x{0:7}", ..._transfer_type="ALL_REDUCE"}"
 _DCN_RECV = re.compile(r"^\s*(?:ROOT )?%[\w.\-]+ = \((.*?)\) recv\(.*xla_megascale_runtime")
@@ -102,6 +105,7 @@ def collectives(hlo: str, devices: int = 1) -> list[Collective]:
     ``devices``: the module's device count, the group of a collective whose groups are
     empty."""
     out, groups, channels, computation, times = [], {}, set(), "", loops.runs(hlo)
+    runner = _runners(hlo)
     for line in hlo.splitlines():
         if c := _COMPUTATION.match(line):
             computation = c.group(1)
@@ -116,9 +120,10 @@ def collectives(hlo: str, devices: int = 1) -> list[Collective]:
             groups[name] = group_size(attributes, devices)
             continue
         if (channel := _CHANNEL.search(attributes)) and phase is None:
-            if channel.group(1) in channels:
+            key = (runner(computation), channel.group(1))
+            if key in channels:
                 continue                # a clone of a channel's collective (docstring)
-            channels.add(channel.group(1))
+            channels.add(key)
         n = groups.get(operands.strip().lstrip("%"), devices) if phase == "-done" \
             else group_size(attributes, devices)
         size = _bytes(shape)
@@ -126,6 +131,24 @@ def collectives(hlo: str, devices: int = 1) -> list[Collective]:
             kind, size = "reduce-scatter", size // max(n, 1)
         out += [Collective(kind, size, n)] * times.get(computation, 1)
     return out
+
+
+def _runners(hlo: str):
+    """computation -> the computation that runs it: for a fused (``calls=``) computation its
+    caller's, up to one no fusion calls (a loop body, a branch, the entry)."""
+    caller, computation = {}, ""
+    for line in hlo.splitlines():
+        if c := _COMPUTATION.match(line):
+            computation = c.group(1)
+        elif m := _CALLS.search(line):
+            caller[m.group(1)] = computation
+
+    def runner(name: str) -> str:
+        seen = {name}
+        while (name := caller.get(name, name)) not in seen:
+            seen.add(name)
+        return name
+    return runner
 
 
 def _dcn_transfer(line: str) -> Collective | None:
