@@ -126,11 +126,19 @@ def collectives(hlo: str, devices: int = 1) -> list[Collective]:
             channels.add(key)
         n = groups.get(operands.strip().lstrip("%"), devices) if phase == "-done" \
             else group_size(attributes, devices)
-        size = _bytes(shape)
-        if kind == "all-reduce" and computation.startswith(_FUSED_REDUCE_SCATTER):
-            kind, size = "reduce-scatter", size // max(n, 1)
+        kind, size = result(kind, shape, computation, n)
         out += [Collective(kind, size, n)] * times.get(computation, 1)
     return out
+
+
+def result(kind: str, shape: str, computation: str, group: int) -> tuple[str, int]:
+    """``(kind, bytes)`` one device's result of a collective of ``kind`` and ``shape`` in
+    ``computation`` over ``group`` devices: an all-reduce in the TPU compiler's fused
+    reduce-scatter computation is that reduce-scatter, 1/n of its bytes (module docstring)."""
+    size = _bytes(shape)
+    if kind == "all-reduce" and computation.startswith(_FUSED_REDUCE_SCATTER):
+        return "reduce-scatter", size // max(group, 1)
+    return kind, size
 
 
 def _runners(hlo: str):

@@ -27,7 +27,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from jaxaccel.plan import loops
-from jaxaccel.plan.collectives import _FUSED_REDUCE_SCATTER, KINDS, _bytes, group_size
+from jaxaccel.plan.collectives import KINDS, _bytes, group_size, result
 
 COMPUTE = ("fusion", "convolution", "dot", "custom-call")
 _PAIRED = tuple(k + "-start" for k in KINDS) + ("async-start",)
@@ -46,9 +46,7 @@ def _held(computations: dict, name: str, devices: int):
     """``(kind, bytes, channel)`` of the collective computation ``name`` holds, else None."""
     for i in computations.get(name, {}).values():
         if i.opcode in KINDS:
-            size, kind = _bytes(i.shape), i.opcode
-            if kind == "all-reduce" and name.startswith(_FUSED_REDUCE_SCATTER):
-                kind, size = "reduce-scatter", size // max(group_size(i.attributes, devices), 1)
+            kind, size = result(i.opcode, i.shape, name, group_size(i.attributes, devices))
             channel = i.attributes.partition("channel_id=")[2].partition(",")[0]
             return kind, size, channel
     return None
