@@ -85,6 +85,7 @@ def test_restart_matches_official_restart_opt(impl):
 # The Mosaic GPU interpreter's 4 steps on this tree took ~12 s (loaded 2-core CPU): one case
 # (the kernel tests cover prox and no_prox).
 @pytest.mark.parametrize("no_prox,clip,impls", [(False, 0.0, IMPLS), (True, 1.0, WITH_MGPU)])
+@pytest.mark.long
 def test_impls_agree_on_a_bert_tree(no_prox, clip, impls):
     params = bert_tree()
     results = {}

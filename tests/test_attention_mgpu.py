@@ -212,6 +212,7 @@ def test_gpu_matches_reference(case):
 
 
 @pytest.mark.aot_compile
+@pytest.mark.long
 def test_decoder_train_step_compiles_for_h100_with_mosaic_gpu_kernels(compile_target):
     """The decoder job as committed (configs/canterbury_lm.py: llama-cpu, 4 query / 2 key-value
     heads, packed rows of 128 tokens; its corpus never read) in bf16 with Adan's one pass

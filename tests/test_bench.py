@@ -88,6 +88,7 @@ def test_results_go_where_the_user_says_never_to_committed_results(tmp_path, mon
     assert after == before
 
 
+@pytest.mark.long
 def test_gpu_evidence_dry_run_runs_every_part_and_writes_its_rows(tmp_path):
     """Issue 50: `bench/gpu_evidence.py --cpu-dry-run` (what keeps the GPU command alive between
     GPU loans) runs every part's code on tiny shapes: the smoke tests collected in a child

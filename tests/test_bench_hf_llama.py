@@ -80,6 +80,7 @@ def fake_batches(resolved, n):
     return [{k: v[i * b:(i + 1) * b] for k, v in rows.items()} for i in range(n)]
 
 
+@pytest.mark.long
 def test_ours_and_the_pytorch_child_share_rows_that_compare_joins(tmp_path, monkeypatch,
                                                                     capsys):
     """The step timing with the PyTorch side in its child process: rows per shape with the

@@ -66,6 +66,7 @@ def trained_in_bucket(gcs_server, s3_server, tmp_path_factory):
 
 
 @pytest.mark.parametrize("scheme", ["gs", "s3"])
+@pytest.mark.long
 def test_a_run_lives_in_a_bucket(scheme, trained_in_bucket):
     """Trained, resumed (a longer run; gs), evaluated, asked to predict (gs) and exported with
     every file in the bucket; nothing is written to the local folder the commands run in."""
@@ -105,6 +106,7 @@ def _port():
         return s.getsockname()[1]
 
 
+@pytest.mark.long
 def test_two_hosts_that_share_no_disk_stop_together_and_resume_exactly(s3_server, tmp_path):
     """Two processes (2 CPU devices each, gloo collectives, a (data=2, fsdp=2) mesh with the
     fused Adan state sharded over it) whose HOME, TMPDIR and cache folders are their own, the
@@ -193,6 +195,7 @@ def test_two_hosts_that_share_no_disk_stop_together_and_resume_exactly(s3_server
     assert sum(map(sum, ev["confusion_matrix"])) == ev["examples"]
 
 
+@pytest.mark.long
 def test_a_process_killed_while_saving_leaves_the_last_complete_checkpoint(gcs_server, tmp_path):
     """SIGKILL (no handler runs) once checkpoints are being written every step, very likely in
     the middle of one: a step the process did not finish has no commit file and is never
@@ -233,6 +236,7 @@ def test_a_process_killed_while_saving_leaves_the_last_complete_checkpoint(gcs_s
         assert resumed[step] == pytest.approx(never_killed[step], rel=1e-5), step
 
 
+@pytest.mark.long
 def test_a_bucket_that_stops_answering_mid_run_ends_it_with_one_line_soon(tmp_path):
     """The storage server dies once checkpoints are being written every step: the next save
     fails after the clients' bounded retries (one each here, ``JAXACCEL_BUCKET_RETRIES=1``:
@@ -314,6 +318,7 @@ def test_gcs_without_credentials_or_a_role_is_one_line_naming_which(status, tmp_
         assert "permission denied on gs://a-bucket" in err and "roles/storage" in err
 
 
+@pytest.mark.long
 def test_a_read_only_bucket_is_refused_for_training_and_read_for_eval(trained_in_bucket):
     """The module's S3 run (4 steps), copied into a bucket of its own that is then made
     read-only: a longer run is refused before anything is compiled; eval reads it."""
@@ -349,6 +354,7 @@ def test_the_bucket_retries_are_the_clients_own_unless_the_environment_sets_them
         storage.retries(storage.RETRIES)
 
 
+@pytest.mark.long
 def test_a_run_folder_another_trainer_holds_is_refused_until_its_lease_ends(s3_server):
     fs, bucket = s3_server.filesystem(), s3_server.create_bucket()
     lock = f"{bucket}/runs/tiny_synthetic/lock"
@@ -394,6 +400,7 @@ def test_a_plan_and_a_benchmark_are_written_to_a_bucket(gcs_server):
     assert "no-such-bucket-1 does not exist" in err and "compiled" not in err
 
 
+@pytest.mark.long
 def test_data_files_and_class_folders_are_read_from_a_bucket(s3_server, tmp_path):
     """A glob of JSONL files and a folder of class folders in a bucket: read from their local
     copies, the class folders keeping their names; trained on, with the run in the bucket too;

@@ -40,6 +40,7 @@ def test_predict_on_missing_run(capsys, tmp_path):
     assert code == cli.EXIT_ERROR and "not a run folder" in err
 
 
+@pytest.mark.long
 def test_train_eval_predict_round_trip(capsys, tmp_path, monkeypatch):
     code, out, err = run_cli(capsys, "train", "--config", f"{CONFIGS}/minilm_rt.py",
                              "--set", f"workdir={tmp_path}", "--set", "model.name=tiny",
@@ -88,6 +89,7 @@ def test_training_with_adan_through_the_cli_lowers_the_loss(capsys, tmp_path):
     assert losses[-1] < losses[0] - 0.1, losses
 
 
+@pytest.mark.long
 def test_training_with_pallas_attention(capsys, tmp_path):
     code, out, err = run_cli(capsys, "train", "--config", TINY_CONFIG,
                              "--set", f"workdir={tmp_path}", "--set", "model.attention_impl=pallas",

@@ -212,6 +212,7 @@ def test_a_documented_command_parses(where, block):
 
 @pytest.mark.parametrize("where,block", [(w, b) for w, m, b in BLOCKS if m == "run"],
                          ids=[w for w, m, _ in BLOCKS if m == "run"])
+@pytest.mark.long
 def test_a_documented_command_runs(where, block, tmp_path):
     for line in command_lines(block):
         check_parse(line)                         # a runnable block is parsed first, too

@@ -278,6 +278,7 @@ def _word_tokenizer():
 
 
 @pytest.mark.parametrize("tied,layout", [(False, PIPELINED), (True, ())])
+@pytest.mark.long
 def test_a_llama_run_exports_as_llama_for_causal_lm(tmp_path, tied, layout):
     """Two steps of the tiny decoder, untied on 2 pipeline stages in Adan's flat layout, or
     with tied embeddings; the export's LlamaForCausalLM gives the run's logits, and its
@@ -321,6 +322,7 @@ def _torch_pixels(x):
     return torch.from_numpy(np.ascontiguousarray(x[:, None]))
 
 
+@pytest.mark.long
 def test_an_fp8_vit_classifier_run_exports_its_float32_weights(tmp_path):
     """The vit-tiny classifier (a 5 x 3 grid, one channel) trained two steps under the fp8
     policy: the export holds its float32 parameters (no fp8 scaling state) and

@@ -103,6 +103,7 @@ def run_copy(trained, tmp_path):
     return dest
 
 
+@pytest.mark.long
 def test_readers_open_read_only_while_a_trainer_saves(tmp_path, capsys):
     """Item 1: eval beside a trainer saving every step (the readers' checkpoint managers
     cleaned the writer's unfinished save away and the trainer died)."""
@@ -197,6 +198,7 @@ def test_a_step_vanishing_while_listing_is_listed_again_by_readers_only(tmp_path
         checkpoint.Checkpointer(folder, async_save=False, manager=vanishing_once)
 
 
+@pytest.mark.long
 def test_readers_list_again_when_the_trainer_deletes_a_step_under_them(tmp_path):
     """A reader lists the steps while the writer deletes its oldest (keep_checkpoints): the
     vanished folder raised FileNotFoundError in the reader (4-9 of 150 reads before the fix,
@@ -280,6 +282,7 @@ def _truncate_largest(folder):
         f.truncate(os.path.getsize(victim) // 3)
 
 
+@pytest.mark.long
 def test_corrupt_latest_checkpoint_falls_back(run_copy, capsys, caplog):
     """Item 4: a truncated data file of the newest step: eval and resume use step 16, naming
     the skipped step; resume sets it aside and saves step 32 again."""
@@ -305,6 +308,7 @@ def test_corrupt_metadata_falls_back_and_readers_leave_unfinished_saves(run_copy
     assert os.path.isdir(pending), "a reader deleted a writer's unfinished save"
 
 
+@pytest.mark.long
 def test_changed_config_resume(run_copy, capsys):
     """Item 5: a model change is refused before anything is written, naming the key; more
     epochs continue the run on the schedule of the new length. (The refusals in process:
@@ -336,6 +340,7 @@ def test_changed_config_resume(run_copy, capsys):
         assert json.load(f)["train"]["epochs"] == 3, "a refused resume rewrote config.json"
 
 
+@pytest.mark.long
 def test_one_writer_per_run_folder(run_copy):
     """Item 6: a live holder is refused (named); a dead one's lock is stale and taken over."""
     workdir = os.path.dirname(run_copy)
@@ -356,6 +361,7 @@ def test_one_writer_per_run_folder(run_copy):
     assert "stale lock" in text(proc) and not os.path.exists(lock)
 
 
+@pytest.mark.long
 def test_ctrl_c_saves_and_exits_cleanly(tmp_path):
     """Item 9: SIGINT is handled like SIGTERM: save the current step, exit with the status of
     a stopped, resumable run (issue 32 item 4: not 0, which `&&` and schedulers read as
@@ -469,6 +475,7 @@ def test_occupied_output_path_is_a_clear_error(capsys, tmp_path):
 FP16_DIVERGING = ("precision.policy=fp16", "train.learning_rate=1e30")
 
 
+@pytest.mark.long
 def test_fp16_nan_loss_is_divergence_and_the_last_good_checkpoint_evaluates(tmp_path, capsys,
                                                                             caplog):
     """Item 1: under fp16 a NaN loss was taken for an overflow (skipped step), 25 of them

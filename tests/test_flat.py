@@ -200,6 +200,7 @@ def flat_142(tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", ["v5e:2x4", "h100:1x8"])
+@pytest.mark.long
 def test_flat_step_compiles_for_tpu_and_gpu_with_one_kernel_per_group(flat_142, compile_target,
                                                                        name):
     """The one-pass step on a (1, 4, 2) mesh of compile-only devices: one apply kernel per
@@ -217,6 +218,7 @@ def test_flat_step_compiles_for_tpu_and_gpu_with_one_kernel_per_group(flat_142, 
 
 @pytest.mark.parametrize("source,target", [((FLAT, (1, 8, 1)), ((), (2, 2, 2))),
                                            (((), (8, 1, 1)), (FLAT, (1, 4, 2)))])
+@pytest.mark.long
 def test_checkpoints_cross_paths_and_meshes(tmp_path, source, target):
     """A checkpoint of the flat path restores into the optax path on another mesh and the
     other way round: the same per-parameter values, laid out and placed for the target."""
@@ -242,6 +244,7 @@ XLA_ADAN = ("train.optimizer=adan", "train.optimizer_impl=xla")   # the kernel i
 
 @pytest.mark.parametrize("sets", [("train.grad_accum=4",), ("precision.policy=fp16",),
                                   ("precision.policy=fp8",)])
+@pytest.mark.long
 def test_the_flat_layout_accumulates_scales_and_takes_fp8_like_the_optax_path(tmp_path, sets):
     """Gradient accumulation, fp16 loss scaling and fp8 are written once around either layout
     (``train.step``): 3 steps on the flat layout give the optax Adan path's losses,
@@ -268,6 +271,7 @@ def test_the_flat_layout_rule_is_one_function():
     assert layout.choose(config.build(sets=["train.optimizer=adan"]).train) is layout.TREE
 
 
+@pytest.mark.long
 def test_a_flat_run_resumes_as_optax_and_back_and_evaluates(tmp_path, capsys):
     """Through the command line: 2 flat steps, resumed to 4 on the optax path, resumed to 6
     on the flat path again (each step trained once: no run started afresh); ``jaxaccel eval``

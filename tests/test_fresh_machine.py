@@ -40,6 +40,7 @@ def jaxaccel(env, *argv) -> str:
     return done.stdout
 
 
+@pytest.mark.long
 def test_a_classifier_run_prints_only_its_results_on_a_fresh_machine(tmp_path):
     env = fresh_env(tmp_path / "fresh")
     sets = ["--set", f"workdir={tmp_path}", "--set", "model.name=tiny", "--set",
@@ -61,6 +62,7 @@ def test_a_classifier_run_prints_only_its_results_on_a_fresh_machine(tmp_path):
     assert not any(line in shown for line in TFDS_LINES)
 
 
+@pytest.mark.long
 def test_a_corpus_run_prints_only_its_results_on_a_fresh_machine(tmp_path):
     """data prepare trains the corpus's own tokenizer and builds the token cache; generate
     continues a prompt: their text and JSON alone."""

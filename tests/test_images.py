@@ -132,6 +132,7 @@ def test_one_class_and_a_mismatched_processor_are_refused(pets, tmp_path):
     assert images.processor("", (SIZE, SIZE, 3)).mean == (0.5, 0.5, 0.5)
 
 
+@pytest.mark.long
 def test_a_vit_checkpoint_fine_tunes_on_images_and_exports_back(pets, tmp_path, capsys):
     """Train (CLI), eval, predict --top-k and export: transformers reads the exported model and
     its image processor and gives predict's probabilities."""

@@ -137,6 +137,7 @@ def test_chunks_that_cannot_apply_are_refused(sets, message):
         run_lib.resolve(config.build(sets=sets), DEVICES[:1])
 
 
+@pytest.mark.long
 def test_bf16_logits_are_opt_in_and_the_loss_stays_float32(tmp_path):
     """``precision.logits_dtype``: float32 by default, whose head is the float32 matmul alone
     (the same program, so the same numbers, as before the setting); bfloat16 (MaxText's

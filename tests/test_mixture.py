@@ -161,6 +161,7 @@ def test_bad_mixtures_are_refused(tmp_path):
         resolve(config.build(sets=sets + ["model.name=tiny", f"data.mixture={tasks!r}"]))
 
 
+@pytest.mark.long
 def test_a_mixture_through_the_cli_prepares_shows_trains_and_resumes(tmp_path, capsys, caplog):
     """data prepare states the epoch and each source's documents, tokens and realised share;
     data show names each row's source; a run stopped mid-epoch and resumed logs the losses of

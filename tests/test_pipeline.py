@@ -107,6 +107,7 @@ def _case(family, case):
 
 @pytest.mark.parametrize("family,mesh,per_stage,repeats,layers",
                          [_case(f, c) for f, cases in CASES.items() for c in cases])
+@pytest.mark.long
 def test_pipelined_steps_equal_the_plain_steps(plain, tmp_path, family, mesh, per_stage,
                                                repeats, layers):
     sizes = MESHES[mesh]
@@ -126,6 +127,7 @@ def test_pipelined_steps_equal_the_plain_steps(plain, tmp_path, family, mesh, pe
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
 
 
+@pytest.mark.long
 def test_remat_gradient_accumulation_and_fp16_compose_with_the_pipeline(tmp_path):
     """The decoder with per-layer remat, 2 accumulated micro-batches each cut into 2 pipeline
     micro-batches, fp16 with loss scaling, the stages' FSDP weights gathered once per
@@ -180,6 +182,7 @@ def test_fp8_composes_with_the_pipeline(tmp_path, family, layers, micro, repeats
                  ("train.optimizer=adan", "train.optimizer_impl=xla", "train.flat_params=true",
                   "train.weight_decay=0.01", "train.max_grad_norm=0.05"),
                  marks=pytest.mark.slow)], ids=["layer_decay", "flat"])
+@pytest.mark.long
 def test_layer_decay_and_the_flat_layout_compose_with_the_pipeline(plain, tmp_path, mesh, extra):
     """Layer-wise decay scales the stacked layers by their own layers' factors; the flat
     one-pass Adan keeps the staged parameters in its buffers: the plain run's losses and
@@ -197,6 +200,7 @@ def test_layer_decay_and_the_flat_layout_compose_with_the_pipeline(plain, tmp_pa
         assert isinstance(pipe[2].state.params, FlatParams)
 
 
+@pytest.mark.long
 def test_layers_that_do_not_split_evenly_are_padded_at_the_end(plain, tmp_path):
     """3 decoder layers on 2 stages: groups of 2, the last place a padding layer that passes
     its input through. The plain run's losses and parameters (which hold the 3 layers
@@ -272,6 +276,7 @@ PLANNED = ["model.name=llama-tiny", "model.tokenizer=unused", "data.max_len=64",
 @needs_libtpu
 @needs_cuda_plugin
 @pytest.mark.parametrize("name", [pytest.param("v5e-8", marks=pytest.mark.slow), "h100:1x8"])
+@pytest.mark.long
 def test_a_pipelined_decoder_plans_for_tpu_and_gpu(name):
     """The TPU and GPU compilers take the pipelined step (its loops scanned there, not
     unrolled): the stage-to-stage collective permutes are in the compiled program, the plan

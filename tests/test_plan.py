@@ -210,6 +210,7 @@ def test_every_config_is_assembled_for_the_target_as_the_trainer_would(name):
 @needs_libtpu
 @needs_cuda_plugin
 @pytest.mark.parametrize("name", ["v5e-8", "h100:1x8"])
+@pytest.mark.long
 def test_a_decoder_run_plans_for_tpu_and_gpu(name):
     """The decoder job as committed (its small llama-cpu; its corpus never read: packed rows
     of data.max_len tokens), compiled for a TPU slice and a GPU host; its length is in steps,
@@ -231,6 +232,7 @@ def test_a_decoder_run_plans_for_tpu_and_gpu(name):
     assert row["run_steps"] == 2000 and "epoch_steps" not in row
 
 
+@pytest.mark.long
 def test_fit_search_finds_the_fewest_micro_batches_that_fit(capsys, tmp_path):
     """A batch of 128 x 128 on 60 MB devices: the step as given needs 84 MB (60 of them
     temporaries), 2 micro-batches 68 MB, 4 fit; the search predicts the accumulation from the
@@ -298,6 +300,7 @@ def test_fit_search_walks_the_remat_ladder_until_a_policy_fits(monkeypatch):
 @pytest.mark.aot_compile
 @needs_libtpu
 @needs_cuda_plugin
+@pytest.mark.long
 def test_several_targets_are_planned_and_ranked_by_time_and_cost(capsys, tmp_path):
     """A 4-chip v5e slice and a 4-GPU host in one command, with FSDP-4: both targets' plans
     written, ranked with their epoch's time and price (a name that is no target is refused
@@ -364,6 +367,7 @@ def test_several_targets_are_planned_and_ranked_by_time_and_cost(capsys, tmp_pat
 
 
 @needs_libtpu
+@pytest.mark.long
 def test_across_slices_the_plan_counts_dcn_at_the_dcn_bandwidth(capsys):
     """Data parallel over two v5e-4 slices (`--topology 2xv5e-4`, data 8 of which 2 ways
     between the slices): the gradient's sum between the slices is counted over DCN at the

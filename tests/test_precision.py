@@ -103,6 +103,7 @@ def _fp16_run(tmp_path, *sets):
     return run, run.train_step, (run.put_batch(b) for b in run.train_data.batches(0))
 
 
+@pytest.mark.long
 def test_fp16_overflow_skips_the_step_bit_exactly(tmp_path):
     run, step, batches = _fp16_run(tmp_path, "precision.loss_scale_growth_interval=2")
     state, _ = step(run.state, next(batches))
@@ -135,6 +136,7 @@ def test_fp16_stops_after_too_many_skips_in_a_row(tmp_path):
 @pytest.mark.parametrize("policy,metric", [
     ("fp16", "train/loss_scale"),
     pytest.param("fp8", "train/fp8/qkv_output_grad_scale", marks=pytest.mark.slow)])
+@pytest.mark.long
 def test_policy_trains_and_resume_after_sigterm_matches_uninterrupted(tmp_path, policy, metric):
     # fp16 from 2**19: the first steps overflow and back off (skipped, no NaN stop) until the
     # scale fits; then it grows every 5 finite steps, across the resume.
@@ -173,6 +175,7 @@ def test_policy_trains_and_resume_after_sigterm_matches_uninterrupted(tmp_path, 
         assert evaluate_run(full["run_dir"])["accuracy"] == pytest.approx(full["eval_accuracy"])
 
 
+@pytest.mark.long
 def test_bf16_training_lowers_the_loss(tmp_path):
     result = loop.train(tiny_cfg(tmp_path, "precision.policy=bf16", "train.epochs=3"))
     losses = logged_losses(result["run_dir"])
@@ -216,6 +219,7 @@ def test_the_residual_stream_is_bf16_under_bf16_and_fp8_and_float32_otherwise(na
 @pytest.mark.parametrize("name,policy", [
     pytest.param("v5e:2x4", "fp8", marks=pytest.mark.slow), ("h100:1x8", "fp8"),
     pytest.param("h100:1x8", "bf16", marks=pytest.mark.slow)])
+@pytest.mark.long
 def test_step_compiles_for_accelerators_on_a_2x2x2_mesh(tmp_path, compile_target, name, policy):
     """The tiny model's step on a 2x2x2 mesh of an 8-chip slice / 8-GPU host, compiled by its
     compiler (tests/compile_only.py). On the H100 target, from the optimized HLO (no
@@ -244,6 +248,7 @@ def test_step_compiles_for_accelerators_on_a_2x2x2_mesh(tmp_path, compile_target
         assert len(scaling) < 6 * 3 * run.spec.architecture.num_hidden_layers, scaling
 
 
+@pytest.mark.long
 def test_scanned_fp8_kernels_are_quantized_once_before_the_layer_loop(tmp_path,
                                                                      compile_target):
     """With the layers scanned, each fp8 Dense kernel is quantized (amax, divide, clip,

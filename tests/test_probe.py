@@ -130,6 +130,7 @@ def test_predict_gives_empty_and_blank_texts_an_error_record(classifier_run, tmp
 
 # ---- item 4: a run stopped by SIGTERM exits with a status of its own ----
 
+@pytest.mark.long
 def test_a_run_stopped_by_sigterm_exits_with_the_resumable_status(tmp_path, capsys):
     """Exit 0 made `jaxaccel train ... && jaxaccel eval ...` and schedulers go on as if the
     run had finished; 75 (EX_TEMPFAIL) says stopped, resumable; the same command resumes."""
@@ -453,6 +454,7 @@ def jaxaccel_process(*argv, **env):
 
 
 @needs_libtpu
+@pytest.mark.long
 def test_compile_for_a_tpu_prints_no_start_up_noise():
     """With the aot extra, every CPU command printed the CUDA plugin's `cudart_stub ... Could
     not find cuda drivers` (4 times, each after absl's preamble) and a TPU compile libtpu's

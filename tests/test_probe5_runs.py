@@ -9,12 +9,15 @@ import logging
 import os
 import re
 
+import pytest
+
 from jaxaccel import cli
 from support import CONFIGS, cli_sets, own_data_sets, run_cli, write_rows, write_wav
 
 
 # ---- item 8: a resume on changed training files says so, naming them ----
 
+@pytest.mark.long
 def test_a_resume_on_changed_training_files_names_them(tmp_path, capsys, caplog):
     """The resume notice listed config changes but not that the data changed."""
     train = write_rows(tmp_path / "train.jsonl")
@@ -171,6 +174,7 @@ def test_a_same_size_edit_with_the_old_modification_time_rebuilds_the_cache(tmp_
 
 # ---- item 20: the README's audio example runs as written on a few dozen clips ----
 
+@pytest.mark.long
 def test_the_readme_audio_example_trains_on_a_few_dozen_clips(tmp_path, capsys, monkeypatch):
     """configs/audio_classifier.py shipped batches of 32: refused on a first small folder."""
     for split, n, shift in (("train", 12, 0), ("test", 3, 5)):

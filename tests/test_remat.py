@@ -61,6 +61,7 @@ def test_each_policy_keeps_what_its_name_says(preset):
         (total[name] for name in remat.LADDER), reverse=True), total
 
 
+@pytest.mark.long
 def test_every_policy_gives_the_same_gradients():
     want = None
     for name in remat.POLICIES:

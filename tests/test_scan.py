@@ -80,6 +80,7 @@ CASES = [("bert", ()), ("llama", ()), ("vit", ())] + [pytest.param(*case, marks=
 
 
 @pytest.mark.parametrize("family,extra", CASES)
+@pytest.mark.long
 def test_scanned_steps_equal_the_unscanned_steps(tmp_path, family, extra):
     plain = two_steps(family, tmp_path, "model.scan_layers=false", *extra)
     scanned = two_steps(family, tmp_path, "model.scan_layers=true", *extra)
@@ -139,6 +140,7 @@ def test_a_pipeline_stacks_its_layers_by_stage_whatever_scan_layers_says(tmp_pat
     assert isinstance(r.stacking, pipeline.Stages) and r.stacking is r.stages
 
 
+@pytest.mark.long
 def test_checkpoints_move_between_scanned_and_unscanned_runs(tmp_path):
     """Runs stopped after step 3 scanned (or not), resumed the other way, both ways: the
     losses of the unscanned run that never stopped (dropout on), its final eval, and the eval

@@ -209,6 +209,7 @@ def kernels_run(tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", ["v5e:2x4", "v6e:2x4", "h100:1x8"])
+@pytest.mark.long
 def test_train_step_compiles_for_accelerators_on_a_2x2x2_mesh(kernels_run, compile_target,
                                                                name):
     """The whole step with both Pallas kernels (flash attention, fused Adan with ZeRO-1) on a
@@ -274,6 +275,7 @@ BERT_BASE_PARAMETERS = 109_482_240 + 768 * 2 + 2
     pytest.param("v5e:2x4", "bf16", marks=pytest.mark.slow),
     pytest.param("v6e:2x4", "bf16", marks=pytest.mark.slow),
     pytest.param("h100:1x8", "fp8", marks=pytest.mark.slow)])
+@pytest.mark.long
 def test_bert_base_train_step_compiles_for_8_chips_with_per_chip_memory_as_sharded(
         compile_target, name, policy):
     """BERT-base's sharded training step compiled for an 8-chip TPU slice / 8-GPU host, built

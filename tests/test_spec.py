@@ -68,6 +68,7 @@ def _logits(model, ids, mask):
     return np.asarray(model(ids, mask).logits)
 
 
+@pytest.mark.long
 def test_load_run_rebuilds_the_trained_model_from_its_spec(tmp_path):
     """A run folder's model comes back from the spec in its checkpoint record: the same logits
     as the model the trainer built from the config, with the saved parameters; a record of

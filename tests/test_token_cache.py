@@ -260,6 +260,7 @@ def test_streamed_packed_rows_equal_in_memory_rows_at_any_step_and_share(tmp_pat
                     np.concatenate([shares[0][step][k], shares[1][step][k]]), whole[k])
 
 
+@pytest.mark.long
 def test_resume_mid_epoch_from_the_cache_matches_an_uninterrupted_run(tmp_path):
     _corpus(tmp_path / "corpus", n=40)
     sets = lm_sets(tmp_path, "train.epochs=2", "data.max_len=32")

@@ -21,6 +21,7 @@ from jaxaccel.train.metrics import read_metrics
 from support import CLI, LONG_WAIT_S, TINY, TINY_CONFIG, logged_losses, sigterm_at, tiny_cfg
 
 
+@pytest.mark.long
 def test_training_lowers_the_loss(tmp_path, caplog):
     """... and compiles its steps ahead: no step compiles once the loop runs."""
     caplog.set_level(logging.INFO, logger="jaxaccel")
@@ -68,6 +69,7 @@ def test_metrics_carry_tokens_per_second_tflops_and_mfu(tmp_path, monkeypatch):
     assert second["train/mfu"] == pytest.approx(tflops / 1e9)
 
 
+@pytest.mark.long
 def test_grad_accumulation_equals_one_big_batch(tmp_path):
     a = loop.train(tiny_cfg(tmp_path, "name=a", "train.max_steps=3", "model.hidden_dropout=0.0",
                             "model.attention_dropout=0.0"))
@@ -77,6 +79,7 @@ def test_grad_accumulation_equals_one_big_batch(tmp_path):
     np.testing.assert_allclose([la[s] for s in (1, 2, 3)], [lb[s] for s in (1, 2, 3)], rtol=2e-5)
 
 
+@pytest.mark.long
 def test_sigterm_saves_and_resume_matches_uninterrupted(tmp_path):
     full = loop.train(tiny_cfg(tmp_path, "name=full", "train.epochs=3"))
     # SIGTERM after step 6: mid-epoch 2 (4 steps per epoch).
@@ -92,6 +95,7 @@ def test_sigterm_saves_and_resume_matches_uninterrupted(tmp_path):
     assert resumed["eval_accuracy"] == pytest.approx(full["eval_accuracy"])
 
 
+@pytest.mark.long
 def test_external_sigterm_exits_cleanly_with_a_checkpoint(tmp_path):
     workdir = tmp_path / "w"
     cmd = [*CLI, "train", "--config", TINY_CONFIG, "--set", f"workdir={workdir}",
@@ -129,6 +133,7 @@ def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
     assert Checkpointer(result["checkpoint_dir"]).latest_step() == good
 
 
+@pytest.mark.long
 def test_interrupted_checkpoint_write_leaves_previous_readable(tmp_path):
     result = loop.train(tiny_cfg(tmp_path, "train.max_steps=2"))
     ckdir = result["checkpoint_dir"]

@@ -45,6 +45,7 @@ def test_tokens_go_to_slots_and_back():
 
 
 @pytest.mark.parametrize("pooling", ["cls", "mean"])
+@pytest.mark.long
 def test_the_model_gives_the_padded_numbers(pooling):
     """Logits and every parameter's gradient, dropout on (the same masks per token), for one
     group and for four."""

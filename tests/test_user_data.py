@@ -215,6 +215,7 @@ def test_a_corpus_shorter_than_a_row_or_a_batch_is_refused(tmp_path):
 
 # ---- each source trains end to end ----
 
+@pytest.mark.long
 def test_files_train_eval_and_predict_name_the_labels(tmp_path, capsys):
     """A classifier trained on JSONL with string labels: the label names are kept with the run,
     so predict (and the data commands) name them; eval reads the eval files again and reports

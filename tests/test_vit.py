@@ -251,6 +251,7 @@ def test_init_from_a_run_of_another_architecture_is_refused(mae_run):
         init_from(model, mae_run["run_dir"])
 
 
+@pytest.mark.long
 def test_sharded_mae_steps_equal_the_one_device_step(tmp_path):
     """2x2x2 (data, fsdp, tensor) against one device: 3 steps' losses and the parameters
     (the encoder, the decoder and the masks drawn per row; the classifier adds one Dense)."""
@@ -264,6 +265,7 @@ def test_sharded_mae_steps_equal_the_one_device_step(tmp_path):
         np.testing.assert_allclose(a, b, atol=1e-5)
 
 
+@pytest.mark.long
 def test_a_pipelined_mae_step_equals_the_plain_one(tmp_path):
     """Two stages of one encoder layer each, two micro-batches: the plain step's losses."""
     plain = run_lib.build(cfg(tmp_path, *EXACT, "mesh.data=2"), DEVICES[:2])
@@ -363,6 +365,7 @@ def test_a_birdsong_classifier_trains_evaluates_and_predicts_recordings(bf_dir, 
     assert [(r["file"], r["label"]) for r in records] == list(zip(paths, want))
 
 
+@pytest.mark.long
 def test_remat_recomputes_the_encoder_and_the_decoder_to_the_same_gradients():
     """``model.remat`` rematerialises the MAE decoder's layers too (at Audio-MAE's size they
     hold most of the activations): same loss and gradients."""
