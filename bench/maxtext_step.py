@@ -4,8 +4,7 @@ the same model, batch, mesh and dtypes: what each program needs and does per chi
     python bench/maxtext_step.py --model llama-1b --topology v5e-8 --mesh fsdp=8
     python bench/maxtext_step.py --model llama-350m --topology v5e-8 --mesh data=2,fsdp=4
     python bench/maxtext_step.py --topology 2xv5e-256 --mesh data=2,fsdp=256,dcn_data=2 --batch 512
-    python bench/maxtext_step.py --model llama2-70b --topology v5p-256 --mesh fsdp=32,tensor=4 \
-        --batch 128 --seq 4096                                        # FSDP x tensor (Megatron)
+    python bench/maxtext_step.py --model llama-1b --topology v5e-8 --mesh fsdp=4,tensor=2
     python bench/maxtext_step.py ... --sides jaxaccel --ours-set model.remat=false   # ours again
 
 The baseline is MaxText 0.2.5's ``train_compile`` (``pip install 'maxtext[tpu]==0.2.5'``, which
