@@ -4,6 +4,7 @@ the same model, batch, mesh and dtypes: what each program needs and does per chi
     python bench/maxtext_step.py --model llama-1b --topology v5e-8 --mesh fsdp=8
     python bench/maxtext_step.py --model llama-350m --topology v5e-8 --mesh data=2,fsdp=4
     python bench/maxtext_step.py --topology 2xv5e-256 --mesh data=2,fsdp=256,dcn_data=2 --batch 512
+    python bench/maxtext_step.py --model llama-1b --topology v5e-8 --mesh fsdp=4,tensor=2
     python bench/maxtext_step.py ... --sides jaxaccel --ours-set model.remat=false   # ours again
 
 The baseline is MaxText 0.2.5's ``train_compile`` (``pip install 'maxtext[tpu]==0.2.5'``, which
@@ -16,7 +17,9 @@ compiler) and jaxaccel's own requirements (setup.cfg); the script then runs itse
 Our side is the trainer's own jitted train step, built abstractly as ``jaxaccel compile``
 builds it (``jaxaccel.plan.abstract_run``), at ``OURS`` plus ``--ours-set``. MaxText's settings
 are derived from our resolved config (``maxtext_args``): the preset's shapes, the global batch
-over the chips, the sequence length, the mesh axes, the policy's compute and parameter dtypes,
+over the chips, the sequence length, the mesh axes (``--mesh``: ``data``, ``fsdp``, ``tensor``
+and, across slices, ``dcn_data``, ``dcn_fsdp``; ours ``mesh.<axis>``, MaxText's
+``ici_<axis>_parallelism`` within a slice and ``dcn_<axis>_parallelism`` between), the policy's compute and parameter dtypes,
 the remat policy (``models/remat.py``: MaxText's names), the attention kernel (Pallas flash on
 both sides), AdamW's b1, b2, eps, weight decay and clipping; the parameter counts of the two
 sides must be equal or the script stops. With ``--reuse`` a side compiled before (its
@@ -66,7 +69,8 @@ SIDES = ("maxtext-scan", "maxtext-unrolled", "jaxaccel")
 # 0.1, as MaxText's defaults) at the issue's settings; model, batch, rows and mesh from the flags.
 CONFIG = os.path.join(ROOT, "configs", "canterbury_lm.py")
 OURS = ["precision.policy=bf16", "model.remat=true", "model.attention_impl=pallas",
-        "model.tokenizer=unused", "mesh.tensor=1", "mesh.stage=1"]
+        "model.tokenizer=unused", "mesh.stage=1"]
+MESH = ("data", "fsdp", "tensor", "dcn_data", "dcn_fsdp")   # --mesh's axes: ours mesh.<axis>
 
 
 def cache_dir() -> str:
@@ -114,8 +118,7 @@ def our_config(model: str, batch: int, seq: int, mesh: dict, extra: list[str], t
     from jaxaccel import plan
     sets = [*OURS, f"model.name={model}", f"train.batch_size={batch}",
             f"data.max_len={seq}", f"train.eval_batch_size={batch}",
-            *(f"mesh.{axis}={mesh.get(axis, 1)}" for axis in ("data", "fsdp", "dcn_data",
-                                                               "dcn_fsdp")), *extra]
+            *(f"mesh.{axis}={mesh.get(axis, 1)}" for axis in MESH), *extra]
     return plan.load_config(CONFIG, sets, target)
 
 
@@ -127,9 +130,9 @@ def maxtext_args(cfg, spec, target, topology: str, scan: bool) -> list[str]:
     from jaxaccel.precision import policy_of
     a, t, m = spec.architecture, cfg.train, cfg.mesh
     policy = policy_of(cfg.precision)
-    if policy.name not in ("bf16", "fp32") or m.tensor != 1 or m.stage != 1:
+    if policy.name not in ("bf16", "fp32") or m.stage != 1:
         raise SystemExit(f"bench/maxtext_step.py compares bf16 or fp32 steps over data x fsdp "
-                         f"meshes, not policy {policy.name!r}, mesh {dict(m)}")
+                         f"x tensor meshes, not policy {policy.name!r}, mesh {dict(m)}")
     return [
         f"base_emb_dim={a.hidden_size}", f"base_num_query_heads={a.num_attention_heads}",
         f"base_num_kv_heads={a.num_key_value_heads}", f"base_mlp_dim={a.intermediate_size}",
@@ -148,7 +151,7 @@ def maxtext_args(cfg, spec, target, topology: str, scan: bool) -> list[str]:
         f"attention={'flash' if cfg.model.attention_impl == 'pallas' else 'dot_product'}",
         f"scan_layers={str(scan).lower()}",
         f"ici_data_parallelism={m.data // m.dcn_data}",
-        f"ici_fsdp_parallelism={m.fsdp // m.dcn_fsdp}",
+        f"ici_fsdp_parallelism={m.fsdp // m.dcn_fsdp}", f"ici_tensor_parallelism={m.tensor}",
         f"dcn_data_parallelism={m.dcn_data}", f"dcn_fsdp_parallelism={m.dcn_fsdp}",
         "opt_type=adamw", f"adam_b1={t.b1 or 0.9}",
         f"adam_b2={t.b2 or 0.999}", f"adam_eps={t.eps or 1e-8}",
@@ -269,10 +272,21 @@ def setting(a):
     from jaxaccel.plan import topology
     from jaxaccel.train.run import resolve
     target = topology.resolve(a.topology)
-    mesh = dict(kv.split("=") for kv in a.mesh.split(","))
-    cfg = our_config(a.model, a.batch, a.seq, {k: int(v) for k, v in mesh.items()},
-                     a.ours_set, target)
+    cfg = our_config(a.model, a.batch, a.seq, mesh_of(a.mesh), a.ours_set, target)
     return target, cfg, resolve(cfg, target.devices, absent_ok=True).spec
+
+
+def mesh_of(text: str) -> dict[str, int]:
+    """``--mesh``'s ``fsdp=32,tensor=4`` as ``{"fsdp": 32, "tensor": 4}``; an axis not in
+    ``MESH``, or a size that is not a whole number, stops the script with the accepted form."""
+    mesh = {}
+    for item in text.split(","):
+        axis, _, size = item.partition("=")
+        if axis not in MESH or not size.isdigit():
+            raise SystemExit(f"--mesh {text!r}: {item!r} is not AXIS=N with AXIS one of "
+                             f"{', '.join(MESH)} (e.g. --mesh fsdp=32,tensor=4)")
+        mesh[axis] = int(size)
+    return mesh
 
 
 def analyse(side: str, a, target, cfg, spec) -> dict:
@@ -506,8 +520,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", default="llama-1b", help="a Llama preset (models/spec.py)")
     p.add_argument("--topology", default="v5e-8", help="a Cloud TPU slice name (v5e-8, v6e-8; "
                                                         "2xv5e-256: two slices)")
-    p.add_argument("--mesh", default="fsdp=8", help="data=N,fsdp=M (their product: the chips), "
-                                                    "dcn_data=K or dcn_fsdp=K across slices")
+    p.add_argument("--mesh", default="fsdp=8",
+                   help="data=N,fsdp=M,tensor=T (their product: the chips; tensor: Megatron "
+                        "heads and MLP), dcn_data=K or dcn_fsdp=K across slices")
     p.add_argument("--batch", type=int, default=32, help="global batch (rows)")
     p.add_argument("--seq", type=int, default=2048, help="tokens per row")
     p.add_argument("--sides", default=",".join(SIDES), help=f"any of {','.join(SIDES)}")

@@ -4,6 +4,7 @@ are read back from XLA's memory-usage report."""
 import sys
 from types import SimpleNamespace
 
+import pytest
 from support import ROOT, needs_libtpu
 
 sys.path.insert(0, ROOT)
@@ -31,7 +32,8 @@ def test_maxtext_gets_our_model_batch_mesh_and_dtypes():
     assert (got["dtype"], got["weight_dtype"]) == ("bfloat16", "float32")
     assert (got["remat_policy"], got["attention"], got["scan_layers"]) == ("full", "flash",
                                                                            "true")
-    assert (got["ici_data_parallelism"], got["ici_fsdp_parallelism"]) == ("1", "8")
+    assert (got["ici_data_parallelism"], got["ici_fsdp_parallelism"],
+            got["ici_tensor_parallelism"]) == ("1", "8", "1")
     # AdamW as our config has it (the decoder job's b2 0.95, weight decay 0.1).
     assert (got["adam_b2"], got["adam_weight_decay"]) == ("0.95", "0.1")
     tied = args_of("llama-350m", "data=2,fsdp=4", "model.remat=false")
@@ -46,6 +48,35 @@ def test_maxtext_gets_our_model_batch_mesh_and_dtypes():
         "ici_data_parallelism": "1", "ici_fsdp_parallelism": "8", "dcn_data_parallelism": "2",
         "dcn_fsdp_parallelism": "1", "compile_topology": "v5e-8",
         "compile_topology_num_slices": "2", "per_device_batch_size": "2.0"}
+
+
+def test_the_mesh_flag_names_its_axes_and_sizes():
+    assert maxtext_step.mesh_of("fsdp=32,tensor=4") == {"fsdp": 32, "tensor": 4}
+    assert maxtext_step.mesh_of("data=2,fsdp=256,dcn_data=2") == {
+        "data": 2, "fsdp": 256, "dcn_data": 2}
+    for wrong in ("fsdp=32,model=4", "fsdp=32,tensor", "tensor=four", "stage=2"):
+        with pytest.raises(SystemExit, match="AXIS=N with AXIS one of data, fsdp, tensor"):
+            maxtext_step.mesh_of(wrong)
+
+
+@needs_libtpu
+def test_fsdp_x_tensor_reaches_both_sides():
+    """``--mesh fsdp=4,tensor=2``: ours ``mesh.tensor=2``, MaxText ``ici_tensor_parallelism=2``,
+    the batch per chip still the global batch over all the chips (MaxText's meaning)."""
+    a = SimpleNamespace(model="llama-1b", topology="v5e-8", mesh="fsdp=4,tensor=2", batch=32,
+                        seq=2048, ours_set=[])
+    target, cfg, spec = maxtext_step.setting(a)
+    assert {k: cfg.mesh[k] for k in maxtext_step.MESH} == {
+        "data": 1, "fsdp": 4, "tensor": 2, "dcn_data": 1, "dcn_fsdp": 1}
+    got = dict(kv.split("=", 1) for kv in maxtext_step.maxtext_args(
+        cfg, spec, target, a.topology, scan=True))
+    assert {k: got[k] for k in ("ici_data_parallelism", "ici_fsdp_parallelism",
+                                "ici_tensor_parallelism", "dcn_data_parallelism",
+                                "dcn_fsdp_parallelism", "per_device_batch_size")} == {
+        "ici_data_parallelism": "1", "ici_fsdp_parallelism": "4", "ici_tensor_parallelism": "2",
+        "dcn_data_parallelism": "1", "dcn_fsdp_parallelism": "1", "per_device_batch_size": "4.0"}
+    assert maxtext_step.result_name(a, list(maxtext_step.SIDES)) == \
+        "maxtext-llama-1b-v5e-8-fsdp4-tensor2.json"
 
 
 def test_the_largest_temporaries_come_from_the_memory_usage_report(tmp_path):

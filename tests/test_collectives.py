@@ -41,6 +41,9 @@ def test_an_async_pair_counts_its_results_once():
     ("replica_groups=mesh['axis_0'=4,'axis_1'=1,'axis_2'=2], device_ids=([2,4]T(1,0)) "
      "{'axis_2'}, use_global_device_ids=true", 2),
     ("replica_groups=mesh['x'=2,'y'=3,'z'=2] {'x','z'}, to_apply=%add", 4),
+    # a sub-axis (MaxText's llama-1b over fsdp=4 x tensor=2 on v5e-8): 2 of fsdp's 4 ways
+    ("replica_groups=mesh['data'=1,'fsdp'=4,'tensor'=2] {'fsdp':(2)2}, dimensions={0}", 2),
+    ("replica_groups=mesh['x'=4,'y'=2] {'y','x':(1)2}, dimensions={0}", 4),
     ("replica_groups={}, to_apply=%add", 8),         # one group of all the module's devices
     ("to_apply=%add", 8),
 ])

@@ -53,6 +53,7 @@ _LISTS = re.compile(r"replica_groups=\{(\{[\d,]*\})?")
 _IOTA = re.compile(r"replica_groups=\[([\d,]+)\]<=")
 _MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\(\[[\d,]*\]"
                    r"(?:T\([\d,]*\))?\))? \{([^}]*)\}")
+_SUB_AXIS = re.compile(r":\(\d+\)(\d+)$")          # 'fsdp':(2)2: a sub-axis of size 2
 _FUSED_REDUCE_SCATTER = "all-reduce-scatter"      # libtpu's fused reduce-scatter computations
 _CHANNEL = re.compile(r"\bchannel_id=(\d+)")
 _CALLS = re.compile(r"\bcalls=%([\w.\-]+)")
@@ -88,11 +89,15 @@ def _bytes(shape: str) -> int:
 
 def group_size(attributes: str, devices: int) -> int:
     """Devices per replica group from an instruction's attributes; ``devices`` (all of the
-    module's) where the groups are empty ("{}": one group of everyone) or not given."""
+    module's) where the groups are empty ("{}": one group of everyone) or not given. In the
+    mesh notation a group's axis may be a sub-axis, ``'fsdp':(2)2`` (Shardy's: the ways of
+    ``fsdp`` after the first 2, 2 of them): it counts its own size."""
     if m := _MESH.search(attributes):
         axes = {k.strip("'"): int(v) for k, v in
                 (a.split("=") for a in m.group(1).split(",") if a)}
-        return math.prod(axes[a.strip().strip("'")] for a in m.group(2).split(",") if a.strip())
+        return math.prod(int(sub.group(1)) if (sub := _SUB_AXIS.search(a.strip()))
+                         else axes[a.strip().strip("'")]
+                         for a in m.group(2).split(",") if a.strip())
     if m := _IOTA.search(attributes):
         return int(m.group(1).split(",")[-1])
     if (m := _LISTS.search(attributes)) and m.group(1):
