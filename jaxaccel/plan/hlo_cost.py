@@ -19,10 +19,12 @@ trip of every loop around it). A loop whose trips cannot be read counts once, as
 figure, and is named in ``uncounted``.
 
 One correction to HloCostAnalysis's bytes, for every program alike (``sliced_overcount``): a
-fusion operand that the fusion only slices is charged whole where the slice is taken through a
-``bitcast`` (a scanned loop's slice of a stacked [layers, ...] array laid out layer-minor:
-``dynamic-slice(bitcast(parameter))``), though the kernel reads the slice; the analysis looks
-through no bitcast. It is charged the slices it reads, as when they are taken directly.
+fusion operand that the fusion only slices, or updates in place, is charged whole where it
+does so through a ``bitcast`` (a scanned loop's slice of a stacked [layers, ...] array laid out
+layer-minor, ``dynamic-slice(bitcast(parameter))``, or its write of one layer's residual into
+the stack, ``dynamic-update-slice(bitcast(parameter), ...)``), though the kernel reads the
+slice and writes the update; the analysis looks through no bitcast. It is charged what it is
+when taken directly: the slices' bytes, nothing for the buffer updated in place.
 
 Byte sizes are logical (elements x dtype width, no tile padding); the TPU compiler's own cost
 analysis counts within a few percent of this on loop-free programs (tests/test_hlo_cost.py).
@@ -224,11 +226,12 @@ def array_bytes(shape: str, leave_out: tuple = ()) -> int:
 
 def sliced_overcount(fusion: loops_lib.Instruction, computations: dict, blocks: dict) -> dict:
     """``{operand number: bytes}`` XLA's HloCostAnalysis charges ``fusion`` beyond what it
-    reads (module docstring): of each fused parameter read only by ``slice`` and
-    ``dynamic-slice`` instructions slicing it, one or more of them through bitcasts, the
-    analysis charges the whole size once for its bitcast users (its FusionParameterReadBytes
-    takes a bitcast for an ordinary user) and the slices taken directly their sizes; the
-    overcount is the parameter's size less the slices taken through bitcasts."""
+    reads (module docstring): of each fused parameter used only as the array that ``slice``,
+    ``dynamic-slice`` or ``dynamic-update-slice`` instructions slice or update in place, one
+    or more of them through bitcasts, the analysis charges the whole size once for its bitcast
+    users (its FusionParameterReadBytes takes a bitcast for an ordinary user), the slices
+    taken directly their sizes and an update in place nothing; the overcount is the
+    parameter's size less the slices taken through bitcasts."""
     found = {}
     for callee in (c for kind, c in loops_lib.callees(fusion) if kind == "calls"):
         fused = computations.get(callee, {})
@@ -244,8 +247,9 @@ def sliced_overcount(fusion: loops_lib.Instruction, computations: dict, blocks: 
 
 
 def _sliced_through_bitcasts(value: str, users: dict) -> int | None:
-    """The bytes of the slices taken of ``value`` through bitcasts where it is read only by
-    slices of it, directly or through bitcasts (one at least); else None."""
+    """The bytes of the slices taken of ``value`` through bitcasts where it is used only by
+    slices of it and updates of it in place, directly or through bitcasts (one at least);
+    else None."""
     total, bitcast, todo = 0, False, [(value, False)]
     while todo:
         name, through = todo.pop()
@@ -253,9 +257,10 @@ def _sliced_through_bitcasts(value: str, users: dict) -> int | None:
             if j.opcode == "bitcast" and not j.root and users.get(j.name):
                 bitcast = True
                 todo.append((j.name, True))
-            elif j.opcode in ("slice", "dynamic-slice") and j.operands[0] == name \
-                    and name not in j.operands[1:]:
-                total += array_bytes(j.shape) if through else 0
+            elif j.opcode in ("slice", "dynamic-slice", "dynamic-update-slice") and \
+                    j.operands[0] == name and name not in j.operands[1:]:
+                total += array_bytes(j.shape) if through and j.opcode != \
+                    "dynamic-update-slice" else 0
             else:
                 return None
     return total if bitcast else None
