@@ -27,7 +27,6 @@ scanned layer body once per layer), with XLA's HloCostAnalysis bytes. A kernel i
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 
 from jaxaccel.plan import hlo_cost
@@ -39,9 +38,6 @@ _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _TARGET = re.compile(r'custom_call_target="([^"]*)"')
 _F8 = re.compile(r"\bf8e\w+\[")
 _SCALAR = re.compile(r"^f32\[(1)?\]")
-_ARRAY = re.compile(r"([a-z]\w*)\[([\d,]*)\]")
-_WIDTH = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2,
-          "s16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
 _MOVES = {"parameter", "constant", "bitcast", "broadcast", "get-tuple-element", "tuple",
           "reshape", "copy", "transpose", "dynamic-slice", "dynamic-update-slice", "slice",
           "concatenate", "convert"}
@@ -72,12 +68,7 @@ def _operands(i: loops_lib.Instruction, computation: dict) -> list[str]:
 def _bytes(shapes) -> int:
     """The logical bytes of arrays (a cuBLAS call's operands and outputs, which XLA's cost
     analysis does not cost), its s8 workspace left out."""
-    total = 0
-    for shape in shapes:
-        for dtype, dims in _ARRAY.findall(shape):
-            if dtype != "s8":
-                total += _WIDTH.get(dtype, 4) * math.prod(int(d) for d in dims.split(",") if d)
-    return total
+    return sum(hlo_cost.array_bytes(shape, leave_out=("s8",)) for shape in shapes)
 
 
 def _kind(i: loops_lib.Instruction, computation: dict) -> str | None:
