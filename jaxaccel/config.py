@@ -63,7 +63,8 @@ BASE: dict[str, Any] = {
         "attention_dropout": None,  # None = the checkpoint's value
         "remat": None,              # what each layer keeps for the backward pass (the rest
                                     # is computed again): none (None, false) | full (true) |
-                                    # minimal | save_dot_except_mlp | save_qkv_proj |
+                                    # minimal | save_dot_except_mlpwi |
+                                    # save_dot_except_mlp | save_qkv_proj |
                                     # minimal_offloaded (models/remat.py)
         "scan_layers": None,        # the layers' parameters stacked [layers, ...] and run by
                                     # one jax.lax.scan: one compiled layer body (a pipeline

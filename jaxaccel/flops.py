@@ -33,7 +33,7 @@ import numpy as np
 from jaxaccel import devices
 from jaxaccel.precision import Policy, get_policy
 
-RECOMPUTED = ("qkv", "out", "mlp", "core")     # a layer's forward: all of it (full remat)
+RECOMPUTED = ("qkv", "out", "mlp_in", "mlp_out", "core")  # a layer's forward: all (full remat)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,12 +68,14 @@ class Shape:
 
     def recompute_flops(self, batch: int, seq: int, parts=RECOMPUTED) -> float:
         """The forward FLOPs of ``parts`` of every layer again (remat): "qkv" (the query, key
-        and value projections), "out" (attention's output projection), "mlp", "core"
-        (attention's scores and context); all four: the layers' whole forward pass, a third
-        of their training FLOPs."""
-        h, d = self.hidden, self.head_dim
+        and value projections), "out" (attention's output projection), "mlp_in" (the MLP's
+        input projections: gate and up, or the one), "mlp_out" (its output projection),
+        "core" (attention's scores and context); all five: the layers' whole forward pass, a
+        third of their training FLOPs."""
+        h, d, f = self.hidden, self.head_dim, self.intermediate
         weights = {"qkv": h * self.heads * d + 2 * h * self.kv_heads * d,
-                   "out": h * self.heads * d, "mlp": self.mlp_matrices * h * self.intermediate}
+                   "out": h * self.heads * d, "mlp_in": (self.mlp_matrices - 1) * h * f,
+                   "mlp_out": h * f}
         flops = 2.0 * batch * seq * self.layers * sum(weights[p] for p in parts if p in weights)
         return flops + (self.attention_flops(batch, seq) / 3.0 if "core" in parts else 0.0)
 

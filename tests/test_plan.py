@@ -292,7 +292,8 @@ def test_fit_search_walks_the_remat_ladder_until_a_policy_fits(monkeypatch):
                                             "model.remat=none"], "local", limit=40)
     own_mesh = [c.changes.get("model.remat", "none") for c in found.tried
                 if not {"mesh.data", "mesh.fsdp"} & set(c.changes)]
-    assert own_mesh == ["none", "minimal", "save_dot_except_mlp", "save_qkv_proj"]
+    assert own_mesh == ["none", "minimal", "save_dot_except_mlpwi", "save_dot_except_mlp",
+                        "save_qkv_proj"]
     assert all(c.changes.get("model.remat") != "full" for c in found.tried)
     assert found.best.changes == {"model.remat": "save_qkv_proj"}
 

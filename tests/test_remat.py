@@ -51,6 +51,10 @@ def test_each_policy_keeps_what_its_name_says(preset):
     assert kept["minimal"]["dot_general"] >= 6 * layers       # every layer's projections
     assert {k: kept["save_dot_except_mlp"][k] for k in projections} == projections
     assert kept["save_dot_except_mlp"]["dot_general"] == 0
+    # The MLP's output is kept where the layer reads it: BERT's post-norm LayerNorm does.
+    read = preset is PRESETS["tiny"]
+    assert kept["save_dot_except_mlpwi"] == kept["save_dot_except_mlp"] + collections.Counter(
+        {"mlpwo": layers if read else 0})
     assert {k: kept["save_qkv_proj"][k] for k in projections} == {
         **projections, "out_proj": 0}
     assert kept["minimal_offloaded"]["device_put"] == kept["minimal"]["dot_general"]
@@ -59,6 +63,25 @@ def test_each_policy_keeps_what_its_name_says(preset):
     total = {name: sum(k.values()) for name, k in kept.items()}
     assert [total[name] for name in remat.LADDER] == sorted(
         (total[name] for name in remat.LADDER), reverse=True), total
+
+
+def _named(kept: collections.Counter) -> dict:
+    """The tagged outputs a policy keeps and the matmul outputs it keeps untagged."""
+    return {k: n for k, n in kept.items() if k in (*remat.ATTENTION_PROJ, remat.MLP_OUT,
+                                                   "dot_general") and n}
+
+
+def test_save_dot_except_mlpwi_keeps_the_attention_projections_and_the_mlp_output():
+    """MaxText's ``save_dot_except_mlpwi`` (its Llama-2 70B v5p recipe's): in BERT's layer,
+    which reads the MLP's output after the residual, each layer keeps its four attention
+    projections' outputs and its MLP's output projection's (``mlpwo``), no other matmul's;
+    the policies beside it on the ladder do not keep that set."""
+    layers = PRESETS["tiny"].num_hidden_layers
+    want = {name: layers for name in (*remat.ATTENTION_PROJ, remat.MLP_OUT)}
+    kept = {name: _named(_kept(PRESETS["tiny"], name))
+            for name in ("save_dot_except_mlpwi", "save_dot_except_mlp", "minimal")}
+    assert kept["save_dot_except_mlpwi"] == want
+    assert kept["save_dot_except_mlp"] != want and kept["minimal"] != want
 
 
 @pytest.mark.long
@@ -84,7 +107,8 @@ def test_the_config_takes_the_names_and_true_and_false():
 
 def test_the_planner_counts_what_each_policy_recomputes():
     """``full`` recomputes the layers' whole forward (a third of their training FLOPs);
-    ``save_dot_except_mlp`` the MLP and attention's core; ``minimal`` the core only."""
+    ``save_dot_except_mlp`` the MLP and attention's core; ``save_dot_except_mlpwi`` the MLP's
+    gate and up projections and the core; ``minimal`` the core only."""
     shape = flops.model_shape(ModelSpec(LLAMA_PRESETS["llama-1b"]))
     b, s = 4, 2048
     got = {name: flops.recompute_flops(shape, b, s, remat.of(name).recomputes)
@@ -96,4 +120,7 @@ def test_the_planner_counts_what_each_policy_recomputes():
     assert got["minimal"] == got["minimal_offloaded"] == pytest.approx(core)
     mlp = 2.0 * b * s * shape.layers * 3 * shape.hidden * shape.intermediate
     assert got["save_dot_except_mlp"] == pytest.approx(mlp + core)
-    assert got["minimal"] < got["save_dot_except_mlp"] < got["save_qkv_proj"] < got["full"]
+    mlp_in = 2.0 * b * s * shape.layers * 2 * shape.hidden * shape.intermediate  # gate, up
+    assert got["save_dot_except_mlpwi"] == pytest.approx(mlp_in + core)
+    assert got["minimal"] < got["save_dot_except_mlpwi"] < got["save_dot_except_mlp"] \
+        < got["save_qkv_proj"] < got["full"]

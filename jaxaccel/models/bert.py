@@ -142,7 +142,7 @@ class BertLayer(nnx.Module):
     def __call__(self, x, attention_mask, deterministic, rngs, tokens: Unpadded | None = None,
                  rows=None):
         x = self.attention(x, attention_mask, deterministic, rngs, tokens, rows)
-        y = self.output(self.act(self.intermediate(x)))
+        y = tag(self.output(self.act(self.intermediate(x))), "mlpwo")
         y = self.dropout(y, deterministic=deterministic, rngs=rngs,
                          rows=_hidden_rows(x, tokens, rows))
         return self.layer_norm(y + x)

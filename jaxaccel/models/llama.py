@@ -219,8 +219,8 @@ class LlamaMLP(nnx.Module):
         self.down_proj = _dense(f, h, ("mlp", "embed"), cfg, policy, rngs, b)
 
     def __call__(self, x):
-        return _per_token(lambda t: self.down_proj(jax.nn.silu(self.gate_proj(t))
-                                                   * self.up_proj(t)), x, self.flat)
+        return tag(_per_token(lambda t: self.down_proj(jax.nn.silu(self.gate_proj(t))
+                                                       * self.up_proj(t)), x, self.flat), "mlpwo")
 
 
 class LlamaDecoderLayer(nnx.Module):

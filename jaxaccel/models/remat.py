@@ -1,23 +1,30 @@
 """Rematerialisation policies by name (``model.remat``): what a layer keeps of its forward pass
 for the backward pass, and what it computes again. MaxText's names:
 
-===================  ===========================================  ==========================
-name                 kept (besides the layer's input)             recomputed in the backward
-===================  ===========================================  ==========================
-none                 everything (no rematerialisation)            nothing
-minimal              every weight matmul's output (``dots with    the elementwise ops and
-                     no batch dimensions``)                       attention's core
-save_dot_except_mlp  the attention projections' outputs           the MLP, attention's core
-                     (query/key/value/out)
-save_qkv_proj        the query/key/value projections' outputs     the rest of the layer
-minimal_offloaded    as ``minimal``, in host memory (the          as ``minimal``
-                     device's ``pinned_host``) instead of HBM
-full                 nothing                                      the whole layer
-===================  ===========================================  ==========================
+=====================  =========================================  ========================
+name                   kept (besides the layer's input)           recomputed in the backward
+=====================  =========================================  ========================
+none                   everything (no rematerialisation)          nothing
+minimal                every weight matmul's output (``dots with  the elementwise ops and
+                       no batch dimensions``)                     attention's core
+save_dot_except_mlpwi  the attention projections' outputs and     the MLP's input
+                       the MLP's output projection's              projections, attention's
+                                                                  core
+save_dot_except_mlp    the attention projections' outputs         the MLP, attention's core
+                       (query/key/value/out)
+save_qkv_proj          the query/key/value projections' outputs   the rest of the layer
+minimal_offloaded      as ``minimal``, in host memory (the        as ``minimal``
+                       device's ``pinned_host``) instead of HBM
+full                   nothing                                    the whole layer
+=====================  =========================================  ========================
 
 ``true`` and ``false`` (and None) name ``full`` and ``none``. The models tag their attention
 projections' outputs with ``jax.ad_checkpoint.checkpoint_name`` (``tag``): ``query_proj``,
-``key_proj``, ``value_proj``, ``out_proj``.
+``key_proj``, ``value_proj``, ``out_proj``, and their MLP's output projection's: ``mlpwo``.
+A policy keeps only what the backward pass reads: in a pre-norm layer (Llama, ViT) nothing in
+the layer reads the MLP's output (it is added to the residual stream, the next layer's input,
+kept anyway), so ``save_dot_except_mlpwi`` keeps there what ``save_dot_except_mlp`` does; in
+BERT's post-norm layer the LayerNorm after the residual reads it.
 """
 from __future__ import annotations
 
@@ -31,6 +38,7 @@ from jaxaccel.models.spec import remat_name
 
 ATTENTION_PROJ = ("query_proj", "key_proj", "value_proj", "out_proj")
 QKV_PROJ = ATTENTION_PROJ[:3]
+MLP_OUT = "mlpwo"
 HOST = "pinned_host"
 
 
@@ -38,7 +46,8 @@ HOST = "pinned_host"
 class Remat:
     """A policy: ``name``, ``policy`` (``jax.checkpoint``'s; None without rematerialisation)
     and which forward matmuls the backward pass computes again (``recomputes``: of
-    "qkv", "out", "mlp" and "core", attention's scores and context: the planner's FLOPs)."""
+    ``flops.RECOMPUTED``: "qkv", "out", "mlp_in", "mlp_out" and "core", attention's scores and
+    context: the planner's FLOPs)."""
 
     name: str
     policy: object
@@ -53,17 +62,21 @@ class Remat:
 POLICIES = {r.name: r for r in (       # one for each of spec.REMATS
     Remat("none", None, ()),
     Remat("minimal", jax.checkpoint_policies.dots_with_no_batch_dims_saveable, ("core",)),
+    Remat("save_dot_except_mlpwi", jax.checkpoint_policies.save_only_these_names(
+        *ATTENTION_PROJ, MLP_OUT), ("mlp_in", "core")),
     Remat("save_dot_except_mlp", jax.checkpoint_policies.save_only_these_names(*ATTENTION_PROJ),
-          ("mlp", "core")),
+          ("mlp_in", "mlp_out", "core")),
     Remat("save_qkv_proj", jax.checkpoint_policies.save_only_these_names(*QKV_PROJ),
-          ("out", "mlp", "core")),
+          ("out", "mlp_in", "mlp_out", "core")),
     Remat("minimal_offloaded", jax.checkpoint_policies.offload_dot_with_no_batch_dims(
         offload_src="device", offload_dst=HOST), ("core",), offloads=True),
-    Remat("full", jax.checkpoint_policies.nothing_saveable, ("qkv", "out", "mlp", "core")),
+    Remat("full", jax.checkpoint_policies.nothing_saveable,
+          ("qkv", "out", "mlp_in", "mlp_out", "core")),
 )}
 # The policies from the one that keeps the most to the one that keeps the least (what
 # ``jaxaccel compile --fit`` tries in turn); host offloading is beside them, not on it.
-LADDER = ("none", "minimal", "save_dot_except_mlp", "save_qkv_proj", "full")
+LADDER = ("none", "minimal", "save_dot_except_mlpwi", "save_dot_except_mlp", "save_qkv_proj",
+          "full")
 
 
 def of(value) -> Remat:

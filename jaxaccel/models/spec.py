@@ -37,8 +37,8 @@ if TYPE_CHECKING:
 
 POOLINGS = ("cls", "mean")
 # Rematerialisation policies (models/remat.py), and what the config's true/false/None name.
-REMATS = ("none", "minimal", "save_dot_except_mlp", "save_qkv_proj", "minimal_offloaded",
-          "full")
+REMATS = ("none", "minimal", "save_dot_except_mlpwi", "save_dot_except_mlp", "save_qkv_proj",
+          "minimal_offloaded", "full")
 REMAT_ALIASES = {None: "none", False: "none", True: "full"}
 DROPOUT_KEYS = ("hidden_dropout", "attention_dropout")     # the config's dropout keys
 

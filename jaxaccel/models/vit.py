@@ -165,7 +165,7 @@ class ViTLayer(nnx.Module):
 
     def __call__(self, x, segment_ids, deterministic, rngs, rows=None):
         x = x + self.attention(self.layernorm_before(x), segment_ids, deterministic, rngs, rows)
-        y = self.output(self.act(self.intermediate(self.layernorm_after(x))))
+        y = tag(self.output(self.act(self.intermediate(self.layernorm_after(x)))), "mlpwo")
         return x + self.dropout(y, deterministic=deterministic, rngs=rngs,
                                 rows=token_rows(rows, x.shape[1]))
 

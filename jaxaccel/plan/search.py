@@ -8,9 +8,9 @@ around the config as given (every other setting kept, the optimizer batch never 
   ``stage``) split between data parallelism and FSDP: the config's own split, then
   all-FSDP, then the splits between;
 - remat: the config's policy, then where the mesh fits nothing with it, each policy that keeps
-  less (``models.remat.LADDER``: none, minimal, save_dot_except_mlp, save_qkv_proj, full)
-  in turn (the recomputed forward is in the plan's estimate, so a policy that keeps less
-  never makes a step faster);
+  less (``models.remat.LADDER``: none, minimal, save_dot_except_mlpwi, save_dot_except_mlp,
+  save_qkv_proj, full) in turn (the recomputed forward is in the plan's estimate, so a policy
+  that keeps less never makes a step faster);
 - gradient accumulation: for each of those, the fewest micro-batches (``train.grad_accum``, a
   divisor of the batch that leaves each batch-axis device whole rows) that fits, found by
   bisection from the first compile's memory (temporaries scale with the micro-batch);
