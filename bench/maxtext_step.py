@@ -15,7 +15,8 @@ installs MaxText, ``jax[tpu]`` at ``JAX`` (its libtpu pin: both sides compile wi
 compiler) and jaxaccel's own requirements (setup.cfg); the script then runs itself again in it.
 
 Our side is the trainer's own jitted train step, built abstractly as ``jaxaccel compile``
-builds it (``jaxaccel.plan.abstract_run``), at ``OURS`` plus ``--ours-set``. MaxText's settings
+builds it (``jaxaccel.plan.abstract_run``), at ``OURS`` plus ``--ours-set`` (whose keys
+replace OURS's: ``--ours-set model.remat=save_dot_except_mlpwi``). MaxText's settings
 are derived from our resolved config (``maxtext_args``): the preset's shapes, the global batch
 over the chips, the sequence length, the mesh axes (``--mesh``: ``data``, ``fsdp``, ``tensor``
 and, across slices, ``dcn_data``, ``dcn_fsdp``; ours ``mesh.<axis>``, MaxText's
@@ -116,7 +117,9 @@ def ensure_maxtext_venv(python: str | None) -> str:
 
 def our_config(model: str, batch: int, seq: int, mesh: dict, extra: list[str], target):
     from jaxaccel import plan
-    sets = [*OURS, f"model.name={model}", f"train.batch_size={batch}",
+    given = {kv.partition("=")[0] for kv in extra}     # --ours-set's keys replace OURS's
+    sets = [*(kv for kv in OURS if kv.partition("=")[0] not in given),
+            f"model.name={model}", f"train.batch_size={batch}",
             f"data.max_len={seq}", f"train.eval_batch_size={batch}",
             *(f"mesh.{axis}={mesh.get(axis, 1)}" for axis in MESH), *extra]
     return plan.load_config(CONFIG, sets, target)
@@ -293,6 +296,7 @@ def analyse(side: str, a, target, cfg, spec) -> dict:
     """One side's row from what ``compile_side`` kept: counted cost, collectives, estimate."""
     from jaxaccel import flops as flops_lib
     from jaxaccel import plan
+    from jaxaccel.models import remat
     from jaxaccel.plan import collectives as collectives_lib
     from jaxaccel.plan import hlo_cost, overlap
     from jaxaccel.precision import policy_of
@@ -310,8 +314,8 @@ def analyse(side: str, a, target, cfg, spec) -> dict:
     batch, seq = cfg.train.batch_size, cfg.data.max_len
     flops = {"analytic": flops_lib.train_flops(shape, batch, seq),
              "attention": flops_lib.attention_flops(shape, batch, seq),
-             "recompute": flops_lib.recompute_flops(shape, batch, seq) if cfg.model.remat
-             else 0.0}
+             "recompute": flops_lib.recompute_flops(shape, batch, seq,
+                                                    remat.of(cfg.model.remat).recomputes)}
     hbm = hlo_cost.hbm_bytes(parts)
     estimate = plan.estimate_step(target, policy_of(cfg.precision),
                                   spec.attention_impl, flops,

@@ -39,6 +39,9 @@ def test_maxtext_gets_our_model_batch_mesh_and_dtypes():
     tied = args_of("llama-350m", "data=2,fsdp=4", "model.remat=false")
     assert tied["logits_via_embedding"] == "true" and tied["remat_policy"] == "none"
     assert (tied["ici_data_parallelism"], tied["ici_fsdp_parallelism"]) == ("2", "4")
+    # MaxText's Llama-2 70B v5p recipe's policy, by its name.
+    mlpwi = args_of("llama-1b", "fsdp=8", "model.remat=save_dot_except_mlpwi")
+    assert mlpwi["remat_policy"] == "save_dot_except_mlpwi"
     # Two slices, data parallel between them: MaxText's ICI and DCN sizes, one slice's topology.
     two = args_of("llama-1b", "data=2,fsdp=8,dcn_data=2", topology="2xv5e-8")
     assert {k: two[k] for k in ("ici_data_parallelism", "ici_fsdp_parallelism",
