@@ -42,13 +42,14 @@ TPU_GENERATIONS = ("v4", "v5e", "v5p", "v6e")
 # Slices known to compile with libtpu 0.0.42 (jax 0.10.2); other grids of these generations
 # are passed to libtpu, which says whether it knows them.
 TPU_SLICES = ("v4:2x2x1", "v5e:1x1", "v5e:2x2", "v5e:2x4", "v5e:4x4", "v5e:16x16", "v5p:2x2x1",
-              "v5p:2x2x4", "v5p:4x4x4", "v5p:4x4x8", "v5p:8x8x8", "v6e:1x1", "v6e:2x2",
-              "v6e:2x4", "v6e:4x8", "v6e:8x8", "v6e:16x16")
+              "v5p:2x2x4", "v5p:4x4x4", "v5p:4x4x8", "v5p:4x8x8", "v5p:8x8x8", "v6e:1x1",
+              "v6e:2x2", "v6e:2x4", "v6e:4x8", "v6e:8x8", "v6e:16x16")
 ALIASES = {"v4-8": "v4:2x2x1", "v5e-1": "v5e:1x1", "v5e-4": "v5e:2x2", "v5e-8": "v5e:2x4",
            "v5e-16": "v5e:4x4", "v5e-256": "v5e:16x16", "v5p-8": "v5p:2x2x1",
            "v5p-32": "v5p:2x2x4", "v5p-128": "v5p:4x4x4", "v5p-256": "v5p:4x4x8",
-           "v5p-1024": "v5p:8x8x8", "v6e-1": "v6e:1x1", "v6e-4": "v6e:2x2", "v6e-8": "v6e:2x4",
-           "v6e-32": "v6e:4x8", "v6e-64": "v6e:8x8", "v6e-256": "v6e:16x16"}
+           "v5p-512": "v5p:4x8x8", "v5p-1024": "v5p:8x8x8", "v6e-1": "v6e:1x1",
+           "v6e-4": "v6e:2x2", "v6e-8": "v6e:2x4", "v6e-32": "v6e:4x8", "v6e-64": "v6e:8x8",
+           "v6e-256": "v6e:16x16"}
 MULTI_SLICE_EXAMPLES = ("2xv5e-8", "2xv5e-256", "2xv6e-256")
 # Chips of the largest one-host VM: v5e/v6e slices up to 8 chips are one host (ct5lp-hightpu-8t,
 # ct6e-standard-8t), v4/v5p hosts have 4; libtpu's default host is 2x2x1 chips (so 1 chip or
