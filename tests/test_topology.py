@@ -22,6 +22,7 @@ from support import needs_cuda_plugin, needs_libtpu
     ("v4:2x2x1", 8, 4, "TPU v4", 1),           # deviceless v4: one device per TensorCore
     ("v6e:2x4", 8, 8, "TPU v6 lite", 1),
     ("v5e:4x4", 16, 16, "TPU v5 lite", 4),
+    ("v5p-512", 256, 256, "TPU v5", 64),       # MaxText's Llama-2 70B recipe's slice
 ])
 def test_tpu_slices_resolve(name, devices_, chips, kind, hosts):
     t = topology.resolve(name)
