@@ -51,7 +51,7 @@ def test_the_step_minimises_the_causal_lm_loss(one_device):
 
 def test_fsdp_decoder_step_gathers_each_parameter_once():
     """FSDP-8's compiled decoder step all-gathers each parameter once and reduces each
-    gradient once, not the activations (``sharding.by_batch`` on the residual stream; without
+    gradient once, not the activations (``sharding.residual`` on the residual stream; without
     it XLA gathered 2.5x the parameters' bytes)."""
     run = run_on((1, 8, 1), DEVICES)
     with jax.set_mesh(run.mesh):

@@ -172,7 +172,7 @@ def test_fsdp_step_gathers_each_parameter_once(tmp_path, unpad):
     """FSDP-8's compiled step moves what FSDP promises: each parameter all-gathered once and
     each gradient reduced once (the word-embedding table is looked up in place, not gathered),
     not the activations. Without the batch-axis constraint on the residual stream
-    (``sharding.by_batch``) XLA gathered the whole batch's activations instead: MiniLM-L6 at
+    (``sharding.residual``) XLA gathered the whole batch's activations instead: MiniLM-L6 at
     64 x 128 moved 1.21 GB per device and step padded, 0.81 GB unpadded; now 90 MB each."""
     run = build(tmp_path, (1, 8, 1), 8, "data.synthetic_seq_len=32", "data.synthetic_min_len=1",
                 "data.bucket=false", f"train.unpad={str(unpad).lower()}")
