@@ -314,12 +314,19 @@ def residual(x, rules=DEFAULT_RULES):
     needs 18.06 GB of temporaries a chip with it, 33.92 without, and compiles to MaxText's
     program within 0.3% (docs/reports/maxtext.md). A dimension its axes do not divide (or
     axes of size 1: no tensor parallelism) is left to XLA, so without tensor parallelism only
-    the batch is constrained, as before; unchanged without a mesh or with neither."""
+    the batch is constrained, as before; unchanged without a mesh or with neither.
+
+    Nor is the width split where the batch spans both ``data`` and ``fsdp``: there XLA's SPMD
+    partitioner (jax 0.10.2 and 0.12.0.1, CPU) miscompiles a row-parallel matmul whose weight's
+    output dimension is split over ``fsdp`` into hidden states laid out so (``h @ w`` with
+    ``h`` on ("data", "fsdp"), "tensor", ``w`` on "tensor", "fsdp": wrong sums on a 2 x 2 x 2
+    mesh; tests/test_llama_sharding.py's 2 x 2 x 2 step drifted 1.5% in its loss)."""
     mesh, batch = batch_split(x)
     if mesh is None:
         return x
     width = drop_trivial(logical_to_mesh(("activation_embed",), rules)[0], mesh)
-    if width is not None and x.shape[-1] % math.prod(mesh.shape[a] for a in entry_axes(width)):
+    if width is not None and (x.shape[-1] % math.prod(mesh.shape[a] for a in entry_axes(width))
+                              or len(entry_axes(drop_trivial(BATCH_AXES, mesh))) > 1):
         width = None
     if batch is None and width is None:
         return x
