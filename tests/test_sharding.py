@@ -167,12 +167,22 @@ def test_fsdp_lowers_memory_per_device(built):
     assert sizes[(1, 2, 4)] < sizes[(8, 1, 1)] / 2, sizes
 
 
+def test_tensor_parallel_encoder_saves_its_layer_inputs_split_over_the_width(tmp_path):
+    """Under FSDP 4 x tensor 2 the scanned, rematerialised encoder's saved layer inputs
+    [layers, rows, seq, hidden] are split over ``tensor`` along the width on each device
+    (``sharding.residual``), [2, 16/4, 16, 64/2], not whole along it ([2, 4, 16, 64])."""
+    run = build(tmp_path, (1, 4, 2), 8, "model.remat=true", "model.scan_layers=true")
+    with jax.set_mesh(run.mesh):
+        hlo = run.train_step.lower(run.state, first_batch(run)).compile().as_text()
+    assert "f32[2,4,16,32]" in hlo and "f32[2,4,16,64]" not in hlo
+
+
 @pytest.mark.parametrize("unpad", [False, True])
 def test_fsdp_step_gathers_each_parameter_once(tmp_path, unpad):
     """FSDP-8's compiled step moves what FSDP promises: each parameter all-gathered once and
     each gradient reduced once (the word-embedding table is looked up in place, not gathered),
     not the activations. Without the batch-axis constraint on the residual stream
-    (``sharding.by_batch``) XLA gathered the whole batch's activations instead: MiniLM-L6 at
+    (``sharding.residual``) XLA gathered the whole batch's activations instead: MiniLM-L6 at
     64 x 128 moved 1.21 GB per device and step padded, 0.81 GB unpadded; now 90 MB each."""
     run = build(tmp_path, (1, 8, 1), 8, "data.synthetic_seq_len=32", "data.synthetic_min_len=1",
                 "data.bucket=false", f"train.unpad={str(unpad).lower()}")

@@ -34,7 +34,7 @@ from jaxaccel.models.spec import ModelSpec
 from jaxaccel.models.stack import layers_key, sequential, token_rows
 from jaxaccel.models.unpad import Unpadded
 from jaxaccel.precision import Policy, get_policy
-from jaxaccel.sharding import by_batch
+from jaxaccel.sharding import residual
 
 
 @struct.dataclass
@@ -246,7 +246,7 @@ class BertModel(FamilyModel):
         else:
             input_ids, token_type_ids = tokens.gather(input_ids), tokens.gather(token_type_ids)
             positions, rows = tokens.positions(), tokens.rows()
-        x = by_batch(self.embeddings(input_ids, token_type_ids, positions, deterministic, rngs,
+        x = residual(self.embeddings(input_ids, token_type_ids, positions, deterministic, rngs,
                                      rows))
         stack = stack or sequential(self.layers, self.layer_call, remat=self.spec.remat)
         x = stack(x, (attention_mask, tokens), layers_key(rngs, deterministic), deterministic)

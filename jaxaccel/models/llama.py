@@ -53,7 +53,7 @@ from jaxaccel.models.remat import tag
 from jaxaccel.models.spec import ModelSpec
 from jaxaccel.models.stack import layer_rngs, layers_key, sequential
 from jaxaccel.precision import Policy, get_policy
-from jaxaccel.sharding import by_batch
+from jaxaccel.sharding import residual
 
 # fp8 layer groups: in-layer path of each block Dense -> group name (metrics).
 FP8_GROUPS = {("self_attn", "q_proj"): "qkv", ("self_attn", "k_proj"): "qkv",
@@ -325,7 +325,7 @@ class LlamaForCausalLM(FamilyModel):
             positions = jnp.broadcast_to(start + jnp.arange(s, dtype=jnp.int32), (b, s))
         if segment_ids is None and cache is not None:
             segment_ids = jnp.ones((b, s), jnp.int32)
-        x = by_batch(self.embed_tokens(input_ids))
+        x = residual(self.embed_tokens(input_ids))
         key = layers_key(rngs, deterministic)
         new_kv, kv_segments = [], None
         if cache is None:
@@ -338,7 +338,7 @@ class LlamaForCausalLM(FamilyModel):
                 x, kv = layer(x, positions, segment_ids, deterministic, layer_rngs(key, i),
                               (cache.keys[i], cache.values[i], kv_segments, start))
                 new_kv.append(kv)
-                x = by_batch(x)
+                x = residual(x)
         h = self.policy.cast_to_compute(self.norm(x))
         new_cache = None if cache is None else KVCache(
             tuple(k for k, _ in new_kv), tuple(v for _, v in new_kv), kv_segments, start + s)

@@ -30,7 +30,7 @@ from jaxaccel.forms.stacked import LAYERS, Stacked, Stacking
 from jaxaccel.models import remat as remat_lib
 from jaxaccel.models.family import FamilyModel
 from jaxaccel.models.fp8 import quantize_kernels
-from jaxaccel.sharding import by_batch
+from jaxaccel.sharding import residual
 
 
 def layers_key(rngs: nnx.Rngs | None, deterministic: bool):
@@ -60,12 +60,12 @@ def sequential(layers, layer_call, *, remat="none"):
     """``stack(x, args, key, deterministic)``: ``layers`` one after another on the whole batch
     (``layer_call`` the family's), each rematerialised in the backward pass by the policy
     ``remat`` names (``models.remat``), the hidden states kept split over the batch axes
-    between layers."""
+    (and their width over ``tensor``: ``sharding.residual``) between layers."""
     call = remat_lib.checkpoint(_call, remat, static_argnums=(0, 5), modules=True)
 
     def stack(x, args, key, deterministic):
         for i, layer in enumerate(layers):
-            x = by_batch(call(layer_call, layer, x, args, layer_rngs(key, i), deterministic))
+            x = residual(call(layer_call, layer, x, args, layer_rngs(key, i), deterministic))
         return x
     return stack
 
@@ -141,7 +141,7 @@ class Scan(Stacking):
                            quantize_kernels(model.layers[0], layers, fp8))
             fn = layer_fn(graphdef, type(model).layer_call, model.spec.remat)
             return scan_layers(fn, x, layers, f, args, None, key, 0, deterministic,
-                               place=by_batch)
+                               place=residual)
         return run
 
 

@@ -58,7 +58,7 @@ from jaxaccel.models.remat import tag
 from jaxaccel.models.spec import ModelSpec
 from jaxaccel.models.stack import layer_rngs, layers_key, sequential, token_rows
 from jaxaccel.precision import Policy, get_policy
-from jaxaccel.sharding import by_batch
+from jaxaccel.sharding import residual
 
 # fp8 layer groups: in-layer path of each block Dense -> group name (metrics).
 FP8_GROUPS = {("attention", "query"): "qkv", ("attention", "key"): "qkv",
@@ -246,14 +246,14 @@ class ViTMAEDecoder(nnx.Module):
         rows, cols = cfg.grid
         pos = sincos_positions(cfg.decoder_hidden_size, rows, cols)[None]
         x = jnp.concatenate([x[:, :1], patches], axis=1).astype(jnp.float32) + pos
-        x = by_batch(x.astype(self.policy.activation_dtype))
+        x = residual(x.astype(self.policy.activation_dtype))
         call = remat_lib.checkpoint(_decoder_call, self.remat, static_argnums=(4,), modules=True)
         for i, layer in enumerate(self.decoder_layers):
             segments = None
             if cfg.decoder_window is not None:
                 segments = jnp.broadcast_to(
                     window_segments(rows, cols, cfg.decoder_window, shift=i % 2 == 1), (b, n + 1))
-            x = by_batch(call(layer, x, segments, layer_rngs(key, cfg.num_hidden_layers + i),
+            x = residual(call(layer, x, segments, layer_rngs(key, cfg.num_hidden_layers + i),
                               deterministic))
         pred = self.decoder_pred(self.decoder_norm(x))
         return pred[:, 1:].astype(jnp.float32)
@@ -380,7 +380,7 @@ class ViTModel(FamilyModel):
             e, mask, ids_restore = random_masking(e, noise, cfg.mask_ratio)
         cls = jnp.broadcast_to(self.embeddings.cls_token[...].astype(jnp.float32) + pos[:, :1],
                                (e.shape[0], 1, e.shape[2]))
-        h = by_batch(jnp.concatenate([cls, e], axis=1).astype(self.policy.activation_dtype))
+        h = residual(jnp.concatenate([cls, e], axis=1).astype(self.policy.activation_dtype))
         key = layers_key(rngs, deterministic)
         stack = stack or sequential(self.layers, self.layer_call, remat=self.spec.remat)
         h = self.layernorm(stack(h, (), key, deterministic))
