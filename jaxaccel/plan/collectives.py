@@ -36,6 +36,7 @@ import re
 from typing import NamedTuple
 
 from jaxaccel.plan import loops
+from jaxaccel.plan.hlo_cost import array_bytes
 
 KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 
@@ -45,7 +46,6 @@ _COMPUTATION = re.compile(r"^(?:ENTRY )?%([\w.\-]+) ")
 # hold /*index=5*/ notes.
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (.*?) (" + "|".join(KINDS) +
                           r")(-start|-done)?\(([^)]*)\)(.*)$")
-_ARRAY = re.compile(r"\b(pred|[a-z]+(\d+)\w*)\[([\d,]*)\]")  # dtype[dims] in a (tuple) shape
 # The replica-group notations of XLA's HLO text: explicit lists "{{0,1},{2,3}}", iota
 # "[2,4]<=[8]" (2 groups of 4), and the mesh form "mesh['x'=4,'y'=2], device_ids=(...) {'x'}"
 # (a group spans the named axes).
@@ -80,11 +80,6 @@ class Collective(NamedTuple):
                     "all-to-all": (n - 1) / n, "reduce-scatter": n - 1,
                     "collective-permute": 1.0}[self.kind]
         return per_byte * self.bytes
-
-
-def _bytes(shape: str) -> int:
-    return sum(math.prod(int(d) for d in dims.split(",") if d) * max(int(bits or 8) // 8, 1)
-               for _, bits, dims in _ARRAY.findall(shape))     # pred: 1 byte; f8e4m3fn: 8 bits
 
 
 def group_size(attributes: str, devices: int) -> int:
@@ -140,7 +135,7 @@ def result(kind: str, shape: str, computation: str, group: int) -> tuple[str, in
     """``(kind, bytes)`` one device's result of a collective of ``kind`` and ``shape`` in
     ``computation`` over ``group`` devices: an all-reduce in the TPU compiler's fused
     reduce-scatter computation is that reduce-scatter, 1/n of its bytes (module docstring)."""
-    size = _bytes(shape)
+    size = array_bytes(shape)
     if kind == "all-reduce" and computation.startswith(_FUSED_REDUCE_SCATTER):
         return "reduce-scatter", size // max(group, 1)
     return kind, size
@@ -173,9 +168,9 @@ def _dcn_transfer(line: str) -> Collective | None:
     kind = kind.group(1).lower().replace("_", "-") if kind else "collective-permute"
     target = _DCN_TARGET.search(line)
     slices = target.group(1).count(",") + 1 if target else 2
-    array = _ARRAY.search(m.group(1))
-    return Collective(kind if kind in KINDS else "collective-permute",
-                      _bytes(array.group(0)) if array else 0, slices, dcn=True)
+    array = m.group(1).split("]", 1)[0] + "]"        # the tuple's first element: the data
+    return Collective(kind if kind in KINDS else "collective-permute", array_bytes(array),
+                      slices, dcn=True)
 
 
 def dcn_sent(found: list[Collective]) -> float:

@@ -50,9 +50,8 @@ _NAME = re.compile(r"%([\w.\-]+)")
 # bearing on FLOPs or bytes, so it is dropped from other instructions before parsing.
 _ALIASING = re.compile(r", output_to_operand_aliasing=\{(?:[^{}]|\{(?:[^{}]|\{[^{}]*\})*\})*\}")
 _OPCODE = re.compile(r"^\s*(?:ROOT )?%[\w.\-]+ = .*? ([\w\-]+)\(")
-_ARRAY = re.compile(r"([a-z]\w*)\[([\d,]*)\]")
-_WIDTH = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2,
-          "s16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
+# dtype[dims] in a (tuple) shape, the dtype's bits from its name (f8e4m3fn: 8; pred: none)
+_ARRAY = re.compile(r"\b(pred|[a-z]+(\d+)\w*)\[([\d,]*)\]")
 _PARAMETER = re.compile(r"^\s*%([\w.\-]+) = .*? parameter\((\d+)\)", re.M)
 
 
@@ -218,10 +217,11 @@ def by_instruction(hlo: str):
 
 
 def array_bytes(shape: str, leave_out: tuple = ()) -> int:
-    """The logical bytes (elements x dtype width, no tile padding) of the arrays in a (tuple)
-    shape, those of the dtypes in ``leave_out`` left out."""
-    return sum(_WIDTH.get(dtype, 4) * math.prod(int(d) for d in dims.split(",") if d)
-               for dtype, dims in _ARRAY.findall(shape) if dtype not in leave_out)
+    """The logical bytes (elements x dtype width, no tile padding; a pred or a sub-byte type
+    one byte) of the arrays in a (tuple) shape, those of the dtypes in ``leave_out`` left
+    out."""
+    return sum(max(int(bits or 8) // 8, 1) * math.prod(int(d) for d in dims.split(",") if d)
+               for dtype, bits, dims in _ARRAY.findall(shape) if dtype not in leave_out)
 
 
 def sliced_overcount(fusion: loops_lib.Instruction, computations: dict, blocks: dict) -> dict:

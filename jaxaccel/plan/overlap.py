@@ -27,7 +27,8 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from jaxaccel.plan import loops
-from jaxaccel.plan.collectives import KINDS, _bytes, group_size, result
+from jaxaccel.plan.collectives import KINDS, group_size, result
+from jaxaccel.plan.hlo_cost import array_bytes
 
 COMPUTE = ("fusion", "convolution", "dot", "custom-call")
 _PAIRED = tuple(k + "-start" for k in KINDS) + ("async-start",)
@@ -58,7 +59,7 @@ def _collective(computations: dict, i, devices: int):
     None where its start tells), ``fused`` (a fusion holding one: ``key`` its channel) or
     ``sync``; None for any other instruction."""
     if i.opcode in KINDS:
-        return i.opcode, _bytes(i.shape), i.name, "sync"
+        return i.opcode, array_bytes(i.shape), i.name, "sync"
     held = _held(computations, dict(loops.callees(i)).get("calls", ""), devices)
     if i.opcode in _PAIRED:
         kind = held[0] if held else i.opcode[:-len("-start")]
@@ -96,7 +97,7 @@ def _in_order(computations: dict, name: str, order: list, runs: int, devices: in
             starts[i.name] = starts.pop(key)
         elif phase == "done" and key in starts:
             start, kind, size = starts.pop(key)
-            spans.append((start, at, kind, _bytes(i.shape) if size is None else size, None))
+            spans.append((start, at, kind, array_bytes(i.shape) if size is None else size, None))
         elif phase == "fused":
             chains.setdefault(key, [at, at, kind, size])[1] = at
     spans += [(*chain, key) for key, chain in chains.items()]
