@@ -78,6 +78,35 @@ def test_chunked_sums_and_gradients_equal_the_whole_logits():
             np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
 
 
+
+def test_a_step_makes_each_chunks_logits_once():
+    """The chunked loss's gradient comes from the loop that makes its sums: one loop of three
+    dots (logits, the hidden states' gradient, the head's), not the sums' loop and a second
+    that makes every chunk's logits again. With bf16 hidden states and head, as a run's, and
+    a cotangent that is no power of two (scaled after the loop), each gradient is within
+    2^-7 of its largest element of the whole logits' made in float32 (JAX's own gradient of
+    the chunk loop and ours: 0.62% here)."""
+    rng = np.random.default_rng(1)
+    rows, length, hidden, vocab = 4, 16, 32, 64
+    h = jnp.asarray(rng.normal(size=(rows, length, hidden)), jnp.bfloat16)
+    kernel = jnp.asarray(rng.normal(size=(hidden, vocab)) / hidden ** 0.5, jnp.bfloat16)
+    batch = {"targets": jnp.asarray(rng.integers(0, vocab, (rows, length)), jnp.int32),
+             "target_weights": jnp.ones((rows, length), jnp.float32)}
+    lm = tasks.TASKS["causal_lm"]
+    chunked = tasks.with_loss_chunks(lm, 4, length)
+    grad = jax.grad(lambda h, k: chunked.sums(tasks.LMHead(h, k), batch)[0] / 60.0, (0, 1))
+    jaxpr = jax.make_jaxpr(grad)(h, kernel).jaxpr
+    loops = [e for e in jaxpr.eqns if e.primitive.name == "scan"]
+    assert len(loops) == 1, [e.primitive.name for e in jaxpr.eqns]
+    body = loops[0].params["jaxpr"].jaxpr
+    assert sum(e.primitive.name == "dot_general" for e in body.eqns) == 3
+    want = jax.grad(lambda h, k: lm.sums(head_logits(h, k), batch)[0] / 60.0, (0, 1))(
+        h.astype(jnp.float32), kernel.astype(jnp.float32))
+    for g, w in zip(jax.jit(grad)(h, kernel), want):
+        assert g.dtype == jnp.bfloat16
+        assert np.max(np.abs(np.float32(g) - w)) <= 2 ** -7 * np.max(np.abs(w))
+
+
 def _temporaries(run, rows=16, length=64):
     batch = run.abstract_batch(rows, length)
     with jax.set_mesh(run.mesh):

@@ -25,9 +25,10 @@ count``; an evaluation adds the sums over every batch and ``report``\\s from the
   = N > 1 (``with_loss_chunks``; by default where the logits would be the step's peak,
   ``auto_loss_chunks``) the [B, L, vocab] float32 logits never exist whole: the
   model gives its last hidden states and head (``LMHead``) and the sums are taken over N
-  chunks of L / N positions, each chunk's logits made, used and dropped, and made again in
-  the backward pass (MaxText's vocabulary tiling), the head gathered once for all chunks
-  (``_chunked_sums``): the same sums and gradients.
+  chunks of L / N positions, each chunk's logits made, used and dropped (MaxText's
+  vocabulary tiling), in a train step by one loop that makes the loss's gradient too
+  (``_sums_in_order``), the head gathered once for all chunks (``_chunked_sums``): the same
+  sums and gradients.
 * ``mae`` (masked-autoencoder pretraining, ``models.vit``): batch ``pixels`` [B, H, W] and
   ``weights`` [B]; the model masks each row's patches at random and predicts them; a row's
   loss is the mean squared error over its masked patches (of the normalised patches under
@@ -189,14 +190,16 @@ def _lm_head(model: FamilyModel, batch, deterministic, rngs, stack=None):
     return LMHead(out.hidden, model.head_kernel(), model.policy.logits_dtype)
 
 
+def _by_chunk(a, chunks: int):
+    """[B, L, ...] as [chunks, B, L / chunks, ...]: a loop's trips over sequence chunks."""
+    b, length = a.shape[:2]
+    return a.reshape(b, chunks, length // chunks, *a.shape[2:]).swapaxes(0, 1)
+
+
 def _chunk_sums(hidden, kernel, targets, weights, chunks: int, logits_dtype):
     """``_weighted_sums`` of the logits ``hidden @ kernel``, made ``chunks`` sequence chunks at
-    a time by a loop whose body is rematerialised (the backward pass makes a chunk's logits
-    again instead of keeping them)."""
-    b, length = targets.shape
-    split = lambda a: a.reshape(b, chunks, length // chunks, *a.shape[2:]).swapaxes(0, 1)
-
-    @jax.checkpoint
+    a time by a loop (an evaluation's; a train step's also makes their gradient,
+    ``_sums_in_order``)."""
     def body(total, xs):
         h, targets, weights = xs
         logits = head_logits(h, kernel, logits_dtype).astype(jnp.float32)
@@ -204,36 +207,76 @@ def _chunk_sums(hidden, kernel, targets, weights, chunks: int, logits_dtype):
         return tuple(t + s for t, s in zip(total, sums)), None
     zero = jnp.zeros((), jnp.float32)
     total, _ = jax.lax.scan(body, (zero, zero, zero),
-                            (split(hidden), split(targets), split(weights)))
+                            tuple(_by_chunk(a, chunks) for a in (hidden, targets, weights)))
     return total
+
+
+def _chunk_gradients(h, kernel, targets, weights, logits_dtype):
+    """One chunk's sums and the gradients of its loss sum in ``h`` (float32) and ``kernel``
+    (its dtype) for a cotangent of one: the operations JAX's own gradient makes (the logits'
+    dot, the cross entropy's derivative, the two transposed dots accumulated in float32, the
+    head's rounded to its dtype), not yet scaled by the loss sum's cotangent."""
+    flat = h.reshape(-1, h.shape[-1])
+    z = jnp.einsum("th,hv->tv", flat, kernel, preferred_element_type=jnp.float32)
+    sums, vjp = jax.vjp(lambda z: _weighted_sums(
+        z.astype(logits_dtype).astype(jnp.float32).reshape(*h.shape[:-1], -1), targets,
+        weights), z)
+    one, zero = jnp.ones((), jnp.float32), jnp.zeros((), jnp.float32)
+    dz, = vjp((one, zero, zero))
+    d_h = jnp.einsum("tv,hv->th", dz, kernel, preferred_element_type=jnp.float32)
+    d_k = jnp.einsum("th,tv->hv", flat, dz, preferred_element_type=jnp.float32)
+    return sums, d_h.reshape(h.shape), d_k.astype(kernel.dtype)
+
+
+@struct.dataclass
+class _LossGradients:
+    """The loss sum's gradients made in the forward loop, not yet scaled, and the dtype the
+    hidden states' is given in once scaled."""
+
+    hidden: jax.Array
+    kernel: jax.Array
+    hidden_dtype: jnp.dtype = struct.field(pytree_node=False)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
 def _sums_in_order(hidden, kernel, targets, weights, chunks: int, logits_dtype):
-    """``_chunk_sums`` and its gradient (JAX's own: the same operations), with two orders
-    fixed that XLA's schedule otherwise gets wrong once the head enters the loops whole
-    (``_chunked_sums``). Compiled for Llama-3 8B on a v5p-32 (FSDP 16) without them, the
-    forward loop ran last (its sums are only reported) and the head's gradient was reduced
-    after the layers' backward pass: the gathered head and the unreduced gradient (1 GiB
-    each) were held through it, 13.99 GB of temporaries against 10.49 with them."""
+    """``_chunk_sums``, and under differentiation the same sums made by one loop that also
+    makes their gradient (``_chunk_gradients``, summed over the chunks as JAX's own gradient
+    of the loop sums it): each chunk's logits are made once, not again in a backward loop.
+    Only the loss sum has a gradient (the correct count and the weight have none), linear in
+    its cotangent, which ``_in_order_bwd`` multiplies in: the hidden states' gradient is
+    rounded to their dtype once, after it, as JAX's own is; the head's, summed in its dtype,
+    is rounded once more. Compiled for Llama-3 8B on a v5p-32 (FSDP 16): 8.6 TFLOP (1.9%) and
+    16.7 GB of HBM bytes less a chip than the loss's logits made again backward, the same
+    collectives, temporaries 10.42 GB against 10.49 (docs/reports/maxtext.md).
+
+    The head's gradient is reduced across devices before the layers' backward pass (an order
+    XLA's schedule otherwise gets wrong once the head enters the loop whole,
+    ``_chunked_sums``): compiled for the same 8B step without it, the gathered head and the
+    unreduced gradient (1 GiB each) were held through that pass, 13.99 GB of temporaries
+    against 10.49 with it."""
     return _chunk_sums(hidden, kernel, targets, weights, chunks, logits_dtype)
 
 
 def _in_order_fwd(hidden, kernel, targets, weights, chunks, logits_dtype):
-    total = _chunk_sums(hidden, kernel, targets, weights, chunks, logits_dtype)
-    # the backward pass takes its head from after the forward loop: that loop runs first
-    total, kernel = jax.lax.optimization_barrier((total, kernel))
-    return total, (hidden, kernel, targets, weights)
+    def body(carry, xs):
+        (total, d_kernel), (h, targets, weights) = carry, xs
+        sums, d_h, d_k = _chunk_gradients(h, kernel, targets, weights, logits_dtype)
+        return (tuple(t + s for t, s in zip(total, sums)), d_kernel + d_k), d_h
+    zero = jnp.zeros((), jnp.float32)
+    (total, d_kernel), d_hidden = jax.lax.scan(
+        body, ((zero, zero, zero), jnp.zeros_like(kernel)),
+        tuple(_by_chunk(a, chunks) for a in (hidden, targets, weights)))
+    d_hidden = d_hidden.swapaxes(0, 1).reshape(hidden.shape)
+    return total, _LossGradients(d_hidden, d_kernel, hidden.dtype)
 
 
-def _in_order_bwd(chunks, logits_dtype, res, g):
-    hidden, kernel, targets, weights = res
-    _, vjp = jax.vjp(lambda h, k: _chunk_sums(h, k, targets, weights, chunks, logits_dtype),
-                     hidden, kernel)
-    d_hidden, d_kernel = vjp(g)
-    # whole first (summed over the trips, reduced once after the loop; split straight away,
-    # the reduction moves into the loop: once per trip), then this device's FSDP share,
-    # which the layers' backward pass (d_hidden) waits for
+def _in_order_bwd(chunks, logits_dtype, grads, g):
+    scale = g[0]
+    d_hidden = (scale * grads.hidden).astype(grads.hidden_dtype)
+    d_kernel = (scale * grads.kernel).astype(grads.kernel.dtype)
+    # whole first (summed over the trips, reduced once after the loop), then this device's
+    # FSDP share, which the layers' backward pass (d_hidden) waits for
     d_kernel = sharding.constrain(sharding.constrain(d_kernel, (None, "vocab")),
                                   ("embed", "vocab"))
     d_hidden, d_kernel = jax.lax.optimization_barrier((d_hidden, d_kernel))
