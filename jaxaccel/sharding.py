@@ -302,6 +302,23 @@ def batch_split(x) -> tuple:
     return mesh, axes if axes is not None and x.shape[0] % batch_shards(mesh) == 0 else None
 
 
+def residual_width(mesh, hidden: int, rules=DEFAULT_RULES):
+    """The mesh axes ``residual`` splits a residual stream of width ``hidden`` over (a
+    ``PartitionSpec`` entry), or None: where the ``activation_embed`` rule's axes of size > 1
+    divide it and the batch does not span both ``data`` and ``fsdp`` (``residual``)."""
+    width = drop_trivial(logical_to_mesh(("activation_embed",), rules)[0], mesh)
+    if width is None or hidden % width_shards(mesh, width) \
+            or len(entry_axes(drop_trivial(BATCH_AXES, mesh))) > 1:
+        return None
+    return width
+
+
+def width_shards(mesh, entry) -> int:
+    """How many ways a ``PartitionSpec`` entry (None, an axis or a tuple of axes) splits a
+    dimension."""
+    return math.prod(mesh.shape[a] for a in entry_axes(entry))
+
+
 def residual(x, rules=DEFAULT_RULES):
     """``x`` [batch, ..., hidden], a model's residual stream (the embeddings' output and the
     hidden states between layers), constrained to be split over the mesh's batch axes on its
@@ -324,10 +341,7 @@ def residual(x, rules=DEFAULT_RULES):
     mesh, batch = batch_split(x)
     if mesh is None:
         return x
-    width = drop_trivial(logical_to_mesh(("activation_embed",), rules)[0], mesh)
-    if width is not None and (x.shape[-1] % math.prod(mesh.shape[a] for a in entry_axes(width))
-                              or len(entry_axes(drop_trivial(BATCH_AXES, mesh))) > 1):
-        width = None
+    width = residual_width(mesh, x.shape[-1], rules)
     if batch is None and width is None:
         return x
     free = P.UNCONSTRAINED

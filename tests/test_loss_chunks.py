@@ -132,7 +132,8 @@ def test_chunks_keep_the_whole_logits_out_of_the_step(tmp_path):
     (("model.remat=false",), 1),                    # the layers keep far more than the logits
     (("train.loss_chunks=1",), 1),                  # asked for the whole logits
     (("train.batch_size=8",), 2),                   # 250 MiB of logits, 96 MiB kept
-    (("train.batch_size=16", "mesh.tensor=2"), 1),  # 4 rows, the vocabulary split: 500 MiB
+    (("train.batch_size=16", "mesh.tensor=2"), 4),  # 4 rows, the vocabulary and width split
+    (("train.batch_size=16", "mesh.tensor=2", "mesh.data=2", "mesh.fsdp=2"), 1),  # width whole
     (("model.name=llama-1b",), 1),                  # 1,000 MiB of logits, 704 MiB kept
     (("model.name=llama3-8b", "train.batch_size=8", "data.max_len=8192"), 8),  # 1.96 times
 ])

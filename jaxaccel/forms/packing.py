@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxaccel.sharding import current_mesh, drop_trivial, entry_axes, per_shard
+from jaxaccel.sharding import current_mesh, drop_trivial, entry_axes, per_shard, width_shards
 from kernels_pallas.adan_reference import LANES, ROW_ALIGN
 
 
@@ -276,7 +276,7 @@ def _specs(given, shapes, mesh, zero_axes) -> tuple:
         entries = [drop_trivial(e, mesh) for e in s.spec]
         specs.append(P(*entries))
         for d, e in zip(shape, entries):
-            k = math.prod(mesh.shape[a] for a in entry_axes(e))
+            k = width_shards(mesh, e)
             if d % k:
                 raise ValueError(f"flat packing: a parameter of shape {shape} is sharded "
                                  f"{s.spec}, which splits its dimension {d} into {k} uneven "

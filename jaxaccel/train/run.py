@@ -150,7 +150,8 @@ def resolve(cfg: Config, devices=None, *, training: bool = True,
     task = with_loss_chunks(TASKS[spec.task], cfg.train.loss_chunks or auto_loss_chunks(
         spec, policy, max(1, cfg.train.batch_size // (cfg.train.grad_accum
                                                        * shd.batch_shards(mesh))),
-        cfg.data.max_len, mesh.shape["tensor"]), cfg.data.max_len)
+        cfg.data.max_len, mesh.shape["tensor"], shd.width_shards(mesh, shd.residual_width(
+            mesh, spec.architecture.hidden_size))), cfg.data.max_len)
     if training and filled:
         log.info("mesh %s over %d devices (%s: the devices the other axes leave)",
                  ", ".join(f"{a}={n}" for a, n in mesh.shape.items()), mesh.size,
