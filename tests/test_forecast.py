@@ -117,6 +117,18 @@ def test_a_head_of_zero_weights_stays_zero():
         .head_weights == 1000 * 64
 
 
+def test_a_published_pre_norm_layer_recomputes_no_mlp_output_projection():
+    """A published ``llama`` (pre-norm) recomputes no MLP output projection, as
+    ``jaxaccel.flops`` counts (XLA leaves it out: nothing reads its result); a ``bert``
+    (post-norm) does."""
+    p = {"d_model": 64, "layers": 2, "heads": 4, "kv_heads": 4, "d_ff": 256, "vocab": 1000,
+         "gated_mlp": False}
+    decoder, encoder = (forecast.shape_of({**p, "family": f}) for f in ("llama", "bert"))
+    assert decoder.pre_norm and not encoder.pre_norm
+    assert forecast.recompute_flops(decoder, ["w_out"], 128) == 0
+    assert forecast.recompute_flops(encoder, ["w_out"], 128) == 2 * 2 * 64 * 256
+
+
 def test_remat_counts_in_the_bound_not_in_the_efficiency():
     shape = flops.model_shape(ModelSpec(LLAMA_PRESETS["llama-1b"]))
     full = forecast.recompute_flops(shape, "full", 2048)

@@ -127,26 +127,29 @@ class Point:
 
 def shape_of(point: dict) -> flops_lib.Shape:
     """The published model's shape as ``jaxaccel.flops`` reads an architecture; its attention
-    causal as its family's (``models.spec.FAMILIES``: a published ``llama`` is a decoder)."""
+    causal and its layers pre-norm as its family's (``models.spec.FAMILIES``: a published
+    ``llama`` is a pre-norm decoder, as GPT, MPT and Llama are; ``bert`` post-norm)."""
     d = point["d_model"]
     head = point["head_weights"] if "head_weights" in point else point["vocab"] * d
     return flops_lib.Shape(
         hidden=d, layers=point["layers"], heads=point["heads"], kv_heads=point["kv_heads"],
         head_dim=point.get("head_dim") or d // point["heads"], intermediate=point["d_ff"],
         mlp_matrices=3 if point["gated_mlp"] else 2, head_weights=head,
-        causal=FAMILIES[point["family"]].causal)
+        causal=FAMILIES[point["family"]].causal, pre_norm=FAMILIES[point["family"]].pre_norm)
 
 
 def recompute_flops(shape: flops_lib.Shape, parts, seq: int) -> float:
     """Forward FLOPs per token a remat policy recomputes: ``parts`` is "none", "full" or the
-    recomputed matmuls (``RECOMPUTE_ALL``'s names; attention = QK^T and AV)."""
+    recomputed matmuls (``RECOMPUTE_ALL``'s names; attention = QK^T and AV); a pre-norm
+    layer's "w_out" counts nothing, as in ``jaxaccel.flops`` (nothing reads its result)."""
     if isinstance(parts, str):
         parts = {"none": (), "full": RECOMPUTE_ALL}[parts]
     h, q, kv = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
     mlp = 2.0 * h * shape.intermediate
     forward = {"wq": 2.0 * h * q, "wk": 2.0 * h * kv, "wv": 2.0 * h * kv, "wo": 2.0 * h * q,
                "attention": shape.attention_flops(1, seq) / seq / shape.layers / 3,
-               "w_gate": mlp if shape.mlp_matrices == 3 else 0.0, "w_up": mlp, "w_out": mlp}
+               "w_gate": mlp if shape.mlp_matrices == 3 else 0.0, "w_up": mlp,
+               "w_out": 0.0 if shape.pre_norm else mlp}
     unknown = set(parts) - set(forward)
     if unknown:
         raise ValueError(f"unknown recompute parts {sorted(unknown)}: expected some of "
