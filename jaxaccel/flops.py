@@ -49,6 +49,7 @@ class Shape:
     mlp_matrices: int          # 2 (dense in/out) or 3 (gated: gate, up, down)
     head_weights: int          # weights of the output head per token
     causal: bool
+    pre_norm: bool             # x + mlp(norm(x)) (Llama, ViT), not norm(x + mlp(x)) (BERT)
 
     @property
     def matmul_weights(self) -> int:
@@ -71,11 +72,15 @@ class Shape:
         and value projections), "out" (attention's output projection), "mlp_in" (the MLP's
         input projections: gate and up, or the one), "mlp_out" (its output projection),
         "core" (attention's scores and context); all five: the layers' whole forward pass, a
-        third of their training FLOPs."""
+        third of their training FLOPs, except in a pre-norm layer, where "mlp_out" counts
+        nothing: nothing in the backward pass reads its result (it is added to the residual
+        stream, whose next value is the next layer's input, kept anyway; its gradients need
+        its input and the cotangent), so XLA leaves it out of the recompute, under ``full``
+        too (tests/test_remat.py); a post-norm layer's LayerNorm reads it."""
         h, d, f = self.hidden, self.head_dim, self.intermediate
         weights = {"qkv": h * self.heads * d + 2 * h * self.kv_heads * d,
                    "out": h * self.heads * d, "mlp_in": (self.mlp_matrices - 1) * h * f,
-                   "mlp_out": h * f}
+                   "mlp_out": 0 if self.pre_norm else h * f}
         flops = 2.0 * batch * seq * self.layers * sum(weights[p] for p in parts if p in weights)
         return flops + (self.attention_flops(batch, seq) / 3.0 if "core" in parts else 0.0)
 
@@ -149,8 +154,8 @@ def train_flops(shape: Shape | ViTShape, batch: int, seq: int) -> float:
 def recompute_flops(shape: Shape | ViTShape, batch: int, seq: int, parts=RECOMPUTED) -> float:
     """FLOPs a step with ``model.remat`` adds to ``train_flops``: the ``parts`` of each layer's
     forward pass its policy computes again in the backward pass (``models.remat``; all of it
-    under ``full``), not counted in MFU, which counts the model's FLOPs, but time the hardware
-    spends."""
+    under ``full``, but a pre-norm layer's MLP output projection: ``Shape.recompute_flops``),
+    not counted in MFU, which counts the model's FLOPs, but time the hardware spends."""
     return shape.recompute_flops(batch, seq, parts)
 
 

@@ -6,7 +6,7 @@ from jaxaccel import flops
 from jaxaccel.models import PRESETS, ModelSpec
 
 SHAPE = flops.Shape(hidden=8, layers=2, heads=2, kv_heads=1, head_dim=4, intermediate=16,
-                    mlp_matrices=3, head_weights=8 * 100, causal=True)
+                    mlp_matrices=3, head_weights=8 * 100, causal=True, pre_norm=True)
 
 
 def test_train_flops_by_hand():

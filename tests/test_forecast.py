@@ -12,6 +12,7 @@ from jaxaccel import devices as devices_lib
 from jaxaccel import flops
 from jaxaccel.models import LLAMA_PRESETS, PRESETS, ModelSpec
 from jaxaccel.plan import forecast
+from jaxaccel.plan.forecast import points as points_lib
 from support import ROOT
 
 BACKTEST = os.path.join(ROOT, "bench", "results", "backtest", "backtest-calibration.json")
@@ -115,6 +116,40 @@ def test_a_head_of_zero_weights_stays_zero():
     assert forecast.shape_of(p).head_weights == 0
     assert forecast.shape_of({k: v for k, v in p.items() if k != "head_weights"}) \
         .head_weights == 1000 * 64
+
+
+def test_a_published_pre_norm_layer_recomputes_no_mlp_output_projection():
+    """A published ``llama`` (pre-norm) recomputes no MLP output projection, as
+    ``jaxaccel.flops`` counts (XLA leaves it out: nothing reads its result); a ``bert``
+    (post-norm) does."""
+    p = {"d_model": 64, "layers": 2, "heads": 4, "kv_heads": 4, "d_ff": 256, "vocab": 1000,
+         "gated_mlp": False}
+    decoder, encoder = (forecast.shape_of({**p, "family": f}) for f in ("llama", "bert"))
+    assert decoder.pre_norm and not encoder.pre_norm
+    assert forecast.recompute_flops(decoder, ["w_out"], 128) == 0
+    assert forecast.recompute_flops(encoder, ["w_out"], 128) == 2 * 2 * 64 * 256
+
+
+def test_an_eager_full_remat_recomputes_the_mlp_output_projection_a_compiled_one_does_not(
+        raw):
+    """A remat that reruns each checkpointed block's forward as written (eager PyTorch's
+    ``torch.utils.checkpoint``: llm-foundry's full-remat runs, marked ``eager_recompute``)
+    runs a pre-norm layer's MLP output projection again; a compiled one (XLA, torch.compile:
+    torchtitan's) leaves it out. Either is a whole recompute, share 1 of the layers'."""
+    eager = {p["id"] for p in raw if p.get("eager_recompute")}
+    assert eager == {p["id"] for p in raw if p["framework"].startswith("llm-foundry")
+                     and p["recompute"] == "full"} and len(eager) == 18
+    assert not any(p.get("eager_recompute") for p in raw if "torchtitan" in p["framework"])
+    p = next(p for p in raw if p["id"] in eager)
+    shape = forecast.shape_of(p)
+    assert shape.pre_norm
+    assert forecast.recompute_flops(shape, ["w_out"], p["seq"], eager=True) == \
+        2.0 * shape.hidden * shape.intermediate * shape.layers
+    ran, compiled = (points_lib.to_point({**p, "eager_recompute": e}).step for e in (True, False))
+    peak = devices_lib.peak_rate(p["device"], "bfloat16")[0]
+    assert (ran.recompute_s - compiled.recompute_s) * peak == pytest.approx(
+        2.0 * shape.hidden * shape.intermediate * shape.layers * ran.tokens)
+    assert ran.recompute == pytest.approx(1.0) and compiled.recompute == pytest.approx(1.0)
 
 
 def test_remat_counts_in_the_bound_not_in_the_efficiency():

@@ -195,15 +195,15 @@ class BertModel(FamilyModel):
 
     @staticmethod
     def flops_shape(spec: ModelSpec) -> Shape:
-        """A BERT encoder (bidirectional, GELU MLP) with its classification or masked-LM
-        head."""
+        """A BERT encoder (bidirectional, GELU MLP, post-norm layers) with its classification
+        or masked-LM head."""
         a = spec.architecture
         h = a.hidden_size
         head = h * a.vocab_size + h * h if spec.mlm_head else h * h + h * (spec.num_labels or 0)
         return Shape(hidden=h, layers=a.num_hidden_layers, heads=a.num_attention_heads,
                      kv_heads=a.num_attention_heads, head_dim=a.head_dim,
                      intermediate=a.intermediate_size, mlp_matrices=2, head_weights=head,
-                     causal=spec.family.causal)
+                     causal=spec.family.causal, pre_norm=spec.family.pre_norm)
 
     def __init__(self, spec: ModelSpec, policy: str | Policy | None = None,
                  rngs: nnx.Rngs | None = None):

@@ -280,13 +280,14 @@ class LlamaForCausalLM(FamilyModel):
 
     @staticmethod
     def flops_shape(spec: ModelSpec) -> Shape:
-        """A Llama decoder (causal, grouped-query attention, SwiGLU MLP) with its vocabulary
-        projection (tied to the embedding or not: a matmul either way)."""
+        """A Llama decoder (causal, grouped-query attention, SwiGLU MLP, pre-norm layers) with
+        its vocabulary projection (tied to the embedding or not: a matmul either way)."""
         a = spec.architecture
         return Shape(hidden=a.hidden_size, layers=a.num_hidden_layers,
                      heads=a.num_attention_heads, kv_heads=a.num_key_value_heads,
                      head_dim=a.head_dim, intermediate=a.intermediate_size, mlp_matrices=3,
-                     head_weights=a.hidden_size * a.vocab_size, causal=spec.family.causal)
+                     head_weights=a.hidden_size * a.vocab_size, causal=spec.family.causal,
+                     pre_norm=spec.family.pre_norm)
 
     def init_cache(self, batch: int, length: int, dtype=None) -> KVCache:
         """An empty cache of ``length`` slots per row (keys/values in ``dtype``, default the

@@ -23,8 +23,10 @@ projections' outputs with ``jax.ad_checkpoint.checkpoint_name`` (``tag``): ``que
 ``key_proj``, ``value_proj``, ``out_proj``, and their MLP's output projection's: ``mlpwo``.
 A policy keeps only what the backward pass reads: in a pre-norm layer (Llama, ViT) nothing in
 the layer reads the MLP's output (it is added to the residual stream, the next layer's input,
-kept anyway), so ``save_dot_except_mlpwi`` keeps there what ``save_dot_except_mlp`` does; in
-BERT's post-norm layer the LayerNorm after the residual reads it.
+kept anyway), so ``save_dot_except_mlpwi`` keeps there what ``save_dot_except_mlp`` does, and
+no policy computes that projection again there (XLA leaves it out of the recompute, ``full``'s
+too: the table's "whole layer" is one matmul less; ``flops.Shape.recompute_flops`` counts it
+so); in BERT's post-norm layer the LayerNorm after the residual reads it.
 """
 from __future__ import annotations
 
@@ -47,7 +49,7 @@ class Remat:
     """A policy: ``name``, ``policy`` (``jax.checkpoint``'s; None without rematerialisation)
     and which forward matmuls the backward pass computes again (``recomputes``: of
     ``flops.RECOMPUTED``: "qkv", "out", "mlp_in", "mlp_out" and "core", attention's scores and
-    context: the planner's FLOPs)."""
+    context: the planner's FLOPs, which count no "mlp_out" in a pre-norm layer)."""
 
     name: str
     policy: object

@@ -67,6 +67,9 @@ class Family:
         learning-rate decay (``train.layer_decay``, ``optim.scale_by_layer``) reads.
       causal: whether its attention is causal (a decoder), which halves attention's FLOPs
         (``jaxaccel.flops``; the forecast reads it for a published run of the family).
+      pre_norm: whether its layers norm a sublayer's input, not the residual sum after it, so
+        no remat policy computes the MLP's output projection again (``jaxaccel.flops``; the
+        forecast reads it for a published run of the family too).
       encoder_writer: ``"module:name"`` of ``save(model, path)`` writing the model's encoder
         alone as a transformers checkpoint (``jaxaccel export --encoder``); None: the family
         has none.
@@ -83,6 +86,7 @@ class Family:
     writer: str | None
     embeddings: tuple[str, ...]
     causal: bool = False
+    pre_norm: bool = False
     encoder_writer: str | None = None
 
     @property
@@ -118,7 +122,7 @@ FAMILIES = {
                     model="jaxaccel.models.llama:LlamaForCausalLM",
                     reader="jaxaccel.models.hf_llama:load_checkpoint",
                     writer="jaxaccel.models.hf_llama:save_checkpoint",
-                    embeddings=("embed_tokens",), causal=True),
+                    embeddings=("embed_tokens",), causal=True, pre_norm=True),
     "vit": Family("vit", ViTConfig, VIT_PRESETS,
                   options={"mae": ("attention_impl", "remat"),
                            "classification": ("num_labels", "pooling", "attention_impl",
@@ -127,7 +131,7 @@ FAMILIES = {
                   model="jaxaccel.models.vit:ViTModel",
                   reader="jaxaccel.models.hf_vit:load_checkpoint",
                   writer="jaxaccel.models.hf_vit:save_checkpoint", embeddings=("embeddings",),
-                  encoder_writer="jaxaccel.models.hf_vit:save_encoder"),
+                  encoder_writer="jaxaccel.models.hf_vit:save_encoder", pre_norm=True),
 }
 ARCHITECTURES = tuple(f.architecture for f in FAMILIES.values())
 

@@ -322,23 +322,25 @@ class ViTModel(FamilyModel):
 
     @staticmethod
     def flops_shape(spec: ModelSpec) -> ViTShape:
-        """A ViT (bidirectional, GELU MLP): the encoder, and under MAE the decoder (its
-        embedding and its patch prediction counted as its head), else the classifier on one
-        token per row (counted per encoder token, as BERT's head)."""
+        """A ViT (bidirectional, GELU MLP, pre-norm layers): the encoder, and under MAE the
+        decoder (its embedding and its patch prediction counted as its head), else the
+        classifier on one token per row (counted per encoder token, as BERT's head)."""
         a = spec.architecture
         h, n = a.hidden_size, a.num_patches
-        mae, causal = spec.task == "mae", spec.family.causal
+        mae, causal, pre_norm = spec.task == "mae", spec.family.causal, spec.family.pre_norm
         encoder = Shape(hidden=h, layers=a.num_hidden_layers, heads=a.num_attention_heads,
                         kv_heads=a.num_attention_heads, head_dim=a.head_dim,
                         intermediate=a.intermediate_size, mlp_matrices=2,
-                        head_weights=0 if mae else h * (spec.num_labels or 0), causal=causal)
+                        head_weights=0 if mae else h * (spec.num_labels or 0), causal=causal,
+                        pre_norm=pre_norm)
         decoder = None
         if mae:
             d, heads = a.decoder_hidden_size, a.decoder_num_attention_heads
             decoder = Shape(hidden=d, layers=a.decoder_num_hidden_layers, heads=heads,
                             kv_heads=heads, head_dim=d // heads,
                             intermediate=a.decoder_intermediate_size, mlp_matrices=2,
-                            head_weights=h * d + d * a.patch_dim, causal=causal)
+                            head_weights=h * d + d * a.patch_dim, causal=causal,
+                            pre_norm=pre_norm)
         kept = 1 + int(n * (1 - a.mask_ratio)) if mae else 1 + n
         return ViTShape(encoder, kept, decoder, n + 1 if mae else 0, n, a.patch_dim * h)
 

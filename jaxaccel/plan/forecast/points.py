@@ -127,26 +127,31 @@ class Point:
 
 def shape_of(point: dict) -> flops_lib.Shape:
     """The published model's shape as ``jaxaccel.flops`` reads an architecture; its attention
-    causal as its family's (``models.spec.FAMILIES``: a published ``llama`` is a decoder)."""
+    causal and its layers pre-norm as its family's (``models.spec.FAMILIES``: a published
+    ``llama`` is a pre-norm decoder, as GPT, MPT and Llama are; ``bert`` post-norm)."""
     d = point["d_model"]
     head = point["head_weights"] if "head_weights" in point else point["vocab"] * d
     return flops_lib.Shape(
         hidden=d, layers=point["layers"], heads=point["heads"], kv_heads=point["kv_heads"],
         head_dim=point.get("head_dim") or d // point["heads"], intermediate=point["d_ff"],
         mlp_matrices=3 if point["gated_mlp"] else 2, head_weights=head,
-        causal=FAMILIES[point["family"]].causal)
+        causal=FAMILIES[point["family"]].causal, pre_norm=FAMILIES[point["family"]].pre_norm)
 
 
-def recompute_flops(shape: flops_lib.Shape, parts, seq: int) -> float:
+def recompute_flops(shape: flops_lib.Shape, parts, seq: int, eager: bool = False) -> float:
     """Forward FLOPs per token a remat policy recomputes: ``parts`` is "none", "full" or the
-    recomputed matmuls (``RECOMPUTE_ALL``'s names; attention = QK^T and AV)."""
+    recomputed matmuls (``RECOMPUTE_ALL``'s names; attention = QK^T and AV); a pre-norm
+    layer's "w_out" counts nothing, as in ``jaxaccel.flops`` (nothing reads its result, so a
+    compiled graph leaves it out), unless ``eager``: a remat that reruns each checkpointed
+    block's forward as written (eager PyTorch's ``torch.utils.checkpoint``) runs it too."""
     if isinstance(parts, str):
         parts = {"none": (), "full": RECOMPUTE_ALL}[parts]
     h, q, kv = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
     mlp = 2.0 * h * shape.intermediate
     forward = {"wq": 2.0 * h * q, "wk": 2.0 * h * kv, "wv": 2.0 * h * kv, "wo": 2.0 * h * q,
                "attention": shape.attention_flops(1, seq) / seq / shape.layers / 3,
-               "w_gate": mlp if shape.mlp_matrices == 3 else 0.0, "w_up": mlp, "w_out": mlp}
+               "w_gate": mlp if shape.mlp_matrices == 3 else 0.0, "w_up": mlp,
+               "w_out": 0.0 if shape.pre_norm and not eager else mlp}
     unknown = set(parts) - set(forward)
     if unknown:
         raise ValueError(f"unknown recompute parts {sorted(unknown)}: expected some of "
@@ -156,17 +161,18 @@ def recompute_flops(shape: flops_lib.Shape, parts, seq: int) -> float:
 
 def step_of(shape, device: str, dtype: str, tokens: float, seq: int, recomputed: float,
             idle: float = 0.0, stages: int = 1, passes: float = 1.0,
-            optimizer_bytes: float = 0.0, **variant) -> Step:
+            optimizer_bytes: float = 0.0, full: float | None = None, **variant) -> Step:
     """The ``Step`` of ``tokens`` per chip of a model of ``shape`` (a ``jaxaccel.flops``
     shape; a ViT's encoder and decoder are read as one stack) in rows of ``seq`` tokens, with
-    ``recomputed`` FLOPs per token rematerialised."""
+    ``recomputed`` FLOPs per token rematerialised, a share of ``full``'s, the FLOPs per token
+    of a whole recompute (the planner's ``full`` where not given: an eager remat's is more)."""
     stacks = [shape] if isinstance(shape, flops_lib.Shape) else \
         [s for s in (shape.encoder, shape.decoder) if s is not None]
     rows = tokens / shape.row_tokens(seq)
     peak = devices_lib.peak_rate(device, dtype)[0] * (1.0 - idle)
     attention = flops_lib.attention_flops(shape, rows, seq)
     layers = sum(s.layers for s in stacks)
-    full = flops_lib.recompute_flops(shape, rows, seq) / tokens
+    full = flops_lib.recompute_flops(shape, rows, seq) / tokens if full is None else full
     return Step(device=device, dtype=dtype,
                 dense_s=(flops_lib.train_flops(shape, rows, seq) - attention) / peak,
                 attention_s=attention / peak, recompute_s=recomputed * tokens / peak,
@@ -185,12 +191,14 @@ def to_point(p: dict) -> Point:
     passes = p["global_batch"] / (p["micro_batch"] * chips // (tp * pp * cp))
     tokens = p["global_batch"] * seq / chips
     params = shape.matmul_weights + (0 if p.get("tied_embeddings") else p["vocab"] * shape.hidden)
+    eager = p.get("eager_recompute", False)   # its remat reruns each block as written
     step = step_of(shape, p["device"], DTYPES[p["precision"]], tokens, attn_seq,
-                   recompute_flops(shape, p.get("recompute", "none"), attn_seq),
+                   recompute_flops(shape, p.get("recompute", "none"), attn_seq, eager),
                    idle=(pp - 1) / (p.get("vp", 1) * passes + pp - 1), stages=pp,
                    passes=passes,
                    optimizer_bytes=OPTIMIZER_BYTES_PER_PARAM * params
                    / p.get("optimizer_shards", chips),
+                   full=recompute_flops(shape, "full", attn_seq, eager) if eager else None,
                    power_limit_w=p.get("power_limit_w"), hbm_bandwidth=p.get("hbm_bandwidth"))
     return Point(p["id"], p["source_group"], step, tokens / p["tokens_per_s_per_chip"], params,
                  p.get("task", "pretraining"))
