@@ -9,7 +9,9 @@ import pytest
 from jaxaccel import config, plan, precision
 from jaxaccel.models import fp8_layers, model_spec
 from jaxaccel.precision import fp8_break_even, policy_of
+from jaxaccel.train import loop
 from jaxaccel.train import run as run_lib
+from jaxaccel.train.inference import evaluate_run
 from support import TINY_CONFIG, tiny_cfg
 
 H100 = "NVIDIA H100 80GB HBM3"
@@ -80,6 +82,17 @@ def test_where_no_layer_pays_the_fp8_policy_is_the_bf16_step(tmp_path, monkeypat
     (p_all, l_all), (p_before, l_before) = _one_step(every), _one_step(before)
     assert l_all == l_before
     jax.tree_util.tree_map(np.testing.assert_array_equal, p_all, p_before)
+
+
+@pytest.mark.long
+def test_a_run_where_no_layer_paid_is_evaluated_elsewhere(tmp_path, monkeypatch):
+    """Trained where no layer pays (no fp8 state saved), evaluated on a device where every
+    layer would run fp8 (this CPU, the rule undone): the checkpoint's break-even rebuilds
+    its bf16 layers, and the evaluation gives the run's own accuracy."""
+    monkeypatch.setattr(precision, "fp8_break_even", lambda device_kind: 1e9)
+    out = loop.train(tiny_cfg(tmp_path, "precision.policy=fp8", "train.max_steps=2"))
+    monkeypatch.undo()
+    assert evaluate_run(out["run_dir"])["accuracy"] == pytest.approx(out["eval_accuracy"])
 
 
 @pytest.mark.long
