@@ -184,6 +184,9 @@ BASE: dict[str, Any] = {
         "max_consecutive_skips": 25,  # fp16: stop the run after this many skipped steps in a
                                     # row (non-finite gradients at every scale tried)
         "fp8_amax_history": 1024,   # fp8: steps of amax history per scale (Transformer Engine)
+        "fp8_layers": "paying",     # fp8: paying (the block Dense layers whose GEMMs are large
+                                    # enough to be faster in fp8 on the run's device; every
+                                    # one where it has no fp8 peak: CPU, TPU) | all
         "logits_dtype": "float32",  # causal LM: float32 | bfloat16, the dtype the head's matmul
                                     # writes the logits (and their gradient) in; the loss is
                                     # float32 either way (bfloat16: MaxText's default)

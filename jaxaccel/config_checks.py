@@ -175,6 +175,9 @@ def _check_precision(p) -> None:
     if p.logits_dtype not in ("float32", "bfloat16"):
         raise ValueError(f"precision.logits_dtype={p.logits_dtype!r}: use 'float32' or "
                          "'bfloat16'.")
+    if p.fp8_layers not in ("paying", "all"):
+        raise ValueError(f"precision.fp8_layers={p.fp8_layers!r}: use 'paying' (the layers "
+                         "large enough to be faster in fp8) or 'all'.")
 
 
 def _check_mesh(mesh) -> None:

@@ -33,6 +33,36 @@ steps, while 2**15 still lifts gradients of 1e-8 into fp16's normal range (min 6
 to E4M3 and its output gradient to E5M2 with per-tensor scales from an amax history (NVIDIA
 Transformer Engine's delayed scaling, margin 0; see ``jaxaccel.models.fp8``). Attention, the
 pooler and the classifier stay bf16.
+
+**Which Dense layers run fp8** (``precision.fp8_layers``): ``all`` of them, or, by default,
+those that can pay (``paying``) on the device the run is compiled for. A Dense layer [M
+tokens, K] x [K, N] runs three GEMMs (forward, two backward), 6 M N K FLOPs, which fp8 runs at
+the fp8 peak instead of the bf16 one; what fp8 adds is passes over the rows it quantizes:
+an amax and a quantize of the input [M, K] and of the output gradient [M, N], and the E4M3
+operands kept for the backward pass, ``c`` bytes per element of M (K + N), which XLA does not
+fuse into the GEMMs. The layer pays when the time saved exceeds the time those bytes take:
+
+    6 M N K (1/P_bf16 - 1/P_fp8)  >  c M (K + N) / B
+    <=>  N K / (N + K)  >  w = c / (6 B (1/P_bf16 - 1/P_fp8))
+
+with ``P`` the chip's dense peaks and ``B`` its HBM bandwidth (``jaxaccel.devices``). ``c`` =
+7.8 bytes is measured on the compiled H100 steps (``bench/results/fp8_cost-h100_1x1_
+compile_only-unrolled_by_default-sliced_count.json``, ``fp8_work_bytes``: everything the step
+runs under the fp8 name scope outside the GEMMs, ``jaxaccel.plan.kernels``): 59.85 GB over
+llama-350m 8 x 2048's 24 x 19,712 x 16,384 elements is 7.72 bytes, 43.07 GB over BERT-base 256
+x 128's 12 x 13,824 x 32,768 is 7.92. On an H100 SXM (989 / 1,979 TFLOP/s, 3.35 TB/s) ``w`` =
+767: no GEMM of BERT-base (768 x 768: 384; 768 x 3,072: 614) or llama-350m (1,024 x 1,024:
+512; 1,024 x 2,816: 751) pays, every one of Llama-3 8B's does (4,096 x 1,024: 819; 4,096 x
+4,096: 2,048; 4,096 x 14,336: 3,186); on an H200 (4.8 TB/s) ``w`` = 535, which BERT-base's
+and llama-350m's MLP GEMMs pass. Both sides are taken at peak, launches and the GEMMs' own
+smaller fp8 operands left out, and ``c`` is all the traffic of the kernels doing fp8's work,
+some of which also do the model's own (the bytes fp8 adds outside the GEMMs, fp8's step
+less bf16's, are 2.3 and 1.8 per element in the same files): ``w`` leans to bf16, as the
+H200's measured all-fp8 steps, each slower than bf16, advise.
+Where the device has no fp8 peak (CPU, TPU, A100: fp8 emulated by upcasting, run for its
+numerics, not its speed) or is not in the table, every block Dense layer runs fp8 as under
+``all``. A run whose layers are all below ``w`` has no fp8 layer and no fp8 state: its step is
+the bf16 policy's.
 """
 from __future__ import annotations
 
@@ -42,6 +72,8 @@ import difflib
 import jax
 import jax.numpy as jnp
 from flax import struct
+
+from jaxaccel.devices import peak_bandwidth, peak_rate
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +98,8 @@ class Policy:
         (``precision.logits_dtype``): float32, or bfloat16 as MaxText's default (its
         ``logits_dense`` in the compute dtype, then ``cast_logits_to_fp32``), which halves the
         logits and their gradient; the log-softmax and the loss read them in float32 either way.
+      fp8_min_width: fp8 only: a block Dense layer [K, N] runs fp8 when N K / (N + K) is at
+        least this (``fp8_break_even``; 0: every one, ``precision.fp8_layers=all``).
     """
 
     name: str
@@ -78,6 +112,11 @@ class Policy:
     matmul_dtype: str = "float32"
     compute_activations: bool = False
     logits_dtype: jnp.dtype = jnp.float32
+    fp8_min_width: float = 0.0
+
+    def fp8_dense(self, din: int, dout: int) -> bool:
+        """Whether a block Dense layer [din, dout] runs fp8 (module doc: which layers)."""
+        return self.fp8 and din * dout / (din + dout) >= self.fp8_min_width
 
     @property
     def activation_dtype(self):
@@ -122,12 +161,31 @@ def get_policy(policy: str | Policy | None) -> Policy:
     return POLICIES[policy]
 
 
-def policy_of(precision) -> Policy:
+# fp8's bytes outside the GEMMs per element of a Dense layer's input and output rows, M (K + N):
+# measured on the compiled H100 steps (module doc).
+FP8_BYTES_PER_ELEMENT = 7.8
+
+
+def fp8_break_even(device_kind: str | None) -> float | None:
+    """``w`` of the module doc: the N K / (N + K) above which a Dense layer [K, N] is faster in
+    fp8 on ``device_kind``; None where the chip has no fp8 peak of its own or is unknown."""
+    fp8, bf16 = (peak_rate(device_kind or "", d, own_units=True) for d in ("float8", "bfloat16"))
+    bandwidth = peak_bandwidth(device_kind or "")
+    if fp8 is None or bf16 is None or bandwidth is None or fp8[0] <= bf16[0]:
+        return None
+    return FP8_BYTES_PER_ELEMENT / (6 * bandwidth * (1 / bf16[0] - 1 / fp8[0]))
+
+
+def policy_of(precision, device_kind: str | None = None) -> Policy:
     """The run's policy from the config's ``precision`` section: the named policy with the
-    section's fp8 amax history and logits dtype. The one place a run's ``Policy`` is made."""
-    return dataclasses.replace(get_policy(precision.policy),
-                               amax_history_length=precision.fp8_amax_history,
-                               logits_dtype=jnp.dtype(precision.logits_dtype))
+    section's fp8 amax history and logits dtype, and under fp8 the layers that run it
+    (``precision.fp8_layers``) for a run on ``device_kind`` (None: unknown, every layer). The
+    one place a run's ``Policy`` is made."""
+    policy = get_policy(precision.policy)
+    paying = policy.fp8 and precision.fp8_layers == "paying"
+    return dataclasses.replace(policy, amax_history_length=precision.fp8_amax_history,
+                               logits_dtype=jnp.dtype(precision.logits_dtype),
+                               fp8_min_width=(paying and fp8_break_even(device_kind)) or 0.0)
 
 
 class LossScale(struct.PyTreeNode):

@@ -2,13 +2,18 @@
 family in ``spec.FAMILIES`` (bert, llama, vit)."""
 from __future__ import annotations
 
+import collections
+import dataclasses
 import importlib.util
 import os
 
+import jax
 from flax import nnx
 
 from jaxaccel import storage
 from jaxaccel.models import spec as spec_lib
+from jaxaccel.models.abstract import build_abstract
+from jaxaccel.models.fp8 import Fp8Linear
 from jaxaccel.models.bert import BertModel
 from jaxaccel.models.hf import from_pretrained, read_config
 from jaxaccel.models.architectures import LLAMA_PRESETS, PRESETS, BertConfig, LlamaConfig
@@ -101,7 +106,29 @@ def create_model(model_cfg, policy, seed: int, spec: ModelSpec | None = None):
     return build_model(spec, policy, seed)
 
 
+def fp8_layers(spec: ModelSpec, policy) -> collections.Counter:
+    """``{(K, N, fp8): count}``: the shapes [K, N] of the block Dense layers of ``spec``'s
+    model (its family's ``FP8_GROUPS``) and whether each runs fp8 under ``policy``
+    (``Policy.fp8_dense``); from the model built abstractly."""
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
+        model = build_abstract(lambda: build_model(spec, policy))
+    group_of = type(model).fp8_group
+    return collections.Counter(
+        (m.in_features, m.out_features, isinstance(m, Fp8Linear))
+        for path, m in nnx.iter_graph(model)
+        if isinstance(m, nnx.Linear) and group_of(tuple(str(k) for k in path)))
+
+
+def fp8_settled(policy, spec: ModelSpec):
+    """``policy``, or where it runs fp8 on some layers only (``precision.fp8_layers=paying``)
+    and none of ``spec``'s pays, the policy without fp8: its step is the bf16 policy's, its
+    matmuls are bounded by the bf16 peak (planner, MFU), it has no fp8 state."""
+    if not policy.fp8_min_width or any(on for *_, on in fp8_layers(spec, policy)):
+        return policy
+    return dataclasses.replace(policy, fp8=False, matmul_dtype="bfloat16")
+
+
 __all__ = ["BertConfig", "BertModel", "FAMILIES", "LLAMA_PRESETS", "LlamaConfig", "ModelSpec",
            "PRESETS", "architecture_of", "build_model", "check_vocab", "checkpoint_of",
-           "create_model", "default_tokenizer_dir", "model_spec",
+           "create_model", "default_tokenizer_dir", "fp8_layers", "fp8_settled", "model_spec",
            "from_pretrained", "load_checkpoint", "packaged_minilm_dir", "save_checkpoint"]

@@ -36,10 +36,10 @@ def dense(din: int, dout: int, axes: tuple, std: float, policy: Policy, rngs, *,
           bias: bool = True, block: bool = True):
     """A Dense layer (normal(``std``) kernel, zero bias) whose parameters carry the logical
     ``axes`` (the bias the output's); a block matmul (``block=True``: a layer's attention
-    and MLP projections, not embeddings or heads) is an ``fp8.Fp8Linear`` under the fp8 policy
-    (same parameters plus its non-trainable scales)."""
+    and MLP projections, not embeddings or heads) is an ``fp8.Fp8Linear`` where the policy runs
+    it in fp8 (``Policy.fp8_dense``: same parameters plus its non-trainable scales)."""
     linear, extra = nnx.Linear, {}
-    if block and policy.fp8:
+    if block and policy.fp8_dense(din, dout):
         linear, extra = Fp8Linear, {"amax_history_length": policy.amax_history_length}
     return linear(din, dout, **extra, use_bias=bias, dtype=policy.compute_dtype,
                   param_dtype=policy.param_dtype,

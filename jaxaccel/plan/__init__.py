@@ -61,8 +61,8 @@ steps; memory, collectives, FLOPs), ``estimate`` (step time, forecast, epoch cos
 ``plan_targets``), ``forecast``, ``topology``, ``collectives``, ``hlo_cost``, ``loops``.
 """
 from jaxaccel.plan.compile import (CUBLAS_GEMMS, CUBLAS_NOTE, NO_TILING, abstract_batch,
-                                   abstract_run, counted_cost, load_config, make_plan,
-                                   memory_of, plannable, shard_bytes, xla_cost)
+                                   abstract_run, counted_cost, fp8_choice, load_config,
+                                   make_plan, memory_of, plannable, shard_bytes, xla_cost)
 from jaxaccel.plan.estimate import cost_of, estimate_step, forecast_of
 from jaxaccel.plan.fit import (EXIT_DOES_NOT_FIT, GPU_MEMORY_FRACTION, DoesNotFit, StepRefused,
                                capacity, does_not_fit)
@@ -72,5 +72,5 @@ from jaxaccel.plan.result import CAVEATS, Plan, result, slug
 __all__ = ["CAVEATS", "CUBLAS_GEMMS", "CUBLAS_NOTE", "EXIT_DOES_NOT_FIT", "GPU_MEMORY_FRACTION",
            "NO_TILING", "DoesNotFit", "Plan", "StepRefused", "abstract_batch", "abstract_run",
            "capacity", "cost_of", "counted_cost", "does_not_fit", "duration", "estimate_step",
-           "forecast_of", "load_config", "make_plan", "memory_of", "plannable", "report",
-           "result", "shard_bytes", "slug", "usd_text", "xla_cost"]
+           "forecast_of", "fp8_choice", "load_config", "make_plan", "memory_of", "plannable",
+           "report", "result", "shard_bytes", "slug", "usd_text", "xla_cost"]

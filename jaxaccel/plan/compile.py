@@ -11,7 +11,7 @@ import jax
 
 from jaxaccel import config as config_lib
 from jaxaccel import flops as flops_lib
-from jaxaccel.models import attention, remat
+from jaxaccel.models import attention, fp8_layers, remat
 from jaxaccel.plan import collectives as collectives_lib
 from jaxaccel.plan import hlo_cost
 from jaxaccel.plan import topology
@@ -19,6 +19,7 @@ from jaxaccel.plan.estimate import cost_of, estimate_step, forecast_of
 from jaxaccel.plan.fit import DoesNotFit, StepRefused, capacity, check, does_not_fit
 from jaxaccel.plan.report import gb
 from jaxaccel.plan.result import Plan
+from jaxaccel.precision import fp8_break_even
 from jaxaccel.train.run import Run, assemble, resolve
 
 
@@ -165,7 +166,25 @@ def make_plan(config_path: str | None, sets: list[str], topology_name: str, *,
         memory_of(compiled["eval"]), room, room_source, compile_s, flops, estimate,
         cost_of(target, run, estimate), collectives_lib.by_kind(found), sent, tuple(notes),
         pipeline, {**counted, "compiler": {k: cost.get(k) for k in ("flops", "bytes accessed")}},
-        hlo))
+        hlo, fp8_choice(run, target.device_kind)))
+
+
+def fp8_choice(run: Run, device_kind: str) -> str:
+    """Under the fp8 policy, which of the model's block Dense layers run fp8 and why (each
+    layer 3 GEMMs: forward, two backward; ``precision.fp8_layers``, ``Policy.fp8_dense``):
+    "" under another policy."""
+    if run.cfg.precision.policy != "fp8":
+        return ""
+    policy = run.resolved.policy
+    shapes = fp8_layers(run.spec, policy)
+    width = policy.fp8_min_width
+    why = (f"N*K/(N+K) at least {width:,.0f} on {device_kind} (precision.fp8_layers=paying)"
+           if width else f"every one (precision.fp8_layers={run.cfg.precision.fp8_layers}; "
+           f"{device_kind} has {'an' if fp8_break_even(device_kind) else 'no'} fp8 peak)")
+    each = ", ".join(f"{n} x [{k}, {m}] ({k * m / (k + m):,.0f}) in {'fp8' if on else 'bf16'}"
+                     for (k, m, on), n in sorted(shapes.items()))
+    fp8 = sum(n for (*_, on), n in shapes.items() if on)
+    return f"fp8 on {fp8} of {sum(shapes.values())} block Dense layers: {why}: {each}"
 
 
 def _flops(shape, cfg, seq: int, cost: dict, counted: dict) -> dict:

@@ -46,7 +46,8 @@ def _header(plan: Plan) -> list[str]:
             f"{hosts}; mesh {plan.mesh}",
             f"step: global batch {plan.batch} x {plan.seq} tokens (eval batch "
             f"{plan.eval_batch}), policy {plan.cfg.precision.policy}, "
-            f"optimizer {plan.cfg.train.optimizer}, attention {plan.cfg.model.attention_impl}"]
+            f"optimizer {plan.cfg.train.optimizer}, attention {plan.cfg.model.attention_impl}",
+            *([plan.fp8_layers] if plan.fp8_layers else [])]
 
 
 def _memory(plan: Plan) -> list[str]:

@@ -40,6 +40,7 @@ class Plan:
     pipeline: dict | None = None  # Stages.as_dict() + "permute_bytes" (per device, per step)
     hlo_cost: dict = dataclasses.field(default_factory=dict)  # counted_cost() + "compiler"
     train_hlo: str = dataclasses.field(default="", repr=False)  # the compiled train step's HLO
+    fp8_layers: str = ""    # fp8: which block Dense layers run it and why (compile.fp8_choice)
 
     @property
     def time_s(self) -> float | None:
@@ -78,6 +79,7 @@ def result(plan: Plan) -> dict:
            "interconnect_s": e.get("interconnect_s"),
            "dcn_sent_bytes_per_device": e.get("dcn_sent"), "dcn_s": e.get("dcn_s"),
            "compile_s": plan.compile_s, "model_flops": plan.flops["analytic"],
+           "fp8_layers": plan.fp8_layers or None,
            "xla_flops_per_device": plan.flops["xla_per_device"],
            "counted_flops_per_device": plan.flops.get("counted_per_device"),
            "hbm_bytes_per_device": plan.hlo_cost.get("bytes accessed"),

@@ -298,11 +298,12 @@ def compile_ahead(run: Run, state: TrainState, start: int) -> int:
 
 def _record(run: Run, epoch: int, step_in_epoch: int) -> dict:
     """The JSON saved beside each checkpoint: data position and what rebuilds the model (its
-    spec, under "architecture")."""
+    spec, under "architecture"; which of its layers run fp8, under "fp8_min_width")."""
     return {"epoch": epoch, "step_in_epoch": step_in_epoch,
             "step": epoch * run.train_data.steps_per_epoch + step_in_epoch,
             "config": run.cfg.to_dict(),
-            "architecture": run.spec.to_dict(), "label_names": list(run.label_names)}
+            "architecture": run.spec.to_dict(), "label_names": list(run.label_names),
+            "fp8_min_width": run.resolved.policy.fp8_min_width}
 
 
 BARRIER_TIMEOUT_S = 3600

@@ -33,7 +33,7 @@ from jaxaccel.data.batches import Batches
 from jaxaccel.data.spec import DataSpec
 from jaxaccel.forms.packing import Packer
 from jaxaccel.forms.stacked import Stacked, Stacking, stacked_shardings
-from jaxaccel.models import ModelSpec, attention, create_model, model_spec, remat
+from jaxaccel.models import ModelSpec, attention, create_model, fp8_settled, model_spec, remat
 from jaxaccel.models.abstract import build_abstract
 from jaxaccel.models.fp8 import Fp8Meta
 from jaxaccel.models.stack import Scan
@@ -133,6 +133,7 @@ def resolve(cfg: Config, devices=None, *, training: bool = True,
     spec = model_spec(cfg.model) if spec is None else spec
     mesh = shd.make_mesh(dict(cfg.mesh), devices)
     spec = spec.for_platform(mesh.devices.flat[0].platform)
+    policy = fp8_settled(policy_of(cfg.precision, mesh.devices.flat[0].device_kind), spec)
     filled = _filled_mesh(cfg, mesh)
     cfg = config_lib.build(cfg.to_dict(), [f"mesh.{a}={n}" for a, n in filled.items()]) \
         if filled else cfg

@@ -3,6 +3,7 @@
 pretraining, then fine-tuning the encoder for classification)."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import jax
@@ -11,7 +12,7 @@ from flax import nnx
 from flax.traverse_util import flatten_dict, unflatten_dict
 
 from jaxaccel import config as config_lib, storage
-from jaxaccel.models import build_model, spec
+from jaxaccel.models import build_model, fp8_settled, spec
 from jaxaccel.models.abstract import build_abstract
 from jaxaccel.models.fp8 import Fp8Meta
 from jaxaccel.precision import policy_of
@@ -30,12 +31,14 @@ def load_run(run_dir: str):
     try:
         saved, meta = ckpt.restore_items(("params", "fp8"))
         cfg = config_lib.build(meta["config"])
-        policy = policy_of(cfg.precision)
+        # The layers it ran in fp8 (``Policy.fp8_dense``): those of the device it trained on.
+        saved_spec = spec.from_saved(meta["architecture"], cfg.model)
+        policy = fp8_settled(dataclasses.replace(
+            policy_of(cfg.precision), fp8_min_width=meta.get("fp8_min_width", 0.0)), saved_spec)
         # Shapes only, no random initialisation: every value comes from the checkpoint; outside
         # any ambient mesh (init_from runs under the trainer's), whose axes are no logical ones.
         with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
-            model = build_abstract(
-                lambda: build_model(spec.from_saved(meta["architecture"], cfg.model), policy))
+            model = build_abstract(lambda: build_model(saved_spec, policy))
         restored = [(nnx.Param, saved["params"])]
         if policy.fp8:
             restored.append((Fp8Meta, saved["fp8"]))
