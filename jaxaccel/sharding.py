@@ -334,10 +334,10 @@ def residual(x, rules=DEFAULT_RULES):
     the batch is constrained, as before; unchanged without a mesh or with neither.
 
     Nor is the width split where the batch spans both ``data`` and ``fsdp``: there XLA's SPMD
-    partitioner (jax 0.10.2 and 0.12.0.1, CPU) miscompiles a row-parallel matmul whose weight's
-    output dimension is split over ``fsdp`` into hidden states laid out so (``h @ w`` with
-    ``h`` on ("data", "fsdp"), "tensor", ``w`` on "tensor", "fsdp": wrong sums on a 2 x 2 x 2
-    mesh; tests/test_llama_sharding.py's 2 x 2 x 2 step drifted 1.5% in its loss)."""
+    partitioner (jax 0.10.2 and 0.12.0.1, CPU) miscompiles the decoder's and the MAE's steps
+    (tests/test_llama_sharding.py's 2 x 2 x 2 step drifted 1.5% in its loss); a lone ``h @
+    w`` with ``h`` on ("data", "fsdp"), ..., "tensor" and ``w`` on "tensor", "fsdp" computes
+    correctly, so the smallest failing program is not known."""
     mesh, batch = batch_split(x)
     if mesh is None:
         return x
