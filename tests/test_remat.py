@@ -179,6 +179,7 @@ def _step_flops(family: str, name: str, tmp_path) -> tuple[int, float]:
         shape, rows, seq, remat.of(name).recomputes)
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("family", ["llama", "bert"])
 def test_the_planner_counts_the_matmuls_the_compiled_step_runs(family, tmp_path):
     """Each policy's compiled train step against the planner's FLOPs, each less its own under
