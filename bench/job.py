@@ -41,12 +41,15 @@ from bench.common import (add_out_argument, device_kind, markdown,  # noqa: E402
 from jaxaccel import config as config_lib  # noqa: E402
 from jaxaccel.flops import mfu_peak, model_shape, train_flops  # noqa: E402
 from jaxaccel.compare import energy  # noqa: E402
+from jaxaccel.precision import Policy  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def padded_tokens_and_flops(cfg) -> tuple[int, float]:
-    """Tokens and model FLOPs of every train batch the run takes (same pipeline, no steps)."""
+def padded_tokens_and_flops(cfg) -> tuple[int, float, Policy]:
+    """Tokens and model FLOPs of every train batch the run takes (same pipeline, no steps),
+    and the run's precision policy as resolved for this device (fp8 where no layer pays is
+    bf16's: MFU's peak follows it, as the trainer's does)."""
     from jaxaccel.train.run import build
     run = build(cfg)
     tokens, flops, step, epoch = 0, 0.0, 0, 0
@@ -60,7 +63,7 @@ def padded_tokens_and_flops(cfg) -> tuple[int, float]:
             if step >= run.total_steps:
                 break
         epoch += 1
-    return tokens, flops
+    return tokens, flops, run.resolved.policy
 
 
 def time_to_accuracy(metrics_file: str, start: float, target: float) -> float | None:
@@ -141,9 +144,9 @@ def job(args: argparse.Namespace, workdir: str) -> None:
     if result["status"] != "completed":
         raise RuntimeError(f"the run did not complete: {result}")
     tta = time_to_accuracy(result["metrics_file"], start, args.target)
-    tokens, flops = padded_tokens_and_flops(cfg)
+    tokens, flops, policy = padded_tokens_and_flops(cfg)
     seconds = meter.result["seconds"]
-    peak = mfu_peak(device_kind(), cfg.precision.policy)
+    peak = mfu_peak(device_kind(), policy)
     name = f"{cfg.name}.{cfg.precision.policy}.{cfg.train.optimizer}"
     row = {"name": name, "time_s": seconds, "n": 1, "steps": result["step"],
            "time_to_accuracy_s": tta, "target_accuracy": args.target,
