@@ -96,6 +96,27 @@ def test_a_run_where_no_layer_paid_is_evaluated_elsewhere(tmp_path, monkeypatch)
 
 
 @pytest.mark.long
+@pytest.mark.parametrize("scan", ["false", "true"])
+def test_a_run_with_some_layers_in_fp8_trains_saves_and_evaluates(tmp_path, monkeypatch, scan):
+    """A break-even between the tiny model's attention layers (64 x 64: 32) and its MLP's (64
+    x 128: 43), as the rule's H200 choice splits BERT-base and llama-350m: only the MLP's
+    layers run fp8 and hold fp8 state, layers scanned or not; the run trains, checkpoints and
+    evaluates to its own accuracy on a device where every layer would run fp8."""
+    monkeypatch.setattr(precision, "fp8_break_even", lambda device_kind: 40.0)
+    cfg = tiny_cfg(tmp_path, "precision.policy=fp8", f"model.scan_layers={scan}",
+                   "train.max_steps=2")
+    run = run_lib.build(cfg, jax.devices()[:1])
+    assert dict(fp8_layers(run.spec, run.resolved.policy)) == {
+        (64, 64, False): 8, (64, 128, True): 2, (128, 64, True): 2}
+    assert {group for layer in run.state.fp8["layers"].values() for group in layer} == {
+        "intermediate", "output"}
+    out = loop.train(cfg)
+    monkeypatch.undo()
+    assert np.isfinite(out["eval_loss"])
+    assert evaluate_run(out["run_dir"])["accuracy"] == pytest.approx(out["eval_accuracy"])
+
+
+@pytest.mark.long
 def test_the_plan_says_which_layers_run_fp8(compile_target):
     """On an H100 target the tiny model's 64-wide layers do not pay: the abstract run has no
     fp8 state and the planner's line says so, shape by shape; under ``all`` every one."""
