@@ -176,16 +176,20 @@ def fp8_break_even(device_kind: str | None) -> float | None:
     return FP8_BYTES_PER_ELEMENT / (6 * bandwidth * (1 / bf16[0] - 1 / fp8[0]))
 
 
-def policy_of(precision, device_kind: str | None = None) -> Policy:
+def policy_of(precision, device_kind: str | None = None,
+              fp8_min_width: float | None = None) -> Policy:
     """The run's policy from the config's ``precision`` section: the named policy with the
     section's fp8 amax history and logits dtype, and under fp8 the layers that run it
-    (``precision.fp8_layers``) for a run on ``device_kind`` (None: unknown, every layer). The
-    one place a run's ``Policy`` is made."""
+    (``precision.fp8_layers``) for a run on ``device_kind`` (None: unknown, every layer), or
+    those of a trained run's recorded ``fp8_min_width`` (its checkpoint's). The one place a
+    run's ``Policy`` is made."""
     policy = get_policy(precision.policy)
-    paying = policy.fp8 and precision.fp8_layers == "paying"
+    if fp8_min_width is None:
+        paying = policy.fp8 and precision.fp8_layers == "paying"
+        fp8_min_width = (paying and fp8_break_even(device_kind)) or 0.0
     return dataclasses.replace(policy, amax_history_length=precision.fp8_amax_history,
                                logits_dtype=jnp.dtype(precision.logits_dtype),
-                               fp8_min_width=(paying and fp8_break_even(device_kind)) or 0.0)
+                               fp8_min_width=fp8_min_width)
 
 
 class LossScale(struct.PyTreeNode):

@@ -3,7 +3,6 @@
 pretraining, then fine-tuning the encoder for classification)."""
 from __future__ import annotations
 
-import dataclasses
 import logging
 
 import jax
@@ -33,8 +32,8 @@ def load_run(run_dir: str):
         cfg = config_lib.build(meta["config"])
         # The layers it ran in fp8 (``Policy.fp8_dense``): those of the device it trained on.
         saved_spec = spec.from_saved(meta["architecture"], cfg.model)
-        policy = fp8_settled(dataclasses.replace(
-            policy_of(cfg.precision), fp8_min_width=meta.get("fp8_min_width", 0.0)), saved_spec)
+        policy = fp8_settled(policy_of(cfg.precision, fp8_min_width=meta.get("fp8_min_width",
+                                                                            0.0)), saved_spec)
         # Shapes only, no random initialisation: every value comes from the checkpoint; outside
         # any ambient mesh (init_from runs under the trainer's), whose axes are no logical ones.
         with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
