@@ -2,6 +2,7 @@
 the same losses, parameters and eval sums as over the whole logits, without the whole
 [batch, length, vocab] float32 logits in the compiled step's memory; refused where it cannot
 apply."""
+import re
 from types import SimpleNamespace
 
 import jax
@@ -105,6 +106,32 @@ def test_a_step_makes_each_chunks_logits_once():
     for g, w in zip(jax.jit(grad)(h, kernel), want):
         assert g.dtype == jnp.bfloat16
         assert np.max(np.abs(np.float32(g) - w)) <= 2 ** -7 * np.max(np.abs(w))
+
+
+def test_the_heads_gradient_is_summed_over_batch_shards_by_one_reduce_scatter():
+    """Over data 2 x FSDP 4 each device sums its own rows' head gradient through the chunks'
+    loop and the shares are reduced once after it: a reduce-scatter over FSDP to the head's
+    own layout (hidden 32 / 4) and an all-reduce of that share over data, not an all-reduce
+    of the whole head (which XLA's partitioner makes of the loop's replicated sum: on a
+    v5e-8, llama-350m's step sends 1.68 GB of collectives a chip against 1.75).
+    The values: test_chunked_sums_and_gradients_equal_the_whole_logits."""
+    rows, length, hidden, vocab = 8, 16, 32, 64
+    batch = {"targets": jnp.zeros((rows, length), jnp.int32),
+             "target_weights": jnp.ones((rows, length), jnp.float32)}
+    chunked = tasks.with_loss_chunks(tasks.TASKS["causal_lm"], 4, length)
+    grad = jax.jit(jax.grad(lambda h, k: chunked.sums(tasks.LMHead(h, k), batch)[0], (0, 1)))
+    mesh = sharding.make_mesh({"data": 2, "fsdp": 4}, DEVICES)
+    args = (jax.ShapeDtypeStruct((rows, length, hidden), jnp.bfloat16,
+                                 sharding=NamedSharding(mesh, P(("data", "fsdp")))),
+            jax.ShapeDtypeStruct((hidden, vocab), jnp.bfloat16,
+                                 sharding=NamedSharding(mesh, P("fsdp"))))
+    with jax.set_mesh(mesh):
+        text = grad.lower(*args).as_text()
+    ops = lambda name: re.findall(rf'"stablehlo.{name}".*?replica_groups = dense<(.*?)>.*?'
+                                  r'\}\) : \((.*?)\) -> (.*?)\n', text, re.S)
+    fsdp, data = "[[0, 1, 2, 3], [4, 5, 6, 7]]", "[[0, 4], [1, 5], [2, 6], [3, 7]]"
+    assert ops("reduce_scatter") == [(fsdp, "tensor<32x64xbf16>", "tensor<8x64xbf16>")]
+    assert ops("all_reduce") == [(data, "tensor<8x64xbf16>", "tensor<8x64xbf16>")]
 
 
 def _temporaries(run, rows=16, length=64):

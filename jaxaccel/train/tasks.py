@@ -48,6 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import struct
+from jax.sharding import PartitionSpec as P
 
 from jaxaccel import sharding
 from jaxaccel.models.family import FamilyModel
@@ -211,11 +212,13 @@ def _chunk_sums(hidden, kernel, targets, weights, chunks: int, logits_dtype):
     return total
 
 
-def _chunk_gradients(h, kernel, targets, weights, logits_dtype):
+def _chunk_gradients(h, kernel, targets, weights, logits_dtype, groups: int = 1):
     """One chunk's sums and the gradients of its loss sum in ``h`` (float32) and ``kernel``
     (its dtype) for a cotangent of one: the operations JAX's own gradient makes (the logits'
     dot, the cross entropy's derivative, the two transposed dots accumulated in float32, the
-    head's rounded to its dtype), not yet scaled by the loss sum's cotangent."""
+    head's rounded to its dtype), not yet scaled by the loss sum's cotangent. The head's is
+    given per group of ``groups`` equal groups of rows, [groups, hidden, vocab], not yet
+    summed over them."""
     flat = h.reshape(-1, h.shape[-1])
     z = jnp.einsum("th,hv->tv", flat, kernel, preferred_element_type=jnp.float32)
     sums, vjp = jax.vjp(lambda z: _weighted_sums(
@@ -224,7 +227,8 @@ def _chunk_gradients(h, kernel, targets, weights, logits_dtype):
     one, zero = jnp.ones((), jnp.float32), jnp.zeros((), jnp.float32)
     dz, = vjp((one, zero, zero))
     d_h = jnp.einsum("tv,hv->th", dz, kernel, preferred_element_type=jnp.float32)
-    d_k = jnp.einsum("th,tv->hv", flat, dz, preferred_element_type=jnp.float32)
+    d_k = jnp.einsum("gth,gtv->ghv", flat.reshape(groups, -1, flat.shape[-1]),
+                     dz.reshape(groups, -1, dz.shape[-1]), preferred_element_type=jnp.float32)
     return sums, d_h.reshape(h.shape), d_k.astype(kernel.dtype)
 
 
@@ -259,26 +263,54 @@ def _sums_in_order(hidden, kernel, targets, weights, chunks: int, logits_dtype):
 
 
 def _in_order_fwd(hidden, kernel, targets, weights, chunks, logits_dtype):
+    mesh, batch = sharding.batch_split(hidden)
+    groups = 1 if batch is None else sharding.batch_shards(mesh)
+
     def body(carry, xs):
         (total, d_kernel), (h, targets, weights) = carry, xs
-        sums, d_h, d_k = _chunk_gradients(h, kernel, targets, weights, logits_dtype)
+        sums, d_h, d_k = _chunk_gradients(h, kernel, targets, weights, logits_dtype, groups)
         return (tuple(t + s for t, s in zip(total, sums)), d_kernel + d_k), d_h
     zero = jnp.zeros((), jnp.float32)
+    d_kernel = sharding.constrain(jnp.zeros((groups, *kernel.shape), kernel.dtype),
+                                  ("batch", None, "vocab"))
     (total, d_kernel), d_hidden = jax.lax.scan(
-        body, ((zero, zero, zero), jnp.zeros_like(kernel)),
+        body, ((zero, zero, zero), d_kernel),
         tuple(_by_chunk(a, chunks) for a in (hidden, targets, weights)))
     d_hidden = d_hidden.swapaxes(0, 1).reshape(hidden.shape)
     return total, _LossGradients(d_hidden, d_kernel, hidden.dtype)
 
 
+def _sum_groups(partial):
+    """``partial`` [groups, hidden, vocab] (a gradient per batch shard, each on its devices)
+    summed over its groups, as the head is laid out (``("embed", "vocab")``): one
+    reduce-scatter over the batch axes that also split the head's hidden dimension (FSDP),
+    an all-reduce of the scattered shares over the rest (``data``)."""
+    mesh, batch = sharding.batch_split(partial)
+    if batch is None:
+        return partial.sum(0, dtype=partial.dtype)
+    vocab = sharding.drop_trivial(sharding.logical_to_mesh(("vocab",))[0], mesh)
+    vocab = None if partial.shape[2] % sharding.width_shards(mesh, vocab) else vocab
+    embed = sharding.entry_axes(sharding.drop_trivial(
+        sharding.logical_to_mesh(("embed",))[0], mesh))
+    scatter = tuple(a for a in sharding.entry_axes(batch) if a in embed)
+    if partial.shape[1] % sharding.width_shards(mesh, scatter):
+        scatter = ()
+    rest = tuple(a for a in sharding.entry_axes(batch) if a not in scatter)
+
+    def local(p):
+        p = p[0]
+        if scatter:
+            p = jax.lax.psum_scatter(p, scatter, scatter_dimension=0, tiled=True)
+        return jax.lax.psum(p, rest) if rest else p
+    return sharding.per_shard(local, (P(batch, None, vocab),), P(scatter or None, vocab),
+                              mesh=mesh)(partial)
+
+
 def _in_order_bwd(chunks, logits_dtype, grads, g):
     scale = g[0]
     d_hidden = (scale * grads.hidden).astype(grads.hidden_dtype)
-    d_kernel = (scale * grads.kernel).astype(grads.kernel.dtype)
-    # whole first (summed over the trips, reduced once after the loop), then this device's
-    # FSDP share, which the layers' backward pass (d_hidden) waits for
-    d_kernel = sharding.constrain(sharding.constrain(d_kernel, (None, "vocab")),
-                                  ("embed", "vocab"))
+    d_kernel = sharding.constrain(_sum_groups(grads.kernel), ("embed", "vocab"))
+    d_kernel = (scale * d_kernel).astype(grads.kernel.dtype)
     d_hidden, d_kernel = jax.lax.optimization_barrier((d_hidden, d_kernel))
     return d_hidden, d_kernel, None, None
 
