@@ -42,7 +42,7 @@ CHIPS = [
     Chip(("NVIDIA H100 PCIe",), 80e9, 2.0e12,
          {"bfloat16": 756e12, "float16": 756e12, "float32": 378e12, "float8": 1513e12},
          "NVIDIA H100 PCIe datasheet (dense; float32 = TF32; NVLink only with a bridge)"),
-    Chip(("NVIDIA H200",), 141e9, 4.8e12,
+    Chip(("NVIDIA H200", "NVIDIA H200 141GB HBM3e"), 141e9, 4.8e12,
          {"bfloat16": 989e12, "float16": 989e12, "float32": 494.7e12, "float8": 1979e12},
          "NVIDIA H200 SXM datasheet (dense; float32 = TF32; NVLink 900 GB/s)", 900e9),
     Chip(("NVIDIA A100-SXM4-80GB",), 80e9, 2.039e12,

@@ -7,7 +7,7 @@ without a GPU (the plugin's own backend fails to start there)."""
 import jax
 import pytest
 
-from jaxaccel import devices
+from jaxaccel import devices, precision
 from jaxaccel.distributed import cpu_without_accelerator
 from jaxaccel.plan import topology
 from jaxaccel.sharding import make_mesh
@@ -40,6 +40,18 @@ def test_gpu_targets_resolve(name, n, kind, hosts):
     assert (t.platform, len(t.devices), t.chips, t.device_kind, t.hosts) == \
         ("gpu", n, n, kind, hosts)
     assert t.chip.hbm_bytes == 80e9
+
+
+@needs_cuda_plugin
+def test_the_h200_target_is_an_h200():
+    """The compile-only H200 (openxla's spec: the H100 SXM's chip with 4.8 TB/s of HBM3e and
+    141 GB) has the chip a real H200 reports as "NVIDIA H200": its peaks, bandwidth and
+    memory, and so its fp8 break-even width (``precision.fp8_break_even``) in plans."""
+    t = topology.resolve("h200:1x8")
+    assert (t.platform, len(t.devices), t.device_kind) == ("gpu", 8, "NVIDIA H200 141GB HBM3e")
+    assert t.chip is devices.chip("NVIDIA H200")
+    assert (t.chip.hbm_bytes, t.chip.hbm_bandwidth) == (141e9, 4.8e12)
+    assert round(precision.fp8_break_even(t.device_kind)) == 535
 
 
 def test_local_is_the_devices_at_hand():

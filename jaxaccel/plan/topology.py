@@ -55,8 +55,8 @@ MULTI_SLICE_EXAMPLES = ("2xv5e-8", "2xv5e-256", "2xv6e-256")
 # ct6e-standard-8t), v4/v5p hosts have 4; libtpu's default host is 2x2x1 chips (so 1 chip or
 # 2x4 would not divide it).
 MAX_CHIPS_PER_HOST = {"v4": 4, "v5p": 4, "v5e": 8, "v6e": 8}
-GPU_CONFIGS = {"h100": "h100_sxm.txtpb", "a100": "a100_sxm_80.txtpb"}
-GPU_EXAMPLES = ("h100:1x1", "h100:1x8", "h100:2x8", "a100:1x8")
+GPU_CONFIGS = {"h100": "h100_sxm.txtpb", "h200": "h200.txtpb", "a100": "a100_sxm_80.txtpb"}
+GPU_EXAMPLES = ("h100:1x1", "h100:1x8", "h100:2x8", "h200:1x8", "a100:1x8")
 TARGETS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "targets")
 
 
