@@ -84,6 +84,21 @@ class Shape:
         flops = 2.0 * batch * seq * self.layers * sum(weights[p] for p in parts if p in weights)
         return flops + (self.attention_flops(batch, seq) / 3.0 if "core" in parts else 0.0)
 
+    def fp8_flops(self, batch: int, seq: int, fp8_dense, parts=()) -> float:
+        """Of ``train_flops`` and ``recompute_flops(parts)``, those of the block matmuls that
+        run fp8: the layers' weights [K, N] (q, k, v, o and the MLP's) for which
+        ``fp8_dense(K, N)`` holds (``Policy.fp8_dense``); attention's scores and context and
+        the output head run in the compute dtype."""
+        h, q, kv, f = self.hidden, self.heads * self.head_dim, \
+            self.kv_heads * self.head_dim, self.intermediate
+        matrices = {"qkv": [(h, q), (h, kv), (h, kv)], "out": [(q, h)],
+                    "mlp_in": [(h, f)] * (self.mlp_matrices - 1), "mlp_out": [(f, h)]}
+        recomputed = {p for p in parts if p != "mlp_out" or not self.pre_norm}
+        per_token = sum((6.0 + 2.0 * (part in recomputed)) * k * n
+                        for part, shapes in matrices.items() for k, n in shapes
+                        if fp8_dense(k, n))
+        return per_token * self.layers * batch * seq
+
     @staticmethod
     def rows(batch: dict) -> tuple[int, int]:
         """(rows, padded length) of a host batch of token rows."""
@@ -129,6 +144,11 @@ class ViTShape:
             self.decoder.recompute_flops(batch, self.decoder_tokens, parts)
         return self.encoder.recompute_flops(batch, self.encoder_tokens, parts) + dec
 
+    def fp8_flops(self, batch: int, seq: int | None, fp8_dense, parts=()) -> float:
+        dec = 0.0 if self.decoder is None else \
+            self.decoder.fp8_flops(batch, self.decoder_tokens, fp8_dense, parts)
+        return self.encoder.fp8_flops(batch, self.encoder_tokens, fp8_dense, parts) + dec
+
     def rows(self, batch: dict) -> tuple[int, int]:
         return len(batch["pixels"]), self.patches
 
@@ -149,6 +169,13 @@ def attention_flops(shape: Shape | ViTShape, batch: int, seq: int) -> float:
 def train_flops(shape: Shape | ViTShape, batch: int, seq: int) -> float:
     """Model FLOPs of one training step on ``batch`` rows of ``seq`` tokens (module doc)."""
     return shape.train_flops(batch, seq)
+
+
+def fp8_flops(shape: Shape | ViTShape, batch: int, seq: int, fp8_dense, parts=()) -> float:
+    """The FLOPs of a step's block matmuls that run fp8 (``fp8_dense(K, N)``: the policy's
+    ``Policy.fp8_dense``), trained and, under remat, recomputed (``parts``): what the planner's
+    compute bound takes at the fp8 peak, the rest of the step's at the compute dtype's."""
+    return shape.fp8_flops(batch, seq, fp8_dense, parts)
 
 
 def recompute_flops(shape: Shape | ViTShape, batch: int, seq: int, parts=RECOMPUTED) -> float:

@@ -7,12 +7,14 @@ import numpy as np
 import pytest
 
 from jaxaccel import config, plan, precision
+from jaxaccel import flops as flops_lib
+from jaxaccel.plan import topology
 from jaxaccel.models import fp8_layers, model_spec
 from jaxaccel.precision import fp8_break_even, policy_of
 from jaxaccel.train import loop
 from jaxaccel.train import run as run_lib
 from jaxaccel.train.inference import evaluate_run
-from support import TINY_CONFIG, tiny_cfg
+from support import TINY_CONFIG, needs_cuda_plugin, tiny_cfg
 
 H100 = "NVIDIA H100 80GB HBM3"
 
@@ -44,6 +46,53 @@ def test_the_rule_on_an_h100(name, expected):
     every = {(k, n, True): c for (k, n, _), c in expected.items()}
     assert _layers(name, H100, "precision.fp8_layers=all") == every
     assert _layers(name, "cpu") == every
+
+
+@pytest.mark.parametrize("name,expected", [
+    # against 535: the MLPs' layers pay, attention's projections do not
+    ("bert-base", {(768, 768, False): 48, (768, 3072, True): 12, (3072, 768, True): 12}),
+    ("llama-350m", {(1024, 1024, False): 96, (1024, 2816, True): 48, (2816, 1024, True): 24}),
+])
+def test_the_rule_on_an_h200(name, expected):
+    """The compile-only H200 target's device kind and a real H200's give the same choice."""
+    for kind in ("NVIDIA H200", "NVIDIA H200 141GB HBM3e"):
+        assert _layers(name, kind) == expected
+
+
+@pytest.mark.parametrize("name", ["bert-base", "llama-350m", "llama3-8b"])
+@pytest.mark.parametrize("kind,rule", [(H100, "paying"), ("NVIDIA H200", "paying"),
+                                       (H100, "all")])
+def test_the_planners_fp8_flops_are_the_fp8_layers(name, kind, rule):
+    """``flops.fp8_flops``, what the planner's compute bound takes at the fp8 peak, is 6 K N
+    per token of every block Dense layer the model builds in fp8 (``models.fp8_layers``), and
+    2 K N more of those a full remat recomputes (a pre-norm layer's MLP output: none)."""
+    cfg = config.build(sets=[f"model.name={name}", "precision.policy=fp8",
+                             f"precision.fp8_layers={rule}"])
+    spec, policy = model_spec(cfg.model), policy_of(cfg.precision, kind)
+    layers = fp8_layers(spec, policy)
+    shape = flops_lib.model_shape(spec)
+    assert flops_lib.fp8_flops(shape, 1, 1, policy.fp8_dense) == \
+        6 * sum(k * n * c for (k, n, on), c in layers.items() if on)
+    down = shape.intermediate * shape.hidden * shape.layers \
+        if policy.fp8_dense(shape.intermediate, shape.hidden) and shape.pre_norm else 0
+    assert flops_lib.fp8_flops(shape, 1, 1, policy.fp8_dense, flops_lib.RECOMPUTED) == \
+        8 * sum(k * n * c for (k, n, on), c in layers.items() if on) - 2 * down
+
+
+@needs_cuda_plugin
+def test_the_compute_bound_takes_only_the_fp8_layers_at_the_fp8_peak():
+    """On an H200, where the MLP layers run fp8 and attention's projections bf16, the step's
+    compute bound is the fp8 layers' FLOPs at 1,979 TFLOP/s and the rest at 989."""
+    target = topology.resolve("h200:1x1")
+    cfg = config.build(sets=["model.name=llama-350m", "precision.policy=fp8"])
+    policy = policy_of(cfg.precision, target.device_kind)
+    flops = {"analytic": 3e15, "attention": 4e14, "recompute": 0.0, "fp8": 1e15}
+    e = plan.estimate_step(target, policy, "xla", flops, {"bytes accessed": 1.0}, 8, 2048, 0.0)
+    assert e["compute_s"] == pytest.approx(1e15 / 1979e12 + 2e15 / 989e12)
+    assert "for the fp8 layers' 33% of the FLOPs" in e["peak"]
+    every = {**flops, "fp8": 3e15}
+    assert plan.estimate_step(target, policy, "xla", every, {"bytes accessed": 1.0}, 8, 2048,
+                              0.0)["compute_s"] == pytest.approx(3e15 / 1979e12)
 
 
 def test_a_bad_fp8_layers_value_is_refused():

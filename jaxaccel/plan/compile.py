@@ -147,7 +147,7 @@ def make_plan(config_path: str | None, sets: list[str], topology_name: str, *,
         notes.append("HBM bytes and FLOPs were not counted with loop trips ("
                      + counted.get("error", "this jaxlib cannot cost HLO text") + "): the "
                      "plan goes by the compiler's own figures, which count a loop body once")
-    flops = _flops(shape, cfg, seq, cost, counted)
+    flops = _flops(shape, cfg, run.resolved.policy, seq, cost, counted)
     room, room_source = capacity(target) if device_memory is None else \
         (device_memory, f"{device_memory / 1e9:g} GB given (--memory)")
     # across slices the compiled program is one slice's (collectives.py)
@@ -187,14 +187,16 @@ def fp8_choice(run: Run, device_kind: str) -> str:
     return f"fp8 on {fp8} of {sum(shapes.values())} block Dense layers: {why}: {each}"
 
 
-def _flops(shape, cfg, seq: int, cost: dict, counted: dict) -> dict:
+def _flops(shape, cfg, policy, seq: int, cost: dict, counted: dict) -> dict:
     """FLOPs per step: analytic (all devices: the model's, attention's, a remat run's recomputed
-    forward) beside XLA's and the loop-trip count (per device)."""
-    b = cfg.train.batch_size
+    forward, and of those the fp8 layers' under ``policy``) beside XLA's and the loop-trip
+    count (per device)."""
+    b, recomputes = cfg.train.batch_size, remat.of(cfg.model.remat).recomputes
     return {"analytic": flops_lib.train_flops(shape, b, seq),
             "attention": flops_lib.attention_flops(shape, b, seq),
-            "recompute": flops_lib.recompute_flops(shape, b, seq,
-                                                   remat.of(cfg.model.remat).recomputes),
+            "recompute": flops_lib.recompute_flops(shape, b, seq, recomputes),
+            "fp8": flops_lib.fp8_flops(shape, b, seq, policy.fp8_dense, recomputes)
+            if policy.fp8 else 0.0,
             "xla_per_device": cost.get("flops"), "counted_per_device": counted.get("flops")}
 
 

@@ -4,6 +4,8 @@ forecast beside it (``forecast_of``, ``jaxaccel.plan.forecast``) and the epoch's
 (``cost_of``)."""
 from __future__ import annotations
 
+import jax.numpy as jnp
+
 from jaxaccel import devices as devices_lib
 from jaxaccel.compare import prices
 from jaxaccel.plan import forecast as forecast_lib
@@ -49,8 +51,10 @@ def memory_bytes(target, cost: dict) -> tuple[float, str]:
 
 def estimate_step(target, policy, attention_impl: str, flops: dict, cost: dict, batch: int,
                   seq: int, sent: float, idle: float = 0.0, dcn_sent: float = 0.0) -> dict:
-    """Estimated step time of a step under ``policy`` (its matmul dtype's peak) with
-    ``attention_impl``: the roofline and, where XLA gives one, its cost model. ``idle``: the
+    """Estimated step time of a step under ``policy`` (its matmul dtype's peak; under fp8 the
+    fp8 layers' FLOPs, ``flops["fp8"]``, at the fp8 peak and the rest, attention's, the
+    head's and the layers left in bf16, at the compute dtype's) with ``attention_impl``: the
+    roofline and, where XLA gives one, its cost model. ``idle``: the
     share of a pipeline schedule's layer computations that do no model work (its bubble and
     padding layers, ``Stages.idle``), which the compute bound is divided by ``1 - idle`` for.
     ``sent`` / ``dcn_sent``: bytes a device sends at least within its slice / between slices;
@@ -61,22 +65,33 @@ def estimate_step(target, policy, attention_impl: str, flops: dict, cost: dict, 
         return {"step_s": None, "source": f"none: no peak for {target.device_kind!r} in "
                                           "jaxaccel/devices.py"}
     peak_flops, which = peak
+    work = flops["analytic"] + flops.get("recompute", 0.0)
+    # fp8: its layers' FLOPs at the fp8 peak, attention's, the head's and the layers that
+    # stay in the compute dtype at that dtype's (every FLOP at the fp8 peak where not given)
+    fp8 = flops.get("fp8", work) if policy.fp8 else 0.0
+    if policy.fp8:
+        other_flops, other = devices_lib.peak_rate(target.device_kind,
+                                                   jnp.dtype(policy.compute_dtype).name)
+        time_flops = fp8 / peak_flops + (work - fp8) / other_flops
+        which = f"{which} for the fp8 layers' {fp8 / work:.0%} of the FLOPs, " \
+                f"{other_flops:.4g} FLOP/s ({other}) for the rest"
+    else:
+        other_flops, time_flops = peak_flops, work / peak_flops
     per_chip = 1.0 / target.chips
     bandwidth = target.chip.hbm_bandwidth
     link_s, link = _interconnect_s(target, sent)
     dcn_s, dcn = _dcn_s(target, dcn_sent)
     if link_s is not None and dcn_s:
         link_s, link = link_s + dcn_s, "; ".join(filter(None, (link, dcn)))
-    work = flops["analytic"] + flops.get("recompute", 0.0)
     moved, moved_source = memory_bytes(target, cost)
-    bounds = {"compute": work * per_chip / peak_flops / (1.0 - idle),
+    bounds = {"compute": time_flops * per_chip / (1.0 - idle),
               "memory": max(moved, 0.0) * target.devices_per_chip / bandwidth,
               "interconnect": link_s or 0.0}
     bound = max(bounds, key=bounds.get)
     out = {"roofline_s": bounds[bound], "bound": bound, "idle": idle,
            "compute_s": bounds["compute"], "memory_s": bounds["memory"],
            "memory_bytes": moved, "memory_bytes_source": moved_source,
-           "work_per_chip": work * per_chip,
+           "work_per_chip": work * per_chip, "fp8_per_chip": fp8 * per_chip,
            "interconnect_s": link_s, "dcn_s": dcn_s, "dcn_sent": dcn_sent, "dcn": dcn,
            "interconnect": link, "peak": f"{peak_flops:.4g} FLOP/s ({which}), "
                                          f"{bandwidth:.3g} B/s HBM ({target.chip.source})"}
@@ -85,7 +100,7 @@ def estimate_step(target, policy, attention_impl: str, flops: dict, cost: dict, 
     xla_s = out["xla_optimal_seconds"] = cost.get("optimal_seconds")
     pallas_flops = flops["attention"] if attention_impl in ("pallas", "mosaic_gpu") else 0.0
     if xla_s is not None and xla_s > 0:
-        out["xla_cost_model_s"] = xla_s + pallas_flops * per_chip / peak_flops
+        out["xla_cost_model_s"] = xla_s + pallas_flops * per_chip / other_flops
     # No estimate below the roofline, a lower bound (XLA's model may leave collectives out).
     use_xla = out.get("xla_cost_model_s", 0.0) > bounds[bound]
     step = out["xla_cost_model_s"] if use_xla else bounds[bound]
