@@ -35,6 +35,7 @@ def test_local_plan_reports_memory_fit_and_labelled_estimates(local_plan):
     # Data parallel: every device holds all parameters; AdamW keeps two moments of them.
     assert m["opt_state"] >= 2 * m["params"] > 0
     assert m["total"] >= m["temp"] > 0 and m["arguments"] >= m["params"] + m["opt_state"]
+    assert m["peak"] > 0                        # the compiler's own peak, beside the sizes
     assert (p.batch, p.seq) == (16, 32)         # the config's batch at its longest rows
     assert p.flops["analytic"] > p.flops["attention"] > 0
     # Data parallel: each gradient all-reduced once per step, nothing gathered.

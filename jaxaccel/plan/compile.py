@@ -77,13 +77,17 @@ def shard_bytes(tree) -> int:
 
 def memory_of(compiled, **known) -> dict:
     """Bytes per device of a compiled step (``memory_analysis()``) and its total: arguments +
-    outputs - donated aliases + temporaries + code; ``known``: more entries (params, ...)."""
+    outputs - donated aliases + temporaries + code; ``known``: more entries (params, ...).
+    Beside them the compiler's own ``peak`` (``peak_memory_in_bytes``; on a TPU below
+    arguments + temporaries where not all temporaries are live at once: llama-350m's step in
+    docs/reports/maxtext.md)."""
     m = compiled.memory_analysis()
     total = (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
              + m.temp_size_in_bytes + m.generated_code_size_in_bytes)
     return {**known, "arguments": m.argument_size_in_bytes, "outputs": m.output_size_in_bytes,
             "aliased": m.alias_size_in_bytes, "temp": m.temp_size_in_bytes,
-            "code": m.generated_code_size_in_bytes, "total": total}
+            "code": m.generated_code_size_in_bytes, "total": total,
+            "peak": getattr(m, "peak_memory_in_bytes", None)}
 
 
 def xla_cost(compiled) -> dict:
