@@ -127,11 +127,19 @@ def test_the_heads_gradient_is_summed_over_batch_shards_by_one_reduce_scatter():
                                  sharding=NamedSharding(mesh, P("fsdp"))))
     with jax.set_mesh(mesh):
         text = grad.lower(*args).as_text()
-    ops = lambda name: re.findall(rf'"stablehlo.{name}".*?replica_groups = dense<(.*?)>.*?'
-                                  r'\}\) : \((.*?)\) -> (.*?)\n', text, re.S)
-    fsdp, data = "[[0, 1, 2, 3], [4, 5, 6, 7]]", "[[0, 4], [1, 5], [2, 6], [3, 7]]"
-    assert ops("reduce_scatter") == [(fsdp, "tensor<32x64xbf16>", "tensor<8x64xbf16>")]
-    assert ops("all_reduce") == [(data, "tensor<8x64xbf16>", "tensor<8x64xbf16>")]
+    ops = lambda name: re.findall(rf'"stablehlo.{name}".*?replica_groups = (.*?), '
+                                  r'(?:scatter_dimension|use_global).*?\}\) : \((.*?)\) -> '
+                                  r'(.*?)\n', text, re.S)
+    # the groups as device lists (jax 0.10) or as mesh axes (jax 0.12)
+    axis = 'axes = [#stablehlo.axis_ref<name = "{}">]'.format
+    over = {"fsdp": ("dense<[[0, 1, 2, 3], [4, 5, 6, 7]]>", axis("fsdp")),
+            "data": ("dense<[[0, 4], [1, 5], [2, 6], [3, 7]]>", axis("data"))}
+    (groups, *shapes), = ops("reduce_scatter")
+    assert shapes == ["tensor<32x64xbf16>", "tensor<8x64xbf16>"]
+    assert any(g in groups for g in over["fsdp"]), groups
+    (groups, *shapes), = ops("all_reduce")
+    assert shapes == ["tensor<8x64xbf16>", "tensor<8x64xbf16>"]
+    assert any(g in groups for g in over["data"]), groups
 
 
 def _temporaries(run, rows=16, length=64):
