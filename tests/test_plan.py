@@ -46,7 +46,7 @@ def test_local_plan_reports_memory_fit_and_labelled_estimates(local_plan):
         assert p.collectives["all-gather"] == 0, p.collectives
     text = plan.report(p)
     assert "fits" in text and "estimate" in text and "headroom" in text
-    assert "collectives per step" in text
+    assert "collectives per step" in text and "peak_memory_in_bytes" in text
 
 
 def test_flops_and_bytes_count_every_micro_batch(local_plan):

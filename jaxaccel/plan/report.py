@@ -58,6 +58,9 @@ def _memory(plan: Plan) -> list[str]:
                        ("batch", "batch"), ("temp", "activations/temporaries"),
                        ("total", "total (train step)")):
         lines.append(f"  {label:<26}{gb(m[key]):>12}")
+    if m.get("peak"):
+        lines.append(f"  {'peak (train step)':<26}{gb(m['peak']):>12}  (the compiler's "
+                     "peak_memory_in_bytes)")
     lines.append(f"  {'total (eval step)':<26}{gb(plan.eval_memory['total']):>12}")
     if plan.capacity is not None:
         head = plan.capacity - max(m["total"], plan.eval_memory["total"])
