@@ -52,12 +52,21 @@ class Shape:
     pre_norm: bool             # x + mlp(norm(x)) (Llama, ViT), not norm(x + mlp(x)) (BERT)
 
     @property
+    def block_matrices(self) -> dict[str, list[tuple[int, int]]]:
+        """A layer's weights [K, N] by the part of its forward they serve (``recompute_flops``'
+        names): "qkv" the query, key and value projections, "out" attention's output
+        projection, "mlp_in" the MLP's input projections (gate and up, or the one), "mlp_out"
+        its output projection."""
+        h, q, kv, f = self.hidden, self.heads * self.head_dim, \
+            self.kv_heads * self.head_dim, self.intermediate
+        return {"qkv": [(h, q), (h, kv), (h, kv)], "out": [(q, h)],
+                "mlp_in": [(h, f)] * (self.mlp_matrices - 1), "mlp_out": [(f, h)]}
+
+    @property
     def matmul_weights(self) -> int:
         """N of the formula."""
-        h, d = self.hidden, self.head_dim
-        attention = 2 * h * self.heads * d + 2 * h * self.kv_heads * d
-        return self.layers * (attention + self.mlp_matrices * h * self.intermediate) \
-            + self.head_weights
+        return self.layers * sum(k * n for shapes in self.block_matrices.values()
+                                 for k, n in shapes) + self.head_weights
 
 
     def attention_flops(self, batch: int, seq: int) -> float:
@@ -77,25 +86,25 @@ class Shape:
         stream, whose next value is the next layer's input, kept anyway; its gradients need
         its input and the cotangent), so XLA leaves it out of the recompute, under ``full``
         too (tests/test_remat.py); a post-norm layer's LayerNorm reads it."""
-        h, d, f = self.hidden, self.head_dim, self.intermediate
-        weights = {"qkv": h * self.heads * d + 2 * h * self.kv_heads * d,
-                   "out": h * self.heads * d, "mlp_in": (self.mlp_matrices - 1) * h * f,
-                   "mlp_out": 0 if self.pre_norm else h * f}
-        flops = 2.0 * batch * seq * self.layers * sum(weights[p] for p in parts if p in weights)
+        matrices = self.block_matrices
+        flops = 2.0 * batch * seq * self.layers * sum(
+            k * n for p in self._recomputed(parts) for k, n in matrices[p])
         return flops + (self.attention_flops(batch, seq) / 3.0 if "core" in parts else 0.0)
+
+    def _recomputed(self, parts) -> set[str]:
+        """The ``block_matrices`` parts of ``parts`` a remat runs again (module doc of
+        ``recompute_flops``: a pre-norm layer's "mlp_out" never)."""
+        return {p for p in parts if p in self.block_matrices
+                and (p != "mlp_out" or not self.pre_norm)}
 
     def fp8_flops(self, batch: int, seq: int, fp8_dense, parts=()) -> float:
         """Of ``train_flops`` and ``recompute_flops(parts)``, those of the block matmuls that
         run fp8: the layers' weights [K, N] (q, k, v, o and the MLP's) for which
         ``fp8_dense(K, N)`` holds (``Policy.fp8_dense``); attention's scores and context and
         the output head run in the compute dtype."""
-        h, q, kv, f = self.hidden, self.heads * self.head_dim, \
-            self.kv_heads * self.head_dim, self.intermediate
-        matrices = {"qkv": [(h, q), (h, kv), (h, kv)], "out": [(q, h)],
-                    "mlp_in": [(h, f)] * (self.mlp_matrices - 1), "mlp_out": [(f, h)]}
-        recomputed = {p for p in parts if p != "mlp_out" or not self.pre_norm}
+        recomputed = self._recomputed(parts)
         per_token = sum((6.0 + 2.0 * (part in recomputed)) * k * n
-                        for part, shapes in matrices.items() for k, n in shapes
+                        for part, shapes in self.block_matrices.items() for k, n in shapes
                         if fp8_dense(k, n))
         return per_token * self.layers * batch * seq
 

@@ -180,10 +180,18 @@ def _fits(shape, spec: P, mesh: Mesh) -> P:
     return P(*out)
 
 
+def mesh_spec(shape, logical_spec: Sequence[str | None] | None, mesh: Mesh,
+              rules=DEFAULT_RULES) -> P:
+    """The mesh PartitionSpec of an array of ``shape`` with ``logical_spec`` on ``mesh``: the
+    rules' axes, those that do not divide a dimension dropped (``tree_shardings``' and
+    ``constrain``'s layout)."""
+    return _fits(shape, logical_to_mesh(logical_spec, rules), mesh)
+
+
 def tree_shardings(mesh: Mesh, logical_specs, shapes, rules=DEFAULT_RULES):
     """NamedShardings for a pytree given its logical specs (tuples of names) and shapes."""
     def one(spec, x):
-        return NamedSharding(mesh, _fits(x.shape, logical_to_mesh(spec, rules), mesh))
+        return NamedSharding(mesh, mesh_spec(x.shape, spec, mesh, rules))
     return jax.tree_util.tree_map(one, logical_specs, shapes,
                                   is_leaf=lambda s: s is None or isinstance(s, (tuple, P)))
 
@@ -196,8 +204,8 @@ def constrain(x, logical_spec: Sequence[str | None], rules=DEFAULT_RULES):
     mesh = current_mesh(x)
     if mesh is None:
         return x
-    spec = _fits(x.shape, logical_to_mesh(logical_spec, rules), mesh)
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+    return jax.lax.with_sharding_constraint(
+        x, NamedSharding(mesh, mesh_spec(x.shape, logical_spec, mesh, rules)))
 
 
 def batch_sharding(mesh: Mesh, rules=DEFAULT_RULES) -> NamedSharding:

@@ -67,8 +67,8 @@ def estimate_step(target, policy, attention_impl: str, flops: dict, cost: dict, 
     peak_flops, which = peak
     work = flops["analytic"] + flops.get("recompute", 0.0)
     # fp8: its layers' FLOPs at the fp8 peak, attention's, the head's and the layers that
-    # stay in the compute dtype at that dtype's (every FLOP at the fp8 peak where not given)
-    fp8 = flops.get("fp8", work) if policy.fp8 else 0.0
+    # stay in the compute dtype at that dtype's
+    fp8 = flops["fp8"] if policy.fp8 else 0.0
     if policy.fp8:
         other_flops, other = devices_lib.peak_rate(target.device_kind,
                                                    jnp.dtype(policy.compute_dtype).name)

@@ -288,13 +288,8 @@ def _sum_groups(partial):
     mesh, batch = sharding.batch_split(partial)
     if batch is None:
         return partial.sum(0, dtype=partial.dtype)
-    vocab = sharding.drop_trivial(sharding.logical_to_mesh(("vocab",))[0], mesh)
-    vocab = None if partial.shape[2] % sharding.width_shards(mesh, vocab) else vocab
-    embed = sharding.entry_axes(sharding.drop_trivial(
-        sharding.logical_to_mesh(("embed",))[0], mesh))
-    scatter = tuple(a for a in sharding.entry_axes(batch) if a in embed)
-    if partial.shape[1] % sharding.width_shards(mesh, scatter):
-        scatter = ()
+    embed, vocab = sharding.mesh_spec(partial.shape[1:], ("embed", "vocab"), mesh)
+    scatter = tuple(a for a in sharding.entry_axes(batch) if a in sharding.entry_axes(embed))
     rest = tuple(a for a in sharding.entry_axes(batch) if a not in scatter)
 
     def local(p):
