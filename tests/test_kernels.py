@@ -65,3 +65,43 @@ def test_fp8_work_outside_the_gemm_is_named_by_kind(compile_target):
     quantize = [k for k in found if "quantize" in k.kinds]
     assert quantize and sum(k.bytes for k in quantize) >= 256 * 512 * 3  # x read, q written
 
+
+
+def _swiglu_grads(tokens, hidden, ffn):
+    """The gradients (weights' and scales') of an fp8 SwiGLU MLP (``models.fp8.fp8_dot``, every
+    GEMM in fp8) and its arguments' shapes: the down projection's input ``silu(gate) * up`` is made from GEMM
+    products, and so are its gradients."""
+    from jaxaccel.models import fp8
+
+    def dot(x, w, scales):
+        with jax.named_scope(SCOPE):
+            q, amax = fp8.quantize_kernel(w, scales[1], jnp.bfloat16)
+            return fp8.fp8_dot(x, w, q, amax, *scales, jnp.bfloat16)
+
+    def loss(x, gate, up, down, *scales):
+        h = jax.nn.silu(dot(x, gate, scales[0:3])) * dot(x, up, scales[3:6])
+        return jnp.sum(dot(h, down, scales[6:9]).astype(jnp.float32) ** 2)
+
+    shapes = [(tokens, hidden), (hidden, ffn), (hidden, ffn), (ffn, hidden)]
+    args = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in shapes]
+    # The scales' gradients are the amaxes (``fp8_dot``'s VJP): asked for, so XLA keeps them.
+    return jax.grad(loss, argnums=tuple(range(1, 13))), args + [jax.ShapeDtypeStruct((1,), jnp.float32)] * 9
+
+
+def test_an_amax_and_a_quantize_of_gemm_products_share_one_kernel(compile_target):
+    """Compiled for the H100, each amax of an activation or gradient shares its kernel with
+    that array's quantize. Without the optimization barrier on the fp8 GEMMs' products
+    (``models.fp8._shared_by_its_consumers``) XLA's multi-output fusion, which skips Triton
+    GEMMs as a shared operand, ran four of these amaxes (SwiGLU's input to the down
+    projection and its gradients) in kernels of their own that read the products again:
+    185 MB outside the GEMMs against 105 MB."""
+    target = compile_target("h100:1x1")
+    tokens, hidden, ffn = 4096, 512, 1024
+    grads, args = _swiglu_grads(tokens, hidden, ffn)
+    found = kernels.of(_compiled(target, grads, *args))
+    activations = [k for k in found if "amax" in k.kinds and k.bytes >= tokens * hidden * 2]
+    assert len(activations) >= 3, found
+    assert all("quantize" in k.kinds for k in activations), activations
+    # Off a GPU the barrier is not there: CPU and TPU programs are as before.
+    grads, args = _swiglu_grads(256, 64, 128)
+    assert "optimization_barrier" not in jax.jit(grads).lower(*args).as_text()

@@ -34,6 +34,13 @@ A kernel's quantization and amax depend on no input, so where the layers are sca
 float32 one and quantizing it there; ``fp8_dot`` takes the kernel quantized (whether before
 the loop or in the layer, ``quantize_kernel``: the same numbers) and gives the kernel its
 gradient straight through.
+
+In a program for a GPU the fp8 GEMMs' products (the layer's output forward, its input's
+gradient backward) pass an optimization barrier (``_shared_by_its_consumers``): XLA's GPU
+multi-output fusion never merges two consumers of a Triton GEMM, so the amax and the quantize of
+a next fp8 operand made from GEMM products (SwiGLU's ``silu(gate) * up``, its gradients) ran as
+two kernels, each reading the products; behind the barrier they merge into one. It moves no
+bytes and changes no value; on a TPU or CPU there is none.
 """
 from __future__ import annotations
 
@@ -108,6 +115,15 @@ def quantize_kernel(kernel, scale, dtype):
     return jax.lax.stop_gradient(q), jax.lax.stop_gradient(amax)
 
 
+def _shared_by_its_consumers(product):
+    """An fp8 GEMM's ``product`` behind an optimization barrier where the program is lowered for
+    a GPU (the module docstring): XLA's multi-output fusion skips a Triton GEMM as the operand
+    two kernels share, not the barrier, so an amax and a quantize both computed from GEMM
+    products fuse into one kernel that reads them once. Elsewhere ``product`` itself."""
+    return jax.lax.platform_dependent(product, cuda=jax.lax.optimization_barrier,
+                                      default=lambda p: p)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
 def fp8_dot(x, kernel, kernel_q, kernel_amax, x_scale, kernel_scale, grad_scale, dtype):
     """``x @ kernel`` with ``x`` quantized to E4M3 by its scale and the kernel given quantized
@@ -124,7 +140,7 @@ def _fp8_dot_fwd(x, kernel, kernel_q, kernel_amax, x_scale, kernel_scale, grad_s
     qx = fp8_ops.quantize(x, E4M3, x_scale, dtype)
     y = jax.lax.dot_general(qx, kernel_q, _contract_last(x), preferred_element_type=dtype,
                             precision=jax.lax.Precision.DEFAULT)
-    y = fp8_ops.dequantize(y, dtype, x_scale * kernel_scale)
+    y = _shared_by_its_consumers(fp8_ops.dequantize(y, dtype, x_scale * kernel_scale))
     return y, (qx, kernel_q, x_scale, kernel_scale, grad_scale, _amax(x), kernel_amax)
 
 
@@ -140,7 +156,7 @@ def _fp8_dot_bwd(dtype, residuals, g):
                                            preferred_element_type=dtype)
     amaxes = [jnp.broadcast_to(a, s.shape) for a, s in
               ((x_amax, x_scale), (kernel_amax, kernel_scale), (_amax(g), grad_scale))]
-    return (fp8_ops.dequantize(dx, dtype, kernel_scale * grad_scale),
+    return (_shared_by_its_consumers(fp8_ops.dequantize(dx, dtype, kernel_scale * grad_scale)),
             fp8_ops.dequantize(dk, dtype, x_scale * grad_scale), None, None, *amaxes)
 
 
