@@ -191,6 +191,25 @@ def test_a_bf16_step_never_takes_the_fp8_efficiency(points):
     assert bf16.compute_s == pytest.approx(fp8.compute_s * peaks[1] / peaks[0])
 
 
+def test_an_fp8_step_with_some_layers_in_fp8_is_that_share_of_an_fp8_step(points):
+    """The published fp8 runs have every block matmul in fp8; a step with a share of them in
+    fp8 (``precision.fp8_layers=paying``) has that share of its compute as the fp8 step's and
+    the rest as the bf16 step's, each at its own efficiency, and says so: between the two, not
+    the fp8 step's (what it was, optimistic, before)."""
+    model = forecast.fit(points)
+    fp8, bf16 = llama_step(H100, "float8"), llama_step(H100)
+    part = dataclasses.replace(fp8, fp8_share=0.25)
+    whole, none = model.terms(fp8)["compute"], model.terms(bf16)["compute"]
+    assert whole < none
+    assert model.terms(part)["compute"] == pytest.approx(0.25 * whole + 0.75 * none)
+    as_bf16 = fp8.in_dtype("bfloat16")
+    assert (as_bf16.key, as_bf16.compute_s) == (bf16.key, pytest.approx(bf16.compute_s))
+    said = forecast.forecast(part, 0.0)
+    assert said["forecast_s"] > forecast.forecast(fp8, 0.0)["forecast_s"]
+    assert "fp8 layers' 25% of the block matmuls' FLOPs" in said["forecast_source"]
+    assert "fp8 layers'" not in forecast.forecast(fp8, 0.0)["forecast_source"]
+
+
 def test_a100_without_points_borrows_and_widens_the_range(raw, tmp_path):
     """A chip with no run of its own borrows its efficiency, says so, and prints the range of
     the steps that borrowed in the backtest, wider than a calibrated step's."""

@@ -193,14 +193,17 @@ def fp8_choice(run: Run, device_kind: str) -> str:
 
 def _flops(shape, cfg, policy, seq: int, cost: dict, counted: dict) -> dict:
     """FLOPs per step: analytic (all devices: the model's, attention's, a remat run's recomputed
-    forward, and of those the fp8 layers' under ``policy``) beside XLA's and the loop-trip
-    count (per device)."""
+    forward, and of those under ``policy`` the fp8 layers' and every block matmul's, the
+    layers an fp8 run with every layer in fp8 would run in fp8) beside XLA's and the
+    loop-trip count (per device)."""
     b, recomputes = cfg.train.batch_size, remat.of(cfg.model.remat).recomputes
+    block = flops_lib.fp8_flops(shape, b, seq, lambda k, n: True, recomputes)
     return {"analytic": flops_lib.train_flops(shape, b, seq),
             "attention": flops_lib.attention_flops(shape, b, seq),
             "recompute": flops_lib.recompute_flops(shape, b, seq, recomputes),
             "fp8": flops_lib.fp8_flops(shape, b, seq, policy.fp8_dense, recomputes)
             if policy.fp8 else 0.0,
+            "block": block if policy.fp8 else 0.0,
             "xla_per_device": cost.get("flops"), "counted_per_device": counted.get("flops")}
 
 

@@ -112,15 +112,18 @@ def estimate_step(target, policy, attention_impl: str, flops: dict, cost: dict, 
 def forecast_of(target, run: Run, shape, seq: int, flops: dict, memory: dict,
                 estimate: dict) -> dict:
     """The forecast of the train step (``jaxaccel.plan.forecast``): its FLOPs split as the
-    estimate's, its tokens, passes and layers per chip, and the bytes its update moves."""
-    t, stages = run.cfg.train, run.resolved.stages
+    estimate's, its tokens, passes and layers per chip, the bytes its update moves, and under
+    fp8 the share of its block matmuls' FLOPs in fp8 (``flops["fp8"]`` of ``flops["block"]``:
+    the published fp8 runs have every block matmul in fp8)."""
+    t, stages, policy = run.cfg.train, run.resolved.stages, run.resolved.policy
+    share = flops["fp8"] / flops["block"] if policy.fp8 and flops.get("block") else 1.0
     step = forecast_lib.step_of(
-        shape, target.device_kind, run.resolved.policy.matmul_dtype,
+        shape, target.device_kind, policy.matmul_dtype,
         t.batch_size * seq / target.chips, seq, flops["recompute"] / (t.batch_size * seq),
         idle=estimate["idle"], stages=stages.stages if stages else 1,
         passes=t.grad_accum * (stages.microbatches if stages else 1),
         optimizer_bytes=(3 * memory["params"] + 2 * memory["opt_state"])
-        * target.devices_per_chip)
+        * target.devices_per_chip, fp8_share=share)
     return forecast_lib.forecast(step, estimate["step_s"], estimate["interconnect_s"] or 0.0)
 
 

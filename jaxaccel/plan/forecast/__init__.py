@@ -13,6 +13,9 @@ steps spend beyond it, in five terms per chip, fitted to published training runs
 the model's FLOPs but attention's, attention's (QK^T and AV), and the forward a remat policy
 runs again, each at the peak of the step's matmul precision (fp8 against the fp8 peak; bf16
 and fp16 one class; fp32 at the chip's fp32 rate) and divided by ``1 - idle`` for a pipeline.
+The published fp8 runs have every block matmul in fp8; a step with a share of them in fp8
+(``precision.fp8_layers=paying``) has that share of its first term as an fp8 step and the
+rest as a bf16 one, each over its own efficiency.
 So remat counts in the bound, not in the efficiency; ``alpha`` and ``kappa`` (one each) say
 what an attention or recomputed FLOP costs beside a dense one. The second term is the
 elementwise work between the matmuls (norms, activations, residuals, the softmax over the
@@ -79,6 +82,11 @@ def forecast(step: Step, floor_s: float, interconnect_s: float = 0.0,
     n = band(held_out, calibrated, step.platform)[2]
     shown = ", ".join(f"{k.replace('_', ' ')} {v * 1e3:.3g} ms" for k, v in terms.items() if v)
     notes = []
+    if step.precision == "fp8" and step.fp8_share < 1.0:
+        rest, rest_how, _ = model.efficiency(step.in_dtype("bfloat16"))
+        notes.append(f"compute: the fp8 layers' {step.fp8_share:.0%} of the block matmuls' "
+                     f"FLOPs as an fp8 step, the rest as a bf16 one (bf16 efficiency "
+                     f"{rest:.1%}: {rest_how})")
     if interconnect_s > modelled:
         notes.append(f"collectives {interconnect_s * 1e3:.4g} ms, longer, used")
     if total < floor_s:

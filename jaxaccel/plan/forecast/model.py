@@ -69,14 +69,29 @@ class Model:
                     f"{step.platform.upper()}(s)", runs(*((c, cls) for c in effs))
         return None, f"none: no calibration point on a {step.platform.upper()}", []
 
-    def terms(self, step: Step) -> dict | None:
-        """Seconds per term; None where no efficiency can be had."""
+    def compute_s(self, step: Step) -> float | None:
+        """The compute term: the step's FLOPs at the peak over the efficiency its chip and
+        precision reached. An fp8 step with only a share of its block matmuls in fp8
+        (``Step.fp8_share``; a published fp8 run has them all) is that share of the step as
+        an fp8 one and the rest of it as a bf16 one, each at its own efficiency."""
         eff = self.efficiency(step)[0]
         if eff is None:
             return None
+        compute = step.features(self.alpha, self.kappa)[step.key] / eff
+        if step.precision != "fp8" or step.fp8_share >= 1.0:
+            return compute
+        rest = self.compute_s(step.in_dtype("bfloat16"))
+        return None if rest is None else \
+            step.fp8_share * compute + (1.0 - step.fp8_share) * rest
+
+    def terms(self, step: Step) -> dict | None:
+        """Seconds per term; None where no efficiency can be had."""
+        compute = self.compute_s(step)
+        if compute is None:
+            return None
         f = step.features(self.alpha, self.kappa)
         plat = step.platform
-        return {"compute": f[step.key] / eff,
+        return {"compute": compute,
                 "elementwise": self.coef.get("elementwise", 0.0) * f["elementwise"],
                 "per_layer": self.coef.get(f"layer:{plat}", 0.0) * f[f"layer:{plat}"],
                 "optimizer": step.optimizer_s}

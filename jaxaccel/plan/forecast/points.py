@@ -44,6 +44,7 @@ class Step:
     optimizer_bytes: float = 0.0  # bytes the update reads and writes per chip
     power_limit_w: float | None = None
     hbm_bandwidth: float | None = None  # where it differs from the chip table's
+    fp8_share: float = 1.0      # an fp8 step's share of its block-matmul FLOPs run in fp8
 
     @property
     def compute_s(self) -> float:
@@ -85,6 +86,14 @@ class Step:
     @property
     def optimizer_s(self) -> float:
         return self.optimizer_bytes / self.bandwidth
+
+    def in_dtype(self, dtype: str) -> "Step":
+        """This step with its matmuls in ``dtype``: its FLOPs at that dtype's peak."""
+        ratio = devices_lib.peak_rate(self.device, self.dtype)[0] \
+            / devices_lib.peak_rate(self.device, dtype)[0]
+        return dataclasses.replace(self, dtype=dtype, dense_s=self.dense_s * ratio,
+                                   attention_s=self.attention_s * ratio,
+                                   recompute_s=self.recompute_s * ratio, fp8_share=1.0)
 
     def features(self, alpha: float, kappa: float) -> dict:
         """The inputs each fitted coefficient multiplies (``jaxaccel.plan.forecast``'s doc)."""
