@@ -58,7 +58,9 @@ and llama-350m's MLP GEMMs pass. Both sides are taken at peak, launches and the 
 smaller fp8 operands left out, and ``c`` is all the traffic of the kernels doing fp8's work,
 some of which also do the model's own (the bytes fp8 adds outside the GEMMs, fp8's step
 less bf16's, are 2.3 and 1.8 per element in the same files): ``w`` leans to bf16, as the
-H200's measured all-fp8 steps, each slower than bf16, advise.
+H200's measured all-fp8 steps, each slower than bf16, advise. Since the fp8 GEMMs' products
+pass a barrier on GPUs (``models.fp8``), the same measure gives 5.9 and 7.3 bytes; ``c`` stays
+7.8 until a GPU times those steps (docs/reports/precision.md says why).
 Where the device has no fp8 peak (CPU, TPU, A100: fp8 emulated by upcasting, run for its
 numerics, not its speed) or is not in the table, every block Dense layer runs fp8 as under
 ``all``. A run whose layers are all below ``w`` has no fp8 layer and no fp8 state: its step is
