@@ -242,6 +242,11 @@ def test_a_power_limit_keys_its_own_efficiency_only_below_the_chips_tdp(points):
     model = forecast.fit(points)
     assert model.efficiency(full) == model.efficiency(llama_step(H100))
     assert "at full power" not in model.efficiency(full)[1]
+    # The compile-only H200 target's device kind is the same chip as a real H200's.
+    target = llama_step("NVIDIA H200 141GB HBM3e", "float8")
+    assert target.chip == "H100/H200 SXM"
+    assert model.efficiency(target) == model.efficiency(llama_step("NVIDIA H200", "float8"))
+    assert "borrowed" not in model.efficiency(target)[1]
 
 
 def test_a_forecast_names_its_factors_and_never_goes_below_the_estimate():

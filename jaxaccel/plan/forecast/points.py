@@ -61,7 +61,14 @@ class Step:
 
     @property
     def generation(self) -> str:
-        return GENERATIONS.get(self.device, self.device)
+        """``GENERATIONS``' name of the device's chip: by its device kind, or by another kind
+        of the same chip in ``jaxaccel.devices`` (a compile-only H200 target's "NVIDIA H200
+        141GB HBM3e" is a real H200's "NVIDIA H200"); else the device kind itself."""
+        if self.device in GENERATIONS:
+            return GENERATIONS[self.device]
+        chip = devices_lib.chip(self.device)
+        return next((GENERATIONS[k] for k in (chip.kinds if chip else ()) if k in GENERATIONS),
+                    self.device)
 
     @property
     def power_limited(self) -> bool:
