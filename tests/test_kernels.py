@@ -1,6 +1,7 @@
 """The kernels of a compiled GPU program by what they do (jaxaccel.plan.kernels), on the
 compile-only H100 target: fp8 GEMMs found by their operands, with the scales XLA's GEMM
-rewriter fused into cuBLASLt's fp8 GEMM, and the fp8 work around them named."""
+rewriter fused into cuBLASLt's fp8 GEMM, the fp8 work around them named, and an amax of GEMM
+products sharing its kernel with their quantize."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -66,11 +67,10 @@ def test_fp8_work_outside_the_gemm_is_named_by_kind(compile_target):
     assert quantize and sum(k.bytes for k in quantize) >= 256 * 512 * 3  # x read, q written
 
 
-
 def _swiglu_grads(tokens, hidden, ffn):
     """The gradients (weights' and scales') of an fp8 SwiGLU MLP (``models.fp8.fp8_dot``, every
-    GEMM in fp8) and its arguments' shapes: the down projection's input ``silu(gate) * up`` is made from GEMM
-    products, and so are its gradients."""
+    GEMM in fp8) and its arguments' shapes: the down projection's input ``silu(gate) * up``
+    is made from GEMM products, and so are its gradients."""
     from jaxaccel.models import fp8
 
     def dot(x, w, scales):
@@ -84,8 +84,9 @@ def _swiglu_grads(tokens, hidden, ffn):
 
     shapes = [(tokens, hidden), (hidden, ffn), (hidden, ffn), (ffn, hidden)]
     args = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in shapes]
+    scales = [jax.ShapeDtypeStruct((1,), jnp.float32)] * 9
     # The scales' gradients are the amaxes (``fp8_dot``'s VJP): asked for, so XLA keeps them.
-    return jax.grad(loss, argnums=tuple(range(1, 13))), args + [jax.ShapeDtypeStruct((1,), jnp.float32)] * 9
+    return jax.grad(loss, argnums=tuple(range(1, 13))), args + scales
 
 
 def test_an_amax_and_a_quantize_of_gemm_products_share_one_kernel(compile_target):
