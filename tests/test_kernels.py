@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jaxaccel.models import fp8
 from jaxaccel.models.fp8 import SCOPE
 from jaxaccel.plan import CUBLAS_GEMMS, kernels
 
@@ -71,7 +72,6 @@ def _swiglu_grads(tokens, hidden, ffn):
     """The gradients (weights' and scales') of an fp8 SwiGLU MLP (``models.fp8.fp8_dot``, every
     GEMM in fp8) and its arguments' shapes: the down projection's input ``silu(gate) * up``
     is made from GEMM products, and so are its gradients."""
-    from jaxaccel.models import fp8
 
     def dot(x, w, scales):
         with jax.named_scope(SCOPE):

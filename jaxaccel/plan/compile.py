@@ -197,13 +197,13 @@ def _flops(shape, cfg, policy, seq: int, cost: dict, counted: dict) -> dict:
     layers an fp8 run with every layer in fp8 would run in fp8) beside XLA's and the
     loop-trip count (per device)."""
     b, recomputes = cfg.train.batch_size, remat.of(cfg.model.remat).recomputes
-    block = flops_lib.fp8_flops(shape, b, seq, lambda k, n: True, recomputes)
     return {"analytic": flops_lib.train_flops(shape, b, seq),
             "attention": flops_lib.attention_flops(shape, b, seq),
             "recompute": flops_lib.recompute_flops(shape, b, seq, recomputes),
             "fp8": flops_lib.fp8_flops(shape, b, seq, policy.fp8_dense, recomputes)
             if policy.fp8 else 0.0,
-            "block": block if policy.fp8 else 0.0,
+            "block": flops_lib.fp8_flops(shape, b, seq, lambda k, n: True, recomputes)
+            if policy.fp8 else 0.0,
             "xla_per_device": cost.get("flops"), "counted_per_device": counted.get("flops")}
 
 

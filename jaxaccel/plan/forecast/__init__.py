@@ -83,7 +83,7 @@ def forecast(step: Step, floor_s: float, interconnect_s: float = 0.0,
     shown = ", ".join(f"{k.replace('_', ' ')} {v * 1e3:.3g} ms" for k, v in terms.items() if v)
     notes = []
     if step.precision == "fp8" and step.fp8_share < 1.0:
-        rest, rest_how, _ = model.efficiency(step.in_dtype("bfloat16"))
+        rest, rest_how, _ = model.efficiency(step.fp8_rest)
         notes.append(f"compute: the fp8 layers' {step.fp8_share:.0%} of the block matmuls' "
                      f"FLOPs as an fp8 step, the rest as a bf16 one (bf16 efficiency "
                      f"{rest:.1%}: {rest_how})")

@@ -80,7 +80,7 @@ class Model:
         compute = step.features(self.alpha, self.kappa)[step.key] / eff
         if step.precision != "fp8" or step.fp8_share >= 1.0:
             return compute
-        rest = self.compute_s(step.in_dtype("bfloat16"))
+        rest = self.compute_s(step.fp8_rest)
         return None if rest is None else \
             step.fp8_share * compute + (1.0 - step.fp8_share) * rest
 

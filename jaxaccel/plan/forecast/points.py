@@ -8,16 +8,20 @@ import functools
 import json
 import os
 
+import jax.numpy as jnp
+
 from jaxaccel import devices as devices_lib
 from jaxaccel import flops as flops_lib
 from jaxaccel.compare import energy
 from jaxaccel.models.spec import FAMILIES
-from jaxaccel.precision import MATMUL_DTYPES
+from jaxaccel.precision import MATMUL_DTYPES, POLICIES
 
 CALIBRATION_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                 "calibration.json")
 DTYPES = MATMUL_DTYPES        # a published run's precision -> its matmul dtype
 CLASSES = {"bfloat16": "bf16", "float16": "bf16", "float8": "fp8", "float32": "fp32"}
+# The dtype an fp8 step's matmuls outside its fp8 layers run in: the fp8 policy's compute dtype.
+FP8_REST_DTYPE = jnp.dtype(POLICIES["fp8"].compute_dtype).name
 RECOMPUTE_ALL = ("wq", "wk", "wv", "wo", "attention", "w_gate", "w_up", "w_out")
 OPTIMIZER_BYTES_PER_PARAM = 28      # fp32 AdamW: read param, grad, 2 moments; write 3
 GENERATIONS = {     # device kinds that share one efficiency: one compute die, other memory
@@ -101,6 +105,12 @@ class Step:
         return dataclasses.replace(self, dtype=dtype, dense_s=self.dense_s * ratio,
                                    attention_s=self.attention_s * ratio,
                                    recompute_s=self.recompute_s * ratio, fp8_share=1.0)
+
+    @property
+    def fp8_rest(self) -> "Step":
+        """The step as it would be with no layer in fp8 (``FP8_REST_DTYPE``): what the share
+        of an fp8 step's block matmuls outside its fp8 layers is priced as."""
+        return self.in_dtype(FP8_REST_DTYPE)
 
     def features(self, alpha: float, kappa: float) -> dict:
         """The inputs each fitted coefficient multiplies (``jaxaccel.plan.forecast``'s doc)."""
